@@ -1,0 +1,97 @@
+//! Parses and validates every `shaders/*.wgsl` with naga, reports all broken shaders at once with
+//! `file:line:col`, and writes the table of shader sources to `OUT_DIR/shaders.rs`.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::{env, fs};
+
+use naga::valid::{Capabilities, ValidationFlags, Validator};
+
+fn main() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+    println!("cargo:rerun-if-changed={}", dir.display());
+
+    let mut paths: Vec<PathBuf> = fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "wgsl"))
+        .collect();
+    paths.sort();
+
+    let mut failures = Vec::new();
+    let mut table =
+        String::from("// Every WGSL shader of kvgpu, by file stem, validated by build.rs.\n");
+    let mut layouts = String::new();
+    for path in &paths {
+        println!("cargo:rerun-if-changed={}", path.display());
+        let source = fs::read_to_string(path)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+        let shown = path
+            .strip_prefix(env!("CARGO_MANIFEST_DIR"))
+            .unwrap_or(path)
+            .display()
+            .to_string();
+        match validate(&source, &shown) {
+            Ok(module) => describe_structs(&module, &mut layouts),
+            Err(report) => failures.push(report),
+        }
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("shader file name is UTF-8");
+        let konst = stem.to_ascii_uppercase();
+        writeln!(
+            table,
+            "pub(crate) const {konst}: &str = include_str!({:?});",
+            path.display().to_string()
+        )
+        .expect("writing to a String");
+    }
+    if !failures.is_empty() {
+        for report in &failures {
+            eprintln!("{report}");
+        }
+        panic!(
+            "{} of {} shaders failed validation (reports above)",
+            failures.len(),
+            paths.len()
+        );
+    }
+    writeln!(
+        table,
+        "/// `(struct, member, offset, struct size)` of every named WGSL struct member, as naga lays them out.\n\
+         #[allow(dead_code)]\npub(crate) const WGSL_LAYOUTS: &[(&str, &str, u32, u32)] = &[\n{layouts}];"
+    )
+    .expect("writing to a String");
+    let out = Path::new(&env::var("OUT_DIR").expect("cargo sets OUT_DIR")).join("shaders.rs");
+    fs::write(&out, table).unwrap_or_else(|e| panic!("cannot write {}: {e}", out.display()));
+}
+
+/// Appends `(struct, member, offset, size)` rows for every named struct of the module.
+fn describe_structs(module: &naga::Module, out: &mut String) {
+    let mut layouter = naga::proc::Layouter::default();
+    layouter
+        .update(module.to_ctx())
+        .expect("a validated module has a layout");
+    for (handle, ty) in module.types.iter() {
+        if let (Some(name), naga::TypeInner::Struct { members, span }) = (&ty.name, &ty.inner) {
+            for m in members {
+                let member = m.name.as_deref().unwrap_or("");
+                writeln!(out, "    ({name:?}, {member:?}, {}, {span}),", m.offset)
+                    .expect("writing to a String");
+            }
+            debug_assert_eq!(layouter[handle].size, *span);
+        }
+    }
+}
+
+/// Parses and validates one shader, with the capabilities wgpu grants every device (packed 16-bit
+/// float built-ins and pipeline-overridable constants need none).
+fn validate(source: &str, path: &str) -> Result<naga::Module, String> {
+    let module = naga::front::wgsl::parse_str(source)
+        .map_err(|e| e.emit_to_string_with_path(source, path))?;
+    Validator::new(ValidationFlags::all(), Capabilities::empty())
+        .validate(&module)
+        .map(|_| module.clone())
+        .map_err(|e| e.emit_to_string_with_path(source, path))
+}

@@ -1,0 +1,741 @@
+//! The GPU cache: one storage buffer per (layer, slot), the ledger, and the commands that carry out a
+//! checked plan. Every operation is checked in full before anything is recorded or written.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+
+use crate::device::read_buffer;
+use crate::error::{Error, Result};
+use crate::kernels::{Kernels, MAX_SOURCE_RANK, ParamRing, WriteParams, ZeroParams, grid};
+use crate::ledger::{AppendPlan, Ledger};
+use crate::reference::{decode_rows, encode_rows};
+use crate::spec::{CacheSpec, DType, DeviceLimits, padded_row_bytes, row_elems};
+
+/// Host data for one slab: f32 (converted to the storage type) or data already in the storage type.
+#[derive(Clone, Copy, Debug)]
+pub enum HostData<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl HostData<'_> {
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostData::F32(_) => DType::F32,
+            HostData::F16(_) => DType::F16,
+            HostData::BF16(_) => DType::BF16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            HostData::F32(d) => d.len(),
+            HostData::F16(d) => d.len(),
+            HostData::BF16(d) => d.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One slab from the host: `shape` is `[n_new, ...trailing]`, `data` row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct HostSlab<'a> {
+    pub shape: &'a [usize],
+    pub data: HostData<'a>,
+}
+
+impl<'a> HostSlab<'a> {
+    pub fn f32(data: &'a [f32], shape: &'a [usize]) -> Self {
+        Self {
+            shape,
+            data: HostData::F32(data),
+        }
+    }
+    pub fn f16(data: &'a [f16], shape: &'a [usize]) -> Self {
+        Self {
+            shape,
+            data: HostData::F16(data),
+        }
+    }
+    pub fn bf16(data: &'a [bf16], shape: &'a [usize]) -> Self {
+        Self {
+            shape,
+            data: HostData::BF16(data),
+        }
+    }
+}
+
+/// One slab read from a GPU buffer: element `(i0, i1, ...)` of the `shape` `[n_new, ...trailing]` is
+/// element `offset + Σ i_k · strides[k]` of `buffer`, of type `dtype` (16-bit types packed two per word,
+/// low half first). `strides: None` means row-major contiguous.
+///
+/// K out of a fused QKV output `[n_tokens, q_dim + 2·kv_dim]` with `kv_dim = heads · dim`:
+/// `offset: q_dim`, `shape: [n_tokens, heads, dim]`, `strides: [q_dim + 2·kv_dim, dim, 1]`.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuSlab<'a> {
+    pub buffer: &'a wgpu::Buffer,
+    pub dtype: DType,
+    pub offset: u64,
+    pub shape: &'a [usize],
+    pub strides: Option<&'a [usize]>,
+}
+
+/// A range of a slot buffer: the visible rows ([`KvCache::view`]) or the whole capacity
+/// ([`KvCache::full_view`]).
+#[derive(Clone, Copy, Debug)]
+pub struct SlotView<'a> {
+    pub buffer: &'a wgpu::Buffer,
+    /// Byte offset of row 0 (always 0: every slot has its own buffer).
+    pub offset: u64,
+    /// Bytes covered: `rows · row_bytes`.
+    pub size: u64,
+    pub rows: usize,
+    /// Stored bytes per row (padded to 4).
+    pub row_bytes: u64,
+}
+
+impl<'a> SlotView<'a> {
+    /// The range as a binding for the app's own kernels; `None` when it covers no row.
+    pub fn binding(&self) -> Option<wgpu::BufferBinding<'a>> {
+        wgpu::BufferSize::new(self.size).map(|size| wgpu::BufferBinding {
+            buffer: self.buffer,
+            offset: self.offset,
+            size: Some(size),
+        })
+    }
+}
+
+struct SlotBuffer {
+    buffer: wgpu::Buffer,
+    row_elems: usize,
+    row_bytes: u64,
+    zero_group: wgpu::BindGroup,
+}
+
+/// Bind groups of GPU sources are cached by (source, bound range, layer, slot): at most this many.
+const SOURCE_GROUPS: usize = 64;
+
+type SourceKey = (wgpu::Buffer, u64, u64, usize, usize);
+
+/// A KV / latent cache on the GPU. See the crate docs for the contract.
+pub struct KvCache {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    spec: CacheSpec,
+    ledger: Ledger,
+    slots: Vec<Vec<SlotBuffer>>,
+    kernels: Arc<Kernels>,
+    ring: ParamRing,
+    source_groups: HashMap<SourceKey, wgpu::BindGroup>,
+    /// Reused conversion buffer for host appends.
+    scratch: Vec<u8>,
+    max_workgroups: u32,
+    min_storage_offset_alignment: u64,
+    max_binding: u64,
+}
+
+impl KvCache {
+    /// Allocates a zeroed cache for `spec`, after checking every slot against the device's limits.
+    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue, spec: CacheSpec) -> Result<Self> {
+        let limits = device.limits();
+        spec.check_limits(&DeviceLimits::from_wgpu(&limits))?;
+        let kernels = Kernels::for_device(device);
+        let ring = ParamRing::new(device);
+        let slots = spec
+            .layers()
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                layer
+                    .slots
+                    .iter()
+                    .map(|slot| {
+                        let row_elems = slot.row_elems();
+                        let row_bytes = padded_row_bytes(row_elems, spec.dtype());
+                        let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+                            label: Some(&format!("kvgpu layer {l} {}", slot.name)),
+                            size: row_bytes * spec.max_seq_len() as u64,
+                            usage: wgpu::BufferUsages::STORAGE
+                                | wgpu::BufferUsages::COPY_DST
+                                | wgpu::BufferUsages::COPY_SRC,
+                            mapped_at_creation: false,
+                        });
+                        let zero_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                            label: Some("kvgpu zero"),
+                            layout: kernels.zero_layout(),
+                            entries: &[
+                                wgpu::BindGroupEntry {
+                                    binding: 0,
+                                    resource: buffer.as_entire_binding(),
+                                },
+                                wgpu::BindGroupEntry {
+                                    binding: 1,
+                                    resource: ring.binding::<ZeroParams>(),
+                                },
+                            ],
+                        });
+                        SlotBuffer {
+                            buffer,
+                            row_elems,
+                            row_bytes,
+                            zero_group,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(Self {
+            device: device.clone(),
+            queue: queue.clone(),
+            ledger: Ledger::new(&spec),
+            spec,
+            slots,
+            kernels,
+            ring,
+            source_groups: HashMap::new(),
+            scratch: Vec::new(),
+            max_workgroups: limits.max_compute_workgroups_per_dimension,
+            min_storage_offset_alignment: limits.min_storage_buffer_offset_alignment as u64,
+            max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
+        })
+    }
+
+    pub fn spec(&self) -> &CacheSpec {
+        &self.spec
+    }
+
+    /// The host bookkeeping: positions, pending rows, capacity.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    /// Committed rows.
+    pub fn len(&self) -> usize {
+        self.ledger.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ledger.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.ledger.capacity()
+    }
+
+    pub fn remaining(&self) -> usize {
+        self.ledger.remaining()
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.ledger.is_full()
+    }
+
+    /// Rows of `layer` that views, reads and attention see: committed plus this step's appends.
+    pub fn visible(&self, layer: usize) -> Result<usize> {
+        self.ledger.visible(layer)
+    }
+
+    fn slot_buffer(&self, layer: usize, slot: usize) -> Result<&SlotBuffer> {
+        self.spec.slot(layer, slot)?;
+        Ok(&self.slots[layer][slot])
+    }
+
+    /// Appends one slab per slot of `layer` from host memory. The rows reach the GPU at the next queue
+    /// submission, ahead of the commands submitted with it.
+    pub fn append(&mut self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<AppendPlan> {
+        let shapes: Vec<&[usize]> = slabs.iter().map(|s| s.shape).collect();
+        let plan = self.ledger.plan_append(layer, &shapes)?;
+        let storage = self.spec.dtype();
+        for (slot, slab) in slabs.iter().enumerate() {
+            let got = slab.data.dtype();
+            if got != DType::F32 && got != storage {
+                return Err(Error::SourceDType {
+                    layer,
+                    slot,
+                    expected: storage,
+                    got,
+                });
+            }
+            let expected = row_elems(slab.shape).unwrap_or(usize::MAX);
+            if slab.data.len() != expected {
+                return Err(Error::SourceSize {
+                    layer,
+                    slot,
+                    shape: slab.shape.to_vec(),
+                    expected,
+                    got: slab.data.len(),
+                });
+            }
+        }
+        for (slot, slab) in slabs.iter().enumerate() {
+            let sb = &self.slots[layer][slot];
+            if plan.n_new == 0 {
+                continue;
+            }
+            let offset = plan.start_row as u64 * sb.row_bytes;
+            let unpadded = (sb.row_elems * storage.size()).is_multiple_of(4);
+            let bytes: &[u8] = match slab.data {
+                HostData::F32(d) if storage == DType::F32 => bytemuck::cast_slice(d),
+                HostData::F16(d) if unpadded => bytemuck::cast_slice(d),
+                HostData::BF16(d) if unpadded => bytemuck::cast_slice(d),
+                data => {
+                    encode_rows(data, storage, sb.row_elems, &mut self.scratch);
+                    &self.scratch
+                }
+            };
+            self.queue.write_buffer(&sb.buffer, offset, bytes);
+        }
+        self.ledger.commit_append(plan);
+        Ok(plan)
+    }
+
+    /// Records an append from GPU buffers into `encoder`: a contiguous source of the storage type is
+    /// copied with `copy_buffer_to_buffer`; any other is converted by the slab-write kernel.
+    pub fn record_append_gpu(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+    ) -> Result<AppendPlan> {
+        let shapes: Vec<&[usize]> = slabs.iter().map(|s| s.shape).collect();
+        let plan = self.ledger.plan_append(layer, &shapes)?;
+        let jobs = slabs
+            .iter()
+            .enumerate()
+            .map(|(slot, slab)| self.plan_source(layer, slot, slab, plan.n_new))
+            .collect::<Result<Vec<_>>>()?;
+        for (slot, (slab, job)) in slabs.iter().zip(jobs).enumerate() {
+            self.record_source(encoder, &plan, slot, slab, job);
+        }
+        self.ledger.commit_append(plan);
+        Ok(plan)
+    }
+
+    /// [`KvCache::record_append_gpu`] in its own submission.
+    pub fn append_gpu(&mut self, layer: usize, slabs: &[GpuSlab<'_>]) -> Result<AppendPlan> {
+        let mut encoder = self.encoder("kvgpu append_gpu");
+        let plan = self.record_append_gpu(&mut encoder, layer, slabs)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(plan)
+    }
+
+    /// Checks one GPU source completely and decides how to move it.
+    fn plan_source(
+        &self,
+        layer: usize,
+        slot: usize,
+        slab: &GpuSlab<'_>,
+        n_new: usize,
+    ) -> Result<SourceJob> {
+        let layout_err = |reason: String| Error::SourceLayout {
+            layer,
+            slot,
+            reason,
+        };
+        let contiguous: Vec<usize>;
+        let strides = match slab.strides {
+            Some(s) => s,
+            None => {
+                contiguous = contiguous_strides(slab.shape);
+                &contiguous
+            }
+        };
+        if strides.len() != slab.shape.len() {
+            return Err(layout_err(format!(
+                "{} strides given for the {}-axis shape {:?}",
+                strides.len(),
+                slab.shape.len(),
+                slab.shape
+            )));
+        }
+        let sb = &self.slots[layer][slot];
+        if slab.buffer == &sb.buffer {
+            return Err(layout_err(
+                "the source is the destination slot's own buffer".into(),
+            ));
+        }
+        if n_new == 0 {
+            return Ok(SourceJob::Nothing);
+        }
+        let esize = slab.dtype.size() as u64;
+        let buffer_elements = slab.buffer.size() / esize;
+        let span = slab
+            .shape
+            .iter()
+            .zip(strides)
+            .try_fold(0u64, |acc, (&n, &s)| {
+                acc.checked_add((n as u64 - 1).checked_mul(s as u64)?)
+            });
+        let last_element = span
+            .and_then(|s| s.checked_add(slab.offset))
+            .unwrap_or(u64::MAX);
+        if last_element >= buffer_elements {
+            return Err(Error::SourceOutOfBounds {
+                layer,
+                slot,
+                dtype: slab.dtype,
+                last_element,
+                buffer_elements,
+            });
+        }
+        let usage = slab.buffer.usage();
+        let storage = self.spec.dtype();
+        let dense = strides == contiguous_strides(slab.shape).as_slice();
+        if slab.dtype == storage
+            && dense
+            && (sb.row_elems as u64 * esize).is_multiple_of(4)
+            && (slab.offset * esize).is_multiple_of(4)
+            && usage.contains(wgpu::BufferUsages::COPY_SRC)
+        {
+            return Ok(SourceJob::Copy {
+                src_offset: slab.offset * esize,
+            });
+        }
+        if !usage.contains(wgpu::BufferUsages::STORAGE) {
+            return Err(layout_err(format!(
+                "the buffer's usage {usage:?} lacks STORAGE, which a strided or converting source needs \
+                 (COPY_SRC suffices only for a contiguous source of the storage type {storage})"
+            )));
+        }
+        // Merge trailing axes that are contiguous with each other; drop axes of extent 1.
+        let mut dims: Vec<(u64, u64)> = Vec::with_capacity(slab.shape.len());
+        for (&n, &s) in slab.shape[1..].iter().zip(&strides[1..]) {
+            if n == 1 {
+                continue;
+            }
+            match dims.last_mut() {
+                Some(last) if last.1 == s as u64 * n as u64 => {
+                    *last = (last.0 * n as u64, s as u64)
+                }
+                _ => dims.push((n as u64, s as u64)),
+            }
+        }
+        if dims.len() > MAX_SOURCE_RANK {
+            return Err(layout_err(format!(
+                "{} non-contiguous trailing axes; at most {MAX_SOURCE_RANK} are supported",
+                dims.len()
+            )));
+        }
+        let first_word = slab.offset * esize / 4;
+        let end_word = ((last_element + 1) * esize).div_ceil(4);
+        let bind_offset =
+            first_word * 4 / self.min_storage_offset_alignment * self.min_storage_offset_alignment;
+        let bind_size = end_word * 4 - bind_offset;
+        if bind_size > self.max_binding {
+            return Err(layout_err(format!(
+                "the source spans {bind_size} bytes, more than one storage binding of this device holds ({})",
+                self.max_binding
+            )));
+        }
+        let mut params = WriteParams {
+            src_offset: (slab.offset - bind_offset / esize) as u32,
+            seq_stride: if n_new > 1 { strides[0] as u32 } else { 0 },
+            n_rows: n_new as u32,
+            row_elems: sb.row_elems as u32,
+            row_words: (sb.row_bytes / 4) as u32,
+            rank: dims.len() as u32,
+            ..Default::default()
+        };
+        for (k, (n, s)) in dims.into_iter().enumerate() {
+            params.shape[k] = n as u32;
+            params.stride[k] = s as u32;
+        }
+        Ok(SourceJob::Kernel {
+            params,
+            bind_offset,
+            bind_size,
+        })
+    }
+
+    fn record_source(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        plan: &AppendPlan,
+        slot: usize,
+        slab: &GpuSlab<'_>,
+        job: SourceJob,
+    ) {
+        let (layer, storage) = (plan.layer, self.spec.dtype());
+        let sb = &self.slots[layer][slot];
+        let dst_offset = plan.start_row as u64 * sb.row_bytes;
+        match job {
+            SourceJob::Nothing => {}
+            SourceJob::Copy { src_offset } => {
+                let size = plan.n_new as u64 * sb.row_bytes;
+                encoder.copy_buffer_to_buffer(
+                    slab.buffer,
+                    src_offset,
+                    &sb.buffer,
+                    dst_offset,
+                    size,
+                );
+            }
+            SourceJob::Kernel {
+                mut params,
+                bind_offset,
+                bind_size,
+            } => {
+                let (groups, stride) =
+                    grid(plan.n_new as u64 * sb.row_bytes / 4, self.max_workgroups);
+                params.thread_stride = stride;
+                params.dst_word_offset = (dst_offset / 4) as u32;
+                let key = (slab.buffer.clone(), bind_offset, bind_size, layer, slot);
+                if !self.source_groups.contains_key(&key)
+                    && self.source_groups.len() >= SOURCE_GROUPS
+                {
+                    self.source_groups.clear();
+                }
+                let group = self.source_groups.entry(key).or_insert_with(|| {
+                    self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some("kvgpu slab_write"),
+                        layout: self.kernels.write_layout(),
+                        entries: &[
+                            wgpu::BindGroupEntry {
+                                binding: 0,
+                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                    buffer: slab.buffer,
+                                    offset: bind_offset,
+                                    size: wgpu::BufferSize::new(bind_size),
+                                }),
+                            },
+                            wgpu::BindGroupEntry {
+                                binding: 1,
+                                resource: sb.buffer.as_entire_binding(),
+                            },
+                            wgpu::BindGroupEntry {
+                                binding: 2,
+                                resource: self.ring.binding::<WriteParams>(),
+                            },
+                        ],
+                    })
+                });
+                let offset = self.ring.push(&self.queue, &params);
+                let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("kvgpu slab_write"),
+                    timestamp_writes: None,
+                });
+                pass.set_pipeline(&self.kernels.write(slab.dtype, storage));
+                pass.set_bind_group(0, &*group, &[offset]);
+                pass.dispatch_workgroups(groups, 1, 1);
+            }
+        }
+    }
+
+    /// Commits `n` rows: every layer with slots must have exactly `n` pending rows.
+    pub fn advance(&mut self, n: usize) -> Result<()> {
+        self.ledger.advance(n)
+    }
+
+    /// Rolls back to `new_len` committed rows in O(1), dropping pending rows; the dropped rows keep
+    /// their bytes until overwritten (see [`KvCache::truncate_and_scrub`]).
+    pub fn truncate(&mut self, new_len: usize) -> Result<()> {
+        self.ledger.truncate(new_len).map(drop)
+    }
+
+    /// Truncates and records the zeroing of every dropped row into `encoder`.
+    pub fn record_truncate_and_scrub(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        new_len: usize,
+    ) -> Result<()> {
+        let dropped = self.ledger.plan_truncate(new_len)?;
+        for d in &dropped {
+            for slot in 0..self.slots[d.layer].len() {
+                let row_words = self.slots[d.layer][slot].row_bytes / 4;
+                self.record_zero(
+                    encoder,
+                    d.layer,
+                    slot,
+                    d.start as u64 * row_words,
+                    (d.end - d.start) as u64 * row_words,
+                );
+            }
+        }
+        self.ledger.truncate(new_len).map(drop)
+    }
+
+    /// [`KvCache::record_truncate_and_scrub`] in its own submission.
+    pub fn truncate_and_scrub(&mut self, new_len: usize) -> Result<()> {
+        let mut encoder = self.encoder("kvgpu truncate");
+        self.record_truncate_and_scrub(&mut encoder, new_len)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// Records the zeroing of the whole cache (one dispatch per slot buffer) and sets the length to 0.
+    pub fn record_reset(&mut self, encoder: &mut wgpu::CommandEncoder) {
+        for layer in 0..self.slots.len() {
+            for slot in 0..self.slots[layer].len() {
+                let words = self.slots[layer][slot].buffer.size() / 4;
+                self.record_zero(encoder, layer, slot, 0, words);
+            }
+        }
+        self.ledger.reset();
+    }
+
+    /// [`KvCache::record_reset`] in its own submission.
+    pub fn reset(&mut self) {
+        let mut encoder = self.encoder("kvgpu reset");
+        self.record_reset(&mut encoder);
+        self.queue.submit([encoder.finish()]);
+    }
+
+    /// Sets the length to 0 and keeps the bytes: the next appends overwrite them.
+    pub fn reset_fast(&mut self) {
+        self.ledger.reset();
+    }
+
+    fn record_zero(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slot: usize,
+        start: u64,
+        n: u64,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let (groups, thread_stride) = grid(n, self.max_workgroups);
+        let params = ZeroParams {
+            start_word: start as u32,
+            n_words: n as u32,
+            thread_stride,
+            _pad: 0,
+        };
+        let offset = self.ring.push(&self.queue, &params);
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("kvgpu zero"),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(self.kernels.zero());
+        pass.set_bind_group(0, &self.slots[layer][slot].zero_group, &[offset]);
+        pass.dispatch_workgroups(groups, 1, 1);
+    }
+
+    fn encoder(&self, label: &str) -> wgpu::CommandEncoder {
+        self.device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) })
+    }
+
+    /// The visible rows of a slot, for the app's own kernels.
+    pub fn view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
+        let sb = self.slot_buffer(layer, slot)?;
+        let rows = self.ledger.visible(layer)?;
+        Ok(SlotView {
+            buffer: &sb.buffer,
+            offset: 0,
+            size: rows as u64 * sb.row_bytes,
+            rows,
+            row_bytes: sb.row_bytes,
+        })
+    }
+
+    /// The whole capacity of a slot, visible or not: the escape hatch.
+    pub fn full_view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
+        let sb = self.slot_buffer(layer, slot)?;
+        let rows = self.capacity();
+        Ok(SlotView {
+            buffer: &sb.buffer,
+            offset: 0,
+            size: sb.buffer.size(),
+            rows,
+            row_bytes: sb.row_bytes,
+        })
+    }
+
+    async fn read_bytes(&self, layer: usize, slot: usize, rows: Option<usize>) -> Result<Vec<u8>> {
+        let view = match rows {
+            None => self.full_view(layer, slot)?,
+            Some(_) => self.view(layer, slot)?,
+        };
+        read_buffer(
+            &self.device,
+            &self.queue,
+            view.buffer,
+            view.offset,
+            view.size,
+        )
+        .await
+        .map_err(|reason| Error::Readback {
+            layer,
+            slot,
+            reason,
+        })
+    }
+
+    /// The visible rows of a slot as stored: 32-bit words, 16-bit types packed, rows padded.
+    pub async fn read_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_bytes(layer, slot, Some(0)).await?,
+        ))
+    }
+
+    /// Every word of a slot buffer, visible or not.
+    pub async fn read_full_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_bytes(layer, slot, None).await?,
+        ))
+    }
+
+    /// The visible rows of a slot as f32, `[visible, ...trailing]` row-major, padding removed.
+    pub async fn read_f32_async(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
+        let words = self.read_words_async(layer, slot).await?;
+        let sb = self.slot_buffer(layer, slot)?;
+        Ok(decode_rows(&words, self.spec.dtype(), sb.row_elems))
+    }
+
+    /// [`KvCache::read_words_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_words(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        pollster::block_on(self.read_words_async(layer, slot))
+    }
+
+    /// [`KvCache::read_full_words_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_full_words(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        pollster::block_on(self.read_full_words_async(layer, slot))
+    }
+
+    /// [`KvCache::read_f32_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_f32(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
+        pollster::block_on(self.read_f32_async(layer, slot))
+    }
+}
+
+/// How one GPU source reaches its slot.
+enum SourceJob {
+    Nothing,
+    Copy {
+        src_offset: u64,
+    },
+    Kernel {
+        params: WriteParams,
+        bind_offset: u64,
+        bind_size: u64,
+    },
+}
+
+/// Row-major element strides of `shape`.
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for k in (0..shape.len().saturating_sub(1)).rev() {
+        strides[k] = strides[k + 1] * shape[k + 1];
+    }
+    strides
+}

@@ -1,0 +1,197 @@
+//! Adapter and device helpers for apps and tests: the backend from `WGPU_BACKEND`, the adapter from
+//! `WGPU_ADAPTER_NAME`, the adapter's full limits, and `SHADER_F16` / `TIMESTAMP_QUERY` when present.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use crate::error::{Error, Result};
+use crate::spec::DeviceLimits;
+
+/// How to install a software adapter, for errors that find none.
+pub const INSTALL_HINT: &str = "install a software adapter (Debian: `apt-get install mesa-vulkan-drivers \
+     libvulkan1` for Vulkan lavapipe; Mesa's EGL + llvmpipe for OpenGL) or choose another backend with \
+     WGPU_BACKEND=vulkan|gl|metal|dx12";
+
+/// An adapter with its device and queue.
+#[derive(Debug, Clone)]
+pub struct Gpu {
+    pub adapter: wgpu::Adapter,
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+}
+
+impl Gpu {
+    /// Opens the adapter chosen by `WGPU_BACKEND` and `WGPU_ADAPTER_NAME` (a case-insensitive substring
+    /// of the adapter name; an unmatched name is an error listing the adapters found).
+    pub async fn from_env() -> Result<Gpu> {
+        let backends = wgpu::Backends::from_env().unwrap_or(default_backends());
+        let name = std::env::var("WGPU_ADAPTER_NAME")
+            .ok()
+            .filter(|n| !n.is_empty());
+        Self::open(backends, name.as_deref()).await
+    }
+
+    /// [`Gpu::from_env`], blocking (native only).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn from_env_blocking() -> Result<Gpu> {
+        pollster::block_on(Self::from_env())
+    }
+
+    /// Opens an adapter of `backends`, the first whose name contains `name` when one is given.
+    pub async fn open(backends: wgpu::Backends, name: Option<&str>) -> Result<Gpu> {
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends,
+            ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
+        });
+        let adapter = match name {
+            Some(name) => pick_by_name(&instance, backends, name).await?,
+            None => instance
+                .request_adapter(&wgpu::RequestAdapterOptions {
+                    power_preference: wgpu::PowerPreference::HighPerformance,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| Error::AdapterNotFound {
+                    reason: format!("backends {backends:?}: {e}; {INSTALL_HINT}"),
+                })?,
+        };
+        let wanted = wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY;
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("kvgpu"),
+                required_features: adapter.features() & wanted,
+                required_limits: adapter.limits(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| Error::RequestDevice {
+                reason: e.to_string(),
+            })?;
+        Ok(Gpu {
+            adapter,
+            device,
+            queue,
+        })
+    }
+
+    /// `name (backend, device type)` of the adapter.
+    pub fn describe(&self) -> String {
+        let info = self.adapter.get_info();
+        format!("{} ({:?}, {:?})", info.name, info.backend, info.device_type)
+    }
+
+    /// The limits a cache is checked against.
+    pub fn limits(&self) -> DeviceLimits {
+        DeviceLimits::from_wgpu(&self.device.limits())
+    }
+}
+
+fn default_backends() -> wgpu::Backends {
+    if cfg!(target_arch = "wasm32") {
+        wgpu::Backends::BROWSER_WEBGPU
+    } else {
+        wgpu::Backends::all()
+    }
+}
+
+async fn pick_by_name(
+    instance: &wgpu::Instance,
+    backends: wgpu::Backends,
+    name: &str,
+) -> Result<wgpu::Adapter> {
+    let adapters = instance.enumerate_adapters(backends).await;
+    let wanted = name.to_lowercase();
+    let found = adapters
+        .iter()
+        .position(|a| a.get_info().name.to_lowercase().contains(&wanted));
+    match found {
+        Some(i) => Ok(adapters.into_iter().nth(i).expect("index from position")),
+        None => {
+            let seen: Vec<String> = adapters
+                .iter()
+                .map(|a| format!("{} ({:?})", a.get_info().name, a.get_info().backend))
+                .collect();
+            Err(Error::AdapterNotFound {
+                reason: format!(
+                    "WGPU_ADAPTER_NAME={name:?} matches none of the adapters of {backends:?}: [{}]",
+                    seen.join(", ")
+                ),
+            })
+        }
+    }
+}
+
+/// A one-shot channel for map callbacks: works on native and in the browser without an executor.
+pub(crate) fn oneshot<T>() -> (Sender<T>, Receiver<T>) {
+    let shared = Arc::new(Mutex::new((None, None)));
+    (Sender(shared.clone()), Receiver(shared))
+}
+
+type Slot<T> = Arc<Mutex<(Option<T>, Option<Waker>)>>;
+
+pub(crate) struct Sender<T>(Slot<T>);
+pub(crate) struct Receiver<T>(Slot<T>);
+
+impl<T> Sender<T> {
+    pub(crate) fn send(self, value: T) {
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        slot.0 = Some(value);
+        if let Some(w) = slot.1.take() {
+            w.wake();
+        }
+    }
+}
+
+impl<T> Future for Receiver<T> {
+    type Output = T;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        match slot.0.take() {
+            Some(v) => Poll::Ready(v),
+            None => {
+                slot.1 = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// Copies `size` bytes at `offset` of `buffer` to the host. On native this waits for the GPU; in the
+/// browser it resolves when the map callback fires.
+pub(crate) async fn read_buffer(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    size: u64,
+) -> std::result::Result<Vec<u8>, String> {
+    if size == 0 {
+        return Ok(Vec::new());
+    }
+    let staging = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("kvgpu readback"),
+        size,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+        label: Some("kvgpu readback"),
+    });
+    encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
+    queue.submit([encoder.finish()]);
+    let (tx, rx) = oneshot();
+    staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
+    #[cfg(not(target_arch = "wasm32"))]
+    device
+        .poll(wgpu::PollType::wait_indefinitely())
+        .map_err(|e| e.to_string())?;
+    rx.await.map_err(|e| e.to_string())?;
+    let bytes = staging
+        .get_mapped_range(..)
+        .map_err(|e| e.to_string())?
+        .to_vec();
+    staging.unmap();
+    Ok(bytes)
+}

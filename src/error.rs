@@ -1,0 +1,164 @@
+//! The one error type of kvgpu. Every refused operation returns one of these and changes nothing.
+
+use crate::spec::DType;
+
+/// Everything kvgpu can refuse, with the layer, slot, shapes, positions and capacity involved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The layer index is not below the number of layers.
+    #[error("layer {layer} is out of range: the cache has {n_layers} layers")]
+    LayerOutOfRange { layer: usize, n_layers: usize },
+
+    /// The slot index is not below the number of slots of its layer.
+    #[error("slot {slot} of layer {layer} is out of range: the layer has {n_slots} slots")]
+    SlotOutOfRange {
+        layer: usize,
+        slot: usize,
+        n_slots: usize,
+    },
+
+    /// An append passed a different number of slabs than the layer has slots.
+    #[error("layer {layer} has {expected} slots but {got} slabs were given")]
+    SlotCount {
+        layer: usize,
+        expected: usize,
+        got: usize,
+    },
+
+    /// A slab's trailing shape differs from its slot's.
+    #[error(
+        "layer {layer} slot {slot}: slab shape {got:?} does not match [n_new, ...{expected:?}] \
+         (the slot's trailing shape is {expected:?})"
+    )]
+    SlabShape {
+        layer: usize,
+        slot: usize,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+
+    /// The slabs of one append disagree on the number of new rows.
+    #[error(
+        "layer {layer} slot {slot}: slab has {got} rows but slot 0 has {expected}; \
+         all slabs of one append share n_new"
+    )]
+    RowCountMismatch {
+        layer: usize,
+        slot: usize,
+        expected: usize,
+        got: usize,
+    },
+
+    /// The rows would not fit below the capacity.
+    #[error(
+        "layer {layer}: appending {n_new} rows at position {position} exceeds the capacity of \
+         {capacity} rows ({remaining} left)"
+    )]
+    CapacityExceeded {
+        layer: usize,
+        position: usize,
+        n_new: usize,
+        capacity: usize,
+        remaining: usize,
+    },
+
+    /// `advance(n)` found a layer whose pending rows are not exactly `n`.
+    #[error(
+        "advance({expected}): layer {layer} has {pending} pending rows, expected exactly {expected} \
+         (committed length {len})"
+    )]
+    UnevenAdvance {
+        layer: usize,
+        pending: usize,
+        expected: usize,
+        len: usize,
+    },
+
+    /// `truncate(new_len)` was asked to grow the cache.
+    #[error("cannot truncate to {new_len}: the committed length is only {len}")]
+    TruncateBeyondLength { new_len: usize, len: usize },
+
+    /// Host data of an element type that cannot go into this cache's storage type.
+    #[error(
+        "layer {layer} slot {slot}: source element type {got} cannot be stored as {expected} \
+         (pass f32, or data already in {expected})"
+    )]
+    SourceDType {
+        layer: usize,
+        slot: usize,
+        expected: DType,
+        got: DType,
+    },
+
+    /// Host data whose length does not match its declared shape.
+    #[error(
+        "layer {layer} slot {slot}: slab shape {shape:?} needs {expected} elements but the data has {got}"
+    )]
+    SourceSize {
+        layer: usize,
+        slot: usize,
+        shape: Vec<usize>,
+        expected: usize,
+        got: usize,
+    },
+
+    /// A GPU source whose described elements reach past the end of its buffer.
+    #[error(
+        "layer {layer} slot {slot}: the source reads up to element {last_element} ({dtype}) but its \
+         buffer holds {buffer_elements} elements"
+    )]
+    SourceOutOfBounds {
+        layer: usize,
+        slot: usize,
+        dtype: DType,
+        last_element: u64,
+        buffer_elements: u64,
+    },
+
+    /// A GPU source that cannot be read the way it is described (usage flags, strides, rank, binding size).
+    #[error("layer {layer} slot {slot}: unusable GPU source: {reason}")]
+    SourceLayout {
+        layer: usize,
+        slot: usize,
+        reason: String,
+    },
+
+    /// The cache description itself is unusable.
+    #[error("invalid cache spec: {reason}")]
+    InvalidSpec { reason: String },
+
+    /// One slot would not fit in one storage binding of this device.
+    #[error(
+        "layer {layer} slot {slot}: {bytes} bytes ({row_bytes} bytes/row x {capacity} rows) exceed the \
+         device's storage binding limit of {limit} bytes; the largest capacity that fits is {max_capacity} rows"
+    )]
+    SlotTooLarge {
+        layer: usize,
+        slot: usize,
+        bytes: u64,
+        row_bytes: u64,
+        capacity: usize,
+        limit: u64,
+        max_capacity: usize,
+    },
+
+    /// No adapter matched the request (backend from `WGPU_BACKEND`, name from `WGPU_ADAPTER_NAME`).
+    #[error("no GPU adapter found: {reason}")]
+    AdapterNotFound { reason: String },
+
+    /// The adapter refused to create a device.
+    #[error("request_device failed: {reason}")]
+    RequestDevice { reason: String },
+
+    /// Mapping a readback buffer failed.
+    #[error("readback of layer {layer} slot {slot} failed: {reason}")]
+    Readback {
+        layer: usize,
+        slot: usize,
+        reason: String,
+    },
+}
+
+/// Shorthand used throughout kvgpu.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

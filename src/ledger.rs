@@ -1,0 +1,402 @@
+//! Host truth of a cache: committed length, pending rows per layer, capacity and the plans that
+//! turn a checked request into row ranges. No wgpu types: every rule is unit- and property-tested here.
+
+use crate::error::{Error, Result};
+use crate::spec::CacheSpec;
+
+/// Rows `[start_row, start_row + n_new)` of every slot of `layer` receive an append.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AppendPlan {
+    pub layer: usize,
+    pub start_row: usize,
+    pub n_new: usize,
+}
+
+/// Rows `[start, end)` of `layer` that a truncate drops (zeroed when the caller scrubs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DroppedRows {
+    pub layer: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Positions and pending rows of every layer; see the crate docs for the contract.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ledger {
+    /// Trailing shape of every slot, per layer.
+    shapes: Vec<Vec<Vec<usize>>>,
+    capacity: usize,
+    len: usize,
+    pending: Vec<usize>,
+}
+
+impl Ledger {
+    pub fn new(spec: &CacheSpec) -> Self {
+        let shapes: Vec<Vec<Vec<usize>>> = spec
+            .layers()
+            .iter()
+            .map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect())
+            .collect();
+        let pending = vec![0; shapes.len()];
+        Self {
+            shapes,
+            capacity: spec.max_seq_len(),
+            len: 0,
+            pending,
+        }
+    }
+
+    /// Committed rows, shared by every layer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// No committed row can be added.
+    pub fn is_full(&self) -> bool {
+        self.len == self.capacity
+    }
+
+    /// Rows that can still be committed.
+    pub fn remaining(&self) -> usize {
+        self.capacity - self.len
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.shapes.len()
+    }
+
+    /// Rows appended to `layer` in the current step, not yet committed by `advance`.
+    pub fn pending(&self, layer: usize) -> Result<usize> {
+        self.check_layer(layer)?;
+        Ok(self.pending[layer])
+    }
+
+    /// Rows `[0, visible)` of `layer` are what views, reads and attention see: committed plus pending.
+    pub fn visible(&self, layer: usize) -> Result<usize> {
+        Ok(self.len + self.pending(layer)?)
+    }
+
+    /// The trailing shapes of `layer`'s slots.
+    pub fn slot_shapes(&self, layer: usize) -> Result<&[Vec<usize>]> {
+        self.check_layer(layer)?;
+        Ok(&self.shapes[layer])
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer < self.shapes.len() {
+            Ok(())
+        } else {
+            Err(Error::LayerOutOfRange {
+                layer,
+                n_layers: self.shapes.len(),
+            })
+        }
+    }
+
+    /// Checks one append of slabs shaped `[n_new, ...trailing[s]]`, without changing anything.
+    pub fn plan_append(&self, layer: usize, slab_shapes: &[&[usize]]) -> Result<AppendPlan> {
+        let slots = self.slot_shapes(layer)?;
+        if slab_shapes.len() != slots.len() {
+            return Err(Error::SlotCount {
+                layer,
+                expected: slots.len(),
+                got: slab_shapes.len(),
+            });
+        }
+        let mut n_new = None;
+        for (slot, (shape, trailing)) in slab_shapes.iter().zip(slots).enumerate() {
+            let Some((&rows, rest)) = shape.split_first().filter(|(_, rest)| rest == trailing)
+            else {
+                return Err(Error::SlabShape {
+                    layer,
+                    slot,
+                    expected: trailing.clone(),
+                    got: shape.to_vec(),
+                });
+            };
+            match n_new {
+                None => n_new = Some(rows),
+                Some(expected) if expected != rows => {
+                    return Err(Error::RowCountMismatch {
+                        layer,
+                        slot,
+                        expected,
+                        got: rows,
+                    });
+                }
+                Some(_) => {}
+            }
+            debug_assert_eq!(rest, trailing.as_slice());
+        }
+        let n_new = n_new.unwrap_or(0);
+        let start_row = self.len + self.pending[layer];
+        if n_new > self.capacity - start_row {
+            return Err(Error::CapacityExceeded {
+                layer,
+                position: start_row,
+                n_new,
+                capacity: self.capacity,
+                remaining: self.capacity - start_row,
+            });
+        }
+        Ok(AppendPlan {
+            layer,
+            start_row,
+            n_new,
+        })
+    }
+
+    /// Records a planned append. The plan must come from [`Ledger::plan_append`] on this ledger, unchanged since.
+    pub fn commit_append(&mut self, plan: AppendPlan) {
+        debug_assert_eq!(plan.start_row, self.len + self.pending[plan.layer]);
+        self.pending[plan.layer] += plan.n_new;
+    }
+
+    /// Plans and records an append in one step.
+    pub fn append(&mut self, layer: usize, slab_shapes: &[&[usize]]) -> Result<AppendPlan> {
+        let plan = self.plan_append(layer, slab_shapes)?;
+        self.commit_append(plan);
+        Ok(plan)
+    }
+
+    /// Commits `n` rows: every layer with slots must hold exactly `n` pending rows.
+    pub fn advance(&mut self, n: usize) -> Result<()> {
+        let uneven =
+            (0..self.shapes.len()).find(|&l| !self.shapes[l].is_empty() && self.pending[l] != n);
+        if let Some(layer) = uneven {
+            return Err(Error::UnevenAdvance {
+                layer,
+                pending: self.pending[layer],
+                expected: n,
+                len: self.len,
+            });
+        }
+        self.len += n;
+        self.pending.iter_mut().for_each(|p| *p = 0);
+        Ok(())
+    }
+
+    /// Checks `truncate(new_len)` and lists, per layer with slots, the rows it drops (pending rows included).
+    pub fn plan_truncate(&self, new_len: usize) -> Result<Vec<DroppedRows>> {
+        if new_len > self.len {
+            return Err(Error::TruncateBeyondLength {
+                new_len,
+                len: self.len,
+            });
+        }
+        Ok((0..self.shapes.len())
+            .filter(|&l| !self.shapes[l].is_empty())
+            .map(|l| DroppedRows {
+                layer: l,
+                start: new_len,
+                end: self.len + self.pending[l],
+            })
+            .filter(|d| d.end > d.start)
+            .collect())
+    }
+
+    /// Sets the committed length to `new_len` (not above the current one) and drops all pending rows.
+    pub fn truncate(&mut self, new_len: usize) -> Result<Vec<DroppedRows>> {
+        let dropped = self.plan_truncate(new_len)?;
+        self.len = new_len;
+        self.pending.iter_mut().for_each(|p| *p = 0);
+        Ok(dropped)
+    }
+
+    /// Forgets every row.
+    pub fn reset(&mut self) {
+        self.len = 0;
+        self.pending.iter_mut().for_each(|p| *p = 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{DType, LayerSpec};
+
+    fn ledger(capacity: usize) -> Ledger {
+        let spec = CacheSpec::new(
+            vec![
+                LayerSpec::mla(4, 2),
+                LayerSpec::empty(),
+                LayerSpec::kv(2, 3, 5),
+            ],
+            DType::F16,
+            capacity,
+        )
+        .unwrap();
+        Ledger::new(&spec)
+    }
+
+    #[test]
+    fn appends_land_after_committed_and_pending_rows() {
+        let mut l = ledger(10);
+        assert_eq!(
+            l.append(0, &[&[2, 4], &[2, 2]]).unwrap(),
+            AppendPlan {
+                layer: 0,
+                start_row: 0,
+                n_new: 2
+            }
+        );
+        assert_eq!(l.append(0, &[&[1, 4], &[1, 2]]).unwrap().start_row, 2);
+        assert_eq!(l.visible(0).unwrap(), 3);
+        assert_eq!(l.visible(2).unwrap(), 0);
+        l.append(2, &[&[3, 2, 3], &[3, 2, 5]]).unwrap();
+        l.advance(3).unwrap();
+        assert_eq!((l.len(), l.visible(0).unwrap(), l.remaining()), (3, 3, 7));
+        assert_eq!(l.append(2, &[&[1, 2, 3], &[1, 2, 5]]).unwrap().start_row, 3);
+    }
+
+    #[test]
+    fn every_refusal_names_its_cause_and_changes_nothing() {
+        let mut l = ledger(4);
+        l.append(0, &[&[1, 4], &[1, 2]]).unwrap();
+        let before = l.clone();
+        let cases: Vec<(Result<AppendPlan>, Error)> = vec![
+            (
+                l.plan_append(3, &[]),
+                Error::LayerOutOfRange {
+                    layer: 3,
+                    n_layers: 3,
+                },
+            ),
+            (
+                l.plan_append(0, &[&[1, 4]]),
+                Error::SlotCount {
+                    layer: 0,
+                    expected: 2,
+                    got: 1,
+                },
+            ),
+            (
+                l.plan_append(0, &[&[1, 4], &[1, 3]]),
+                Error::SlabShape {
+                    layer: 0,
+                    slot: 1,
+                    expected: vec![2],
+                    got: vec![1, 3],
+                },
+            ),
+            (
+                l.plan_append(0, &[&[], &[1, 2]]),
+                Error::SlabShape {
+                    layer: 0,
+                    slot: 0,
+                    expected: vec![4],
+                    got: vec![],
+                },
+            ),
+            (
+                l.plan_append(0, &[&[2, 4], &[1, 2]]),
+                Error::RowCountMismatch {
+                    layer: 0,
+                    slot: 1,
+                    expected: 2,
+                    got: 1,
+                },
+            ),
+            (
+                l.plan_append(0, &[&[4, 4], &[4, 2]]),
+                Error::CapacityExceeded {
+                    layer: 0,
+                    position: 1,
+                    n_new: 4,
+                    capacity: 4,
+                    remaining: 3,
+                },
+            ),
+        ];
+        for (got, want) in cases {
+            assert_eq!(got.unwrap_err(), want);
+        }
+        assert_eq!(
+            l.advance(2).unwrap_err(),
+            Error::UnevenAdvance {
+                layer: 0,
+                pending: 1,
+                expected: 2,
+                len: 0
+            }
+        );
+        assert_eq!(
+            l.advance(1).unwrap_err(),
+            Error::UnevenAdvance {
+                layer: 2,
+                pending: 0,
+                expected: 1,
+                len: 0
+            }
+        );
+        assert_eq!(
+            l.truncate(1).unwrap_err(),
+            Error::TruncateBeyondLength { new_len: 1, len: 0 }
+        );
+        assert_eq!(l, before);
+    }
+
+    #[test]
+    fn full_then_overflow_then_truncate_and_reappend() {
+        let mut l = ledger(3);
+        for _ in 0..3 {
+            l.append(0, &[&[1, 4], &[1, 2]]).unwrap();
+            l.append(2, &[&[1, 2, 3], &[1, 2, 5]]).unwrap();
+            l.advance(1).unwrap();
+        }
+        assert!(l.is_full());
+        assert_eq!(l.remaining(), 0);
+        assert!(matches!(
+            l.plan_append(0, &[&[1, 4], &[1, 2]]),
+            Err(Error::CapacityExceeded { .. })
+        ));
+        // An empty append is still fine when full.
+        assert_eq!(l.plan_append(0, &[&[0, 4], &[0, 2]]).unwrap().n_new, 0);
+        l.append(0, &[&[0, 4], &[0, 2]]).unwrap();
+        assert_eq!(
+            l.truncate(1).unwrap(),
+            vec![
+                DroppedRows {
+                    layer: 0,
+                    start: 1,
+                    end: 3
+                },
+                DroppedRows {
+                    layer: 2,
+                    start: 1,
+                    end: 3
+                }
+            ]
+        );
+        assert_eq!(l.append(0, &[&[2, 4], &[2, 2]]).unwrap().start_row, 1);
+        // Truncating drops pending rows too, and says so.
+        assert_eq!(
+            l.truncate(1).unwrap(),
+            vec![DroppedRows {
+                layer: 0,
+                start: 1,
+                end: 3
+            }]
+        );
+        assert_eq!(l.pending(0).unwrap(), 0);
+        l.reset();
+        assert_eq!((l.len(), l.remaining()), (0, 3));
+    }
+
+    #[test]
+    fn advance_zero_commits_nothing_and_layers_without_slots_are_ignored() {
+        let mut l = ledger(3);
+        l.advance(0).unwrap();
+        assert_eq!(l.len(), 0);
+        assert_eq!(l.slot_shapes(1).unwrap().len(), 0);
+        assert_eq!(l.plan_append(1, &[]).unwrap().n_new, 0);
+    }
+}

@@ -1,0 +1,258 @@
+//! Plain-Rust twins of the kernels and of the whole cache, used as the reference in tests and tools.
+//! Conversions use `half` (round to nearest, ties to even), which the WGSL kernels match bit for bit.
+
+use half::{bf16, f16};
+
+use crate::cache::HostData;
+use crate::spec::DType;
+
+/// Bits of `x` stored as `dtype` (low 16 bits for 16-bit types).
+pub fn f32_to_bits(x: f32, dtype: DType) -> u32 {
+    match dtype {
+        DType::F32 => x.to_bits(),
+        DType::F16 => f16::from_f32(x).to_bits() as u32,
+        DType::BF16 => bf16::from_f32(x).to_bits() as u32,
+    }
+}
+
+/// The f32 value of bits stored as `dtype`.
+pub fn bits_to_f32(bits: u32, dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => f32::from_bits(bits),
+        DType::F16 => f16::from_bits(bits as u16).to_f32(),
+        DType::BF16 => bf16::from_bits(bits as u16).to_f32(),
+    }
+}
+
+/// Bits of an element of type `from` converted to type `to`, as the slab-write kernel converts it.
+pub fn convert_bits(bits: u32, from: DType, to: DType) -> u32 {
+    if from == to {
+        bits
+    } else {
+        f32_to_bits(bits_to_f32(bits, from), to)
+    }
+}
+
+/// `x` rounded through the storage type, as a read of the cache returns it.
+pub fn round_trip(x: f32, dtype: DType) -> f32 {
+    bits_to_f32(f32_to_bits(x, dtype), dtype)
+}
+
+/// Packs row-major element bits (one element per entry) into stored words: rows of `row_elems`
+/// elements, 16-bit types two per word low half first, each row padded to a whole word.
+pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
+    if dtype == DType::F32 {
+        return bits.to_vec();
+    }
+    let row_words = row_elems.div_ceil(2);
+    let rows = bits.len().checked_div(row_elems).unwrap_or(0);
+    let mut out = vec![0u32; rows * row_words];
+    for (r, row) in bits.chunks(row_elems.max(1)).enumerate() {
+        for (e, &b) in row.iter().enumerate() {
+            out[r * row_words + e / 2] |= (b & 0xffff) << (16 * (e % 2));
+        }
+    }
+    out
+}
+
+/// Inverse of [`pack_rows`]: element bits of every row, padding dropped.
+pub fn unpack_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
+    if dtype == DType::F32 {
+        return words.to_vec();
+    }
+    let row_words = row_elems.div_ceil(2).max(1);
+    words
+        .chunks(row_words)
+        .flat_map(|row| (0..row_elems).map(move |e| (row[e / 2] >> (16 * (e % 2))) & 0xffff))
+        .collect()
+}
+
+/// Stored words to f32 values, `[rows, row_elems]` row-major.
+pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
+    unpack_rows(words, dtype, row_elems)
+        .into_iter()
+        .map(|b| bits_to_f32(b, dtype))
+        .collect()
+}
+
+/// Element bits of host data converted to `storage`.
+pub fn host_bits(data: HostData<'_>, storage: DType) -> Vec<u32> {
+    match data {
+        HostData::F32(d) => d.iter().map(|&x| f32_to_bits(x, storage)).collect(),
+        HostData::F16(d) => d
+            .iter()
+            .map(|x| convert_bits(x.to_bits() as u32, DType::F16, storage))
+            .collect(),
+        HostData::BF16(d) => d
+            .iter()
+            .map(|x| convert_bits(x.to_bits() as u32, DType::BF16, storage))
+            .collect(),
+    }
+}
+
+/// Encodes host rows into the stored byte layout, reusing `out`'s allocation.
+pub(crate) fn encode_rows(data: HostData<'_>, storage: DType, row_elems: usize, out: &mut Vec<u8>) {
+    out.clear();
+    let row_bytes = crate::spec::padded_row_bytes(row_elems, storage) as usize;
+    let rows = data.len().checked_div(row_elems).unwrap_or(0);
+    out.resize(rows * row_bytes, 0);
+    let esize = storage.size();
+    let mut put = |i: usize, bits: u32| {
+        let (r, e) = (i / row_elems, i % row_elems);
+        let at = r * row_bytes + e * esize;
+        out[at..at + esize].copy_from_slice(&bits.to_le_bytes()[..esize]);
+    };
+    match data {
+        HostData::F32(d) => d
+            .iter()
+            .enumerate()
+            .for_each(|(i, &x)| put(i, f32_to_bits(x, storage))),
+        HostData::F16(d) => d
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| put(i, x.to_bits() as u32)),
+        HostData::BF16(d) => d
+            .iter()
+            .enumerate()
+            .for_each(|(i, x)| put(i, x.to_bits() as u32)),
+    }
+}
+
+/// Element bits of a strided source read the way the slab-write kernel reads it: element
+/// `(r, i1, i2, ...)` of `shape` is source element `offset + r·strides[0] + Σ i_k·strides[k]`.
+/// `src` holds element bits one per entry.
+pub fn gather_strided(src: &[u32], offset: usize, shape: &[usize], strides: &[usize]) -> Vec<u32> {
+    let total: usize = shape.iter().product();
+    (0..total)
+        .map(|flat| {
+            let (mut rem, mut idx) = (flat, offset);
+            for k in (0..shape.len()).rev() {
+                idx += (rem % shape[k]) * strides[k];
+                rem /= shape[k];
+            }
+            src[idx]
+        })
+        .collect()
+}
+
+/// Twin of `shaders/slab_write.wgsl`: the stored words of a strided source converted to `storage`.
+pub fn slab_write(
+    src_bits: &[u32],
+    src_dtype: DType,
+    offset: usize,
+    shape: &[usize],
+    strides: &[usize],
+    storage: DType,
+) -> Vec<u32> {
+    let row_elems: usize = shape.iter().skip(1).product();
+    let bits: Vec<u32> = gather_strided(src_bits, offset, shape, strides)
+        .into_iter()
+        .map(|b| convert_bits(b, src_dtype, storage))
+        .collect();
+    pack_rows(&bits, storage, row_elems)
+}
+
+/// Twin of `shaders/zero.wgsl`.
+pub fn zero(words: &mut [u32], start: usize, n: usize) {
+    let end = (start + n).min(words.len());
+    words[start.min(end)..end].fill(0);
+}
+
+/// A plain-Rust model of a whole cache: the stored words of every slot buffer at full capacity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CpuCache {
+    pub dtype: DType,
+    /// Elements per row, per layer and slot.
+    pub row_elems: Vec<Vec<usize>>,
+    /// Every word of every slot buffer, per layer and slot.
+    pub words: Vec<Vec<Vec<u32>>>,
+}
+
+impl CpuCache {
+    pub fn new(spec: &crate::spec::CacheSpec) -> Self {
+        let row_elems: Vec<Vec<usize>> = spec
+            .layers()
+            .iter()
+            .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
+            .collect();
+        let words = row_elems
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|&e| vec![0; Self::row_words_of(e, spec.dtype()) * spec.max_seq_len()])
+                    .collect()
+            })
+            .collect();
+        Self {
+            dtype: spec.dtype(),
+            row_elems,
+            words,
+        }
+    }
+
+    fn row_words_of(row_elems: usize, dtype: DType) -> usize {
+        crate::spec::padded_row_bytes(row_elems, dtype) as usize / 4
+    }
+
+    pub fn row_words(&self, layer: usize, slot: usize) -> usize {
+        Self::row_words_of(self.row_elems[layer][slot], self.dtype)
+    }
+
+    /// Writes element bits (already in the storage type) as rows starting at `row`.
+    pub fn write_rows(&mut self, layer: usize, slot: usize, row: usize, bits: &[u32]) {
+        let packed = pack_rows(bits, self.dtype, self.row_elems[layer][slot]);
+        let at = row * self.row_words(layer, slot);
+        self.words[layer][slot][at..at + packed.len()].copy_from_slice(&packed);
+    }
+
+    /// Zeroes rows `[start, end)` of every slot of `layer`.
+    pub fn zero_rows(&mut self, layer: usize, start: usize, end: usize) {
+        for slot in 0..self.words[layer].len() {
+            let rw = self.row_words(layer, slot);
+            zero(&mut self.words[layer][slot], start * rw, (end - start) * rw);
+        }
+    }
+
+    /// Zeroes everything.
+    pub fn zero_all(&mut self) {
+        self.words.iter_mut().flatten().for_each(|w| w.fill(0));
+    }
+
+    /// The first `rows` rows of a slot as f32.
+    pub fn read_f32(&self, layer: usize, slot: usize, rows: usize) -> Vec<f32> {
+        let w = &self.words[layer][slot][..rows * self.row_words(layer, slot)];
+        decode_rows(w, self.dtype, self.row_elems[layer][slot])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_and_unpack_odd_rows() {
+        let bits = [1, 2, 3, 4, 5, 6];
+        let packed = pack_rows(&bits, DType::F16, 3);
+        assert_eq!(packed, vec![1 | 2 << 16, 3, 4 | 5 << 16, 6]);
+        assert_eq!(unpack_rows(&packed, DType::F16, 3), bits);
+    }
+
+    #[test]
+    fn strided_gather_takes_k_out_of_fused_qkv() {
+        // 2 tokens of [q(4) | k(2) | v(2)]: K is offset 4, seq stride 8.
+        let src: Vec<u32> = (0..16).collect();
+        assert_eq!(
+            gather_strided(&src, 4, &[2, 2], &[8, 1]),
+            vec![4, 5, 12, 13]
+        );
+    }
+
+    #[test]
+    fn encode_rows_pads_16_bit_rows() {
+        let mut out = Vec::new();
+        encode_rows(HostData::F32(&[1.0, 2.0, 3.0]), DType::BF16, 3, &mut out);
+        assert_eq!(out.len(), 8);
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&out);
+        assert_eq!(decode_rows(&words, DType::BF16, 3), vec![1.0, 2.0, 3.0]);
+    }
+}

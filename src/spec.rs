@@ -1,0 +1,448 @@
+//! What a cache holds: layers of slots, each slot `[max_seq_len, ...trailing]` of one element type;
+//! presets for real models, and byte accounting checked against the device's limits.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// Element type of the stored cache. 16-bit types are packed two to a `u32` word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    /// Every element type, for tests and tools that cover them all.
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The code the WGSL kernels use for this type (`0` f32, `1` f16, `2` bf16).
+    pub(crate) const fn code(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::BF16 => 2,
+        }
+    }
+
+    /// Parses `f32`, `f16` or `bf16`.
+    pub fn parse(s: &str) -> Option<DType> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Some(DType::F32),
+            "f16" => Some(DType::F16),
+            "bf16" => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        })
+    }
+}
+
+/// Elements in one row of the given trailing shape (rank 0 is one element).
+pub(crate) fn row_elems(trailing: &[usize]) -> Option<usize> {
+    trailing
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// Bytes of one stored row: elements times element size, padded up to a 4-byte word.
+pub(crate) fn padded_row_bytes(elems: usize, dtype: DType) -> u64 {
+    (elems as u64 * dtype.size() as u64).div_ceil(4) * 4
+}
+
+/// One named slot of a layer: its rows are `trailing`-shaped tensors.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotSpec {
+    pub name: String,
+    pub trailing: Vec<usize>,
+}
+
+impl SlotSpec {
+    pub fn new(name: impl Into<String>, trailing: &[usize]) -> Self {
+        Self {
+            name: name.into(),
+            trailing: trailing.to_vec(),
+        }
+    }
+
+    /// Elements per row (the product of the trailing shape; 1 for rank 0).
+    pub fn row_elems(&self) -> usize {
+        row_elems(&self.trailing).unwrap_or(usize::MAX)
+    }
+}
+
+/// The slots of one layer, in order. No slots: a layer without attention that owns no memory.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct LayerSpec {
+    pub slots: Vec<SlotSpec>,
+}
+
+impl LayerSpec {
+    pub fn new(slots: Vec<SlotSpec>) -> Self {
+        Self { slots }
+    }
+
+    /// A layer with no cache (linear attention, recurrent or other stateless-in-sequence layers).
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// Standard attention: K `[n_kv_heads, head_dim]` and V `[n_kv_heads, head_dim_v]`.
+    pub fn kv(n_kv_heads: usize, head_dim: usize, head_dim_v: usize) -> Self {
+        Self::new(vec![
+            SlotSpec::new("k", &[n_kv_heads, head_dim]),
+            SlotSpec::new("v", &[n_kv_heads, head_dim_v]),
+        ])
+    }
+
+    /// Multi-head latent attention: `compressed_kv [kv_lora_rank]` and `k_pe [rope_dim]`.
+    pub fn mla(kv_lora_rank: usize, rope_dim: usize) -> Self {
+        Self::new(vec![
+            SlotSpec::new("compressed_kv", &[kv_lora_rank]),
+            SlotSpec::new("k_pe", &[rope_dim]),
+        ])
+    }
+}
+
+/// The per-buffer limits a cache must respect; [`DeviceLimits::from_wgpu`] reads them off a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceLimits {
+    pub max_storage_buffer_binding_size: u64,
+    pub max_buffer_size: u64,
+}
+
+impl DeviceLimits {
+    /// WebGPU's defaults: 128 MiB per storage binding, 256 MiB per buffer.
+    pub const WEBGPU_DEFAULT: DeviceLimits = DeviceLimits {
+        max_storage_buffer_binding_size: 128 << 20,
+        max_buffer_size: 256 << 20,
+    };
+
+    pub fn from_wgpu(limits: &wgpu::Limits) -> Self {
+        Self {
+            max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
+            max_buffer_size: limits.max_buffer_size,
+        }
+    }
+
+    /// The largest single slot buffer the device can bind whole.
+    pub fn max_slot_bytes(&self) -> u64 {
+        self.max_storage_buffer_binding_size
+            .min(self.max_buffer_size)
+    }
+}
+
+/// The complete description of a cache: layers, element type and capacity in rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CacheSpec {
+    layers: Vec<LayerSpec>,
+    dtype: DType,
+    max_seq_len: usize,
+}
+
+impl CacheSpec {
+    /// Checks the description and builds it: at least one layer, one slot somewhere, non-zero capacity,
+    /// no zero-sized trailing dimension, and byte sizes that fit in `u64`.
+    pub fn new(layers: Vec<LayerSpec>, dtype: DType, max_seq_len: usize) -> Result<Self> {
+        let invalid = |reason: String| Err(Error::InvalidSpec { reason });
+        if layers.is_empty() {
+            return invalid("the cache has no layers".into());
+        }
+        if max_seq_len == 0 {
+            return invalid("max_seq_len is 0; the cache must hold at least one row".into());
+        }
+        if layers.iter().all(|l| l.slots.is_empty()) {
+            return invalid(format!(
+                "none of the {} layers has a slot; nothing to cache",
+                layers.len()
+            ));
+        }
+        for (l, layer) in layers.iter().enumerate() {
+            for (s, slot) in layer.slots.iter().enumerate() {
+                if slot.trailing.contains(&0) {
+                    return invalid(format!(
+                        "layer {l} slot {s} ({}): trailing shape {:?} has a zero dimension",
+                        slot.name, slot.trailing
+                    ));
+                }
+                let too_large = row_elems(&slot.trailing)
+                    .and_then(|e| padded_row_bytes(e, dtype).checked_mul(max_seq_len as u64))
+                    .is_none_or(|bytes| bytes > u64::MAX / 4);
+                if too_large || row_elems(&slot.trailing).is_none_or(|e| e > u32::MAX as usize) {
+                    return invalid(format!(
+                        "layer {l} slot {s} ({}): trailing shape {:?} x {max_seq_len} rows is too large",
+                        slot.name, slot.trailing
+                    ));
+                }
+            }
+        }
+        Ok(Self {
+            layers,
+            dtype,
+            max_seq_len,
+        })
+    }
+
+    /// `n_layers` identical layers.
+    pub fn uniform(
+        n_layers: usize,
+        layer: LayerSpec,
+        dtype: DType,
+        max_seq_len: usize,
+    ) -> Result<Self> {
+        Self::new(vec![layer; n_layers], dtype, max_seq_len)
+    }
+
+    /// Llama-3-8B: 32 layers, K/V of 8 KV heads x 128.
+    pub fn llama3_8b(dtype: DType, max_seq_len: usize) -> Result<Self> {
+        Self::uniform(32, LayerSpec::kv(8, 128, 128), dtype, max_seq_len)
+    }
+
+    /// Qwen3-0.6B: 28 layers, K/V of 8 KV heads x 128.
+    pub fn qwen3_0_6b(dtype: DType, max_seq_len: usize) -> Result<Self> {
+        Self::uniform(28, LayerSpec::kv(8, 128, 128), dtype, max_seq_len)
+    }
+
+    /// DeepSeek-V2-Lite MLA: 27 layers of `compressed_kv [512]` + `k_pe [64]`.
+    pub fn deepseek_v2_lite(dtype: DType, max_seq_len: usize) -> Result<Self> {
+        Self::uniform(27, LayerSpec::mla(512, 64), dtype, max_seq_len)
+    }
+
+    /// A hybrid model: 24 layers where every fourth (3, 7, 11, ...) is full attention with K/V of
+    /// 2 KV heads x 256 and the rest are linear-attention layers that own no cache.
+    pub fn hybrid(dtype: DType, max_seq_len: usize) -> Result<Self> {
+        let layers = (0..24)
+            .map(|l| {
+                if l % 4 == 3 {
+                    LayerSpec::kv(2, 256, 256)
+                } else {
+                    LayerSpec::empty()
+                }
+            })
+            .collect();
+        Self::new(layers, dtype, max_seq_len)
+    }
+
+    /// A preset by name: `llama3-8b`, `qwen3-0.6b`, `deepseek-v2-lite` or `hybrid`.
+    pub fn preset(name: &str, dtype: DType, max_seq_len: usize) -> Result<Self> {
+        match name {
+            "llama3-8b" => Self::llama3_8b(dtype, max_seq_len),
+            "qwen3-0.6b" => Self::qwen3_0_6b(dtype, max_seq_len),
+            "deepseek-v2-lite" => Self::deepseek_v2_lite(dtype, max_seq_len),
+            "hybrid" => Self::hybrid(dtype, max_seq_len),
+            other => Err(Error::InvalidSpec {
+                reason: format!(
+                    "unknown preset {other:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid"
+                ),
+            }),
+        }
+    }
+
+    pub fn layers(&self) -> &[LayerSpec] {
+        &self.layers
+    }
+
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Capacity in rows (tokens).
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// The slot, or the error naming what is out of range.
+    pub fn slot(&self, layer: usize, slot: usize) -> Result<&SlotSpec> {
+        let l = self.layers.get(layer).ok_or(Error::LayerOutOfRange {
+            layer,
+            n_layers: self.layers.len(),
+        })?;
+        l.slots.get(slot).ok_or(Error::SlotOutOfRange {
+            layer,
+            slot,
+            n_slots: l.slots.len(),
+        })
+    }
+
+    /// Stored bytes of one row of a slot (padded to 4 bytes).
+    pub fn row_bytes(&self, layer: usize, slot: usize) -> Result<u64> {
+        Ok(padded_row_bytes(
+            self.slot(layer, slot)?.row_elems(),
+            self.dtype,
+        ))
+    }
+
+    /// Bytes of a whole slot buffer: row bytes times capacity.
+    pub fn slot_bytes(&self, layer: usize, slot: usize) -> Result<u64> {
+        Ok(self.row_bytes(layer, slot)? * self.max_seq_len as u64)
+    }
+
+    /// Bytes one token takes in one layer (0 for a layer without slots).
+    pub fn layer_bytes_per_token(&self, layer: usize) -> Result<u64> {
+        let l = self.layers.get(layer).ok_or(Error::LayerOutOfRange {
+            layer,
+            n_layers: self.layers.len(),
+        })?;
+        Ok(l.slots
+            .iter()
+            .map(|s| padded_row_bytes(s.row_elems(), self.dtype))
+            .sum())
+    }
+
+    /// Bytes one token takes across all layers.
+    pub fn bytes_per_token(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|l| &l.slots)
+            .map(|s| padded_row_bytes(s.row_elems(), self.dtype))
+            .sum()
+    }
+
+    /// Bytes of the whole cache at full capacity.
+    pub fn total_bytes(&self) -> u64 {
+        self.bytes_per_token() * self.max_seq_len as u64
+    }
+
+    /// Refuses a slot that one storage binding of the device cannot hold, naming the largest capacity
+    /// that would fit. kvgpu keeps every slot in one buffer so that attention and the app's own kernels
+    /// can bind its visible rows as one range; it does not split a slot across buffers.
+    pub fn check_limits(&self, limits: &DeviceLimits) -> Result<()> {
+        let limit = limits.max_slot_bytes();
+        for (l, layer) in self.layers.iter().enumerate() {
+            for s in 0..layer.slots.len() {
+                let row_bytes = self.row_bytes(l, s)?;
+                let bytes = row_bytes * self.max_seq_len as u64;
+                if bytes > limit {
+                    return Err(Error::SlotTooLarge {
+                        layer: l,
+                        slot: s,
+                        bytes,
+                        row_bytes,
+                        capacity: self.max_seq_len,
+                        limit,
+                        max_capacity: usize::try_from(limit / row_bytes).unwrap_or(usize::MAX),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The largest capacity whose every slot fits the device's limits.
+    pub fn max_capacity_for(&self, limits: &DeviceLimits) -> usize {
+        let widest = (0..self.layers.len())
+            .flat_map(|l| (0..self.layers[l].slots.len()).map(move |s| (l, s)))
+            .filter_map(|(l, s)| self.row_bytes(l, s).ok())
+            .max()
+            .unwrap_or(4);
+        usize::try_from(limits.max_slot_bytes() / widest).unwrap_or(usize::MAX)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_accounting_of_presets() {
+        let llama = CacheSpec::llama3_8b(DType::F16, 8192).unwrap();
+        // 32 layers x (K + V) x 8 heads x 128 dims x 2 bytes = 128 KiB per token.
+        assert_eq!(llama.bytes_per_token(), 32 * 2 * 8 * 128 * 2);
+        assert_eq!(llama.layer_bytes_per_token(5).unwrap(), 2 * 8 * 128 * 2);
+        assert_eq!(llama.total_bytes(), llama.bytes_per_token() * 8192);
+
+        let mla = CacheSpec::deepseek_v2_lite(DType::BF16, 4096).unwrap();
+        assert_eq!(mla.bytes_per_token(), 27 * (512 + 64) * 2);
+
+        let hybrid = CacheSpec::hybrid(DType::F32, 16).unwrap();
+        assert_eq!(hybrid.layer_bytes_per_token(0).unwrap(), 0);
+        assert_eq!(hybrid.layer_bytes_per_token(3).unwrap(), 2 * 2 * 256 * 4);
+        assert_eq!(hybrid.bytes_per_token(), 6 * 2 * 2 * 256 * 4);
+    }
+
+    #[test]
+    fn odd_16_bit_rows_are_padded_to_words() {
+        let spec = CacheSpec::new(
+            vec![LayerSpec::new(vec![SlotSpec::new("x", &[3])])],
+            DType::F16,
+            5,
+        )
+        .unwrap();
+        assert_eq!(spec.row_bytes(0, 0).unwrap(), 8);
+        assert_eq!(spec.slot_bytes(0, 0).unwrap(), 40);
+        let scalar = CacheSpec::new(
+            vec![LayerSpec::new(vec![SlotSpec::new("s", &[])])],
+            DType::BF16,
+            3,
+        )
+        .unwrap();
+        assert_eq!(scalar.row_bytes(0, 0).unwrap(), 4);
+    }
+
+    #[test]
+    fn invalid_specs_are_refused_with_reasons() {
+        let msg = |r: Result<CacheSpec>| r.unwrap_err().to_string();
+        assert!(msg(CacheSpec::new(vec![], DType::F32, 4)).contains("no layers"));
+        assert!(
+            msg(CacheSpec::new(vec![LayerSpec::kv(1, 1, 1)], DType::F32, 0))
+                .contains("max_seq_len is 0")
+        );
+        assert!(
+            msg(CacheSpec::new(vec![LayerSpec::empty()], DType::F32, 4))
+                .contains("none of the 1 layers")
+        );
+        assert!(
+            msg(CacheSpec::new(vec![LayerSpec::kv(8, 0, 8)], DType::F32, 4))
+                .contains("zero dimension")
+        );
+        assert!(msg(CacheSpec::preset("gpt-9", DType::F32, 4)).contains("unknown preset"));
+    }
+
+    #[test]
+    fn slot_over_the_binding_limit_names_the_capacity_that_fits() {
+        // K of 8 x 128 f32 is 4 KiB a row: 128 MiB holds exactly 32768 rows.
+        let spec = CacheSpec::llama3_8b(DType::F32, 40_000).unwrap();
+        let err = spec
+            .check_limits(&DeviceLimits::WEBGPU_DEFAULT)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            Error::SlotTooLarge {
+                layer: 0,
+                slot: 0,
+                bytes: 4096 * 40_000,
+                row_bytes: 4096,
+                capacity: 40_000,
+                limit: 128 << 20,
+                max_capacity: 32_768,
+            }
+        );
+        assert!(err.to_string().contains("134217728") && err.to_string().contains("32768"));
+        assert_eq!(spec.max_capacity_for(&DeviceLimits::WEBGPU_DEFAULT), 32_768);
+        CacheSpec::llama3_8b(DType::F32, 32_768)
+            .unwrap()
+            .check_limits(&DeviceLimits::WEBGPU_DEFAULT)
+            .unwrap();
+    }
+}

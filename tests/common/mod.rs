@@ -1,0 +1,61 @@
+//! Shared GPU setup for the integration tests: one device per test binary, chosen by `WGPU_BACKEND`
+//! and `WGPU_ADAPTER_NAME`. No adapter is a failure that says how to install one, never a pass.
+#![allow(dead_code)]
+
+use std::sync::OnceLock;
+
+use kvgpu::{CacheSpec, DType, Gpu, KvCache};
+
+pub fn gpu() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let gpu = Gpu::from_env_blocking().unwrap_or_else(|e| {
+            panic!(
+                "GPU tests need an adapter and found none: {e}\n{}",
+                kvgpu::device::INSTALL_HINT
+            )
+        });
+        eprintln!("kvgpu tests on {}", gpu.describe());
+        gpu
+    })
+}
+
+pub fn cache(spec: CacheSpec) -> KvCache {
+    let g = gpu();
+    KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device")
+}
+
+/// Deterministic pseudo-random values in [-2, 2), different per seed.
+pub fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// Every word of every slot buffer, read back from the GPU.
+pub fn snapshot(cache: &KvCache) -> Vec<Vec<Vec<u32>>> {
+    cache
+        .spec()
+        .layers()
+        .iter()
+        .enumerate()
+        .map(|(l, layer)| {
+            (0..layer.slots.len())
+                .map(|s| cache.read_full_words(l, s).unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+pub fn for_each_dtype(mut f: impl FnMut(DType)) {
+    for dtype in DType::ALL {
+        eprintln!("-- {dtype}");
+        f(dtype);
+    }
+}
