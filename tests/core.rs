@@ -1,0 +1,326 @@
+//! The cache on the GPU against the plain-Rust model, for every dtype, on the adapter chosen by
+//! `WGPU_BACKEND` (CI runs this file on OpenGL llvmpipe and on Vulkan lavapipe).
+#![cfg(not(target_arch = "wasm32"))]
+
+mod common;
+
+use common::*;
+use kvgpu::reference::{self, CpuCache};
+use kvgpu::*;
+
+/// The expected f32 contents of `rows` rows appended from `data` (rounded through the storage type).
+fn rounded(data: &[f32], dtype: DType) -> Vec<f32> {
+    data.iter().map(|&x| reference::round_trip(x, dtype)).collect()
+}
+
+/// Appends f32 data to every slot of `layer` on the GPU and in the model.
+fn append_both(c: &mut KvCache, m: &mut CpuCache, layer: usize, n: usize, seed: u64) {
+    let start = c.visible(layer).unwrap();
+    let shapes: Vec<Vec<usize>> = c.spec().layers()[layer]
+        .slots
+        .iter()
+        .map(|s| [&[n][..], &s.trailing].concat())
+        .collect();
+    let data: Vec<Vec<f32>> =
+        shapes.iter().enumerate().map(|(s, sh)| values(seed * 31 + s as u64, sh.iter().product())).collect();
+    let slabs: Vec<HostSlab> = data.iter().zip(&shapes).map(|(d, sh)| HostSlab::f32(d, sh)).collect();
+    c.append(layer, &slabs).unwrap();
+    for (s, d) in data.iter().enumerate() {
+        let bits: Vec<u32> = d.iter().map(|&x| reference::f32_to_bits(x, m.dtype)).collect();
+        m.write_rows(layer, s, start, &bits);
+    }
+}
+
+/// Every slot buffer on the GPU equals the model, word for word, at full capacity.
+fn assert_matches(c: &KvCache, m: &CpuCache) {
+    assert_eq!(snapshot(c), m.words, "GPU buffers differ from the CPU model");
+}
+
+#[test]
+fn mla_decode_steps_read_back_in_order() {
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::new(vec![LayerSpec::mla(512, 64); 2], dtype, 16).unwrap();
+        let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+        for step in 0..5 {
+            for layer in 0..2 {
+                append_both(&mut c, &mut m, layer, 1, step * 10 + layer as u64);
+            }
+            c.advance(1).unwrap();
+            assert_eq!(c.len(), step as usize + 1);
+        }
+        for layer in 0..2 {
+            assert_eq!(c.read_f32(layer, 0).unwrap(), m.read_f32(layer, 0, 5));
+            assert_eq!(c.read_f32(layer, 1).unwrap(), m.read_f32(layer, 1, 5));
+            assert_eq!(c.read_f32(layer, 1).unwrap().len(), 5 * 64);
+        }
+        assert_matches(&c, &m);
+    });
+}
+
+#[test]
+fn gqa_prefill_then_decode() {
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::uniform(3, LayerSpec::kv(2, 16, 8), dtype, 40).unwrap();
+        let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+        for layer in 0..3 {
+            append_both(&mut c, &mut m, layer, 17, 100 + layer as u64);
+        }
+        c.advance(17).unwrap();
+        for step in 0..4 {
+            for layer in 0..3 {
+                append_both(&mut c, &mut m, layer, 1, 200 + step * 3 + layer as u64);
+                assert_eq!(c.visible(layer).unwrap(), 18 + step as usize);
+                let view = c.view(layer, 1).unwrap();
+                assert_eq!((view.rows, view.size), (18 + step as usize, (18 + step) * 8 * 2 * dtype.size() as u64));
+            }
+            c.advance(1).unwrap();
+        }
+        assert_eq!(c.len(), 21);
+        assert_eq!(c.read_f32(2, 0).unwrap(), m.read_f32(2, 0, 21));
+        assert_matches(&c, &m);
+    });
+}
+
+#[test]
+fn rank_3_slot_and_odd_widths() {
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::new(
+            vec![LayerSpec::new(vec![
+                SlotSpec::new("cube", &[2, 3, 5]),
+                SlotSpec::new("odd", &[3]),
+                SlotSpec::new("scalar", &[]),
+            ])],
+            dtype,
+            9,
+        )
+        .unwrap();
+        let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+        append_both(&mut c, &mut m, 0, 4, 7);
+        append_both(&mut c, &mut m, 0, 1, 8);
+        c.advance(5).unwrap();
+        assert_eq!(c.read_f32(0, 1).unwrap().len(), 15);
+        assert_eq!(c.read_f32(0, 2).unwrap(), m.read_f32(0, 2, 5));
+        assert_matches(&c, &m);
+    });
+}
+
+#[test]
+fn layers_are_isolated_and_hybrid_layers_own_nothing() {
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::hybrid(dtype, 6).unwrap();
+        assert_eq!(spec.layer_bytes_per_token(0).unwrap(), 0);
+        let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+        // Only layer 7 gets rows: every other buffer stays zero.
+        append_both(&mut c, &mut m, 7, 2, 3);
+        assert_eq!(c.visible(7).unwrap(), 2);
+        assert_eq!(c.visible(3).unwrap(), 0);
+        assert_matches(&c, &m);
+        // Layers without slots take empty appends and have no views.
+        c.append(0, &[]).unwrap();
+        assert!(matches!(c.view(0, 0), Err(Error::SlotOutOfRange { layer: 0, slot: 0, n_slots: 0 })));
+        let err = c.advance(2).unwrap_err();
+        assert_eq!(err, Error::UnevenAdvance { layer: 3, pending: 0, expected: 2, len: 0 });
+        for layer in (3..24).step_by(4).filter(|&l| l != 7) {
+            append_both(&mut c, &mut m, layer, 2, layer as u64);
+        }
+        c.advance(2).unwrap();
+        assert_matches(&c, &m);
+    });
+}
+
+#[test]
+fn every_refusal_leaves_the_cache_unchanged() {
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::new(vec![LayerSpec::mla(6, 3), LayerSpec::kv(2, 4, 4)], dtype, 5).unwrap();
+        let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+        append_both(&mut c, &mut m, 0, 2, 1);
+        append_both(&mut c, &mut m, 1, 2, 2);
+        c.advance(2).unwrap();
+        append_both(&mut c, &mut m, 0, 1, 3);
+        let before = snapshot(&c);
+        let ledger = c.ledger().clone();
+
+        let a6 = values(9, 6 * 4);
+        let a3 = values(10, 3 * 4);
+        let wrong_type_16 = vec![half::f16::ZERO; 6];
+        let wrong_type_bf = vec![half::bf16::ZERO; 6];
+        let mut refusals: Vec<(&str, Result<AppendPlan>)> = vec![
+            ("layer out of range", c.append(2, &[])),
+            ("wrong slot count", c.append(0, &[HostSlab::f32(&a6[..6], &[1, 6])])),
+            (
+                "slab shape",
+                c.append(0, &[HostSlab::f32(&a6[..6], &[1, 6]), HostSlab::f32(&a3[..4], &[1, 4])]),
+            ),
+            (
+                "n_new differs",
+                c.append(0, &[HostSlab::f32(&a6[..12], &[2, 6]), HostSlab::f32(&a3[..3], &[1, 3])]),
+            ),
+            (
+                "capacity",
+                c.append(0, &[HostSlab::f32(&a6[..18], &[3, 6]), HostSlab::f32(&a3[..9], &[3, 3])]),
+            ),
+            (
+                "data length",
+                c.append(0, &[HostSlab::f32(&a6[..5], &[1, 6]), HostSlab::f32(&a3[..3], &[1, 3])]),
+            ),
+        ];
+        // A 16-bit source of the other 16-bit type (or any 16-bit source into f32 storage) is refused.
+        let other = if dtype == DType::F16 {
+            HostSlab::bf16(&wrong_type_bf, &[1, 6])
+        } else {
+            HostSlab::f16(&wrong_type_16, &[1, 6])
+        };
+        refusals.push(("source dtype", c.append(0, &[other, HostSlab::f32(&a3[..3], &[1, 3])])));
+        for (what, r) in &refusals {
+            let err = r.as_ref().expect_err(what);
+            eprintln!("{what}: {err}");
+        }
+        let expect = |i: usize| refusals[i].1.clone().unwrap_err();
+        assert_eq!(expect(0), Error::LayerOutOfRange { layer: 2, n_layers: 2 });
+        assert_eq!(expect(1), Error::SlotCount { layer: 0, expected: 2, got: 1 });
+        assert_eq!(expect(2), Error::SlabShape { layer: 0, slot: 1, expected: vec![3], got: vec![1, 4] });
+        assert_eq!(expect(3), Error::RowCountMismatch { layer: 0, slot: 1, expected: 2, got: 1 });
+        assert_eq!(
+            expect(4),
+            Error::CapacityExceeded { layer: 0, position: 3, n_new: 3, capacity: 5, remaining: 2 }
+        );
+        assert_eq!(
+            expect(5),
+            Error::SourceSize { layer: 0, slot: 0, shape: vec![1, 6], expected: 6, got: 5 }
+        );
+        assert!(matches!(expect(6), Error::SourceDType { layer: 0, slot: 0, .. }));
+        assert_eq!(
+            c.advance(1).unwrap_err(),
+            Error::UnevenAdvance { layer: 1, pending: 0, expected: 1, len: 2 }
+        );
+        assert_eq!(c.truncate(3).unwrap_err(), Error::TruncateBeyondLength { new_len: 3, len: 2 });
+        assert_eq!(
+            c.truncate_and_scrub(4).unwrap_err(),
+            Error::TruncateBeyondLength { new_len: 4, len: 2 }
+        );
+        assert!(matches!(c.view(1, 2), Err(Error::SlotOutOfRange { layer: 1, slot: 2, n_slots: 2 })));
+        assert_eq!(c.ledger(), &ledger, "a refusal changed the ledger");
+        assert_eq!(snapshot(&c), before, "a refusal changed GPU memory");
+        assert_matches(&c, &m);
+    });
+}
+
+#[test]
+fn full_capacity_then_overflow_then_truncate_and_reappend() {
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::new(vec![LayerSpec::kv(1, 3, 5)], dtype, 4).unwrap();
+        let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+        append_both(&mut c, &mut m, 0, 4, 1);
+        c.advance(4).unwrap();
+        assert!(c.is_full());
+        assert_eq!(c.remaining(), 0);
+        let before = snapshot(&c);
+        let (k, v) = (values(5, 3), values(6, 5));
+        let err = c.append(0, &[HostSlab::f32(&k, &[1, 1, 3]), HostSlab::f32(&v, &[1, 1, 5])]).unwrap_err();
+        assert_eq!(err, Error::CapacityExceeded { layer: 0, position: 4, n_new: 1, capacity: 4, remaining: 0 });
+        assert_eq!(snapshot(&c), before);
+
+        // O(1) truncate keeps the bytes; re-appending overwrites them.
+        c.truncate(2).unwrap();
+        assert_eq!((c.len(), c.remaining()), (2, 2));
+        assert_eq!(snapshot(&c), before);
+        append_both(&mut c, &mut m, 0, 1, 9);
+        c.advance(1).unwrap();
+        assert_eq!(c.read_f32(0, 1).unwrap(), m.read_f32(0, 1, 3));
+        assert_matches(&c, &m);
+
+        // Truncate with scrub zeroes the dropped rows, pending ones included.
+        append_both(&mut c, &mut m, 0, 1, 10);
+        c.truncate_and_scrub(1).unwrap();
+        m.zero_rows(0, 1, 4);
+        assert_eq!(c.len(), 1);
+        assert_matches(&c, &m);
+        assert_eq!(c.read_f32(0, 0).unwrap(), rounded(&values(31, 3), dtype)[..3]);
+    });
+}
+
+#[test]
+fn reset_zeroes_every_byte_and_reset_fast_keeps_data() {
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::new(vec![LayerSpec::mla(33, 7), LayerSpec::empty(), LayerSpec::kv(3, 5, 2)], dtype, 64)
+            .unwrap();
+        let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+        for layer in [0, 2] {
+            append_both(&mut c, &mut m, layer, 64, layer as u64 + 1);
+        }
+        c.advance(64).unwrap();
+        assert_matches(&c, &m);
+        assert!(snapshot(&c).iter().flatten().flatten().any(|&w| w != 0));
+
+        c.reset_fast();
+        assert_eq!(c.len(), 0);
+        assert_matches(&c, &m);
+
+        c.reset();
+        assert_eq!(c.len(), 0);
+        assert!(snapshot(&c).iter().flatten().flatten().all(|&w| w == 0), "reset left non-zero bytes");
+        m.zero_all();
+        append_both(&mut c, &mut m, 0, 1, 50);
+        append_both(&mut c, &mut m, 2, 1, 51);
+        c.advance(1).unwrap();
+        assert_matches(&c, &m);
+    });
+}
+
+#[test]
+fn recorded_ops_share_one_encoder() {
+    // A scrub and a reset recorded into one encoder with the app's own copy, submitted once.
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 4, 4)], DType::F16, 8).unwrap();
+    let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+    append_both(&mut c, &mut m, 0, 6, 1);
+    c.advance(6).unwrap();
+    let g = gpu();
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    c.record_truncate_and_scrub(&mut encoder, 4).unwrap();
+    c.record_truncate_and_scrub(&mut encoder, 2).unwrap();
+    g.queue.submit([encoder.finish()]);
+    m.zero_rows(0, 2, 6);
+    assert_matches(&c, &m);
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    c.record_reset(&mut encoder);
+    g.queue.submit([encoder.finish()]);
+    assert!(snapshot(&c).iter().flatten().flatten().all(|&w| w == 0));
+}
+
+#[test]
+fn views_narrow_to_visible_rows() {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 3, 3)], DType::BF16, 10).unwrap();
+    let mut c = cache(spec);
+    assert!(c.view(0, 0).unwrap().binding().is_none());
+    let k = values(1, 3 * 6);
+    c.append(0, &[HostSlab::f32(&k, &[3, 2, 3]), HostSlab::f32(&k, &[3, 2, 3])]).unwrap();
+    let view = c.view(0, 0).unwrap();
+    assert_eq!((view.rows, view.row_bytes, view.size), (3, 12, 36));
+    let binding = view.binding().unwrap();
+    assert_eq!((binding.offset, binding.size.map(|s| s.get())), (0, Some(36)));
+    let full = c.full_view(0, 1).unwrap();
+    assert_eq!((full.rows, full.size), (10, 120));
+    assert_eq!(c.read_words(0, 0).unwrap().len(), 9);
+}
+
+#[test]
+fn host_data_already_in_the_storage_type_is_stored_as_is() {
+    for dtype in [DType::F16, DType::BF16] {
+        let spec = CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("x", &[5])])], dtype, 4).unwrap();
+        let mut c = cache(spec);
+        let raw = values(4, 10);
+        let words = match dtype {
+            DType::F16 => {
+                let d: Vec<half::f16> = raw.iter().map(|&x| half::f16::from_f32(x)).collect();
+                c.append(0, &[HostSlab::f16(&d, &[2, 5])]).unwrap();
+                d.iter().map(|x| x.to_bits() as u32).collect::<Vec<_>>()
+            }
+            _ => {
+                let d: Vec<half::bf16> = raw.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                c.append(0, &[HostSlab::bf16(&d, &[2, 5])]).unwrap();
+                d.iter().map(|x| x.to_bits() as u32).collect::<Vec<_>>()
+            }
+        };
+        assert_eq!(c.read_words(0, 0).unwrap(), reference::pack_rows(&words, dtype, 5));
+    }
+}
