@@ -125,6 +125,14 @@ fn f32_to_f16_bits(x: u32) -> u32 {
     return bits;
 }
 
+fn bf16_to_f32_bits(b: u32) -> u32 {
+    // A NaN gets its quiet bit set, as the host conversion does.
+    if (b & 0x7fffu) > 0x7f80u {
+        return (b | 0x40u) << 16u;
+    }
+    return b << 16u;
+}
+
 fn f32_to_bf16_bits(x: u32) -> u32 {
     if (x & 0x7fffffffu) > 0x7f800000u {
         return (x >> 16u) | 0x40u;
@@ -145,7 +153,7 @@ fn convert(bits: u32) -> u32 {
     if SRC_DTYPE == F16 {
         f = f16_to_f32_bits(bits);
     } else if SRC_DTYPE == BF16 {
-        f = bits << 16u;
+        f = bf16_to_f32_bits(bits);
     }
     if DST_DTYPE == F16 {
         return f32_to_f16_bits(f);
