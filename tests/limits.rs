@@ -1,0 +1,66 @@
+//! Slots against the device's storage-binding limit (128 MiB on llvmpipe, lavapipe and WebGPU's
+//! defaults): refused with the largest capacity that fits, never a wgpu panic; a slot of exactly the
+//! limit works end to end, including a reset whose one dispatch must stride past the workgroup cap.
+#![cfg(not(target_arch = "wasm32"))]
+
+mod common;
+
+use common::*;
+use kvgpu::*;
+
+fn one_k_slot(capacity: usize) -> CacheSpec {
+    CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("k", &[8, 128])])], DType::F32, capacity).unwrap()
+}
+
+#[test]
+fn slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits() {
+    let g = gpu();
+    let limit = g.limits().max_slot_bytes();
+    let fits = (limit / 4096) as usize;
+    let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let err = KvCache::new(&g.device, &g.queue, one_k_slot(fits + 1)).err().expect("refused");
+    assert!(pollster::block_on(scope.pop()).is_none(), "a refused cache must not reach wgpu");
+    assert_eq!(
+        err,
+        Error::SlotTooLarge {
+            layer: 0,
+            slot: 0,
+            bytes: 4096 * (fits as u64 + 1),
+            row_bytes: 4096,
+            capacity: fits + 1,
+            limit,
+            max_capacity: fits,
+        }
+    );
+    eprintln!("{err}");
+}
+
+#[test]
+fn slot_of_exactly_the_limit_works() {
+    let g = gpu();
+    let fits = (g.limits().max_slot_bytes() / 4096).min(32_768) as usize;
+    let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let mut c = cache(one_k_slot(fits));
+    // Distinct first and last rows, filler between them.
+    let (first, last, filler) = (values(1, 1024), values(2, 1024), vec![0.5f32; 1024 * 64]);
+    c.append(0, &[HostSlab::f32(&first, &[1, 8, 128])]).unwrap();
+    c.advance(1).unwrap();
+    while c.remaining() > 1 {
+        let n = (c.remaining() - 1).min(64);
+        c.append(0, &[HostSlab::f32(&filler[..n * 1024], &[n, 8, 128])]).unwrap();
+        c.advance(n).unwrap();
+    }
+    c.append(0, &[HostSlab::f32(&last, &[1, 8, 128])]).unwrap();
+    c.advance(1).unwrap();
+    assert!(c.is_full());
+    let words = c.read_full_words(0, 0).unwrap();
+    assert_eq!(words.len(), fits * 1024);
+    assert_eq!(&words[words.len() - 1024..], bytemuck::cast_slice::<f32, u32>(&last));
+    assert_eq!(&words[..1024], bytemuck::cast_slice::<f32, u32>(&first));
+    assert_eq!(words[1024], 0.5f32.to_bits());
+
+    c.reset();
+    let words = c.read_full_words(0, 0).unwrap();
+    assert!(words.iter().all(|&w| w == 0), "reset left a non-zero word in a {} MiB slot", fits * 4096 >> 20);
+    assert!(pollster::block_on(scope.pop()).is_none());
+}
