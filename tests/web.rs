@@ -1,0 +1,358 @@
+//! The browser suite: runs in headless Chromium over WebGPU (`cargo test --target
+//! wasm32-unknown-unknown`, flags in `webdriver.json`). Every test opens the browser's adapter and fails
+//! when there is none; results are compared word for word with the CPU model in `kvgpu::reference`.
+#![cfg(target_arch = "wasm32")]
+
+use half::{bf16, f16};
+use kvgpu::reference::{CpuCache, convert_bits, gather_strided, host_bits, round_trip};
+use kvgpu::{CacheSpec, DType, DeviceLimits, Error, GpuSlab, HostSlab, KvCache, LayerSpec};
+use wasm_bindgen_test::{console_log, wasm_bindgen_test, wasm_bindgen_test_configure};
+
+wasm_bindgen_test_configure!(run_in_browser);
+
+/// The browser's WebGPU adapter; none is a failure, never a skip.
+async fn gpu() -> kvgpu::Gpu {
+    let gpu = kvgpu::Gpu::from_env().await.unwrap_or_else(|e| {
+        panic!(
+            "the browser suite needs a WebGPU adapter and found none: {e}; run Chromium with \
+             --enable-unsafe-webgpu (see webdriver.json)"
+        )
+    });
+    assert_eq!(
+        gpu.adapter.get_info().backend,
+        wgpu::Backend::BrowserWebGpu,
+        "the browser suite must run on the browser's WebGPU, not {}",
+        gpu.describe()
+    );
+    gpu
+}
+
+async fn cache(spec: CacheSpec) -> (kvgpu::Gpu, KvCache) {
+    let g = gpu().await;
+    let c = KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device");
+    (g, c)
+}
+
+/// Deterministic pseudo-random values in [-2, 2), different per seed.
+fn values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// Every word of every slot buffer, read back from the GPU.
+async fn snapshot(cache: &KvCache) -> Vec<Vec<Vec<u32>>> {
+    let mut out = Vec::new();
+    for (l, layer) in cache.spec().layers().iter().enumerate() {
+        let mut slots = Vec::new();
+        for s in 0..layer.slots.len() {
+            slots.push(cache.read_full_words_async(l, s).await.unwrap());
+        }
+        out.push(slots);
+    }
+    out
+}
+
+/// Appends `n` fresh host rows to every slot of every layer of both caches.
+fn append_step(gpu: &mut KvCache, cpu: &mut CpuCache, seed: u64, n: usize) {
+    let spec = gpu.spec().clone();
+    for (l, layer) in spec.layers().iter().enumerate() {
+        if layer.slots.is_empty() {
+            continue;
+        }
+        let row = gpu.ledger().visible(l).unwrap();
+        let data: Vec<Vec<f32>> = layer
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(s, slot)| values(seed * 100 + (l * 10 + s) as u64, n * slot.row_elems()))
+            .collect();
+        let shapes: Vec<Vec<usize>> = layer
+            .slots
+            .iter()
+            .map(|slot| [&[n][..], &slot.trailing].concat())
+            .collect();
+        let slabs: Vec<HostSlab<'_>> = data
+            .iter()
+            .zip(&shapes)
+            .map(|(d, sh)| HostSlab::f32(d, sh))
+            .collect();
+        gpu.append(l, &slabs).unwrap();
+        for (s, d) in data.iter().enumerate() {
+            cpu.write_rows(l, s, row, &host_bits(kvgpu::HostData::F32(d), spec.dtype()));
+        }
+    }
+}
+
+#[wasm_bindgen_test]
+async fn browser_adapter_is_webgpu() {
+    let g = gpu().await;
+    let limits = g.limits();
+    console_log!("kvgpu browser suite on {} with {limits:?}", g.describe());
+    assert!(
+        limits.max_slot_bytes() >= DeviceLimits::WEBGPU_DEFAULT.max_storage_buffer_binding_size,
+        "a WebGPU device binds at least the WebGPU default: {limits:?}"
+    );
+}
+
+#[wasm_bindgen_test]
+async fn mla_append_over_steps_matches_cpu_model() {
+    for dtype in DType::ALL {
+        // DeepSeek-like MLA layers (odd widths pad 16-bit rows) with a linear-attention layer between.
+        let layers = vec![
+            LayerSpec::mla(9, 3),
+            LayerSpec::empty(),
+            LayerSpec::mla(9, 3),
+        ];
+        let spec = CacheSpec::new(layers, dtype, 16).unwrap();
+        let (_g, mut c) = cache(spec.clone()).await;
+        let mut cpu = CpuCache::new(&spec);
+        for (step, n) in [4usize, 1, 1, 2, 1].into_iter().enumerate() {
+            append_step(&mut c, &mut cpu, step as u64 + 1, n);
+            c.advance(n).unwrap();
+        }
+        assert_eq!(c.len(), 9);
+        assert_eq!(snapshot(&c).await, cpu.words, "{dtype}: stored words");
+        for l in [0, 2] {
+            for s in 0..2 {
+                let got = c.read_f32_async(l, s).await.unwrap();
+                assert_eq!(got, cpu.read_f32(l, s, 9), "{dtype}: layer {l} slot {s}");
+            }
+        }
+    }
+}
+
+#[wasm_bindgen_test]
+async fn gqa_prefill_then_decode_from_fused_qkv() {
+    let (heads, dim, q_dim) = (2usize, 3usize, 12usize);
+    let kv_dim = heads * dim;
+    let width = q_dim + 2 * kv_dim;
+    for dtype in DType::ALL {
+        let spec = CacheSpec::uniform(2, LayerSpec::kv(heads, dim, dim), dtype, 12).unwrap();
+        let (g, mut c) = cache(spec.clone()).await;
+        let mut cpu = CpuCache::new(&spec);
+        // Prefill 5 tokens from the host.
+        append_step(&mut c, &mut cpu, 7, 5);
+        c.advance(5).unwrap();
+        // Decode 3 tokens, K and V strided out of a fused QKV buffer on the GPU.
+        for step in 0..3u64 {
+            let qkv = values(50 + step, width);
+            let src = g.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("qkv"),
+                size: (width * 4) as u64,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_DST
+                    | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            g.queue.write_buffer(&src, 0, bytemuck::cast_slice(&qkv));
+            let bits: Vec<u32> = qkv.iter().map(|x| x.to_bits()).collect();
+            let shape = [1, heads, dim];
+            let strides = [width, dim, 1];
+            for l in 0..2 {
+                let row = c.visible(l).unwrap();
+                let slab = |offset: usize| GpuSlab {
+                    buffer: &src,
+                    dtype: DType::F32,
+                    offset: offset as u64,
+                    shape: &shape,
+                    strides: Some(&strides),
+                };
+                c.append_gpu(l, &[slab(q_dim), slab(q_dim + kv_dim)])
+                    .unwrap();
+                for (s, offset) in [q_dim, q_dim + kv_dim].into_iter().enumerate() {
+                    let want: Vec<u32> = gather_strided(&bits, offset, &shape, &strides)
+                        .into_iter()
+                        .map(|b| convert_bits(b, DType::F32, dtype))
+                        .collect();
+                    cpu.write_rows(l, s, row, &want);
+                }
+                assert_eq!(c.view(l, 0).unwrap().rows, 5 + step as usize + 1);
+            }
+            c.advance(1).unwrap();
+        }
+        assert_eq!(c.len(), 8);
+        assert_eq!(snapshot(&c).await, cpu.words, "{dtype}: stored words");
+        let v = c.read_f32_async(1, 1).await.unwrap();
+        assert_eq!(v.len(), 8 * kv_dim);
+        assert_eq!(v, cpu.read_f32(1, 1, 8), "{dtype}: V of layer 1");
+    }
+}
+
+#[wasm_bindgen_test]
+async fn refused_operations_leave_the_cache_unchanged() {
+    let spec = CacheSpec::uniform(2, LayerSpec::kv(2, 4, 4), DType::F16, 6).unwrap();
+    let (_g, mut c) = cache(spec.clone()).await;
+    let mut cpu = CpuCache::new(&spec);
+    append_step(&mut c, &mut cpu, 3, 4);
+    c.advance(4).unwrap();
+    let before = snapshot(&c).await;
+    assert_eq!(before, cpu.words);
+
+    // Three rows into a cache with room for two: refused before anything is written.
+    let k = values(9, 3 * 8);
+    let err = c
+        .append(
+            0,
+            &[HostSlab::f32(&k, &[3, 2, 4]), HostSlab::f32(&k, &[3, 2, 4])],
+        )
+        .unwrap_err();
+    console_log!("refused as expected: {err}");
+    assert!(matches!(err, Error::CapacityExceeded { .. }), "{err:?}");
+    // Layer 0 appended, layer 1 forgotten: advance names the layer and commits nothing.
+    c.append(
+        0,
+        &[
+            HostSlab::f32(&k[..8], &[1, 2, 4]),
+            HostSlab::f32(&k[..8], &[1, 2, 4]),
+        ],
+    )
+    .unwrap();
+    let err = c.advance(1).unwrap_err();
+    assert!(err.to_string().contains("layer 1"), "{err}");
+    assert_eq!(c.len(), 4);
+    c.truncate(4).unwrap();
+    assert_eq!(c.visible(0).unwrap(), 4);
+    let err = c.truncate(5).unwrap_err();
+    assert!(matches!(err, Error::TruncateBeyondLength { .. }), "{err:?}");
+
+    // The pending row of layer 0 reached the GPU before truncate dropped it; the dropped row is row 4.
+    let mut after = snapshot(&c).await;
+    let row_words = cpu.row_words(0, 0);
+    for s in 0..2 {
+        after[0][s][4 * row_words..5 * row_words].fill(0);
+    }
+    assert_eq!(after, before, "refused operations changed GPU memory");
+    assert_eq!(c.len(), 4);
+}
+
+#[wasm_bindgen_test]
+async fn reset_and_scrub_zero_the_gpu_memory() {
+    let spec = CacheSpec::new(
+        vec![LayerSpec::mla(5, 3), LayerSpec::kv(1, 3, 5)],
+        DType::BF16,
+        8,
+    )
+    .unwrap();
+    let (_g, mut c) = cache(spec.clone()).await;
+    let mut cpu = CpuCache::new(&spec);
+    append_step(&mut c, &mut cpu, 11, 6);
+    c.advance(6).unwrap();
+    c.truncate_and_scrub(2).unwrap();
+    for l in 0..2 {
+        cpu.zero_rows(l, 2, 6);
+    }
+    assert_eq!(snapshot(&c).await, cpu.words, "scrub zeroes rows 2..6");
+    assert!(cpu.words[0][0].iter().any(|&w| w != 0), "rows 0..2 kept");
+
+    c.reset();
+    assert_eq!(c.len(), 0);
+    for (l, layer) in snapshot(&c).await.iter().enumerate() {
+        for (s, words) in layer.iter().enumerate() {
+            assert!(!words.is_empty());
+            assert!(
+                words.iter().all(|&w| w == 0),
+                "layer {l} slot {s} not zeroed"
+            );
+        }
+    }
+    // The cache is usable again after reset.
+    cpu.zero_all();
+    append_step(&mut c, &mut cpu, 12, 3);
+    c.advance(3).unwrap();
+    assert_eq!(snapshot(&c).await, cpu.words);
+}
+
+#[wasm_bindgen_test]
+async fn f16_and_bf16_storage_is_bit_exact() {
+    // Values that exercise rounding, subnormals, signed zero, overflow to infinity and large magnitudes.
+    let specials = [
+        0.0f32,
+        -0.0,
+        1.0,
+        -1.5,
+        1.0e-7,
+        -6.0e-8,
+        65504.0,
+        70000.0,
+        3.0e38,
+        0.1,
+        1.0 / 3.0,
+        -2.75,
+        1.0e-40,
+        255.5,
+        -1024.25,
+        7.0,
+    ];
+    for dtype in [DType::F16, DType::BF16] {
+        // Rows of 7 elements: 14 bytes, padded to 16.
+        let spec = CacheSpec::new(vec![LayerSpec::kv(1, 7, 7)], dtype, 8).unwrap();
+        let (_g, mut c) = cache(spec.clone()).await;
+        let k: Vec<f32> = specials.iter().copied().cycle().take(2 * 7).collect();
+        let v = values(21, 2 * 7);
+        // K from f32 (converted on the host), V already in the storage type.
+        match dtype {
+            DType::F16 => {
+                let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+                c.append(
+                    0,
+                    &[
+                        HostSlab::f32(&k, &[2, 1, 7]),
+                        HostSlab::f16(&v16, &[2, 1, 7]),
+                    ],
+                )
+                .unwrap();
+            }
+            _ => {
+                let v16: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+                c.append(
+                    0,
+                    &[
+                        HostSlab::f32(&k, &[2, 1, 7]),
+                        HostSlab::bf16(&v16, &[2, 1, 7]),
+                    ],
+                )
+                .unwrap();
+            }
+        }
+        c.advance(2).unwrap();
+        let mut cpu = CpuCache::new(&spec);
+        cpu.write_rows(0, 0, 0, &host_bits(kvgpu::HostData::F32(&k), dtype));
+        cpu.write_rows(0, 1, 0, &host_bits(kvgpu::HostData::F32(&v), dtype));
+        assert_eq!(snapshot(&c).await, cpu.words, "{dtype}: stored words");
+        assert_eq!(c.read_words_async(0, 0).await.unwrap().len(), 2 * 4);
+        let got = c.read_f32_async(0, 0).await.unwrap();
+        let want: Vec<f32> = k.iter().map(|&x| round_trip(x, dtype)).collect();
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{dtype}"
+        );
+        if dtype == DType::F16 {
+            assert!(got[7].is_infinite(), "70000 overflows f16");
+        }
+    }
+}
+
+#[wasm_bindgen_test]
+async fn slot_beyond_the_device_limit_is_refused() {
+    let g = gpu().await;
+    let limits = g.limits();
+    let row_bytes = 4096u64;
+    let capacity = (limits.max_slot_bytes() / row_bytes + 1) as usize;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, capacity).unwrap();
+    let err = KvCache::new(&g.device, &g.queue, spec.clone())
+        .err()
+        .expect("a slot larger than one binding is refused");
+    assert!(matches!(err, Error::SlotTooLarge { .. }), "{err:?}");
+    // The same spec fits WebGPU's defaults once shrunk to the capacity the error names.
+    let fit = spec.max_capacity_for(&DeviceLimits::WEBGPU_DEFAULT);
+    assert_eq!(fit, (128 << 20) / row_bytes as usize);
+    console_log!("refused as expected: {err}");
+}
