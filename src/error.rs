@@ -158,6 +158,68 @@ pub enum Error {
         slot: usize,
         reason: String,
     },
+
+    /// Attention was asked of a layer whose slots are not the kind it reads (K/V or MLA latents).
+    #[error("layer {layer} cannot run {kind} attention: {reason}")]
+    NotAttentionLayer {
+        layer: usize,
+        kind: &'static str,
+        reason: String,
+    },
+
+    /// Queries whose shape does not fit the layer's slots (or each other).
+    #[error("layer {layer}: {which} has shape {got:?} but {expected:?} is needed")]
+    QueryShape {
+        layer: usize,
+        which: &'static str,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+
+    /// The query heads cannot be split evenly among the KV heads.
+    #[error(
+        "layer {layer}: {n_heads} query heads are not a (non-zero) multiple of the layer's {n_kv_heads} KV heads"
+    )]
+    HeadGroups {
+        layer: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+    },
+
+    /// The queries are not 1 to `visible` of the layer's visible rows.
+    #[error(
+        "layer {layer}: {n_q} queries but the layer has {visible} visible rows; the queries are the last \
+         n_q visible rows, so 1 <= n_q <= visible (append this step's rows first)"
+    )]
+    QueryRows {
+        layer: usize,
+        n_q: usize,
+        visible: usize,
+    },
+
+    /// A query or output buffer smaller than the shape it must hold.
+    #[error(
+        "layer {layer}: {which} buffer holds {size} bytes but shape {shape:?} (f32) needs {needed}"
+    )]
+    BufferTooSmall {
+        layer: usize,
+        which: &'static str,
+        shape: Vec<usize>,
+        needed: u64,
+        size: u64,
+    },
+
+    /// A query or output buffer attention cannot use: usage flags, device, aliasing or binding size.
+    #[error("layer {layer}: unusable {which} buffer: {reason}")]
+    AttentionBuffer {
+        layer: usize,
+        which: &'static str,
+        reason: String,
+    },
+
+    /// Attention options out of range (scale, window, soft-cap) or a dispatch beyond the device's limits.
+    #[error("layer {layer}: invalid attention request: {reason}")]
+    AttentionRequest { layer: usize, reason: String },
 }
 
 /// Shorthand used throughout kvgpu.

@@ -1,4 +1,5 @@
 //! kvgpu keeps the KV / latent cache of LLM inference on the GPU.
+pub mod attention;
 pub mod cache;
 pub mod device;
 pub mod error;
@@ -7,6 +8,7 @@ pub mod ledger;
 pub mod reference;
 pub mod spec;
 
+pub use attention::{Attention, AttentionOptions, MlaQueries, Queries};
 pub use cache::{GpuSlab, HostData, HostSlab, KvCache, SlotView};
 pub use device::Gpu;
 pub use error::{Error, Result};

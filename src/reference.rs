@@ -225,6 +225,117 @@ impl CpuCache {
     }
 }
 
+/// Twin of attention: for each query `qi` and head `h`, softmax over the rows the query sees of
+/// `scale · score(qi, h, row)` (soft-capped if asked), times `value(h, row, d)`. Accumulates in f64.
+fn attend(
+    [n_q, n_heads, d_v]: [usize; 3],
+    visible: usize,
+    scale: f32,
+    options: &crate::attention::AttentionOptions,
+    score: impl Fn(usize, usize, usize) -> f64,
+    value: impl Fn(usize, usize, usize) -> f64,
+) -> Vec<f32> {
+    let mut out = vec![0f32; n_q * n_heads * d_v];
+    let mut weights = Vec::with_capacity(visible);
+    for qi in 0..n_q {
+        let last = visible - n_q + qi;
+        let first = options.window.map_or(0, |w| (last + 1).saturating_sub(w));
+        for h in 0..n_heads {
+            weights.clear();
+            weights.extend((first..=last).map(|row| {
+                let s = score(qi, h, row) * scale as f64;
+                match options.soft_cap {
+                    Some(cap) => cap as f64 * (s / cap as f64).tanh(),
+                    None => s,
+                }
+            }));
+            let max = weights.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            weights.iter_mut().for_each(|w| *w = (*w - max).exp());
+            let sum: f64 = weights.iter().sum();
+            let o = &mut out[(qi * n_heads + h) * d_v..][..d_v];
+            for (d, o) in o.iter_mut().enumerate() {
+                let acc: f64 = (first..=last)
+                    .zip(&weights)
+                    .map(|(row, w)| w * value(h, row, d))
+                    .sum();
+                *o = (acc / sum) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// Twin of GQA / MHA attention: `q [n_q, n_heads, d_k]` (`q_shape`), `k [visible, n_kv_heads, d_k]`
+/// and `v [visible, n_kv_heads, d_v]` as stored (read back, or rounded with [`round_trip`]); returns
+/// `[n_q, n_heads, d_v]`. The queries are the last `n_q` of the `visible` rows. Panics on slices too
+/// short for their shapes.
+pub fn attention_gqa(
+    q: &[f32],
+    q_shape: [usize; 3],
+    k: &[f32],
+    v: &[f32],
+    n_kv_heads: usize,
+    d_v: usize,
+    options: &crate::attention::AttentionOptions,
+) -> Vec<f32> {
+    let [n_q, n_heads, d_k] = q_shape;
+    let visible = k.len() / (n_kv_heads * d_k);
+    let group = n_heads / n_kv_heads;
+    let scale = options.scale.unwrap_or(1.0 / (d_k as f32).sqrt());
+    attend(
+        [n_q, n_heads, d_v],
+        visible,
+        scale,
+        options,
+        |qi, h, row| {
+            let qv = &q[(qi * n_heads + h) * d_k..][..d_k];
+            let kv = &k[(row * n_kv_heads + h / group) * d_k..][..d_k];
+            qv.iter().zip(kv).map(|(&a, &b)| a as f64 * b as f64).sum()
+        },
+        |h, row, d| v[(row * n_kv_heads + h / group) * d_v + d] as f64,
+    )
+}
+
+/// Twin of MLA absorbed attention: `q_latent [n_q, n_heads, r]` (`q_shape`), `q_rope [n_q, n_heads,
+/// rope_dim]`, `c_kv [visible, r]` and `k_pe [visible, rope_dim]` as stored; returns `[n_q, n_heads, r]`.
+/// The default scale is `1/sqrt(r + rope_dim)`. Panics on slices too short for their shapes.
+pub fn attention_mla(
+    q_latent: &[f32],
+    q_rope: &[f32],
+    q_shape: [usize; 3],
+    c_kv: &[f32],
+    k_pe: &[f32],
+    rope_dim: usize,
+    options: &crate::attention::AttentionOptions,
+) -> Vec<f32> {
+    let [n_q, n_heads, r] = q_shape;
+    let p = rope_dim;
+    let visible = c_kv.len() / r;
+    let scale = options.scale.unwrap_or(1.0 / ((r + p) as f32).sqrt());
+    attend(
+        [n_q, n_heads, r],
+        visible,
+        scale,
+        options,
+        |qi, h, row| {
+            let ql = &q_latent[(qi * n_heads + h) * r..][..r];
+            let qr = &q_rope[(qi * n_heads + h) * p..][..p];
+            let lat: f64 = ql
+                .iter()
+                .zip(&c_kv[row * r..][..r])
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let rope: f64 = qr
+                .iter()
+                .zip(&k_pe[row * p..][..p])
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            lat + rope
+        },
+        |_, row, d| c_kv[row * r + d] as f64,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,288 @@
+// Attention, pass 1 of 2 (flash-decoding): one workgroup takes one chunk of the visible rows, one KV head
+// and up to 16 of the query heads that share it, for one query. It walks the chunk in tiles of 64 rows
+// with a running-max softmax and writes its partial (max, sum) and unnormalised output per head; the
+// reduce pass (attention_reduce.wgsl) merges the chunks. Every K / V element a workgroup reads is used
+// by all of its heads, so a group of up to 16 query heads reads its KV once.
+//
+// The score of a row is `q_a · a + q_b · b` over two slots: GQA uses slot a = K and no b (d_b = 0); MLA
+// uses a = compressed_kv and b = k_pe with one KV "head". Values come from slot v (V, or compressed_kv).
+// 16-bit storage is read as packed words (low half first) and unpacked with integer bit operations
+// (exact, subnormals included; no shader-f16 or packed-float built-in needed).
+
+// Element type codes, as `DType::code` in src/spec.rs.
+const F32: u32 = 0u;
+const F16: u32 = 1u;
+const BF16: u32 = 2u;
+
+override DTYPE: u32 = 0u;
+
+// Rows per tile (= invocations per workgroup) and most query heads per workgroup.
+const TILE: u32 = 64u;
+const HEADS: u32 = 16u;
+// Running max before the first row: far below any finite score, and exp(NEG - m) is 0.
+const NEG: f32 = -1.0e30;
+
+// Must match `AttnParams` in src/attention.rs.
+struct AttnParams {
+    n_q: u32,
+    n_heads: u32,
+    // Query heads per KV head.
+    group: u32,
+    // Workgroups per KV head: ceil(group / 16).
+    n_batches: u32,
+    d_a: u32,
+    d_b: u32,
+    d_v: u32,
+    // Visible rows of the layer; the queries are the last n_q of them.
+    visible: u32,
+    row_words_a: u32,
+    row_words_b: u32,
+    row_words_v: u32,
+    // Attend to at most this many rows ending at the query's own (0: no window).
+    window: u32,
+    // First row any query can see, and rows per chunk (a multiple of TILE).
+    lo: u32,
+    chunk_len: u32,
+    n_chunks: u32,
+    n_kv: u32,
+    scale: f32,
+    // Logit soft-cap (0: none).
+    soft_cap: f32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<storage, read> q_a: array<f32>;
+@group(0) @binding(1) var<storage, read> q_b: array<f32>;
+@group(0) @binding(2) var<storage, read> slot_a: array<u32>;
+@group(0) @binding(3) var<storage, read> slot_b: array<u32>;
+@group(0) @binding(4) var<storage, read> slot_v: array<u32>;
+// Per (chunk, query, head): running max and sum.
+@group(0) @binding(5) var<storage, read_write> stats: array<f32>;
+// Per (chunk, query, head): unnormalised output [d_v].
+@group(0) @binding(6) var<storage, read_write> part: array<f32>;
+@group(0) @binding(7) var<uniform> p: AttnParams;
+
+var<workgroup> scores: array<f32, 1024>; // [HEADS][TILE]
+var<workgroup> run_max: array<f32, 16>;
+var<workgroup> run_sum: array<f32, 16>;
+var<workgroup> rescale: array<f32, 16>;
+
+// An f16 subnormal (or zero), exactly.
+fn f16_subnormal(h: u32) -> f32 {
+    let mag = f32(h & 0x3ffu) * 5.9604644775390625e-8;
+    return select(mag, -mag, (h & 0x8000u) != 0u);
+}
+
+// The low (hi = false) or high half of a packed word as f32.
+fn half_at(w: u32, hi: bool) -> f32 {
+    let h = select(w & 0xffffu, w >> 16u, hi);
+    if DTYPE == BF16 {
+        return bitcast<f32>(h << 16u);
+    }
+    let exp = h & 0x7c00u;
+    if exp == 0u {
+        return f16_subnormal(h);
+    }
+    let sign = (h & 0x8000u) << 16u;
+    let mag = (h & 0x7fffu) << 13u;
+    // Normal: rebias the exponent by 127 - 15; infinity and NaN: all exponent bits set.
+    return bitcast<f32>(sign | select(mag + (112u << 23u), mag | 0x7f800000u, exp == 0x7c00u));
+}
+
+// Element `e` of row `row` of slot v.
+fn v_elem(row: u32, e: u32) -> f32 {
+    if DTYPE == F32 {
+        return bitcast<f32>(slot_v[row * p.row_words_v + e]);
+    }
+    return half_at(slot_v[row * p.row_words_v + (e >> 1u)], (e & 1u) == 1u);
+}
+
+// acc[h] += q_a[head h0 + h] · (elements [e0, e0 + d_a) of row `row` of slot a), for h < hb.
+fn dot_a(row: u32, e0: u32, q0: u32, hb: u32, acc: ptr<function, array<f32, 16>>) {
+    let d = p.d_a;
+    let base = row * p.row_words_a;
+    if DTYPE == F32 {
+        for (var e = 0u; e < d; e++) {
+            let k = bitcast<f32>(slot_a[base + e0 + e]);
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_a[q0 + h * d + e] * k;
+            }
+        }
+        return;
+    }
+    let w_end = (e0 + d + 1u) >> 1u;
+    for (var w = e0 >> 1u; w < w_end; w++) {
+        let word = slot_a[base + w];
+        let lo = half_at(word, false);
+        let hi = half_at(word, true);
+        let i = 2u * w;
+        if i >= e0 && i + 1u < e0 + d {
+            let j = q0 + i - e0;
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_a[j + h * d] * lo + q_a[j + 1u + h * d] * hi;
+            }
+        } else if i >= e0 {
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_a[q0 + i - e0 + h * d] * lo;
+            }
+        } else {
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_a[q0 + h * d] * hi;
+            }
+        }
+    }
+}
+
+// As dot_a, for q_b and slot b.
+fn dot_b(row: u32, e0: u32, q0: u32, hb: u32, acc: ptr<function, array<f32, 16>>) {
+    let d = p.d_b;
+    let base = row * p.row_words_b;
+    if DTYPE == F32 {
+        for (var e = 0u; e < d; e++) {
+            let k = bitcast<f32>(slot_b[base + e0 + e]);
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_b[q0 + h * d + e] * k;
+            }
+        }
+        return;
+    }
+    let w_end = (e0 + d + 1u) >> 1u;
+    for (var w = e0 >> 1u; w < w_end; w++) {
+        let word = slot_b[base + w];
+        let lo = half_at(word, false);
+        let hi = half_at(word, true);
+        let i = 2u * w;
+        if i >= e0 && i + 1u < e0 + d {
+            let j = q0 + i - e0;
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_b[j + h * d] * lo + q_b[j + 1u + h * d] * hi;
+            }
+        } else if i >= e0 {
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_b[q0 + i - e0 + h * d] * lo;
+            }
+        } else {
+            for (var h = 0u; h < hb; h++) {
+                (*acc)[h] += q_b[q0 + h * d] * hi;
+            }
+        }
+    }
+}
+
+// tanh that cannot overflow for large |x|.
+fn tanh_safe(x: f32) -> f32 {
+    let t = exp(-2.0 * abs(x));
+    let r = (1.0 - t) / (1.0 + t);
+    return select(r, -r, x < 0.0);
+}
+
+// Elements per stored word.
+fn per_word() -> u32 {
+    return select(2u, 1u, DTYPE == F32);
+}
+
+// Every index this dispatch can touch is inside its binding; checked once, up front, on uniform values.
+fn in_bounds() -> bool {
+    let rows = p.n_q * p.n_heads;
+    let pw = per_word();
+    let parts = p.n_chunks * rows;
+    return p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads
+        && p.chunk_len % TILE == 0u
+        && rows * p.d_a <= arrayLength(&q_a) && rows * p.d_b <= arrayLength(&q_b)
+        && p.n_kv * p.d_a <= p.row_words_a * pw && p.visible * p.row_words_a <= arrayLength(&slot_a)
+        && p.n_kv * p.d_b <= p.row_words_b * pw && p.visible * p.row_words_b <= arrayLength(&slot_b)
+        && p.n_kv * p.d_v <= p.row_words_v * pw && p.visible * p.row_words_v <= arrayLength(&slot_v)
+        && parts * 2u <= arrayLength(&stats) && parts * p.d_v <= arrayLength(&part);
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let chunk = wg.x;
+    let kv = wg.y / max(p.n_batches, 1u);
+    let batch = wg.y % max(p.n_batches, 1u);
+    let qi = wg.z;
+    if chunk >= p.n_chunks || kv >= p.n_kv || batch * HEADS >= p.group || qi >= p.n_q || !in_bounds() {
+        return;
+    }
+    let hb = min(HEADS, p.group - batch * HEADS);
+    let h0 = kv * p.group + batch * HEADS;
+    // This query's own row, and the first row its window reaches.
+    let last = p.visible - p.n_q + qi;
+    var first = 0u;
+    if p.window > 0u && last + 1u > p.window {
+        first = last + 1u - p.window;
+    }
+    let c_start = p.lo + chunk * p.chunk_len;
+    let start = max(c_start, first);
+    let end = min(min(p.visible, c_start + p.chunk_len), last + 1u);
+    if lid < HEADS {
+        run_max[lid] = NEG;
+        run_sum[lid] = 0.0;
+    }
+    let out0 = (chunk * p.n_q + qi) * p.n_heads + h0;
+    let qa0 = (qi * p.n_heads + h0) * p.d_a;
+    let qb0 = (qi * p.n_heads + h0) * p.d_b;
+    for (var t0 = start; t0 < end; t0 += TILE) {
+        let n = min(TILE, end - t0);
+        if lid < n {
+            var acc: array<f32, 16>;
+            dot_a(t0 + lid, kv * p.d_a, qa0, hb, &acc);
+            if p.d_b > 0u {
+                dot_b(t0 + lid, kv * p.d_b, qb0, hb, &acc);
+            }
+            for (var h = 0u; h < hb; h++) {
+                var s = acc[h] * p.scale;
+                if p.soft_cap > 0.0 {
+                    s = p.soft_cap * tanh_safe(s / p.soft_cap);
+                }
+                scores[h * TILE + lid] = s;
+            }
+        }
+        workgroupBarrier();
+        if lid < hb {
+            var m = run_max[lid];
+            for (var t = 0u; t < n; t++) {
+                m = max(m, scores[lid * TILE + t]);
+            }
+            rescale[lid] = exp(run_max[lid] - m);
+            run_max[lid] = m;
+        }
+        workgroupBarrier();
+        if lid < n {
+            for (var h = 0u; h < hb; h++) {
+                scores[h * TILE + lid] = exp(scores[h * TILE + lid] - run_max[h]);
+            }
+        }
+        workgroupBarrier();
+        if lid < hb {
+            var s = 0.0;
+            for (var t = 0u; t < n; t++) {
+                s += scores[lid * TILE + t];
+            }
+            run_sum[lid] = run_sum[lid] * rescale[lid] + s;
+        }
+        for (var d = lid; d < p.d_v; d += TILE) {
+            var acc: array<f32, 16>;
+            for (var t = 0u; t < n; t++) {
+                let v = v_elem(t0 + t, kv * p.d_v + d);
+                for (var h = 0u; h < hb; h++) {
+                    acc[h] += scores[h * TILE + t] * v;
+                }
+            }
+            for (var h = 0u; h < hb; h++) {
+                let i = (out0 + h) * p.d_v + d;
+                if t0 == start {
+                    part[i] = acc[h];
+                } else {
+                    part[i] = part[i] * rescale[h] + acc[h];
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    if lid < hb {
+        stats[2u * (out0 + lid)] = run_max[lid];
+        stats[2u * (out0 + lid) + 1u] = run_sum[lid];
+    }
+}

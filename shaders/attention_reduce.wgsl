@@ -1,0 +1,71 @@
+// Attention, pass 2 of 2: merges the per-chunk partials of attention_partial.wgsl into the output.
+// One workgroup per (head, query); chunks that saw no row of the query (sum 0) are skipped.
+
+const NEG: f32 = -1.0e30;
+
+// Must match `AttnParams` in src/attention.rs (and attention_partial.wgsl).
+struct AttnParams {
+    n_q: u32,
+    n_heads: u32,
+    group: u32,
+    n_batches: u32,
+    d_a: u32,
+    d_b: u32,
+    d_v: u32,
+    visible: u32,
+    row_words_a: u32,
+    row_words_b: u32,
+    row_words_v: u32,
+    window: u32,
+    lo: u32,
+    chunk_len: u32,
+    n_chunks: u32,
+    n_kv: u32,
+    scale: f32,
+    soft_cap: f32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<storage, read> stats: array<f32>;
+@group(0) @binding(1) var<storage, read> part: array<f32>;
+// [n_q, n_heads, d_v]
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+@group(0) @binding(3) var<uniform> p: AttnParams;
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let h = wg.x;
+    let qi = wg.y;
+    let rows = p.n_q * p.n_heads;
+    if h >= p.n_heads || qi >= p.n_q || rows * p.d_v > arrayLength(&out)
+        || p.n_chunks * rows * 2u > arrayLength(&stats) || p.n_chunks * rows * p.d_v > arrayLength(&part) {
+        return;
+    }
+    var m = NEG;
+    for (var c = 0u; c < p.n_chunks; c++) {
+        let s = (c * p.n_q + qi) * p.n_heads + h;
+        if stats[2u * s + 1u] > 0.0 {
+            m = max(m, stats[2u * s]);
+        }
+    }
+    var l = 0.0;
+    for (var c = 0u; c < p.n_chunks; c++) {
+        let s = (c * p.n_q + qi) * p.n_heads + h;
+        let sum = stats[2u * s + 1u];
+        if sum > 0.0 {
+            l += sum * exp(stats[2u * s] - m);
+        }
+    }
+    let inv = select(0.0, 1.0 / l, l > 0.0);
+    for (var d = lid; d < p.d_v; d += 64u) {
+        var o = 0.0;
+        for (var c = 0u; c < p.n_chunks; c++) {
+            let s = (c * p.n_q + qi) * p.n_heads + h;
+            if stats[2u * s + 1u] > 0.0 {
+                o += part[s * p.d_v + d] * exp(stats[2u * s] - m);
+            }
+        }
+        out[(qi * p.n_heads + h) * p.d_v + d] = o * inv;
+    }
+}
