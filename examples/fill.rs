@@ -4,6 +4,10 @@
 //!
 //! `cargo run --release --example fill`
 
+// Native only: it uses the blocking helpers. The browser demo is examples/web.
+#![cfg_attr(target_arch = "wasm32", no_main)]
+#![cfg(not(target_arch = "wasm32"))]
+
 use std::process::ExitCode;
 
 use kvgpu::reference::{self, CpuCache};
