@@ -658,10 +658,11 @@ impl KvCache {
         })
     }
 
-    async fn read_bytes(&self, layer: usize, slot: usize, rows: Option<usize>) -> Result<Vec<u8>> {
-        let view = match rows {
-            None => self.full_view(layer, slot)?,
-            Some(_) => self.view(layer, slot)?,
+    async fn read_bytes(&self, layer: usize, slot: usize, full: bool) -> Result<Vec<u8>> {
+        let view = if full {
+            self.full_view(layer, slot)?
+        } else {
+            self.view(layer, slot)?
         };
         read_buffer(
             &self.device,
@@ -681,14 +682,14 @@ impl KvCache {
     /// The visible rows of a slot as stored: 32-bit words, 16-bit types packed, rows padded.
     pub async fn read_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
         Ok(bytemuck::pod_collect_to_vec(
-            &self.read_bytes(layer, slot, Some(0)).await?,
+            &self.read_bytes(layer, slot, false).await?,
         ))
     }
 
     /// Every word of a slot buffer, visible or not.
     pub async fn read_full_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
         Ok(bytemuck::pod_collect_to_vec(
-            &self.read_bytes(layer, slot, None).await?,
+            &self.read_bytes(layer, slot, true).await?,
         ))
     }
 

@@ -10,7 +10,9 @@ use kvgpu::*;
 
 /// The expected f32 contents of `rows` rows appended from `data` (rounded through the storage type).
 fn rounded(data: &[f32], dtype: DType) -> Vec<f32> {
-    data.iter().map(|&x| reference::round_trip(x, dtype)).collect()
+    data.iter()
+        .map(|&x| reference::round_trip(x, dtype))
+        .collect()
 }
 
 /// Appends f32 data to every slot of `layer` on the GPU and in the model.
@@ -21,19 +23,33 @@ fn append_both(c: &mut KvCache, m: &mut CpuCache, layer: usize, n: usize, seed: 
         .iter()
         .map(|s| [&[n][..], &s.trailing].concat())
         .collect();
-    let data: Vec<Vec<f32>> =
-        shapes.iter().enumerate().map(|(s, sh)| values(seed * 31 + s as u64, sh.iter().product())).collect();
-    let slabs: Vec<HostSlab> = data.iter().zip(&shapes).map(|(d, sh)| HostSlab::f32(d, sh)).collect();
+    let data: Vec<Vec<f32>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(s, sh)| values(seed * 31 + s as u64, sh.iter().product()))
+        .collect();
+    let slabs: Vec<HostSlab> = data
+        .iter()
+        .zip(&shapes)
+        .map(|(d, sh)| HostSlab::f32(d, sh))
+        .collect();
     c.append(layer, &slabs).unwrap();
     for (s, d) in data.iter().enumerate() {
-        let bits: Vec<u32> = d.iter().map(|&x| reference::f32_to_bits(x, m.dtype)).collect();
+        let bits: Vec<u32> = d
+            .iter()
+            .map(|&x| reference::f32_to_bits(x, m.dtype))
+            .collect();
         m.write_rows(layer, s, start, &bits);
     }
 }
 
 /// Every slot buffer on the GPU equals the model, word for word, at full capacity.
 fn assert_matches(c: &KvCache, m: &CpuCache) {
-    assert_eq!(snapshot(c), m.words, "GPU buffers differ from the CPU model");
+    assert_eq!(
+        snapshot(c),
+        m.words,
+        "GPU buffers differ from the CPU model"
+    );
 }
 
 #[test]
@@ -71,7 +87,13 @@ fn gqa_prefill_then_decode() {
                 append_both(&mut c, &mut m, layer, 1, 200 + step * 3 + layer as u64);
                 assert_eq!(c.visible(layer).unwrap(), 18 + step as usize);
                 let view = c.view(layer, 1).unwrap();
-                assert_eq!((view.rows, view.size), (18 + step as usize, (18 + step) * 8 * 2 * dtype.size() as u64));
+                assert_eq!(
+                    (view.rows, view.size),
+                    (
+                        18 + step as usize,
+                        (18 + step) * 8 * 2 * dtype.size() as u64
+                    )
+                );
             }
             c.advance(1).unwrap();
         }
@@ -117,9 +139,24 @@ fn layers_are_isolated_and_hybrid_layers_own_nothing() {
         assert_matches(&c, &m);
         // Layers without slots take empty appends and have no views.
         c.append(0, &[]).unwrap();
-        assert!(matches!(c.view(0, 0), Err(Error::SlotOutOfRange { layer: 0, slot: 0, n_slots: 0 })));
+        assert!(matches!(
+            c.view(0, 0),
+            Err(Error::SlotOutOfRange {
+                layer: 0,
+                slot: 0,
+                n_slots: 0
+            })
+        ));
         let err = c.advance(2).unwrap_err();
-        assert_eq!(err, Error::UnevenAdvance { layer: 3, pending: 0, expected: 2, len: 0 });
+        assert_eq!(
+            err,
+            Error::UnevenAdvance {
+                layer: 3,
+                pending: 0,
+                expected: 2,
+                len: 0
+            }
+        );
         for layer in (3..24).step_by(4).filter(|&l| l != 7) {
             append_both(&mut c, &mut m, layer, 2, layer as u64);
         }
@@ -131,7 +168,8 @@ fn layers_are_isolated_and_hybrid_layers_own_nothing() {
 #[test]
 fn every_refusal_leaves_the_cache_unchanged() {
     for_each_dtype(|dtype| {
-        let spec = CacheSpec::new(vec![LayerSpec::mla(6, 3), LayerSpec::kv(2, 4, 4)], dtype, 5).unwrap();
+        let spec =
+            CacheSpec::new(vec![LayerSpec::mla(6, 3), LayerSpec::kv(2, 4, 4)], dtype, 5).unwrap();
         let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
         append_both(&mut c, &mut m, 0, 2, 1);
         append_both(&mut c, &mut m, 1, 2, 2);
@@ -146,22 +184,49 @@ fn every_refusal_leaves_the_cache_unchanged() {
         let wrong_type_bf = vec![half::bf16::ZERO; 6];
         let mut refusals: Vec<(&str, Result<AppendPlan>)> = vec![
             ("layer out of range", c.append(2, &[])),
-            ("wrong slot count", c.append(0, &[HostSlab::f32(&a6[..6], &[1, 6])])),
+            (
+                "wrong slot count",
+                c.append(0, &[HostSlab::f32(&a6[..6], &[1, 6])]),
+            ),
             (
                 "slab shape",
-                c.append(0, &[HostSlab::f32(&a6[..6], &[1, 6]), HostSlab::f32(&a3[..4], &[1, 4])]),
+                c.append(
+                    0,
+                    &[
+                        HostSlab::f32(&a6[..6], &[1, 6]),
+                        HostSlab::f32(&a3[..4], &[1, 4]),
+                    ],
+                ),
             ),
             (
                 "n_new differs",
-                c.append(0, &[HostSlab::f32(&a6[..12], &[2, 6]), HostSlab::f32(&a3[..3], &[1, 3])]),
+                c.append(
+                    0,
+                    &[
+                        HostSlab::f32(&a6[..12], &[2, 6]),
+                        HostSlab::f32(&a3[..3], &[1, 3]),
+                    ],
+                ),
             ),
             (
                 "capacity",
-                c.append(0, &[HostSlab::f32(&a6[..18], &[3, 6]), HostSlab::f32(&a3[..9], &[3, 3])]),
+                c.append(
+                    0,
+                    &[
+                        HostSlab::f32(&a6[..18], &[3, 6]),
+                        HostSlab::f32(&a3[..9], &[3, 3]),
+                    ],
+                ),
             ),
             (
                 "data length",
-                c.append(0, &[HostSlab::f32(&a6[..5], &[1, 6]), HostSlab::f32(&a3[..3], &[1, 3])]),
+                c.append(
+                    0,
+                    &[
+                        HostSlab::f32(&a6[..5], &[1, 6]),
+                        HostSlab::f32(&a3[..3], &[1, 3]),
+                    ],
+                ),
             ),
         ];
         // A 16-bit source of the other 16-bit type (or any 16-bit source into f32 storage) is refused.
@@ -170,35 +235,101 @@ fn every_refusal_leaves_the_cache_unchanged() {
         } else {
             HostSlab::f16(&wrong_type_16, &[1, 6])
         };
-        refusals.push(("source dtype", c.append(0, &[other, HostSlab::f32(&a3[..3], &[1, 3])])));
+        refusals.push((
+            "source dtype",
+            c.append(0, &[other, HostSlab::f32(&a3[..3], &[1, 3])]),
+        ));
         for (what, r) in &refusals {
             let err = r.as_ref().expect_err(what);
             eprintln!("{what}: {err}");
         }
         let expect = |i: usize| refusals[i].1.clone().unwrap_err();
-        assert_eq!(expect(0), Error::LayerOutOfRange { layer: 2, n_layers: 2 });
-        assert_eq!(expect(1), Error::SlotCount { layer: 0, expected: 2, got: 1 });
-        assert_eq!(expect(2), Error::SlabShape { layer: 0, slot: 1, expected: vec![3], got: vec![1, 4] });
-        assert_eq!(expect(3), Error::RowCountMismatch { layer: 0, slot: 1, expected: 2, got: 1 });
+        assert_eq!(
+            expect(0),
+            Error::LayerOutOfRange {
+                layer: 2,
+                n_layers: 2
+            }
+        );
+        assert_eq!(
+            expect(1),
+            Error::SlotCount {
+                layer: 0,
+                expected: 2,
+                got: 1
+            }
+        );
+        assert_eq!(
+            expect(2),
+            Error::SlabShape {
+                layer: 0,
+                slot: 1,
+                expected: vec![3],
+                got: vec![1, 4]
+            }
+        );
+        assert_eq!(
+            expect(3),
+            Error::RowCountMismatch {
+                layer: 0,
+                slot: 1,
+                expected: 2,
+                got: 1
+            }
+        );
         assert_eq!(
             expect(4),
-            Error::CapacityExceeded { layer: 0, position: 3, n_new: 3, capacity: 5, remaining: 2 }
+            Error::CapacityExceeded {
+                layer: 0,
+                position: 3,
+                n_new: 3,
+                capacity: 5,
+                remaining: 2
+            }
         );
         assert_eq!(
             expect(5),
-            Error::SourceSize { layer: 0, slot: 0, shape: vec![1, 6], expected: 6, got: 5 }
+            Error::SourceSize {
+                layer: 0,
+                slot: 0,
+                shape: vec![1, 6],
+                expected: 6,
+                got: 5
+            }
         );
-        assert!(matches!(expect(6), Error::SourceDType { layer: 0, slot: 0, .. }));
+        assert!(matches!(
+            expect(6),
+            Error::SourceDType {
+                layer: 0,
+                slot: 0,
+                ..
+            }
+        ));
         assert_eq!(
             c.advance(1).unwrap_err(),
-            Error::UnevenAdvance { layer: 1, pending: 0, expected: 1, len: 2 }
+            Error::UnevenAdvance {
+                layer: 1,
+                pending: 0,
+                expected: 1,
+                len: 2
+            }
         );
-        assert_eq!(c.truncate(3).unwrap_err(), Error::TruncateBeyondLength { new_len: 3, len: 2 });
+        assert_eq!(
+            c.truncate(3).unwrap_err(),
+            Error::TruncateBeyondLength { new_len: 3, len: 2 }
+        );
         assert_eq!(
             c.truncate_and_scrub(4).unwrap_err(),
             Error::TruncateBeyondLength { new_len: 4, len: 2 }
         );
-        assert!(matches!(c.view(1, 2), Err(Error::SlotOutOfRange { layer: 1, slot: 2, n_slots: 2 })));
+        assert!(matches!(
+            c.view(1, 2),
+            Err(Error::SlotOutOfRange {
+                layer: 1,
+                slot: 2,
+                n_slots: 2
+            })
+        ));
         assert_eq!(c.ledger(), &ledger, "a refusal changed the ledger");
         assert_eq!(snapshot(&c), before, "a refusal changed GPU memory");
         assert_matches(&c, &m);
@@ -216,8 +347,22 @@ fn full_capacity_then_overflow_then_truncate_and_reappend() {
         assert_eq!(c.remaining(), 0);
         let before = snapshot(&c);
         let (k, v) = (values(5, 3), values(6, 5));
-        let err = c.append(0, &[HostSlab::f32(&k, &[1, 1, 3]), HostSlab::f32(&v, &[1, 1, 5])]).unwrap_err();
-        assert_eq!(err, Error::CapacityExceeded { layer: 0, position: 4, n_new: 1, capacity: 4, remaining: 0 });
+        let err = c
+            .append(
+                0,
+                &[HostSlab::f32(&k, &[1, 1, 3]), HostSlab::f32(&v, &[1, 1, 5])],
+            )
+            .unwrap_err();
+        assert_eq!(
+            err,
+            Error::CapacityExceeded {
+                layer: 0,
+                position: 4,
+                n_new: 1,
+                capacity: 4,
+                remaining: 0
+            }
+        );
         assert_eq!(snapshot(&c), before);
 
         // O(1) truncate keeps the bytes; re-appending overwrites them.
@@ -235,15 +380,26 @@ fn full_capacity_then_overflow_then_truncate_and_reappend() {
         m.zero_rows(0, 1, 4);
         assert_eq!(c.len(), 1);
         assert_matches(&c, &m);
-        assert_eq!(c.read_f32(0, 0).unwrap(), rounded(&values(31, 3), dtype)[..3]);
+        assert_eq!(
+            c.read_f32(0, 0).unwrap(),
+            rounded(&values(31, 3), dtype)[..3]
+        );
     });
 }
 
 #[test]
 fn reset_zeroes_every_byte_and_reset_fast_keeps_data() {
     for_each_dtype(|dtype| {
-        let spec = CacheSpec::new(vec![LayerSpec::mla(33, 7), LayerSpec::empty(), LayerSpec::kv(3, 5, 2)], dtype, 64)
-            .unwrap();
+        let spec = CacheSpec::new(
+            vec![
+                LayerSpec::mla(33, 7),
+                LayerSpec::empty(),
+                LayerSpec::kv(3, 5, 2),
+            ],
+            dtype,
+            64,
+        )
+        .unwrap();
         let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
         for layer in [0, 2] {
             append_both(&mut c, &mut m, layer, 64, layer as u64 + 1);
@@ -258,7 +414,10 @@ fn reset_zeroes_every_byte_and_reset_fast_keeps_data() {
 
         c.reset();
         assert_eq!(c.len(), 0);
-        assert!(snapshot(&c).iter().flatten().flatten().all(|&w| w == 0), "reset left non-zero bytes");
+        assert!(
+            snapshot(&c).iter().flatten().flatten().all(|&w| w == 0),
+            "reset left non-zero bytes"
+        );
         m.zero_all();
         append_both(&mut c, &mut m, 0, 1, 50);
         append_both(&mut c, &mut m, 2, 1, 51);
@@ -293,11 +452,18 @@ fn views_narrow_to_visible_rows() {
     let mut c = cache(spec);
     assert!(c.view(0, 0).unwrap().binding().is_none());
     let k = values(1, 3 * 6);
-    c.append(0, &[HostSlab::f32(&k, &[3, 2, 3]), HostSlab::f32(&k, &[3, 2, 3])]).unwrap();
+    c.append(
+        0,
+        &[HostSlab::f32(&k, &[3, 2, 3]), HostSlab::f32(&k, &[3, 2, 3])],
+    )
+    .unwrap();
     let view = c.view(0, 0).unwrap();
     assert_eq!((view.rows, view.row_bytes, view.size), (3, 12, 36));
     let binding = view.binding().unwrap();
-    assert_eq!((binding.offset, binding.size.map(|s| s.get())), (0, Some(36)));
+    assert_eq!(
+        (binding.offset, binding.size.map(|s| s.get())),
+        (0, Some(36))
+    );
     let full = c.full_view(0, 1).unwrap();
     assert_eq!((full.rows, full.size), (10, 120));
     assert_eq!(c.read_words(0, 0).unwrap().len(), 9);
@@ -306,7 +472,12 @@ fn views_narrow_to_visible_rows() {
 #[test]
 fn host_data_already_in_the_storage_type_is_stored_as_is() {
     for dtype in [DType::F16, DType::BF16] {
-        let spec = CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("x", &[5])])], dtype, 4).unwrap();
+        let spec = CacheSpec::new(
+            vec![LayerSpec::new(vec![SlotSpec::new("x", &[5])])],
+            dtype,
+            4,
+        )
+        .unwrap();
         let mut c = cache(spec);
         let raw = values(4, 10);
         let words = match dtype {
@@ -321,6 +492,9 @@ fn host_data_already_in_the_storage_type_is_stored_as_is() {
                 d.iter().map(|x| x.to_bits() as u32).collect::<Vec<_>>()
             }
         };
-        assert_eq!(c.read_words(0, 0).unwrap(), reference::pack_rows(&words, dtype, 5));
+        assert_eq!(
+            c.read_words(0, 0).unwrap(),
+            reference::pack_rows(&words, dtype, 5)
+        );
     }
 }

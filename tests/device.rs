@@ -5,9 +5,15 @@ use kvgpu::{Error, Gpu};
 
 #[test]
 fn unmatched_adapter_name_is_an_error_naming_the_adapters_found() {
-    let err = pollster::block_on(Gpu::open(wgpu::Backends::all(), Some("no-such-adapter-xyz"))).unwrap_err();
+    let err = pollster::block_on(Gpu::open(
+        wgpu::Backends::all(),
+        Some("no-such-adapter-xyz"),
+    ))
+    .unwrap_err();
     match &err {
-        Error::AdapterNotFound { reason } => assert!(reason.contains("no-such-adapter-xyz"), "{reason}"),
+        Error::AdapterNotFound { reason } => {
+            assert!(reason.contains("no-such-adapter-xyz"), "{reason}")
+        }
         other => panic!("expected AdapterNotFound, got {other:?}"),
     }
 }

@@ -11,12 +11,18 @@ use wgpu::util::DeviceExt;
 
 /// A GPU buffer holding element bits of `dtype` (16-bit types packed two per word).
 fn source(bits: &[u32], dtype: DType, usage: wgpu::BufferUsages) -> wgpu::Buffer {
-    let words = if dtype == DType::F32 { bits.to_vec() } else { reference::pack_rows(bits, dtype, bits.len()) };
-    gpu().device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: Some("test source"),
-        contents: bytemuck::cast_slice(&words),
-        usage,
-    })
+    let words = if dtype == DType::F32 {
+        bits.to_vec()
+    } else {
+        reference::pack_rows(bits, dtype, bits.len())
+    };
+    gpu()
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("test source"),
+            contents: bytemuck::cast_slice(&words),
+            usage,
+        })
 }
 
 const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE;
@@ -24,7 +30,10 @@ const BOTH: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferU
 
 /// Element bits of pseudo-random values in `dtype`.
 fn bits_of(seed: u64, n: usize, dtype: DType) -> Vec<u32> {
-    values(seed, n).into_iter().map(|x| reference::f32_to_bits(x, dtype)).collect()
+    values(seed, n)
+        .into_iter()
+        .map(|x| reference::f32_to_bits(x, dtype))
+        .collect()
 }
 
 #[test]
@@ -40,11 +49,21 @@ fn fused_qkv_k_and_v_go_straight_into_the_cache() {
             let buf = source(&qkv, src_dtype, BOTH);
             let shape = [n, heads, dim];
             let strides = [width, dim, 1];
-            let k = GpuSlab { buffer: &buf, dtype: src_dtype, offset: q_dim as u64, shape: &shape, strides: Some(&strides) };
-            let v = GpuSlab { offset: (q_dim + kv_dim) as u64, ..k };
+            let k = GpuSlab {
+                buffer: &buf,
+                dtype: src_dtype,
+                offset: q_dim as u64,
+                shape: &shape,
+                strides: Some(&strides),
+            };
+            let v = GpuSlab {
+                offset: (q_dim + kv_dim) as u64,
+                ..k
+            };
             c.append_gpu(1, &[k, v]).unwrap();
             let want_k = reference::slab_write(&qkv, src_dtype, q_dim, &shape, &strides, dtype);
-            let want_v = reference::slab_write(&qkv, src_dtype, q_dim + kv_dim, &shape, &strides, dtype);
+            let want_v =
+                reference::slab_write(&qkv, src_dtype, q_dim + kv_dim, &shape, &strides, dtype);
             assert_eq!(c.read_words(1, 0).unwrap(), want_k, "K from {src_dtype}");
             assert_eq!(c.read_words(1, 1).unwrap(), want_v, "V from {src_dtype}");
             m.words[1][0][..want_k.len()].copy_from_slice(&want_k);
@@ -59,19 +78,33 @@ fn head_major_source_is_transposed_into_rows() {
     // A [heads, seq, dim] tensor; take tokens 3..6 of every head.
     let (heads, seq, dim, start, n) = (3, 10, 6, 3, 3);
     for_each_dtype(|dtype| {
-        let spec = CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("k", &[heads, dim])])], dtype, 8).unwrap();
+        let spec = CacheSpec::new(
+            vec![LayerSpec::new(vec![SlotSpec::new("k", &[heads, dim])])],
+            dtype,
+            8,
+        )
+        .unwrap();
         let mut c = cache(spec);
         let src = bits_of(11, heads * seq * dim, DType::F32);
         let buf = source(&src, DType::F32, STORAGE);
         let shape = [n, heads, dim];
         let strides = [dim, seq * dim, 1];
-        let slab = GpuSlab { buffer: &buf, dtype: DType::F32, offset: (start * dim) as u64, shape: &shape, strides: Some(&strides) };
+        let slab = GpuSlab {
+            buffer: &buf,
+            dtype: DType::F32,
+            offset: (start * dim) as u64,
+            shape: &shape,
+            strides: Some(&strides),
+        };
         c.append_gpu(0, &[slab]).unwrap();
         let want = reference::slab_write(&src, DType::F32, start * dim, &shape, &strides, dtype);
         assert_eq!(c.read_words(0, 0).unwrap(), want);
         // Spot-check the transpose itself: row 1, head 2, element 4 is token 4 of head 2.
         let got = c.read_f32(0, 0).unwrap();
-        let expect = reference::round_trip(f32::from_bits(src[2 * seq * dim + (start + 1) * dim + 4]), dtype);
+        let expect = reference::round_trip(
+            f32::from_bits(src[2 * seq * dim + (start + 1) * dim + 4]),
+            dtype,
+        );
         assert_eq!(got[heads * dim + 2 * dim + 4], expect);
     });
 }
@@ -79,14 +112,48 @@ fn head_major_source_is_transposed_into_rows() {
 /// f32 bit patterns that exercise every branch of the 16-bit conversions.
 fn tricky_f32() -> Vec<u32> {
     let mut v: Vec<f32> = vec![
-        0.0, -0.0, 1.0, -1.0, 65504.0, 65519.0, 65520.0, -65520.0, 1e9, f32::MAX, f32::MIN_POSITIVE,
-        f32::INFINITY, f32::NEG_INFINITY, 6.1e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-10, 3.0e-5, -4.5e-6,
-        1.0 + f32::EPSILON, 1.00048828125, 1.00146484375, 0.333333, 1.0e-45,
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        -65520.0,
+        1e9,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        6.1e-5,
+        5.96e-8,
+        2.98e-8,
+        2.99e-8,
+        1e-10,
+        3.0e-5,
+        -4.5e-6,
+        1.0 + f32::EPSILON,
+        0.333333,
+        1.0e-45,
     ];
     // Ties: halfway between two f16 values (even and odd mantissas), and between two bf16 values.
-    v.extend([1.0 + 2f32.powi(-11), 1.0 + 3.0 * 2f32.powi(-11), 1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8)]);
+    v.extend([
+        1.0 + 2f32.powi(-11),
+        1.0 + 3.0 * 2f32.powi(-11),
+        1.0 + 2f32.powi(-8),
+        1.0 + 3.0 * 2f32.powi(-8),
+    ]);
     let mut bits: Vec<u32> = v.into_iter().map(f32::to_bits).collect();
-    bits.extend([0x7fc0_0000, 0xffc0_0001, 0x7f80_0001, 0x7fbf_ffff, 0x0000_0001, 0x8000_0003, 0x3380_0000, 0x3380_0001]);
+    bits.extend([
+        0x7fc0_0000,
+        0xffc0_0001,
+        0x7f80_0001,
+        0x7fbf_ffff,
+        0x0000_0001,
+        0x8000_0003,
+        0x3380_0000,
+        0x3380_0001,
+    ]);
     // Random bit patterns across the whole range, subnormals and NaNs included.
     let mut s = 0x2545_f491_4f6c_dd1du64;
     bits.extend((0..4000).map(|_| {
@@ -112,22 +179,48 @@ fn conversion_matches_half_bit_for_bit() {
         for_each_dtype(|dtype| {
             // Rows of 7 elements (odd: the last word of a 16-bit row is half padding).
             let rows = n / 7;
-            let spec = CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("x", &[7])])], dtype, rows).unwrap();
+            let spec = CacheSpec::new(
+                vec![LayerSpec::new(vec![SlotSpec::new("x", &[7])])],
+                dtype,
+                rows,
+            )
+            .unwrap();
             let mut c = cache(spec);
             let shape = [rows, 7];
-            let slab = GpuSlab { buffer: &buf, dtype: src_dtype, offset: 0, shape: &shape, strides: None };
+            let slab = GpuSlab {
+                buffer: &buf,
+                dtype: src_dtype,
+                offset: 0,
+                shape: &shape,
+                strides: None,
+            };
             c.append_gpu(0, &[slab]).unwrap();
             let want = reference::slab_write(&src_bits, src_dtype, 0, &shape, &[7, 1], dtype);
             let got = c.read_words(0, 0).unwrap();
             let bad = got.iter().zip(&want).position(|(g, w)| g != w);
-            assert_eq!(bad, None, "{src_dtype} -> {dtype}: first mismatch at word {bad:?}");
+            assert_eq!(
+                bad, None,
+                "{src_dtype} -> {dtype}: first mismatch at word {bad:?}"
+            );
             // And the host path agrees with the GPU path for f32 sources.
             if src_dtype == DType::F32 {
-                let host: Vec<f32> = src_bits[..rows * 7].iter().map(|&b| f32::from_bits(b)).collect();
-                let spec = CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("x", &[7])])], dtype, rows).unwrap();
+                let host: Vec<f32> = src_bits[..rows * 7]
+                    .iter()
+                    .map(|&b| f32::from_bits(b))
+                    .collect();
+                let spec = CacheSpec::new(
+                    vec![LayerSpec::new(vec![SlotSpec::new("x", &[7])])],
+                    dtype,
+                    rows,
+                )
+                .unwrap();
                 let mut h = cache(spec);
                 h.append(0, &[HostSlab::f32(&host, &shape)]).unwrap();
-                assert_eq!(h.read_words(0, 0).unwrap(), got, "host and GPU conversion differ for {dtype}");
+                assert_eq!(
+                    h.read_words(0, 0).unwrap(),
+                    got,
+                    "host and GPU conversion differ for {dtype}"
+                );
             }
         });
     }
@@ -137,7 +230,12 @@ fn conversion_matches_half_bit_for_bit() {
 fn contiguous_same_type_and_odd_offsets() {
     for_each_dtype(|dtype| {
         for (width, offset) in [(4usize, 0u64), (4, 3), (3, 1), (1, 5), (6, 2)] {
-            let spec = CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("x", &[width])])], dtype, 9).unwrap();
+            let spec = CacheSpec::new(
+                vec![LayerSpec::new(vec![SlotSpec::new("x", &[width])])],
+                dtype,
+                9,
+            )
+            .unwrap();
             let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
             let src = bits_of(width as u64, 64, dtype);
             let buf = source(&src, dtype, BOTH);
@@ -145,7 +243,13 @@ fn contiguous_same_type_and_odd_offsets() {
             for (i, n) in [(0usize, 2usize), (1, 3)] {
                 let off = offset + (i * 17) as u64;
                 let shape = [n, width];
-                let slab = GpuSlab { buffer: &buf, dtype, offset: off, shape: &shape, strides: None };
+                let slab = GpuSlab {
+                    buffer: &buf,
+                    dtype,
+                    offset: off,
+                    shape: &shape,
+                    strides: None,
+                };
                 c.append_gpu(0, &[slab]).unwrap();
                 let rows = reference::gather_strided(&src, off as usize, &shape, &[width, 1]);
                 m.write_rows(0, 0, if i == 0 { 0 } else { 2 }, &rows);
@@ -160,32 +264,126 @@ fn refused_sources_change_nothing() {
     let spec = CacheSpec::new(vec![LayerSpec::kv(2, 4, 4)], DType::F16, 6).unwrap();
     let mut c = cache(spec);
     let k = values(1, 16);
-    c.append(0, &[HostSlab::f32(&k, &[2, 2, 4]), HostSlab::f32(&k, &[2, 2, 4])]).unwrap();
+    c.append(
+        0,
+        &[HostSlab::f32(&k, &[2, 2, 4]), HostSlab::f32(&k, &[2, 2, 4])],
+    )
+    .unwrap();
     let before = snapshot(&c);
     let ledger = c.ledger().clone();
     let src = bits_of(3, 40, DType::F32);
     let storage_only = source(&src, DType::F32, STORAGE);
     let copy_only = source(&src, DType::F32, wgpu::BufferUsages::COPY_SRC);
     let shape = [2, 2, 4];
-    let ok = GpuSlab { buffer: &storage_only, dtype: DType::F32, offset: 0, shape: &shape, strides: None };
+    let ok = GpuSlab {
+        buffer: &storage_only,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: None,
+    };
 
-    let err = c.append_gpu(0, &[ok, GpuSlab { offset: 30, ..ok }]).unwrap_err();
+    let err = c
+        .append_gpu(0, &[ok, GpuSlab { offset: 30, ..ok }])
+        .unwrap_err();
     assert_eq!(
         err,
-        Error::SourceOutOfBounds { layer: 0, slot: 1, dtype: DType::F32, last_element: 45, buffer_elements: 40 }
+        Error::SourceOutOfBounds {
+            layer: 0,
+            slot: 1,
+            dtype: DType::F32,
+            last_element: 45,
+            buffer_elements: 40
+        }
     );
-    let err = c.append_gpu(0, &[ok, GpuSlab { strides: Some(&[8, 1]), ..ok }]).unwrap_err();
-    assert!(matches!(&err, Error::SourceLayout { layer: 0, slot: 1, reason } if reason.contains("2 strides")), "{err}");
-    let err = c.append_gpu(0, &[ok, GpuSlab { buffer: &copy_only, ..ok }]).unwrap_err();
-    assert!(matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("lacks STORAGE")), "{err}");
+    let err = c
+        .append_gpu(
+            0,
+            &[
+                ok,
+                GpuSlab {
+                    strides: Some(&[8, 1]),
+                    ..ok
+                },
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::SourceLayout { layer: 0, slot: 1, reason } if reason.contains("2 strides")),
+        "{err}"
+    );
+    let err = c
+        .append_gpu(
+            0,
+            &[
+                ok,
+                GpuSlab {
+                    buffer: &copy_only,
+                    ..ok
+                },
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("lacks STORAGE")),
+        "{err}"
+    );
     let own = c.full_view(0, 1).unwrap().buffer.clone();
-    let err = c.append_gpu(0, &[ok, GpuSlab { buffer: &own, dtype: DType::F16, ..ok }]).unwrap_err();
-    assert!(matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("own buffer")), "{err}");
-    let err = c.append_gpu(0, &[ok, GpuSlab { shape: &[3, 2, 4], ..ok }]).unwrap_err();
-    assert_eq!(err, Error::RowCountMismatch { layer: 0, slot: 1, expected: 2, got: 3 });
+    let err = c
+        .append_gpu(
+            0,
+            &[
+                ok,
+                GpuSlab {
+                    buffer: &own,
+                    dtype: DType::F16,
+                    ..ok
+                },
+            ],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("own buffer")),
+        "{err}"
+    );
+    let err = c
+        .append_gpu(
+            0,
+            &[
+                ok,
+                GpuSlab {
+                    shape: &[3, 2, 4],
+                    ..ok
+                },
+            ],
+        )
+        .unwrap_err();
+    assert_eq!(
+        err,
+        Error::RowCountMismatch {
+            layer: 0,
+            slot: 1,
+            expected: 2,
+            got: 3
+        }
+    );
     let big = [5, 2, 4];
-    let err = c.append_gpu(0, &[GpuSlab { shape: &big, ..ok }, GpuSlab { shape: &big, ..ok }]).unwrap_err();
-    assert_eq!(err, Error::CapacityExceeded { layer: 0, position: 2, n_new: 5, capacity: 6, remaining: 4 });
+    let err = c
+        .append_gpu(
+            0,
+            &[GpuSlab { shape: &big, ..ok }, GpuSlab { shape: &big, ..ok }],
+        )
+        .unwrap_err();
+    assert_eq!(
+        err,
+        Error::CapacityExceeded {
+            layer: 0,
+            position: 2,
+            n_new: 5,
+            capacity: 6,
+            remaining: 4
+        }
+    );
 
     assert_eq!(c.ledger(), &ledger);
     assert_eq!(snapshot(&c), before);
@@ -197,7 +395,12 @@ fn refused_sources_change_nothing() {
 #[test]
 fn many_recorded_appends_in_one_encoder() {
     // Each kernel append takes its own parameter entry, so one submission can carry many.
-    let spec = CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("x", &[3])])], DType::BF16, 64).unwrap();
+    let spec = CacheSpec::new(
+        vec![LayerSpec::new(vec![SlotSpec::new("x", &[3])])],
+        DType::BF16,
+        64,
+    )
+    .unwrap();
     let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
     let src = bits_of(5, 256, DType::F32);
     let buf = source(&src, DType::F32, STORAGE);
@@ -205,9 +408,18 @@ fn many_recorded_appends_in_one_encoder() {
     let mut encoder = g.device.create_command_encoder(&Default::default());
     for i in 0..50usize {
         let shape = [1, 3];
-        let slab = GpuSlab { buffer: &buf, dtype: DType::F32, offset: (i * 5) as u64, shape: &shape, strides: Some(&[3, 1]) };
+        let slab = GpuSlab {
+            buffer: &buf,
+            dtype: DType::F32,
+            offset: (i * 5) as u64,
+            shape: &shape,
+            strides: Some(&[3, 1]),
+        };
         c.record_append_gpu(&mut encoder, 0, &[slab]).unwrap();
-        let bits: Vec<u32> = src[i * 5..i * 5 + 3].iter().map(|&b| reference::convert_bits(b, DType::F32, DType::BF16)).collect();
+        let bits: Vec<u32> = src[i * 5..i * 5 + 3]
+            .iter()
+            .map(|&b| reference::convert_bits(b, DType::F32, DType::BF16))
+            .collect();
         m.write_rows(0, 0, i, &bits);
     }
     g.queue.submit([encoder.finish()]);

@@ -9,7 +9,12 @@ use common::*;
 use kvgpu::*;
 
 fn one_k_slot(capacity: usize) -> CacheSpec {
-    CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("k", &[8, 128])])], DType::F32, capacity).unwrap()
+    CacheSpec::new(
+        vec![LayerSpec::new(vec![SlotSpec::new("k", &[8, 128])])],
+        DType::F32,
+        capacity,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -18,8 +23,13 @@ fn slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits() {
     let limit = g.limits().max_slot_bytes();
     let fits = (limit / 4096) as usize;
     let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let err = KvCache::new(&g.device, &g.queue, one_k_slot(fits + 1)).err().expect("refused");
-    assert!(pollster::block_on(scope.pop()).is_none(), "a refused cache must not reach wgpu");
+    let err = KvCache::new(&g.device, &g.queue, one_k_slot(fits + 1))
+        .err()
+        .expect("refused");
+    assert!(
+        pollster::block_on(scope.pop()).is_none(),
+        "a refused cache must not reach wgpu"
+    );
     assert_eq!(
         err,
         Error::SlotTooLarge {
@@ -47,7 +57,8 @@ fn slot_of_exactly_the_limit_works() {
     c.advance(1).unwrap();
     while c.remaining() > 1 {
         let n = (c.remaining() - 1).min(64);
-        c.append(0, &[HostSlab::f32(&filler[..n * 1024], &[n, 8, 128])]).unwrap();
+        c.append(0, &[HostSlab::f32(&filler[..n * 1024], &[n, 8, 128])])
+            .unwrap();
         c.advance(n).unwrap();
     }
     c.append(0, &[HostSlab::f32(&last, &[1, 8, 128])]).unwrap();
@@ -55,12 +66,19 @@ fn slot_of_exactly_the_limit_works() {
     assert!(c.is_full());
     let words = c.read_full_words(0, 0).unwrap();
     assert_eq!(words.len(), fits * 1024);
-    assert_eq!(&words[words.len() - 1024..], bytemuck::cast_slice::<f32, u32>(&last));
+    assert_eq!(
+        &words[words.len() - 1024..],
+        bytemuck::cast_slice::<f32, u32>(&last)
+    );
     assert_eq!(&words[..1024], bytemuck::cast_slice::<f32, u32>(&first));
     assert_eq!(words[1024], 0.5f32.to_bits());
 
     c.reset();
     let words = c.read_full_words(0, 0).unwrap();
-    assert!(words.iter().all(|&w| w == 0), "reset left a non-zero word in a {} MiB slot", fits * 4096 >> 20);
+    assert!(
+        words.iter().all(|&w| w == 0),
+        "reset left a non-zero word in a {} MiB slot",
+        (fits * 4096) >> 20
+    );
     assert!(pollster::block_on(scope.pop()).is_none());
 }

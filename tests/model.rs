@@ -17,11 +17,23 @@ const CAPACITY: usize = 10;
 #[derive(Clone, Debug)]
 enum Op {
     /// Host append to `layer` of `n` rows; `bad` 1 breaks slot 1's row count, 2 its trailing shape.
-    Host { layer: usize, n: usize, seed: u64, bad: u8 },
+    Host {
+        layer: usize,
+        n: usize,
+        seed: u64,
+        bad: u8,
+    },
     /// Strided GPU append (every other source row) of `n` rows.
-    Gpu { layer: usize, n: usize, seed: u64 },
+    Gpu {
+        layer: usize,
+        n: usize,
+        seed: u64,
+    },
     Advance(usize),
-    Truncate { new_len: usize, scrub: bool },
+    Truncate {
+        new_len: usize,
+        scrub: bool,
+    },
     Reset,
     ResetFast,
 }
@@ -47,7 +59,16 @@ struct Model {
 }
 
 fn spec(dtype: DType) -> CacheSpec {
-    CacheSpec::new(vec![LayerSpec::mla(5, 3), LayerSpec::empty(), LayerSpec::kv(2, 3, 1)], dtype, CAPACITY).unwrap()
+    CacheSpec::new(
+        vec![
+            LayerSpec::mla(5, 3),
+            LayerSpec::empty(),
+            LayerSpec::kv(2, 3, 1),
+        ],
+        dtype,
+        CAPACITY,
+    )
+    .unwrap()
 }
 
 fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
@@ -61,10 +82,19 @@ fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
     };
     for op in ops {
         match *op {
-            Op::Host { layer, n, seed, bad } => {
-                let trailing: Vec<Vec<usize>> =
-                    spec.layers().get(layer).map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect()).unwrap_or_default();
-                let mut shapes: Vec<Vec<usize>> = trailing.iter().map(|t| [&[n][..], t].concat()).collect();
+            Op::Host {
+                layer,
+                n,
+                seed,
+                bad,
+            } => {
+                let trailing: Vec<Vec<usize>> = spec
+                    .layers()
+                    .get(layer)
+                    .map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect())
+                    .unwrap_or_default();
+                let mut shapes: Vec<Vec<usize>> =
+                    trailing.iter().map(|t| [&[n][..], t].concat()).collect();
                 if let Some(s1) = shapes.get_mut(1) {
                     match bad {
                         1 => s1[0] += 1,
@@ -72,9 +102,16 @@ fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
                         _ => {}
                     }
                 }
-                let data: Vec<Vec<f32>> =
-                    shapes.iter().enumerate().map(|(i, s)| values(seed ^ i as u64, s.iter().product())).collect();
-                let slabs: Vec<HostSlab> = data.iter().zip(&shapes).map(|(d, s)| HostSlab::f32(d, s)).collect();
+                let data: Vec<Vec<f32>> = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| values(seed ^ i as u64, s.iter().product()))
+                    .collect();
+                let slabs: Vec<HostSlab> = data
+                    .iter()
+                    .zip(&shapes)
+                    .map(|(d, s)| HostSlab::f32(d, s))
+                    .collect();
                 let valid = layer < 3
                     && (bad == 0 || trailing.len() < 2)
                     && (!m.slotted[layer] || m.len + m.pending[layer] + n <= CAPACITY);
@@ -82,22 +119,33 @@ fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
                 prop_assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
                 if valid {
                     for (slot, d) in data.iter().enumerate() {
-                        let bits: Vec<u32> = d.iter().map(|&x| reference::f32_to_bits(x, dtype)).collect();
-                        m.words.write_rows(layer, slot, m.len + m.pending[layer], &bits);
+                        let bits: Vec<u32> = d
+                            .iter()
+                            .map(|&x| reference::f32_to_bits(x, dtype))
+                            .collect();
+                        m.words
+                            .write_rows(layer, slot, m.len + m.pending[layer], &bits);
                     }
                     // A layer without slots takes no slabs, so no rows.
                     m.pending[layer] += if m.slotted[layer] { n } else { 0 };
                 }
             }
             Op::Gpu { layer, n, seed } => {
-                let trailing: Vec<Vec<usize>> = spec.layers()[layer].slots.iter().map(|s| s.trailing.clone()).collect();
+                let trailing: Vec<Vec<usize>> = spec.layers()[layer]
+                    .slots
+                    .iter()
+                    .map(|s| s.trailing.clone())
+                    .collect();
                 let src: Vec<u32> = values(seed, 64).into_iter().map(f32::to_bits).collect();
-                let buf = gpu().device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: None,
-                    contents: bytemuck::cast_slice(&src),
-                    usage: wgpu::BufferUsages::STORAGE,
-                });
-                let shapes: Vec<Vec<usize>> = trailing.iter().map(|t| [&[n][..], t].concat()).collect();
+                let buf = gpu()
+                    .device
+                    .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                        label: None,
+                        contents: bytemuck::cast_slice(&src),
+                        usage: wgpu::BufferUsages::STORAGE,
+                    });
+                let shapes: Vec<Vec<usize>> =
+                    trailing.iter().map(|t| [&[n][..], t].concat()).collect();
                 let strides: Vec<Vec<usize>> = shapes
                     .iter()
                     .map(|s| {
@@ -110,7 +158,13 @@ fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
                 let slabs: Vec<GpuSlab> = shapes
                     .iter()
                     .zip(&strides)
-                    .map(|(s, st)| GpuSlab { buffer: &buf, dtype: DType::F32, offset: 1, shape: s, strides: Some(st) })
+                    .map(|(s, st)| GpuSlab {
+                        buffer: &buf,
+                        dtype: DType::F32,
+                        offset: 1,
+                        shape: s,
+                        strides: Some(st),
+                    })
                     .collect();
                 let valid = !m.slotted[layer] || m.len + m.pending[layer] + n <= CAPACITY;
                 let got = c.append_gpu(layer, &slabs);
@@ -121,7 +175,8 @@ fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
                             .into_iter()
                             .map(|b| reference::convert_bits(b, DType::F32, dtype))
                             .collect();
-                        m.words.write_rows(layer, slot, m.len + m.pending[layer], &bits);
+                        m.words
+                            .write_rows(layer, slot, m.len + m.pending[layer], &bits);
                     }
                     m.pending[layer] += if m.slotted[layer] { n } else { 0 };
                 }
@@ -137,7 +192,11 @@ fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
             }
             Op::Truncate { new_len, scrub } => {
                 let valid = new_len <= m.len;
-                let got = if scrub { c.truncate_and_scrub(new_len) } else { c.truncate(new_len) };
+                let got = if scrub {
+                    c.truncate_and_scrub(new_len)
+                } else {
+                    c.truncate(new_len)
+                };
                 prop_assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
                 if valid {
                     if scrub {
@@ -167,7 +226,11 @@ fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
             prop_assert_eq!(c.visible(l).unwrap(), m.len + m.pending[l]);
         }
         prop_assert_eq!(c.remaining(), CAPACITY - m.len);
-        prop_assert!(snapshot(&c) == m.words.words, "GPU memory differs from the model after {:?}", op);
+        prop_assert!(
+            snapshot(&c) == m.words.words,
+            "GPU memory differs from the model after {:?}",
+            op
+        );
     }
     Ok(())
 }
