@@ -1,4 +1,56 @@
-//! kvgpu keeps the KV / latent cache of LLM inference on the GPU.
+//! kvgpu keeps the KV / latent cache of LLM inference on the GPU: one wgpu storage buffer per
+//! (layer, slot), WGSL kernels for strided slab writes and zeroing, narrowed views for attention and the
+//! app's own kernels, and a host [`Ledger`] that checks every operation completely before any command is
+//! recorded — a refused operation returns an [`Error`] and changes nothing.
+//!
+//! ```
+//! use kvgpu::{CacheSpec, DType, Gpu, HostSlab, KvCache};
+//!
+//! # fn main() -> kvgpu::Result<()> {
+//! let gpu = Gpu::from_env_blocking()?; // WGPU_BACKEND / WGPU_ADAPTER_NAME pick the adapter
+//! let spec = CacheSpec::deepseek_v2_lite(DType::BF16, 4096)?; // 27 layers of MLA latents
+//! let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
+//!
+//! // One decode step: every layer appends its token's compressed_kv [512] and k_pe [64]...
+//! let (c_kv, k_pe) = (vec![0.5f32; 512], vec![0.25f32; 64]);
+//! for layer in 0..27 {
+//!     cache.append(layer, &[HostSlab::f32(&c_kv, &[1, 512]), HostSlab::f32(&k_pe, &[1, 64])])?;
+//! }
+//! // ...and the step commits once all of them have.
+//! cache.advance(1)?;
+//! assert_eq!(cache.len(), 1);
+//! assert_eq!(cache.read_f32(26, 1)?, k_pe);
+//!
+//! // Attention and the app's kernels bind only the visible rows.
+//! assert_eq!(cache.view(0, 0)?.size, 512 * 2);
+//!
+//! // Forgetting a layer is caught, and nothing changes.
+//! cache.append(0, &[HostSlab::f32(&c_kv, &[1, 512]), HostSlab::f32(&k_pe, &[1, 64])])?;
+//! assert!(cache.advance(1).is_err());
+//! assert_eq!(cache.len(), 1);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The contract:
+//! - `append(layer, slabs)` takes one slab `[n_new, ...trailing]` per slot, in slot order; rows land at
+//!   `len + pending[layer]`. From the host ([`HostSlab`], f32 or the storage type) the rows go through
+//!   `Queue::write_buffer`; from GPU buffers ([`GpuSlab`], any element type and strides) they are copied
+//!   or converted by the slab-write kernel inside the caller's encoder.
+//! - `advance(n)` commits `n` rows once every layer with slots holds exactly `n` pending rows.
+//! - Views, reads and attention of layer `l` see rows `[0, len + pending[l])`.
+//! - `truncate(new_len)` is O(1); `truncate_and_scrub` also zeroes the dropped rows. `reset()` zeroes the
+//!   whole cache with one dispatch per slot buffer; `reset_fast()` only forgets.
+//! - Each slot is one buffer, so a slot must fit one storage binding of the device (128 MiB on WebGPU's
+//!   defaults): a larger one is refused with [`Error::SlotTooLarge`], which names the largest capacity
+//!   that fits, rather than split.
+//! - 16-bit types are stored packed in `u32` words and rows are padded to 4 bytes, so every adapter works
+//!   without `shader-f16`; f32 → f16/bf16 conversion rounds to nearest even, bit-identical to `half`.
+//!
+//! Ordering: host appends take effect at the next queue submission, before the commands submitted with
+//! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
+//! rows that must survive it. Each kernel dispatch takes one entry of a ring of [`PARAM_RING_ENTRIES`]
+//! parameter slots per cache: record at most that many dispatches between submissions.
 pub mod attention;
 pub mod cache;
 pub mod device;
