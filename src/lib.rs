@@ -6,6 +6,7 @@
 //! ```
 //! use kvgpu::{CacheSpec, DType, Gpu, HostSlab, KvCache};
 //!
+//! # #[cfg(not(target_arch = "wasm32"))] // blocking helpers are native only; see tests/web.rs
 //! # fn main() -> kvgpu::Result<()> {
 //! let gpu = Gpu::from_env_blocking()?; // WGPU_BACKEND / WGPU_ADAPTER_NAME pick the adapter
 //! let spec = CacheSpec::deepseek_v2_lite(DType::BF16, 4096)?; // 27 layers of MLA latents
@@ -30,6 +31,8 @@
 //! assert_eq!(cache.len(), 1);
 //! # Ok(())
 //! # }
+//! # #[cfg(target_arch = "wasm32")]
+//! # fn main() {}
 //! ```
 //!
 //! The contract:
@@ -51,6 +54,11 @@
 //! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
 //! rows that must survive it. Each kernel dispatch takes one entry of a ring of [`PARAM_RING_ENTRIES`]
 //! parameter slots per cache: record at most that many dispatches between submissions.
+
+// In the browser wgpu objects are not Send/Sync and everything runs on one thread; the per-device
+// pipeline registries still hand out `Arc`s so native and wasm share one code path.
+#![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
+
 pub mod attention;
 pub mod cache;
 pub mod device;

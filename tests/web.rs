@@ -8,6 +8,14 @@ use kvgpu::reference::{CpuCache, convert_bits, gather_strided, host_bits, round_
 use kvgpu::{CacheSpec, DType, DeviceLimits, Error, GpuSlab, HostSlab, KvCache, LayerSpec};
 use wasm_bindgen_test::{console_log, wasm_bindgen_test, wasm_bindgen_test_configure};
 
+use std::cell::RefCell;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+
+use kvgpu::attention::{Attention, AttentionOptions, Queries};
+
 wasm_bindgen_test_configure!(run_in_browser);
 
 /// The browser's WebGPU adapter; none is a failure, never a skip.
@@ -205,31 +213,47 @@ async fn refused_operations_leave_the_cache_unchanged() {
         .unwrap_err();
     console_log!("refused as expected: {err}");
     assert!(matches!(err, Error::CapacityExceeded { .. }), "{err:?}");
+    assert_eq!((c.len(), c.visible(0).unwrap()), (4, 4));
+    assert_eq!(
+        snapshot(&c).await,
+        before,
+        "a refused append changed GPU memory"
+    );
+
     // Layer 0 appended, layer 1 forgotten: advance names the layer and commits nothing.
+    let row = &k[..8];
     c.append(
         0,
         &[
-            HostSlab::f32(&k[..8], &[1, 2, 4]),
-            HostSlab::f32(&k[..8], &[1, 2, 4]),
+            HostSlab::f32(row, &[1, 2, 4]),
+            HostSlab::f32(row, &[1, 2, 4]),
         ],
     )
     .unwrap();
+    for s in 0..2 {
+        cpu.write_rows(0, s, 4, &host_bits(kvgpu::HostData::F32(row), DType::F16));
+    }
+    let appended = snapshot(&c).await;
+    assert_eq!(appended, cpu.words);
     let err = c.advance(1).unwrap_err();
+    assert!(matches!(err, Error::UnevenAdvance { .. }), "{err:?}");
     assert!(err.to_string().contains("layer 1"), "{err}");
-    assert_eq!(c.len(), 4);
-    c.truncate(4).unwrap();
-    assert_eq!(c.visible(0).unwrap(), 4);
     let err = c.truncate(5).unwrap_err();
     assert!(matches!(err, Error::TruncateBeyondLength { .. }), "{err:?}");
-
-    // The pending row of layer 0 reached the GPU before truncate dropped it; the dropped row is row 4.
-    let mut after = snapshot(&c).await;
-    let row_words = cpu.row_words(0, 0);
-    for s in 0..2 {
-        after[0][s][4 * row_words..5 * row_words].fill(0);
-    }
-    assert_eq!(after, before, "refused operations changed GPU memory");
     assert_eq!(c.len(), 4);
+    assert_eq!(
+        c.visible(0).unwrap(),
+        5,
+        "the pending row of layer 0 is kept"
+    );
+    assert_eq!(
+        snapshot(&c).await,
+        appended,
+        "a refused advance or truncate changed GPU memory"
+    );
+    // Rolling back drops the pending row.
+    c.truncate(4).unwrap();
+    assert_eq!(c.visible(0).unwrap(), 4);
 }
 
 #[wasm_bindgen_test]
@@ -343,16 +367,162 @@ async fn f16_and_bf16_storage_is_bit_exact() {
 #[wasm_bindgen_test]
 async fn slot_beyond_the_device_limit_is_refused() {
     let g = gpu().await;
-    let limits = g.limits();
     let row_bytes = 4096u64;
-    let capacity = (limits.max_slot_bytes() / row_bytes + 1) as usize;
-    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, capacity).unwrap();
-    let err = KvCache::new(&g.device, &g.queue, spec.clone())
-        .err()
-        .expect("a slot larger than one binding is refused");
-    assert!(matches!(err, Error::SlotTooLarge { .. }), "{err:?}");
-    // The same spec fits WebGPU's defaults once shrunk to the capacity the error names.
-    let fit = spec.max_capacity_for(&DeviceLimits::WEBGPU_DEFAULT);
-    assert_eq!(fit, (128 << 20) / row_bytes as usize);
-    console_log!("refused as expected: {err}");
+    // The adapter's own limits (what `Gpu` requests) and WebGPU's defaults (what a page gets when it
+    // asks for nothing): 128 MiB per storage binding, 256 MiB per buffer.
+    // A browser adapter makes one device, so the default-limits device needs an adapter of its own.
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+        backends: wgpu::Backends::BROWSER_WEBGPU,
+        ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
+    });
+    let adapter = instance
+        .request_adapter(&Default::default())
+        .await
+        .expect("a second WebGPU adapter");
+    let (default_device, default_queue) = adapter
+        .request_device(&wgpu::DeviceDescriptor {
+            required_limits: wgpu::Limits::default(),
+            ..Default::default()
+        })
+        .await
+        .expect("a device with WebGPU's default limits");
+    let defaults = DeviceLimits::from_wgpu(&default_device.limits());
+    assert_eq!(defaults, DeviceLimits::WEBGPU_DEFAULT);
+    for (device, queue, limits) in [
+        (&g.device, &g.queue, g.limits()),
+        (&default_device, &default_queue, defaults),
+    ] {
+        let fit = (limits.max_slot_bytes() / row_bytes) as usize;
+        let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, fit + 1).unwrap();
+        let err = KvCache::new(device, queue, spec.clone())
+            .err()
+            .expect("a slot larger than one binding is refused");
+        assert!(
+            matches!(err, Error::SlotTooLarge { max_capacity, .. } if max_capacity == fit),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(&fit.to_string()), "{err}");
+        assert_eq!(spec.max_capacity_for(&limits), fit);
+        console_log!("refused as expected: {err}");
+    }
+    // A cache on the default-limits device works as usual.
+    let spec = CacheSpec::new(vec![LayerSpec::mla(5, 3)], DType::F16, 4).unwrap();
+    let mut c = KvCache::new(&default_device, &default_queue, spec.clone()).unwrap();
+    let mut cpu = CpuCache::new(&spec);
+    append_step(&mut c, &mut cpu, 77, 2);
+    c.advance(2).unwrap();
+    assert_eq!(snapshot(&c).await, cpu.words);
+}
+
+type MapSlot = Rc<RefCell<(Option<Result<(), wgpu::BufferAsyncError>>, Option<Waker>)>>;
+
+/// Resolves when the map callback of [`read_f32_buffer`] fires (the browser drives it; no polling).
+struct Mapped(MapSlot);
+
+impl Future for Mapped {
+    type Output = Result<(), wgpu::BufferAsyncError>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut slot = self.0.borrow_mut();
+        match slot.0.take() {
+            Some(r) => Poll::Ready(r),
+            None => {
+                slot.1 = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// An f32 buffer of the test (attention output) copied to the host.
+async fn read_f32_buffer(g: &kvgpu::Gpu, buffer: &wgpu::Buffer) -> Vec<f32> {
+    let staging = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("test readback"),
+        size: buffer.size(),
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, buffer.size());
+    g.queue.submit([encoder.finish()]);
+    let shared: MapSlot = Rc::new(RefCell::new((None, None)));
+    let tx = shared.clone();
+    staging.map_async(wgpu::MapMode::Read, .., move |r| {
+        let mut slot = tx.borrow_mut();
+        slot.0 = Some(r);
+        if let Some(w) = slot.1.take() {
+            w.wake();
+        }
+    });
+    Mapped(shared).await.expect("map the readback buffer");
+    let out = bytemuck::pod_collect_to_vec(&staging.get_mapped_range(..).expect("mapped range"));
+    staging.unmap();
+    out
+}
+
+fn f32_buffer(g: &kvgpu::Gpu, data: &[f32], usage: wgpu::BufferUsages) -> wgpu::Buffer {
+    let buffer = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("test f32"),
+        size: (data.len().max(1) * 4) as u64,
+        usage: usage | wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    g.queue.write_buffer(&buffer, 0, bytemuck::cast_slice(data));
+    buffer
+}
+
+#[wasm_bindgen_test]
+async fn gqa_attention_prefill_and_decode_match_the_cpu_twin() {
+    let (n_heads, n_kv, d_k, d_v) = (4usize, 2usize, 8usize, 6usize);
+    for dtype in DType::ALL {
+        let spec = CacheSpec::uniform(2, LayerSpec::kv(n_kv, d_k, d_v), dtype, 32).unwrap();
+        let (g, mut c) = cache(spec.clone()).await;
+        let mut cpu = CpuCache::new(&spec);
+        let mut attn = Attention::for_cache(&c);
+        let mut worst = 0.0f32;
+        // Prefill 9 tokens (queries of the last 9 rows, causal), then 3 decode steps of one token.
+        for (step, n_q) in [9usize, 1, 1, 1].into_iter().enumerate() {
+            append_step(&mut c, &mut cpu, 40 + step as u64, n_q);
+            for l in 0..2 {
+                let q = values(90 + (step * 2 + l) as u64, n_q * n_heads * d_k);
+                let q_buf = f32_buffer(&g, &q, wgpu::BufferUsages::empty());
+                let out = f32_buffer(
+                    &g,
+                    &vec![f32::NAN; n_q * n_heads * d_v],
+                    wgpu::BufferUsages::COPY_SRC,
+                );
+                let options = AttentionOptions::default();
+                attn.gqa(
+                    &c,
+                    l,
+                    Queries::new(&q_buf, n_q, n_heads, d_k),
+                    &out,
+                    &options,
+                )
+                .unwrap();
+                let got = read_f32_buffer(&g, &out).await;
+                let visible = c.visible(l).unwrap();
+                let (k, v) = (cpu.read_f32(l, 0, visible), cpu.read_f32(l, 1, visible));
+                let want = kvgpu::reference::attention_gqa(
+                    &q,
+                    [n_q, n_heads, d_k],
+                    &k,
+                    &v,
+                    n_kv,
+                    d_v,
+                    &options,
+                );
+                assert_eq!(got.len(), want.len());
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    let err = (a - b).abs();
+                    worst = worst.max(err);
+                    assert!(
+                        err <= 1e-4 * b.abs().max(1.0),
+                        "{dtype} step {step} layer {l} output {i}: GPU {a}, CPU twin {b}"
+                    );
+                }
+            }
+            c.advance(n_q).unwrap();
+        }
+        console_log!("{dtype}: GQA attention max abs error {worst:e}");
+    }
 }
