@@ -257,8 +257,7 @@ impl KvCache {
     /// Appends one slab per slot of `layer` from host memory. The rows reach the GPU at the next queue
     /// submission, ahead of the commands submitted with it.
     pub fn append(&mut self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<AppendPlan> {
-        let shapes: Vec<&[usize]> = slabs.iter().map(|s| s.shape).collect();
-        let plan = self.ledger.plan_append(layer, &shapes)?;
+        let plan = self.ledger.plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
         let storage = self.spec.dtype();
         for (slot, slab) in slabs.iter().enumerate() {
             let got = slab.data.dtype();
@@ -311,8 +310,7 @@ impl KvCache {
         layer: usize,
         slabs: &[GpuSlab<'_>],
     ) -> Result<AppendPlan> {
-        let shapes: Vec<&[usize]> = slabs.iter().map(|s| s.shape).collect();
-        let plan = self.ledger.plan_append(layer, &shapes)?;
+        let plan = self.ledger.plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
         let jobs = slabs
             .iter()
             .enumerate()

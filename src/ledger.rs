@@ -103,16 +103,27 @@ impl Ledger {
 
     /// Checks one append of slabs shaped `[n_new, ...trailing[s]]`, without changing anything.
     pub fn plan_append(&self, layer: usize, slab_shapes: &[&[usize]]) -> Result<AppendPlan> {
+        self.plan_append_with(layer, slab_shapes.len(), |s| slab_shapes[s])
+    }
+
+    /// [`Ledger::plan_append`] for `n_slabs` slabs whose shapes `shape_of(s)` gives, without collecting them.
+    pub fn plan_append_with<'s>(
+        &self,
+        layer: usize,
+        n_slabs: usize,
+        shape_of: impl Fn(usize) -> &'s [usize],
+    ) -> Result<AppendPlan> {
         let slots = self.slot_shapes(layer)?;
-        if slab_shapes.len() != slots.len() {
+        if n_slabs != slots.len() {
             return Err(Error::SlotCount {
                 layer,
                 expected: slots.len(),
-                got: slab_shapes.len(),
+                got: n_slabs,
             });
         }
         let mut n_new = None;
-        for (slot, (shape, trailing)) in slab_shapes.iter().zip(slots).enumerate() {
+        for (slot, trailing) in slots.iter().enumerate() {
+            let shape = shape_of(slot);
             let Some((&rows, rest)) = shape.split_first().filter(|(_, rest)| rest == trailing)
             else {
                 return Err(Error::SlabShape {
