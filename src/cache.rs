@@ -257,7 +257,9 @@ impl KvCache {
     /// Appends one slab per slot of `layer` from host memory. The rows reach the GPU at the next queue
     /// submission, ahead of the commands submitted with it.
     pub fn append(&mut self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<AppendPlan> {
-        let plan = self.ledger.plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
+        let plan = self
+            .ledger
+            .plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
         let storage = self.spec.dtype();
         for (slot, slab) in slabs.iter().enumerate() {
             let got = slab.data.dtype();
@@ -310,7 +312,9 @@ impl KvCache {
         layer: usize,
         slabs: &[GpuSlab<'_>],
     ) -> Result<AppendPlan> {
-        let plan = self.ledger.plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
+        let plan = self
+            .ledger
+            .plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
         let jobs = slabs
             .iter()
             .enumerate()
@@ -393,20 +397,31 @@ impl KvCache {
         let usage = slab.buffer.usage();
         let storage = self.spec.dtype();
         let dense = strides == contiguous_strides(slab.shape).as_slice();
-        if slab.dtype == storage
-            && dense
-            && (sb.row_elems as u64 * esize).is_multiple_of(4)
-            && (slab.offset * esize).is_multiple_of(4)
-            && usage.contains(wgpu::BufferUsages::COPY_SRC)
+        let aligned = (sb.row_elems as u64 * esize).is_multiple_of(4)
+            && (slab.offset * esize).is_multiple_of(4);
+        if slab.dtype == storage && dense && aligned && usage.contains(wgpu::BufferUsages::COPY_SRC)
         {
             return Ok(SourceJob::Copy {
                 src_offset: slab.offset * esize,
             });
         }
         if !usage.contains(wgpu::BufferUsages::STORAGE) {
+            let why = if slab.dtype != storage {
+                format!("it holds {} and the cache stores {storage}", slab.dtype)
+            } else if !dense {
+                "it is strided".to_string()
+            } else if !aligned {
+                format!(
+                    "a copy must start on a 4-byte boundary with unpadded rows, and this one starts at \
+                     byte {} with {}-byte rows",
+                    slab.offset * esize,
+                    sb.row_elems as u64 * esize
+                )
+            } else {
+                "it lacks COPY_SRC too".to_string()
+            };
             return Err(layout_err(format!(
-                "the buffer's usage {usage:?} lacks STORAGE, which a strided or converting source needs \
-                 (COPY_SRC suffices only for a contiguous source of the storage type {storage})"
+                "the buffer's usage {usage:?} lacks STORAGE, which the slab-write kernel needs: {why}"
             )));
         }
         // Merge trailing axes that are contiguous with each other; drop axes of extent 1.

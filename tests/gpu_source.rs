@@ -385,11 +385,39 @@ fn refused_sources_change_nothing() {
         }
     );
 
+    // A copy-only source of the storage type must be word-aligned to be copied.
+    let copy_only_16 = source(
+        &bits_of(4, 40, DType::F16),
+        DType::F16,
+        wgpu::BufferUsages::COPY_SRC,
+    );
+    let unaligned = GpuSlab {
+        buffer: &copy_only_16,
+        dtype: DType::F16,
+        offset: 1,
+        ..ok
+    };
+    let err = c.append_gpu(0, &[ok, unaligned]).unwrap_err();
+    assert!(
+        matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("4-byte boundary")),
+        "{err}"
+    );
+
     assert_eq!(c.ledger(), &ledger);
     assert_eq!(snapshot(&c), before);
-    // The same sources, valid, still work afterwards.
-    c.append_gpu(0, &[ok, ok]).unwrap();
+    // The same sources, valid, still work afterwards; word-aligned, the copy-only one is copied.
+    let aligned = GpuSlab {
+        offset: 2,
+        ..unaligned
+    };
+    c.append_gpu(0, &[ok, aligned]).unwrap();
     assert_eq!(c.visible(0).unwrap(), 4);
+    let words = c.read_words(0, 1).unwrap();
+    let src16 = bits_of(4, 40, DType::F16);
+    assert_eq!(
+        &words[8..],
+        reference::pack_rows(&src16[2..18], DType::F16, 8)
+    );
 }
 
 #[test]
