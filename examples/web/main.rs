@@ -131,6 +131,11 @@ mod demo {
         // Each timed step: host appends to all layers, advance, and a readback of the last layer's
         // k_pe rows, which waits for the GPU to finish the step.
         let last = spec.n_layers() - 1;
+        log(
+            &mut lines,
+            "timed step = host appends to every layer + advance + readback of the last layer's k_pe \
+             (waits for the GPU)",
+        );
         let mut times = Vec::new();
         for s in 0..=DECODE_STEPS {
             let n = if s == 0 { PREFILL } else { 1 };
