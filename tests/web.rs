@@ -14,7 +14,7 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
-use kvgpu::attention::{Attention, AttentionOptions, Queries};
+use kvgpu::attention::{Attention, AttentionOptions, MlaQueries, Queries};
 
 wasm_bindgen_test_configure!(run_in_browser);
 
@@ -524,5 +524,67 @@ async fn gqa_attention_prefill_and_decode_match_the_cpu_twin() {
             c.advance(n_q).unwrap();
         }
         console_log!("{dtype}: GQA attention max abs error {worst:e}");
+    }
+}
+
+#[wasm_bindgen_test]
+async fn mla_attention_decode_matches_the_cpu_twin() {
+    let (n_heads, r, p) = (4usize, 16usize, 4usize);
+    for dtype in DType::ALL {
+        let spec = CacheSpec::new(vec![LayerSpec::mla(r, p)], dtype, 24).unwrap();
+        let (g, mut c) = cache(spec.clone()).await;
+        let mut cpu = CpuCache::new(&spec);
+        let mut attn = Attention::for_cache(&c);
+        let options = AttentionOptions {
+            scale: Some(0.2),
+            ..Default::default()
+        };
+        let mut worst = 0.0f32;
+        // Prefill 6 tokens, then 4 decode steps of one token, attention after every append.
+        for (step, n_q) in [6usize, 1, 1, 1, 1].into_iter().enumerate() {
+            append_step(&mut c, &mut cpu, 60 + step as u64, n_q);
+            let q_latent = values(70 + step as u64, n_q * n_heads * r);
+            let q_rope = values(80 + step as u64, n_q * n_heads * p);
+            let ql = f32_buffer(&g, &q_latent, wgpu::BufferUsages::empty());
+            let qr = f32_buffer(&g, &q_rope, wgpu::BufferUsages::empty());
+            let out = f32_buffer(
+                &g,
+                &vec![f32::NAN; n_q * n_heads * r],
+                wgpu::BufferUsages::COPY_SRC,
+            );
+            attn.mla(
+                &c,
+                0,
+                MlaQueries {
+                    latent: Queries::new(&ql, n_q, n_heads, r),
+                    rope: Queries::new(&qr, n_q, n_heads, p),
+                },
+                &out,
+                &options,
+            )
+            .unwrap();
+            let got = read_f32_buffer(&g, &out).await;
+            let visible = c.visible(0).unwrap();
+            let want = kvgpu::reference::attention_mla(
+                &q_latent,
+                &q_rope,
+                [n_q, n_heads, r],
+                &cpu.read_f32(0, 0, visible),
+                &cpu.read_f32(0, 1, visible),
+                p,
+                &options,
+            );
+            assert_eq!(got.len(), want.len());
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                let err = (a - b).abs();
+                worst = worst.max(err);
+                assert!(
+                    err <= 1e-4 * b.abs().max(1.0),
+                    "{dtype} step {step} output {i}: GPU {a}, CPU twin {b}"
+                );
+            }
+            c.advance(n_q).unwrap();
+        }
+        console_log!("{dtype}: MLA attention max abs error {worst:e}");
     }
 }
