@@ -9,10 +9,16 @@ use std::task::{Context, Poll, Waker};
 use crate::error::{Error, Result};
 use crate::spec::DeviceLimits;
 
-/// How to install a software adapter, for errors that find none.
+/// How to get an adapter, for errors that find none.
+#[cfg(not(target_arch = "wasm32"))]
 pub const INSTALL_HINT: &str = "install a software adapter (Debian: `apt-get install mesa-vulkan-drivers \
      libvulkan1` for Vulkan lavapipe; Mesa's EGL + llvmpipe for OpenGL) or choose another backend with \
      WGPU_BACKEND=vulkan|gl|metal|dx12";
+
+/// How to get an adapter, for errors that find none.
+#[cfg(target_arch = "wasm32")]
+pub const INSTALL_HINT: &str = "use a browser with WebGPU enabled (Chromium: `--enable-unsafe-webgpu` \
+     gives SwiftShader's software adapter where no GPU is available)";
 
 /// An adapter with its device and queue.
 #[derive(Debug, Clone)]
