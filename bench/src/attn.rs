@@ -1,0 +1,266 @@
+//! Decode attention (one query) over one cache layer: GQA (Llama-3-8B: 32 query heads, 8 KV heads,
+//! 128 dims) and MLA (DeepSeek-V2-Lite: 16 heads, latent 512 + rope 64). Effective bandwidth (KV bytes
+//! read / kernel time) against the streaming-read roofline over the same bytes, and wall time against
+//! candle's CPU attention `softmax(q·Kᵀ·scale)·V`.
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use kvgpu::{
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, LayerSpec, MlaQueries,
+    Queries,
+};
+
+use crate::Config;
+use crate::decode::Series;
+use crate::refs::{StreamRead, storage};
+use crate::report::{Goal, Row};
+use crate::timing::{Clock, Timer, interleaved};
+
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 2_654_435_761 + seed) >> 7) % 2001) as f32 * 1e-3 - 1.0)
+        .collect()
+}
+
+fn fill(cache: &mut KvCache, rows: usize) -> Result<()> {
+    let widths: Vec<Vec<usize>> = cache.spec().layers()[0]
+        .slots
+        .iter()
+        .map(|s| s.trailing.clone())
+        .collect();
+    let chunk = 256;
+    let data: Vec<Vec<f32>> = widths
+        .iter()
+        .enumerate()
+        .map(|(i, w)| values(chunk * w.iter().product::<usize>(), i))
+        .collect();
+    let mut done = 0;
+    while done < rows {
+        let n = chunk.min(rows - done);
+        let shapes: Vec<Vec<usize>> = widths.iter().map(|w| [&[n][..], w].concat()).collect();
+        let slabs: Vec<HostSlab<'_>> = shapes
+            .iter()
+            .zip(&data)
+            .map(|(s, d)| HostSlab::f32(&d[..n * s[1..].iter().product::<usize>()], s))
+            .collect();
+        cache.append(0, &slabs)?;
+        cache.advance(n)?;
+        done += n;
+    }
+    cache.queue().submit([]);
+    Ok(())
+}
+
+/// candle's decode attention for one query: `q [g, h, d]` against `k [g, n, d]`, `v [g, n, dv]`.
+fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let s = (q.matmul(&k.t()?)? * scale)?;
+    let p = candle_nn::ops::softmax_last_dim(&s)?;
+    Ok(p.matmul(v)?)
+}
+
+enum Kind {
+    Gqa,
+    Mla,
+}
+
+pub fn run(
+    gpu: &Gpu,
+    timer: &Timer,
+    cfg: &Config,
+    rows: &mut Vec<Row>,
+    series: &mut Series,
+    roof: &StreamRead,
+) -> Result<()> {
+    for kind in [Kind::Gqa, Kind::Mla] {
+        for dtype in [DType::F32, DType::F16] {
+            one(gpu, timer, cfg, rows, series, roof, &kind, dtype)?;
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn one(
+    gpu: &Gpu,
+    timer: &Timer,
+    cfg: &Config,
+    rows: &mut Vec<Row>,
+    series: &mut Series,
+    roof: &StreamRead,
+    kind: &Kind,
+    dtype: DType,
+) -> Result<()> {
+    let max = *cfg.attn_contexts.iter().max().unwrap_or(&512);
+    let (label, layer, heads, groups, dk, dv, dr) = match kind {
+        Kind::Gqa => (
+            "GQA Llama-3-8B layer",
+            LayerSpec::kv(8, 128, 128),
+            32,
+            8,
+            128,
+            128,
+            0,
+        ),
+        Kind::Mla => (
+            "MLA DeepSeek-V2-Lite layer",
+            LayerSpec::mla(512, 64),
+            16,
+            1,
+            512,
+            512,
+            64,
+        ),
+    };
+    let spec = CacheSpec::new(vec![layer], dtype, max)?;
+    let row_bytes = spec.bytes_per_token();
+    let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
+    fill(&mut cache, max)?;
+    let mut attn = Attention::for_cache(&cache);
+    let q = storage(&gpu.device, (heads * dk * 4) as u64, "bench q");
+    let q_rope = storage(&gpu.device, (heads * dr.max(1) * 4) as u64, "bench q_rope");
+    let out = storage(&gpu.device, (heads * dv * 4) as u64, "bench attention out");
+    gpu.queue
+        .write_buffer(&q, 0, bytemuck::cast_slice(&values(heads * dk, 11)));
+    if dr > 0 {
+        gpu.queue
+            .write_buffer(&q_rope, 0, bytemuck::cast_slice(&values(heads * dr, 13)));
+    }
+    let opts = AttentionOptions::default();
+    let cdt = if dtype == DType::F16 {
+        candle_core::DType::F16
+    } else {
+        candle_core::DType::F32
+    };
+    let mut kernel_pts = Vec::new();
+    let mut candle_pts = Vec::new();
+    let mut ctxs = cfg.attn_contexts.clone();
+    ctxs.sort_unstable_by(|a, b| b.cmp(a));
+    for &ctx in &ctxs {
+        cache.truncate(ctx)?;
+        let mut record = |enc: &mut wgpu::CommandEncoder| -> Result<()> {
+            match kind {
+                Kind::Gqa => {
+                    attn.record_gqa(enc, &cache, 0, Queries::new(&q, 1, heads, dk), &out, &opts)?
+                }
+                Kind::Mla => {
+                    let mla = MlaQueries {
+                        latent: Queries::new(&q, 1, heads, dk),
+                        rope: Queries::new(&q_rope, 1, heads, dr),
+                    };
+                    attn.record_mla(enc, &cache, 0, mla, &out, &opts)?
+                }
+            }
+            Ok(())
+        };
+        let mut k_gpu = || -> Result<f64> {
+            let mut res = Ok(());
+            let t = timer.gpu(|enc| res = record(enc))?;
+            res.map(|_| t)
+        };
+        // Attention is the slowest part on a software adapter: fewer repetitions.
+        let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
+        let [tk] = interleaved(warm, reps, [&mut k_gpu])?;
+        let mut k_wall = || -> Result<f64> {
+            timer.host(|| {
+                let mut enc = gpu
+                    .device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("bench attention"),
+                    });
+                record(&mut enc)?;
+                gpu.queue.submit([enc.finish()]);
+                Ok(())
+            })
+        };
+        // candle on the CPU, the same shapes: the KV heads as the batch, each query head group in it.
+        let dev = Device::Cpu;
+        let per = heads / groups;
+        let qt = Tensor::new(values(heads * (dk + dr), 11), &dev)?
+            .reshape((groups, per, dk + dr))?
+            .to_dtype(cdt)?;
+        let kt = Tensor::new(values(groups * ctx * (dk + dr), 3), &dev)?
+            .reshape((groups, ctx, dk + dr))?
+            .to_dtype(cdt)?;
+        let vt = match kind {
+            Kind::Gqa => Tensor::new(values(groups * ctx * dv, 5), &dev)?
+                .reshape((groups, ctx, dv))?
+                .to_dtype(cdt)?,
+            Kind::Mla => kt.narrow(2, 0, dv)?.contiguous()?,
+        };
+        let scale = 1.0 / ((dk + dr) as f64).sqrt();
+        let mut c_cpu = || -> Result<f64> {
+            let t = std::time::Instant::now();
+            std::hint::black_box(candle_attention(&qt, &kt, &vt, scale)?);
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let [tw, tc] = interleaved(warm, reps, [&mut k_wall, &mut c_cpu])?;
+        let bytes = ctx as u64 * row_bytes;
+        let tr = roof.time(timer, bytes, warm, reps)?;
+        let gbs = |t: f64| bytes as f64 / t / 1e9;
+        let goal = if ctx == 4096 {
+            Goal::AtLeast(0.8)
+        } else {
+            Goal::Info
+        };
+        rows.push(
+            Row::new(
+                format!("{label} attention {dtype}, ctx {ctx}: KV bandwidth"),
+                gbs(tk),
+                "GB/s",
+                timer.clock(),
+            )
+            .ratio(
+                tr / tk,
+                format!(
+                    "streaming-read roofline over the same {} KiB ({:.2} GB/s)",
+                    bytes >> 10,
+                    gbs(tr)
+                ),
+                goal,
+            ),
+        );
+        let goal = if ctx == 4096 {
+            Goal::AtMost(1.0)
+        } else {
+            Goal::Info
+        };
+        rows.push(
+            Row::new(
+                format!("kvgpu / candle CPU attention, {label} {dtype}, ctx {ctx}"),
+                tw * 1e6,
+                "us",
+                Clock::HostWall,
+            )
+            .ratio(
+                tw / tc,
+                format!(
+                    "candle softmax(q·Kᵀ·scale)·V, {dtype} CPU ({:.1} us)",
+                    tc * 1e6
+                ),
+                goal,
+            ),
+        );
+        kernel_pts.push((ctx, tk));
+        candle_pts.push((ctx, tc));
+        eprintln!(
+            "  {label} {dtype} ctx {ctx}: kernel {:.1} us ({:.2} GB/s), roofline {:.2} GB/s, wall {:.1} us, candle {:.1} us",
+            tk * 1e6,
+            gbs(tk),
+            gbs(tr),
+            tw * 1e6,
+            tc * 1e6
+        );
+    }
+    let short = match kind {
+        Kind::Gqa => "GQA",
+        Kind::Mla => "MLA",
+    };
+    for (name, mut pts) in [
+        (format!("kvgpu {short} {dtype} (kernel)"), kernel_pts),
+        (format!("candle {short} {dtype} (CPU)"), candle_pts),
+    ] {
+        pts.sort_unstable_by_key(|p| p.0);
+        series.push((name, pts));
+    }
+    Ok(())
+}

@@ -1,0 +1,449 @@
+//! Decode append: one token into every layer of a Llama-3-8B f16 cache, against a raw `write_buffer`
+//! of the same bytes, across positions, and against the peers (candle-nn's `KvCache`, a prefix-copy
+//! GPU cache, a flat `Vec<f32>` cache). Also the zeroing reset of the whole cache.
+
+use anyhow::{Context, Result};
+use half::f16;
+use kvgpu::{CacheSpec, DType, Gpu, HostSlab, KvCache};
+
+use crate::Config;
+use crate::report::{Goal, Row};
+use crate::timing::{Clock, Timer, interleaved};
+
+const LAYERS: usize = 32;
+const KV_HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+const ROW: usize = KV_HEADS * HEAD_DIM;
+
+/// Step cost per context for the plot: (series name, [(context, seconds)]).
+pub type Series = Vec<(String, Vec<(usize, f64)>)>;
+
+fn fill(cache: &mut KvCache, rows: usize) -> Result<()> {
+    let chunk = 512;
+    let data: Vec<f16> = (0..chunk * ROW)
+        .map(|i| f16::from_f32((i % 97) as f32 * 0.01))
+        .collect();
+    let mut done = 0;
+    while done < rows {
+        let n = chunk.min(rows - done);
+        let shape = [n, KV_HEADS, HEAD_DIM];
+        for layer in 0..LAYERS {
+            let slab = HostSlab::f16(&data[..n * ROW], &shape);
+            cache.append(layer, &[slab, slab])?;
+        }
+        cache.advance(n)?;
+        done += n;
+    }
+    cache.queue().submit([]);
+    Ok(())
+}
+
+/// One decode step: every layer appends one token's K and V, then the step commits.
+fn step(cache: &mut KvCache, k: &[f16], v: &[f16]) -> Result<()> {
+    let shape = [1, KV_HEADS, HEAD_DIM];
+    for layer in 0..LAYERS {
+        cache.append(layer, &[HostSlab::f16(k, &shape), HostSlab::f16(v, &shape)])?;
+    }
+    cache.advance(1)?;
+    Ok(())
+}
+
+/// The cache's slot buffers and row sizes, K and V of each layer in turn.
+fn buffers(cache: &KvCache) -> Result<Vec<(wgpu::Buffer, u64)>> {
+    let mut out = Vec::new();
+    for layer in 0..LAYERS {
+        for slot in 0..2 {
+            let view = cache.full_view(layer, slot)?;
+            out.push((view.buffer.clone(), view.row_bytes));
+        }
+    }
+    Ok(out)
+}
+
+/// The same bytes written straight into the cache's buffers at row `pos`, without kvgpu.
+fn raw_step(
+    queue: &wgpu::Queue,
+    bufs: &[(wgpu::Buffer, u64)],
+    pos: usize,
+    k: &[f16],
+    v: &[f16],
+) -> Result<()> {
+    for (i, (buf, row_bytes)) in bufs.iter().enumerate() {
+        let data = if i % 2 == 0 { k } else { v };
+        queue.write_buffer(buf, pos as u64 * row_bytes, bytemuck::cast_slice(data));
+    }
+    Ok(())
+}
+
+/// A cache that allocates a new buffer per slot every step and copies the whole prefix into it.
+struct PrefixCopy {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    buffers: Vec<wgpu::Buffer>,
+    len: usize,
+}
+
+impl PrefixCopy {
+    const ROW_BYTES: u64 = (ROW * 2) as u64;
+
+    fn buffer(device: &wgpu::Device, rows: usize) -> wgpu::Buffer {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("bench prefix-copy"),
+            size: rows.max(1) as u64 * Self::ROW_BYTES,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    fn new(gpu: &Gpu, len: usize) -> Self {
+        Self {
+            device: gpu.device.clone(),
+            queue: gpu.queue.clone(),
+            buffers: (0..2 * LAYERS)
+                .map(|_| Self::buffer(&gpu.device, len))
+                .collect(),
+            len,
+        }
+    }
+
+    fn step(&mut self, k: &[f16], v: &[f16]) {
+        let mut enc = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("bench prefix-copy"),
+            });
+        let prefix = self.len as u64 * Self::ROW_BYTES;
+        for (i, old) in self.buffers.iter_mut().enumerate() {
+            let new = Self::buffer(&self.device, self.len + 1);
+            if prefix > 0 {
+                enc.copy_buffer_to_buffer(old, 0, &new, 0, prefix);
+            }
+            let data = if i % 2 == 0 { k } else { v };
+            self.queue
+                .write_buffer(&new, prefix, bytemuck::cast_slice(data));
+            *old = new;
+        }
+        self.queue.submit([enc.finish()]);
+        self.len += 1;
+    }
+}
+
+/// A CPU engine's flat cache: one `Vec<f32>` per (layer, slot), `[capacity, heads·dim]`.
+struct FlatVec {
+    slots: Vec<Vec<f32>>,
+}
+
+impl FlatVec {
+    fn step(&mut self, pos: usize, k: &[f32], v: &[f32]) {
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            let src = if i % 2 == 0 { k } else { v };
+            slot[pos * ROW..(pos + 1) * ROW].copy_from_slice(src);
+        }
+    }
+}
+
+/// candle-nn's `KvCache` per layer, tensors `[1, heads, seq, dim]` f16 on the CPU.
+struct Candle {
+    caches: Vec<candle_nn::kv_cache::KvCache>,
+    k: candle_core::Tensor,
+    v: candle_core::Tensor,
+}
+
+impl Candle {
+    fn new(max: usize) -> Result<Self> {
+        let dev = candle_core::Device::Cpu;
+        let k =
+            candle_core::Tensor::ones((1, KV_HEADS, 1, HEAD_DIM), candle_core::DType::F16, &dev)?;
+        Ok(Self {
+            caches: (0..LAYERS)
+                .map(|_| candle_nn::kv_cache::KvCache::new(2, max))
+                .collect(),
+            v: (&k * 0.5)?,
+            k,
+        })
+    }
+
+    fn set_len(&mut self, len: usize) -> Result<()> {
+        let prefix = candle_core::Tensor::zeros(
+            (1, KV_HEADS, len.max(1), HEAD_DIM),
+            candle_core::DType::F16,
+            &candle_core::Device::Cpu,
+        )?;
+        for c in &mut self.caches {
+            c.reset();
+            if len > 0 {
+                c.append(&prefix, &prefix)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<()> {
+        for c in &mut self.caches {
+            c.append(&self.k, &self.v)?;
+        }
+        Ok(())
+    }
+}
+
+pub fn run(
+    gpu: &Gpu,
+    timer: &Timer,
+    cfg: &Config,
+    rows: &mut Vec<Row>,
+    series: &mut Series,
+) -> Result<()> {
+    let max_ctx = *cfg.contexts.iter().max().context("no contexts")?;
+    let extra = cfg.warm + cfg.step_reps + 1;
+    let cap = (max_ctx.max(4000) + extra).next_multiple_of(64);
+    let spec = CacheSpec::llama3_8b(DType::F16, cap)?;
+    let bytes_per_step = spec.bytes_per_token();
+    let total_bytes = spec.total_bytes();
+    eprintln!(
+        "decode: Llama-3-8B f16, capacity {cap} ({} MiB), {} bytes per step",
+        total_bytes >> 20,
+        bytes_per_step
+    );
+    let k: Vec<f16> = (0..ROW).map(|i| f16::from_f32(i as f32 * 1e-3)).collect();
+    let v: Vec<f16> = k.iter().map(|x| -*x).collect();
+
+    // (1) step at position 10 and 4000, and raw write_buffer of the same bytes, interleaved.
+    {
+        let mut near = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
+        let mut far = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
+        fill(&mut near, 10)?;
+        fill(&mut far, 4000)?;
+        timer.wait()?;
+        let far_bufs = buffers(&far)?;
+        let (mut a, mut b, mut c) = (
+            || -> Result<f64> {
+                let t = timer.host(|| step(&mut near, &k, &v))?;
+                near.truncate(10)?;
+                Ok(t)
+            },
+            || -> Result<f64> {
+                let t = timer.host(|| step(&mut far, &k, &v))?;
+                far.truncate(4000)?;
+                Ok(t)
+            },
+            || timer.host(|| raw_step(&gpu.queue, &far_bufs, 4000, &k, &v)),
+        );
+        let [t10, t4000, traw] = interleaved(cfg.warm, cfg.step_reps, [&mut a, &mut b, &mut c])?;
+        rows.push(
+            Row::new(
+                "decode append step, Llama-3-8B f16, 32 layers, pos 4000",
+                t4000 * 1e6,
+                "us",
+                Clock::HostWall,
+            )
+            .ratio(
+                t4000 / traw,
+                format!(
+                    "raw write_buffer of the same {bytes_per_step} bytes ({:.1} us)",
+                    traw * 1e6
+                ),
+                Goal::AtMost(1.15),
+            ),
+        );
+        rows.push(
+            Row::new(
+                "decode append step at pos 4000 / pos 10",
+                t4000 * 1e6,
+                "us",
+                Clock::HostWall,
+            )
+            .ratio(
+                t4000 / t10,
+                format!("the same step at position 10 ({:.1} us)", t10 * 1e6),
+                Goal::AtMost(1.1),
+            ),
+        );
+    }
+
+    // (6) step cost across contexts: kvgpu, raw write_buffer, candle-nn, prefix-copy, Vec<f32>.
+    let mut kv_pts = Vec::new();
+    let mut raw_pts = Vec::new();
+    let mut candle_pts = Vec::new();
+    let mut prefix_pts = Vec::new();
+    let mut vec_pts = Vec::new();
+    let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
+    fill(&mut cache, max_ctx)?;
+    let bufs = buffers(&cache)?;
+    let mut candle = Candle::new(cap)?;
+    let mut flat = FlatVec {
+        slots: (0..2 * LAYERS).map(|_| vec![0.0f32; cap * ROW]).collect(),
+    };
+    let kf: Vec<f32> = k.iter().map(|x| x.to_f32()).collect();
+    let vf: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+    let mut contexts = cfg.contexts.clone();
+    contexts.sort_unstable_by(|a, b| b.cmp(a));
+    let cache = std::cell::RefCell::new(cache);
+    for &ctx in &contexts {
+        cache.borrow_mut().truncate(ctx)?;
+        candle.set_len(ctx)?;
+        let mut kv = || -> Result<f64> {
+            let t = timer.host(|| step(&mut cache.borrow_mut(), &k, &v))?;
+            cache.borrow_mut().truncate(ctx)?;
+            Ok(t)
+        };
+        // The host calls alone: what a decode loop pays when the submit is shared with its kernels.
+        let mut kh = || -> Result<f64> {
+            let t = std::time::Instant::now();
+            step(&mut cache.borrow_mut(), &k, &v)?;
+            let t = t.elapsed().as_secs_f64();
+            gpu.queue.submit([]);
+            timer.wait()?;
+            cache.borrow_mut().truncate(ctx)?;
+            Ok(t)
+        };
+        let mut raw = || timer.host(|| raw_step(&gpu.queue, &bufs, ctx, &k, &v));
+        let mut cd = || -> Result<f64> {
+            let t = std::time::Instant::now();
+            candle.step()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let mut fv = || -> Result<f64> {
+            let t = std::time::Instant::now();
+            flat.step(ctx, &kf, &vf);
+            std::hint::black_box(&flat.slots[0][ctx * ROW]);
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let [tk, th, tr, tc, tv] = interleaved(
+            cfg.warm,
+            cfg.step_reps,
+            [&mut kv, &mut kh, &mut raw, &mut cd, &mut fv],
+        )?;
+        // The prefix-copy cache moves the whole prefix each step: few repetitions.
+        let mut prefix = PrefixCopy::new(gpu, ctx);
+        let [tp] = interleaved(
+            1,
+            cfg.slow_reps,
+            [&mut || {
+                timer.host(|| {
+                    prefix.step(&k, &v);
+                    Ok(())
+                })
+            }],
+        )?;
+        drop(prefix);
+        eprintln!(
+            "  ctx {ctx:>6}: kvgpu {:.1} us (host calls {:.1} us), raw {:.1} us, candle {:.1} us, prefix-copy {:.1} us, Vec<f32> {:.1} us",
+            tk * 1e6,
+            th * 1e6,
+            tr * 1e6,
+            tc * 1e6,
+            tp * 1e6,
+            tv * 1e6
+        );
+        kv_pts.push((ctx, tk));
+        raw_pts.push((ctx, tr));
+        candle_pts.push((ctx, tc));
+        prefix_pts.push((ctx, tp));
+        vec_pts.push((ctx, tv));
+        let goal = if ctx == 4000 {
+            Goal::AtMost(1.0)
+        } else {
+            Goal::Info
+        };
+        rows.push(
+            Row::new(
+                format!("kvgpu / candle-nn KvCache append step, ctx {ctx}"),
+                tk * 1e6,
+                "us",
+                Clock::HostWall,
+            )
+            .ratio(
+                tk / tc,
+                format!(
+                    "candle-nn KvCache::append, 32 layers, f16 CPU ({:.1} us)",
+                    tc * 1e6
+                ),
+                goal,
+            ),
+        );
+        rows.push(
+            Row::new(
+                format!("kvgpu append host calls only (no submit) / candle-nn, ctx {ctx}"),
+                th * 1e6,
+                "us",
+                Clock::Cpu,
+            )
+            .ratio(
+                th / tc,
+                format!("candle-nn KvCache::append ({:.1} us)", tc * 1e6),
+                Goal::Info,
+            ),
+        );
+        rows.push(
+            Row::new(
+                format!("prefix-copy cache step, ctx {ctx}"),
+                tp * 1e6,
+                "us",
+                Clock::HostWall,
+            )
+            .ratio(
+                tp / tk,
+                format!("kvgpu append step ({:.1} us)", tk * 1e6),
+                Goal::Info,
+            ),
+        );
+        rows.push(
+            Row::new(
+                format!("kvgpu / Vec<f32> flat CPU cache step, ctx {ctx}"),
+                tk * 1e6,
+                "us",
+                Clock::HostWall,
+            )
+            .ratio(
+                tk / tv,
+                format!("Vec<f32> copy_from_slice, 64 slots ({:.2} us)", tv * 1e6),
+                Goal::Info,
+            ),
+        );
+    }
+    let mut cache = cache.into_inner();
+    drop(candle);
+    drop(flat);
+    for (name, pts) in [
+        ("kvgpu append (Llama-3-8B f16, 32 layers)", kv_pts),
+        ("raw write_buffer, same bytes", raw_pts),
+        ("candle-nn KvCache (CPU f16)", candle_pts),
+        ("prefix-copy GPU cache", prefix_pts),
+        ("Vec<f32> flat CPU cache", vec_pts),
+    ] {
+        let mut pts = pts;
+        pts.sort_unstable_by_key(|p| p.0);
+        series.push((name.into(), pts));
+    }
+
+    // (5) zeroing reset of the whole cache against clear_buffer of the same buffers.
+    let mut reset = || timer.gpu(|enc| cache.record_reset(enc));
+    let mut clear = || {
+        timer.gpu(|enc| {
+            for (b, _) in &bufs {
+                enc.clear_buffer(b, 0, None);
+            }
+        })
+    };
+    let [tz, tc] = interleaved(1, cfg.slow_reps, [&mut reset, &mut clear])?;
+    let gbs = |t: f64| total_bytes as f64 / t / 1e9;
+    rows.push(
+        Row::new(
+            format!(
+                "reset (zeroing) of a whole Llama-3-8B f16 cache, {} MiB",
+                total_bytes >> 20
+            ),
+            gbs(tz),
+            "GB/s",
+            timer.clock(),
+        )
+        .ratio(
+            tc / tz,
+            format!("clear_buffer of the same 64 buffers ({:.2} GB/s)", gbs(tc)),
+            Goal::AtLeast(0.9),
+        ),
+    );
+    Ok(())
+}

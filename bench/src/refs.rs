@@ -1,0 +1,200 @@
+//! Reference kernels of the bench: the streaming-read roofline and the best plain copy kernel for the
+//! fused-QKV conversion. They set the bar kvgpu's kernels are measured against on the same adapter.
+
+use anyhow::Result;
+
+use crate::timing::{Timer, interleaved};
+
+fn pipeline(device: &wgpu::Device, label: &str, source: &str) -> wgpu::ComputePipeline {
+    let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(label),
+        source: wgpu::ShaderSource::Wgsl(source.into()),
+    });
+    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: Some(label),
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    })
+}
+
+fn uniform(device: &wgpu::Device, bytes: &[u8]) -> wgpu::Buffer {
+    let buf = device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("bench params"),
+        size: bytes.len() as u64,
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: true,
+    });
+    buf.slice(..)
+        .get_mapped_range_mut()
+        .expect("a buffer mapped at creation")
+        .copy_from_slice(bytes);
+    buf.unmap();
+    buf
+}
+
+pub fn storage(device: &wgpu::Device, size: u64, label: &str) -> wgpu::Buffer {
+    device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size,
+        usage: wgpu::BufferUsages::STORAGE
+            | wgpu::BufferUsages::COPY_SRC
+            | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
+}
+
+fn dispatch(
+    enc: &mut wgpu::CommandEncoder,
+    pipe: &wgpu::ComputePipeline,
+    group: &wgpu::BindGroup,
+    n: u32,
+) {
+    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        label: Some("bench reference"),
+        timestamp_writes: None,
+    });
+    pass.set_pipeline(pipe);
+    pass.set_bind_group(0, group, &[]);
+    pass.dispatch_workgroups(n, 1, 1);
+}
+
+fn group(
+    device: &wgpu::Device,
+    pipe: &wgpu::ComputePipeline,
+    buffers: [wgpu::BindingResource<'_>; 3],
+) -> wgpu::BindGroup {
+    let entries: Vec<wgpu::BindGroupEntry<'_>> = buffers
+        .into_iter()
+        .enumerate()
+        .map(|(i, resource)| wgpu::BindGroupEntry {
+            binding: i as u32,
+            resource,
+        })
+        .collect();
+    device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("bench reference"),
+        layout: &pipe.get_bind_group_layout(0),
+        entries: &entries,
+    })
+}
+
+/// The streaming-read roofline over the first `bytes` of a buffer.
+pub struct StreamRead {
+    device: wgpu::Device,
+    pipe: wgpu::ComputePipeline,
+    src: wgpu::Buffer,
+    sink: wgpu::Buffer,
+}
+
+impl StreamRead {
+    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue, max_bytes: u64) -> Self {
+        let src = storage(device, max_bytes.next_multiple_of(16), "bench stream src");
+        // Non-zero contents, so the XOR is data dependent.
+        let pattern: Vec<u32> = (0..(1u32 << 20))
+            .map(|i| i.wrapping_mul(0x9e37_79b1))
+            .collect();
+        let chunk: &[u8] = bytemuck::cast_slice(&pattern);
+        let mut off = 0;
+        while off < src.size() {
+            let n = (src.size() - off).min(chunk.len() as u64);
+            queue.write_buffer(&src, off, &chunk[..n as usize]);
+            off += n;
+        }
+        Self {
+            device: device.clone(),
+            pipe: pipeline(
+                device,
+                "bench stream_read",
+                include_str!("../shaders/stream_read.wgsl"),
+            ),
+            src,
+            sink: storage(device, 4 << 20, "bench sink"),
+        }
+    }
+
+    /// Seconds to read `bytes` once: the best of a few grid shapes, each the median of `reps`.
+    pub fn time(&self, timer: &Timer, bytes: u64, warm: usize, reps: usize) -> Result<f64> {
+        let n_vec4 = (bytes / 16).max(1) as u32;
+        let mut best = f64::INFINITY;
+        // One 16-byte word per invocation, then 4, 16 and 64 per invocation (grid stride).
+        for per in [1u32, 4, 16, 64] {
+            let groups = n_vec4.div_ceil(256 * per).clamp(1, 65535);
+            let stride = groups * 256;
+            let params = uniform(&self.device, bytemuck::cast_slice(&[n_vec4, stride, 0, 0]));
+            let bind = group(
+                &self.device,
+                &self.pipe,
+                [
+                    self.src.as_entire_binding(),
+                    self.sink.as_entire_binding(),
+                    params.as_entire_binding(),
+                ],
+            );
+            let [t] = interleaved(
+                warm,
+                reps,
+                [&mut || timer.gpu(|enc| dispatch(enc, &self.pipe, &bind, groups))],
+            )?;
+            best = best.min(t);
+        }
+        Ok(best)
+    }
+}
+
+/// The best plain kernel for K out of fused QKV f32 rows into packed f16 rows.
+pub struct QkvToF16 {
+    pipe: wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+    groups: u32,
+}
+
+impl QkvToF16 {
+    /// `src` holds `n_rows` rows of `row_elems` f32; K is `kv_elems` floats at `offset` of each row.
+    pub fn new(
+        device: &wgpu::Device,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        n_rows: u32,
+        row_elems: u32,
+        offset: u32,
+        kv_elems: u32,
+    ) -> Self {
+        let pipe = pipeline(
+            device,
+            "bench qkv_to_f16",
+            include_str!("../shaders/qkv_to_f16.wgsl"),
+        );
+        let total = n_rows * kv_elems / 8;
+        let groups = total.div_ceil(256).clamp(1, 65535);
+        let params = uniform(
+            device,
+            bytemuck::cast_slice(&[
+                n_rows,
+                kv_elems / 4,
+                row_elems / 4,
+                offset / 4,
+                groups * 256,
+                0,
+                0,
+                0,
+            ]),
+        );
+        let bind = group(
+            device,
+            &pipe,
+            [
+                src.as_entire_binding(),
+                dst.as_entire_binding(),
+                params.as_entire_binding(),
+            ],
+        );
+        Self { pipe, bind, groups }
+    }
+
+    pub fn record(&self, enc: &mut wgpu::CommandEncoder) {
+        dispatch(enc, &self.pipe, &self.bind, self.groups);
+    }
+}
