@@ -1,5 +1,5 @@
 // Attention, pass 1 of 2 (flash-decoding): one workgroup takes one chunk of the visible rows, one KV head
-// and up to 16 of the query heads that share it, for one query. It walks the chunk in tiles of 64 rows
+// and HB (up to 16) of the query heads that share it, for one query. It walks the chunk in tiles of 64 rows
 // with a running-max softmax and writes its partial (max, sum) and unnormalised output per head; the
 // reduce pass (attention_reduce.wgsl) merges the chunks. Every K / V element a workgroup reads is used
 // by all of its heads, so a group of up to 16 query heads reads its KV once.
@@ -15,8 +15,11 @@ const F16: u32 = 1u;
 const BF16: u32 = 2u;
 
 override DTYPE: u32 = 0u;
+// Query heads per workgroup: 1, 2, 4, 8 or 16, dividing the group. A constant per pipeline, so the
+// per-head loops have fixed trip counts and their accumulators stay in registers.
+override HB: u32 = 16u;
 
-// Rows per tile (= invocations per workgroup) and most query heads per workgroup.
+// Rows per tile (= invocations per workgroup) and most query heads per workgroup (HB <= HEADS).
 const TILE: u32 = 64u;
 const HEADS: u32 = 16u;
 // Running max before the first row: far below any finite score, and exp(NEG - m) is 0.
@@ -28,7 +31,7 @@ struct AttnParams {
     n_heads: u32,
     // Query heads per KV head.
     group: u32,
-    // Workgroups per KV head: ceil(group / 16).
+    // Workgroups per KV head: group / HB.
     n_batches: u32,
     d_a: u32,
     d_b: u32,
@@ -98,14 +101,14 @@ fn v_elem(row: u32, e: u32) -> f32 {
     return half_at(slot_v[row * p.row_words_v + (e >> 1u)], (e & 1u) == 1u);
 }
 
-// acc[h] += q_a[head h0 + h] · (elements [e0, e0 + d_a) of row `row` of slot a), for h < hb.
-fn dot_a(row: u32, e0: u32, q0: u32, hb: u32, acc: ptr<function, array<f32, 16>>) {
+// acc[h] += q_a[head h0 + h] · (elements [e0, e0 + d_a) of row `row` of slot a), for h < HB.
+fn dot_a(row: u32, e0: u32, q0: u32, acc: ptr<function, array<f32, 16>>) {
     let d = p.d_a;
     let base = row * p.row_words_a;
     if DTYPE == F32 {
         for (var e = 0u; e < d; e++) {
             let k = bitcast<f32>(slot_a[base + e0 + e]);
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_a[q0 + h * d + e] * k;
             }
         }
@@ -119,15 +122,15 @@ fn dot_a(row: u32, e0: u32, q0: u32, hb: u32, acc: ptr<function, array<f32, 16>>
         let i = 2u * w;
         if i >= e0 && i + 1u < e0 + d {
             let j = q0 + i - e0;
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_a[j + h * d] * lo + q_a[j + 1u + h * d] * hi;
             }
         } else if i >= e0 {
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_a[q0 + i - e0 + h * d] * lo;
             }
         } else {
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_a[q0 + h * d] * hi;
             }
         }
@@ -135,13 +138,13 @@ fn dot_a(row: u32, e0: u32, q0: u32, hb: u32, acc: ptr<function, array<f32, 16>>
 }
 
 // As dot_a, for q_b and slot b.
-fn dot_b(row: u32, e0: u32, q0: u32, hb: u32, acc: ptr<function, array<f32, 16>>) {
+fn dot_b(row: u32, e0: u32, q0: u32, acc: ptr<function, array<f32, 16>>) {
     let d = p.d_b;
     let base = row * p.row_words_b;
     if DTYPE == F32 {
         for (var e = 0u; e < d; e++) {
             let k = bitcast<f32>(slot_b[base + e0 + e]);
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_b[q0 + h * d + e] * k;
             }
         }
@@ -155,15 +158,15 @@ fn dot_b(row: u32, e0: u32, q0: u32, hb: u32, acc: ptr<function, array<f32, 16>>
         let i = 2u * w;
         if i >= e0 && i + 1u < e0 + d {
             let j = q0 + i - e0;
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_b[j + h * d] * lo + q_b[j + 1u + h * d] * hi;
             }
         } else if i >= e0 {
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_b[q0 + i - e0 + h * d] * lo;
             }
         } else {
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 (*acc)[h] += q_b[q0 + h * d] * hi;
             }
         }
@@ -187,7 +190,8 @@ fn in_bounds() -> bool {
     let rows = p.n_q * p.n_heads;
     let pw = per_word();
     let parts = p.n_chunks * rows;
-    return p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads
+    return HB >= 1u && HB <= HEADS && p.group % HB == 0u && p.n_batches * HB == p.group
+        && p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads
         && p.chunk_len % TILE == 0u
         && rows * p.d_a <= arrayLength(&q_a) && rows * p.d_b <= arrayLength(&q_b)
         && p.n_kv * p.d_a <= p.row_words_a * pw && p.visible * p.row_words_a <= arrayLength(&slot_a)
@@ -202,11 +206,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let kv = wg.y / max(p.n_batches, 1u);
     let batch = wg.y % max(p.n_batches, 1u);
     let qi = wg.z;
-    if chunk >= p.n_chunks || kv >= p.n_kv || batch * HEADS >= p.group || qi >= p.n_q || !in_bounds() {
+    if chunk >= p.n_chunks || kv >= p.n_kv || batch * HB >= p.group || qi >= p.n_q || !in_bounds() {
         return;
     }
-    let hb = min(HEADS, p.group - batch * HEADS);
-    let h0 = kv * p.group + batch * HEADS;
+    let h0 = kv * p.group + batch * HB;
     // This query's own row, and the first row its window reaches.
     let last = p.visible - p.n_q + qi;
     var first = 0u;
@@ -227,11 +230,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         let n = min(TILE, end - t0);
         if lid < n {
             var acc: array<f32, 16>;
-            dot_a(t0 + lid, kv * p.d_a, qa0, hb, &acc);
+            dot_a(t0 + lid, kv * p.d_a, qa0, &acc);
             if p.d_b > 0u {
-                dot_b(t0 + lid, kv * p.d_b, qb0, hb, &acc);
+                dot_b(t0 + lid, kv * p.d_b, qb0, &acc);
             }
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 var s = acc[h] * p.scale;
                 if p.soft_cap > 0.0 {
                     s = p.soft_cap * tanh_safe(s / p.soft_cap);
@@ -240,7 +243,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
         }
         workgroupBarrier();
-        if lid < hb {
+        if lid < HB {
             var m = run_max[lid];
             for (var t = 0u; t < n; t++) {
                 m = max(m, scores[lid * TILE + t]);
@@ -250,12 +253,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         workgroupBarrier();
         if lid < n {
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 scores[h * TILE + lid] = exp(scores[h * TILE + lid] - run_max[h]);
             }
         }
         workgroupBarrier();
-        if lid < hb {
+        if lid < HB {
             var s = 0.0;
             for (var t = 0u; t < n; t++) {
                 s += scores[lid * TILE + t];
@@ -266,11 +269,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             var acc: array<f32, 16>;
             for (var t = 0u; t < n; t++) {
                 let v = v_elem(t0 + t, kv * p.d_v + d);
-                for (var h = 0u; h < hb; h++) {
+                for (var h = 0u; h < HB; h++) {
                     acc[h] += scores[h * TILE + t] * v;
                 }
             }
-            for (var h = 0u; h < hb; h++) {
+            for (var h = 0u; h < HB; h++) {
                 let i = (out0 + h) * p.d_v + d;
                 if t0 == start {
                     part[i] = acc[h];
@@ -281,7 +284,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         workgroupBarrier();
     }
-    if lid < hb {
+    if lid < HB {
         stats[2u * (out0 + lid)] = run_max[lid];
         stats[2u * (out0 + lid) + 1u] = run_sum[lid];
     }

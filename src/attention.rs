@@ -85,13 +85,13 @@ const _: () = assert!(size_of::<AttnParams>() <= size_of::<WriteParams>());
 
 /// Rows per tile and invocations per workgroup of both passes (`TILE` in the shaders).
 const TILE: usize = 64;
-/// Most query heads one workgroup serves (`HEADS` in the shaders): a GQA group or the MLA heads are
-/// split into batches of this many, each reading the KV rows once.
-const HEADS: usize = 16;
+/// Query heads one workgroup may serve (`HB` in the shader, a pipeline constant): the largest of these
+/// that divides the group, so a GQA group or the MLA heads of up to 16 read each KV row once.
+const HEAD_BATCHES: [usize; 5] = [16, 8, 4, 2, 1];
 /// Pass 1 aims for at least this many workgroups, so that a single decode query fills a large GPU.
 const TARGET_WORKGROUPS: usize = 1024;
 /// Cached bind-group pairs per `Attention`; the cache is cleared when it would grow past this.
-const BIND_GROUPS: usize = 64;
+const BIND_GROUPS: usize = 256;
 
 /// The attention pipelines of one device.
 struct AttentionKernels {
@@ -99,8 +99,9 @@ struct AttentionKernels {
     partial_layout: wgpu::BindGroupLayout,
     partial_pipeline_layout: wgpu::PipelineLayout,
     partial_module: wgpu::ShaderModule,
-    /// Pass-1 pipelines by storage type (index `DType::code`), compiled on first use.
-    partial: [OnceLock<wgpu::ComputePipeline>; 3],
+    /// Pass-1 pipelines by storage type (`DType::code`) and heads per workgroup (`HEAD_BATCHES`
+    /// index), compiled on first use.
+    partial: [[OnceLock<wgpu::ComputePipeline>; HEAD_BATCHES.len()]; 3],
     reduce_layout: wgpu::BindGroupLayout,
     reduce: wgpu::ComputePipeline,
 }
@@ -194,10 +195,13 @@ impl AttentionKernels {
         }
     }
 
-    /// The pass-1 pipeline reading `dtype` storage.
-    fn partial(&self, dtype: DType) -> &wgpu::ComputePipeline {
-        self.partial[dtype.code() as usize].get_or_init(|| {
-            let constants = [("DTYPE", dtype.code() as f64)];
+    /// The pass-1 pipeline reading `dtype` storage with `HEAD_BATCHES[batch]` heads per workgroup.
+    fn partial(&self, dtype: DType, batch: usize) -> &wgpu::ComputePipeline {
+        self.partial[dtype.code() as usize][batch].get_or_init(|| {
+            let constants = [
+                ("DTYPE", dtype.code() as f64),
+                ("HB", HEAD_BATCHES[batch] as f64),
+            ];
             self.device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                     label: Some("kvgpu attention_partial"),
@@ -308,6 +312,8 @@ struct Job<'a> {
 struct Plan<'a> {
     params: AttnParams,
     dtype: DType,
+    /// Index into `HEAD_BATCHES`.
+    batch: usize,
     slot_a: &'a wgpu::Buffer,
     slot_b: &'a wgpu::Buffer,
     slot_v: &'a wgpu::Buffer,
@@ -424,7 +430,7 @@ impl Attention {
     /// Records MLA absorbed attention of `layer` (slots `compressed_kv [r]` and `k_pe [p]`) into
     /// `encoder`: `out [n_q, n_heads, r] = softmax(scale · (q_latent·c_kv + q_rope·k_pe)) · c_kv` with
     /// `q_latent [n_q, n_heads, r]` and `q_rope [n_q, n_heads, p]`, causal as in [`Attention::record_gqa`].
-    /// All heads (up to 16 per workgroup) read each latent row once.
+    /// Up to 16 heads share each read of a latent row.
     pub fn record_mla(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -578,7 +584,7 @@ impl Attention {
             label: Some("kvgpu attention"),
             timestamp_writes: None,
         });
-        pass.set_pipeline(self.kernels.partial(plan.dtype));
+        pass.set_pipeline(self.kernels.partial(plan.dtype, plan.batch));
         pass.set_bind_group(0, &groups.partial, &[offset]);
         pass.dispatch_workgroups(plan.pass1.0, plan.pass1.1, plan.pass1.2);
         pass.set_pipeline(&self.kernels.reduce);
@@ -687,7 +693,11 @@ impl Attention {
             });
         }
         let group = n_heads / job.n_kv;
-        let n_batches = group.div_ceil(HEADS);
+        let batch = HEAD_BATCHES
+            .iter()
+            .position(|&b| group.is_multiple_of(b))
+            .unwrap_or(HEAD_BATCHES.len() - 1);
+        let n_batches = group / HEAD_BATCHES[batch];
         let per_chunk = job.n_kv * n_batches * n_q;
         for (what, n) in [
             ("queries", n_q),
@@ -744,6 +754,7 @@ impl Attention {
         Ok(Plan {
             params,
             dtype: cache.spec().dtype(),
+            batch,
             slot_a: slot_a.buffer,
             slot_b: slot_b.buffer,
             slot_v: slot_v.buffer,
