@@ -6,6 +6,42 @@
 //! Work is proportional to the visible rows (or the window), never to the capacity. Pipelines are
 //! compiled once per device; bind groups are cached by the buffers they bind; per-call parameters go
 //! through a uniform ring, so many attention calls can share one encoder.
+//!
+//! ```
+//! use kvgpu::{Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, Queries};
+//! use wgpu::util::DeviceExt;
+//!
+//! # fn main() -> kvgpu::Result<()> {
+//! let gpu = Gpu::from_env_blocking()?;
+//! let spec = CacheSpec::qwen3_0_6b(DType::F16, 1024)?; // K/V of 8 KV heads x 128
+//! let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
+//! let mut attention = Attention::for_cache(&cache);
+//! // This step's token of layer 0 (the other layers append theirs before `advance`).
+//! let kv = vec![0.5f32; 8 * 128];
+//! cache.append(0, &[HostSlab::f32(&kv, &[1, 8, 128]), HostSlab::f32(&kv, &[1, 8, 128])])?;
+//! // 16 query heads of 128, and room for the output.
+//! let q = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+//!     label: None,
+//!     contents: bytemuck::cast_slice(&[0.1f32; 16 * 128]),
+//!     usage: wgpu::BufferUsages::STORAGE,
+//! });
+//! let out = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+//!     label: None,
+//!     size: 16 * 128 * 4,
+//!     usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+//!     mapped_at_creation: false,
+//! });
+//! let mut encoder = gpu.device.create_command_encoder(&Default::default());
+//! let q = Queries::new(&q, 1, 16, 128);
+//! attention.record_gqa(&mut encoder, &cache, 0, q, &out, &AttentionOptions::default())?;
+//! gpu.queue.submit([encoder.finish()]);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Devices and buffers are told apart the way wgpu compares them, by id within one `wgpu::Instance`:
+//! a cache or buffer of another device of the same instance is refused with a typed error; objects
+//! of a different instance cannot be recognised and must not be mixed.
 
 use std::collections::HashMap;
 use std::future::Future;

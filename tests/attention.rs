@@ -178,7 +178,7 @@ fn gqa_matches_the_reference_for_every_dtype() {
 }
 
 #[test]
-fn gqa_over_4096_rows_splits_the_sequence() {
+fn attention_over_4096_rows_splits_the_sequence() {
     let g = gpu();
     let mut att = Attention::new(&g.device, &g.queue);
     #[rustfmt::skip]
@@ -186,10 +186,18 @@ fn gqa_over_4096_rows_splits_the_sequence() {
         Gqa { n_kv: 1, group: 8, d_k: 128, d_v: 128, visible: 4096, n_q: 1, window: None, soft_cap: None },
         Gqa { n_kv: 2, group: 4, d_k: 64, d_v: 64, visible: 4096, n_q: 7, window: Some(1000), soft_cap: Some(50.0) },
     ];
+    let mla = Mla {
+        n_heads: 16,
+        visible: 4096,
+        n_q: 1,
+        window: None,
+        soft_cap: None,
+    };
     for_each_dtype(|dtype| {
         for (i, &case) in cases.iter().enumerate() {
             check_gqa(&mut att, case, dtype, 40 + i as u64);
         }
+        check_mla(&mut att, mla, dtype, 50);
     });
 }
 
