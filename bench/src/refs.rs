@@ -194,6 +194,39 @@ impl QkvToF16 {
         Self { pipe, bind, groups }
     }
 
+    /// The same conversion with 4-byte loads and stores, one output word per invocation: the access
+    /// pattern of kvgpu's slab-write kernel, for the profile.
+    pub fn scalar(
+        device: &wgpu::Device,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        n_rows: u32,
+        row_elems: u32,
+        offset: u32,
+        kv_elems: u32,
+    ) -> Self {
+        let pipe = pipeline(
+            device,
+            "bench qkv_to_f16_scalar",
+            include_str!("../shaders/qkv_to_f16_scalar.wgsl"),
+        );
+        let groups = (n_rows * kv_elems / 2).div_ceil(256).clamp(1, 65535);
+        let params = uniform(
+            device,
+            bytemuck::cast_slice(&[n_rows, kv_elems, row_elems, offset, groups * 256, 0, 0, 0]),
+        );
+        let bind = group(
+            device,
+            &pipe,
+            [
+                src.as_entire_binding(),
+                dst.as_entire_binding(),
+                params.as_entire_binding(),
+            ],
+        );
+        Self { pipe, bind, groups }
+    }
+
     pub fn record(&self, enc: &mut wgpu::CommandEncoder) {
         dispatch(enc, &self.pipe, &self.bind, self.groups);
     }
