@@ -101,6 +101,30 @@ fn v_elem(row: u32, e: u32) -> f32 {
     return half_at(slot_v[row * p.row_words_v + (e >> 1u)], (e & 1u) == 1u);
 }
 
+// Elements [e, e + m) of row `row` of slot v (m <= 4), zero beyond.
+fn v_quad(row: u32, e: u32, m: u32) -> vec4<f32> {
+    let base = row * p.row_words_v;
+    if DTYPE == F32 {
+        if m == 4u {
+            return vec4<f32>(
+                bitcast<f32>(slot_v[base + e]),
+                bitcast<f32>(slot_v[base + e + 1u]),
+                bitcast<f32>(slot_v[base + e + 2u]),
+                bitcast<f32>(slot_v[base + e + 3u]),
+            );
+        }
+    } else if m == 4u && (e & 1u) == 0u {
+        let w0 = slot_v[base + (e >> 1u)];
+        let w1 = slot_v[base + (e >> 1u) + 1u];
+        return vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
+    }
+    var v = vec4<f32>(0.0);
+    for (var k = 0u; k < m; k++) {
+        v[k] = v_elem(row, e + k);
+    }
+    return v;
+}
+
 // acc[h] += q_a[head h0 + h] · (elements [e0, e0 + d_a) of row `row` of slot a), for h < HB.
 fn dot_a(row: u32, e0: u32, q0: u32, acc: ptr<function, array<f32, 16>>) {
     let d = p.d_a;
@@ -265,20 +289,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             }
             run_sum[lid] = run_sum[lid] * rescale[lid] + s;
         }
-        for (var d = lid; d < p.d_v; d += TILE) {
-            var acc: array<f32, 16>;
+        // Each invocation owns 4 consecutive output dims, so one score load feeds 4 multiply-adds.
+        for (var d = 4u * lid; d < p.d_v; d += 4u * TILE) {
+            var acc: array<vec4<f32>, 16>;
+            let e = kv * p.d_v + d;
+            let m = min(4u, p.d_v - d);
             for (var t = 0u; t < n; t++) {
-                let v = v_elem(t0 + t, kv * p.d_v + d);
+                let v = v_quad(t0 + t, e, m);
                 for (var h = 0u; h < HB; h++) {
                     acc[h] += scores[h * TILE + t] * v;
                 }
             }
             for (var h = 0u; h < HB; h++) {
                 let i = (out0 + h) * p.d_v + d;
-                if t0 == start {
-                    part[i] = acc[h];
-                } else {
-                    part[i] = part[i] * rescale[h] + acc[h];
+                for (var k = 0u; k < m; k++) {
+                    if t0 == start {
+                        part[i + k] = acc[h][k];
+                    } else {
+                        part[i + k] = part[i + k] * rescale[h] + acc[h][k];
+                    }
                 }
             }
         }

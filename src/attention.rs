@@ -126,6 +126,9 @@ const TILE: usize = 64;
 const HEAD_BATCHES: [usize; 5] = [16, 8, 4, 2, 1];
 /// Pass 1 aims for at least this many workgroups, so that a single decode query fills a large GPU.
 const TARGET_WORKGROUPS: usize = 1024;
+/// On CPU adapters (llvmpipe, lavapipe, WARP) each workgroup has a fixed cost that outweighs the
+/// parallelism of more chunks; a few per core suffice there.
+const TARGET_WORKGROUPS_CPU: usize = 16;
 /// Cached bind-group pairs per `Attention`; the cache is cleared when it would grow past this.
 const BIND_GROUPS: usize = 256;
 
@@ -374,6 +377,7 @@ pub struct Attention {
     groups: HashMap<GroupKey, Groups>,
     max_workgroups: usize,
     max_binding: u64,
+    target_workgroups: usize,
 }
 
 impl Attention {
@@ -389,6 +393,10 @@ impl Attention {
             groups: HashMap::new(),
             max_workgroups: limits.max_compute_workgroups_per_dimension as usize,
             max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
+            target_workgroups: match device.adapter_info().device_type {
+                wgpu::DeviceType::Cpu => TARGET_WORKGROUPS_CPU,
+                _ => TARGET_WORKGROUPS,
+            },
         }
     }
 
@@ -755,7 +763,8 @@ impl Attention {
         let tiles = (visible - lo).div_ceil(TILE);
         let chunk_bytes = out_bytes.max(n_q as u64 * n_heads as u64 * 8);
         let by_binding = usize::try_from(self.max_binding / chunk_bytes).unwrap_or(usize::MAX);
-        let want = TARGET_WORKGROUPS
+        let want = self
+            .target_workgroups
             .div_ceil(per_chunk)
             .min(tiles)
             .min(by_binding)

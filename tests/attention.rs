@@ -16,6 +16,14 @@ use wgpu::util::DeviceExt;
 
 const TOL: f32 = 1e-5;
 
+/// Runs the tests of this file one at a time: on OpenGL every thread shares one context lock, which
+/// wgpu gives up on after 6 s, and a loaded software adapter can hold it that long for another thread.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn storage(data: &[f32]) -> wgpu::Buffer {
     gpu()
         .device
@@ -150,6 +158,7 @@ fn check_gqa(att: &mut Attention, case: Gqa, dtype: DType, seed: u64) -> f32 {
 
 #[test]
 fn gqa_matches_the_reference_for_every_dtype() {
+    let _serial = serial();
     let g = gpu();
     let mut att = Attention::new(&g.device, &g.queue);
     #[rustfmt::skip]
@@ -179,6 +188,7 @@ fn gqa_matches_the_reference_for_every_dtype() {
 
 #[test]
 fn attention_over_4096_rows_splits_the_sequence() {
+    let _serial = serial();
     let g = gpu();
     let mut att = Attention::new(&g.device, &g.queue);
     #[rustfmt::skip]
@@ -247,6 +257,7 @@ fn check_mla(att: &mut Attention, case: Mla, dtype: DType, seed: u64) -> f32 {
 
 #[test]
 fn mla_matches_the_reference_for_every_dtype() {
+    let _serial = serial();
     let g = gpu();
     let mut att = Attention::new(&g.device, &g.queue);
     #[rustfmt::skip]
@@ -265,6 +276,7 @@ fn mla_matches_the_reference_for_every_dtype() {
 
 #[test]
 fn attention_sees_the_rows_left_by_truncate_and_reset() {
+    let _serial = serial();
     let g = gpu();
     let mut att = Attention::new(&g.device, &g.queue);
     for_each_dtype(|dtype| {
@@ -308,6 +320,7 @@ fn attention_sees_the_rows_left_by_truncate_and_reset() {
 
 #[test]
 fn many_calls_with_different_parameters_share_one_encoder() {
+    let _serial = serial();
     let g = gpu();
     let mut att = Attention::new(&g.device, &g.queue);
     let layers = vec![
@@ -391,6 +404,7 @@ fn many_calls_with_different_parameters_share_one_encoder() {
 
 #[test]
 fn bad_requests_are_refused_and_change_nothing() {
+    let _serial = serial();
     let g = gpu();
     let mut att = Attention::new(&g.device, &g.queue);
     let layers = vec![
@@ -602,6 +616,7 @@ fn bad_requests_are_refused_and_change_nothing() {
 
 #[test]
 fn buffers_and_caches_of_another_device_are_refused() {
+    let _serial = serial();
     let g = gpu();
     // A second device of the same adapter (and instance): wgpu compares devices and buffers by their
     // id within one instance, so that is where a foreign buffer can be told apart.
