@@ -365,9 +365,9 @@ struct Plan<'a> {
     pass2: (u32, u32),
 }
 
-/// GQA / MHA and MLA attention over a [`KvCache`], for one device. Owns the pass-1 scratch buffers,
-/// a bind-group cache and a parameter ring: up to [`crate::PARAM_RING_ENTRIES`] calls may be recorded before
-/// the encoders holding them are submitted.
+/// GQA / MHA and MLA attention over a [`KvCache`], for one device. Owns the pass-1 scratch buffers, a
+/// bind-group cache and a parameter ring: record at most [`crate::PARAM_RING_ENTRIES`] calls between
+/// submissions. Calls recorded into one encoder run in order and share the scratch safely.
 pub struct Attention {
     device: wgpu::Device,
     queue: wgpu::Queue,
