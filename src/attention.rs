@@ -45,7 +45,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll, Waker};
 
 use crate::cache::KvCache;
@@ -257,57 +257,6 @@ impl AttentionKernels {
     }
 }
 
-/// One `AttentionKernels` per live device: a weak list, so the registry never keeps a device alive.
-#[cfg(not(target_arch = "wasm32"))]
-mod registry {
-    use super::*;
-    use std::sync::{Mutex, PoisonError};
-
-    static SHARED: Mutex<Vec<Weak<AttentionKernels>>> = Mutex::new(Vec::new());
-
-    pub(super) fn shared(device: &wgpu::Device) -> Arc<AttentionKernels> {
-        let mut list = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
-        list.retain(|w| w.strong_count() > 0);
-        if let Some(k) = list
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|k| k.device == *device)
-        {
-            return k;
-        }
-        let k = Arc::new(AttentionKernels::new(device));
-        list.push(Arc::downgrade(&k));
-        k
-    }
-}
-
-/// In the browser wgpu objects stay on their thread, so the registry is per thread.
-#[cfg(target_arch = "wasm32")]
-mod registry {
-    use super::*;
-    use std::cell::RefCell;
-
-    thread_local! {
-        static SHARED: RefCell<Vec<Weak<AttentionKernels>>> = const { RefCell::new(Vec::new()) };
-    }
-
-    pub(super) fn shared(device: &wgpu::Device) -> Arc<AttentionKernels> {
-        SHARED.with_borrow_mut(|list| {
-            list.retain(|w| w.strong_count() > 0);
-            if let Some(k) = list
-                .iter()
-                .filter_map(Weak::upgrade)
-                .find(|k| k.device == *device)
-            {
-                return k;
-            }
-            let k = Arc::new(AttentionKernels::new(device));
-            list.push(Arc::downgrade(&k));
-            k
-        })
-    }
-}
-
 /// Partial results of pass 1, grown (never shrunk) when a call first needs more.
 struct Scratch {
     stats: wgpu::Buffer,
@@ -381,13 +330,14 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Attention on `device`; the pipelines are compiled once per device and shared.
+    /// Attention on `device`. Its pipelines are compiled for this object (each on first use) and reused by
+    /// every call: make one per device and keep it.
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Self {
         let limits = device.limits();
         Self {
             device: device.clone(),
             queue: queue.clone(),
-            kernels: registry::shared(device),
+            kernels: Arc::new(AttentionKernels::new(device)),
             ring: ParamRing::new(device),
             scratch: None,
             groups: HashMap::new(),

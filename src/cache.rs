@@ -143,10 +143,26 @@ pub struct KvCache {
 impl KvCache {
     /// Allocates a zeroed cache for `spec`, after checking every slot against the device's limits.
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue, spec: CacheSpec) -> Result<Self> {
+        spec.check_limits(&DeviceLimits::from_wgpu(&device.limits()))?;
+        Ok(Self::allocate(Kernels::new(device), queue, spec))
+    }
+
+    /// [`KvCache::new`] reusing the pipelines of another cache on the same device
+    /// (`other.kernels().clone()`), so a second cache compiles nothing.
+    pub fn with_kernels(
+        kernels: Arc<Kernels>,
+        queue: &wgpu::Queue,
+        spec: CacheSpec,
+    ) -> Result<Self> {
+        spec.check_limits(&DeviceLimits::from_wgpu(&kernels.device().limits()))?;
+        Ok(Self::allocate(kernels, queue, spec))
+    }
+
+    /// Creates the buffers of a spec already checked against the device's limits.
+    fn allocate(kernels: Arc<Kernels>, queue: &wgpu::Queue, spec: CacheSpec) -> Self {
+        let device = kernels.device().clone();
         let limits = device.limits();
-        spec.check_limits(&DeviceLimits::from_wgpu(&limits))?;
-        let kernels = Kernels::for_device(device);
-        let ring = ParamRing::new(device);
+        let ring = ParamRing::new(&device);
         let slots = spec
             .layers()
             .iter()
@@ -190,8 +206,8 @@ impl KvCache {
                     .collect()
             })
             .collect();
-        Ok(Self {
-            device: device.clone(),
+        Self {
+            device,
             queue: queue.clone(),
             ledger: Ledger::new(&spec),
             spec,
@@ -203,7 +219,7 @@ impl KvCache {
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             min_storage_offset_alignment: limits.min_storage_buffer_offset_alignment as u64,
             max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
-        })
+        }
     }
 
     pub fn spec(&self) -> &CacheSpec {
@@ -217,6 +233,11 @@ impl KvCache {
 
     pub fn device(&self) -> &wgpu::Device {
         &self.device
+    }
+
+    /// The pipelines this cache records with, to share with another cache of the same device.
+    pub fn kernels(&self) -> &Arc<Kernels> {
+        &self.kernels
     }
 
     pub fn queue(&self) -> &wgpu::Queue {

@@ -2,7 +2,7 @@
 //! ring of kernel parameters that lets many dispatches be recorded into one encoder.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::spec::DType;
 
@@ -101,7 +101,7 @@ fn module(device: &wgpu::Device, label: &str, source: &str) -> wgpu::ShaderModul
 }
 
 impl Kernels {
-    fn new(device: &wgpu::Device) -> Self {
+    fn build(device: &wgpu::Device) -> Self {
         let zero_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("kvgpu zero"),
             entries: &[
@@ -149,9 +149,18 @@ impl Kernels {
         }
     }
 
-    /// The pipelines of `device`, compiled on the first call for that device and shared afterwards.
-    pub fn for_device(device: &wgpu::Device) -> Arc<Kernels> {
-        registry::shared(device)
+    /// The pipelines of `device` (the zeroing one now, each slab-write variant on first use). Share one
+    /// among the caches of a device with [`crate::KvCache::with_kernels`].
+    ///
+    /// There is no process-wide registry keyed by device: wgpu compares devices by an id that is unique
+    /// only within one `wgpu::Instance`, so such a registry could hand one instance's pipelines to another.
+    pub fn new(device: &wgpu::Device) -> Arc<Kernels> {
+        Arc::new(Self::build(device))
+    }
+
+    /// The device these pipelines belong to.
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
     }
 
     pub(crate) fn zero(&self) -> &wgpu::ComputePipeline {
@@ -189,56 +198,6 @@ impl Kernels {
                     })
             })
             .clone()
-    }
-}
-
-/// One `Kernels` per live device: a weak list, so the registry never keeps a device alive.
-#[cfg(not(target_arch = "wasm32"))]
-mod registry {
-    use super::*;
-
-    static SHARED: Mutex<Vec<Weak<Kernels>>> = Mutex::new(Vec::new());
-
-    pub(super) fn shared(device: &wgpu::Device) -> Arc<Kernels> {
-        let mut list = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
-        list.retain(|w| w.strong_count() > 0);
-        if let Some(k) = list
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|k| k.device == *device)
-        {
-            return k;
-        }
-        let k = Arc::new(Kernels::new(device));
-        list.push(Arc::downgrade(&k));
-        k
-    }
-}
-
-/// In the browser wgpu objects stay on their thread, so the registry is per thread.
-#[cfg(target_arch = "wasm32")]
-mod registry {
-    use super::*;
-    use std::cell::RefCell;
-
-    thread_local! {
-        static SHARED: RefCell<Vec<Weak<Kernels>>> = const { RefCell::new(Vec::new()) };
-    }
-
-    pub(super) fn shared(device: &wgpu::Device) -> Arc<Kernels> {
-        SHARED.with_borrow_mut(|list| {
-            list.retain(|w| w.strong_count() > 0);
-            if let Some(k) = list
-                .iter()
-                .filter_map(Weak::upgrade)
-                .find(|k| k.device == *device)
-            {
-                return k;
-            }
-            let k = Arc::new(Kernels::new(device));
-            list.push(Arc::downgrade(&k));
-            k
-        })
     }
 }
 

@@ -55,8 +55,8 @@
 //! rows that must survive it. Each kernel dispatch takes one entry of a ring of [`PARAM_RING_ENTRIES`]
 //! parameter slots per cache: record at most that many dispatches between submissions.
 
-// In the browser wgpu objects are not Send/Sync and everything runs on one thread; the per-device
-// pipeline registries still hand out `Arc`s so native and wasm share one code path.
+// In the browser wgpu objects are not Send/Sync and everything runs on one thread; caches still share
+// their pipelines through an `Arc` so native and wasm have one code path.
 #![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
 
 pub mod attention;

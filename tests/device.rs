@@ -27,3 +27,38 @@ fn a_matching_name_opens_that_adapter() {
     assert_eq!(again.adapter.get_info().name, name);
     assert!(any.limits().max_storage_buffer_binding_size >= 128 << 20);
 }
+
+#[test]
+fn caches_of_two_instances_and_caches_sharing_pipelines() {
+    use kvgpu::{CacheSpec, DType, HostSlab, KvCache, LayerSpec};
+    // Two `Gpu`s are two wgpu instances whose device ids can coincide: each cache must still use
+    // pipelines of its own device.
+    let (a, b) = (
+        Gpu::from_env_blocking().unwrap(),
+        Gpu::from_env_blocking().unwrap(),
+    );
+    let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F16, 4).unwrap();
+    let mut ca = KvCache::new(&a.device, &a.queue, spec.clone()).unwrap();
+    let mut cb = KvCache::new(&b.device, &b.queue, spec.clone()).unwrap();
+    let mut shared = KvCache::with_kernels(ca.kernels().clone(), &a.queue, spec).unwrap();
+    assert!(std::sync::Arc::ptr_eq(ca.kernels(), shared.kernels()));
+    for (i, c) in [&mut ca, &mut cb, &mut shared].into_iter().enumerate() {
+        let (x, y) = (vec![i as f32 + 1.0; 8], vec![-(i as f32); 4]);
+        c.append(0, &[HostSlab::f32(&x, &[2, 4]), HostSlab::f32(&y, &[2, 2])])
+            .unwrap();
+        c.truncate_and_scrub(0).unwrap();
+        c.append(0, &[HostSlab::f32(&x, &[2, 4]), HostSlab::f32(&y, &[2, 2])])
+            .unwrap();
+        c.advance(2).unwrap();
+        c.reset();
+        c.append(
+            0,
+            &[
+                HostSlab::f32(&x[..4], &[1, 4]),
+                HostSlab::f32(&y[..2], &[1, 2]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.read_f32(0, 0).unwrap(), vec![i as f32 + 1.0; 4]);
+    }
+}
