@@ -4,7 +4,7 @@
 //! (`shaders/attention_reduce.wgsl`); both are recorded into the caller's encoder.
 //!
 //! Work is proportional to the visible rows (or the window), never to the capacity. Pipelines are
-//! compiled once per device; bind groups are cached by the buffers they bind; per-call parameters go
+//! compiled once per [`Attention`] (make one per device and keep it); bind groups are cached by the buffers they bind; per-call parameters go
 //! through a uniform ring, so many attention calls can share one encoder.
 //!
 //! ```
