@@ -6,7 +6,7 @@ use plotters::prelude::*;
 
 use crate::decode::Series;
 
-const COLORS: [RGBColor; 7] = [
+const COLORS: [RGBColor; 8] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -14,6 +14,7 @@ const COLORS: [RGBColor; 7] = [
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
     RGBColor(127, 127, 127),
+    RGBColor(23, 190, 207),
 ];
 
 fn chart(
