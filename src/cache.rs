@@ -118,6 +118,9 @@ struct SlotBuffer {
     zero_group: wgpu::BindGroup,
 }
 
+/// 16-byte vectors one zeroing invocation clears per loop step (`BLOCK` in shaders/zero.wgsl).
+const ZERO_BLOCK: u64 = 8;
+
 /// Bind groups of GPU sources are cached by (source, bound range, layer, slot): at most this many.
 const SOURCE_GROUPS: usize = 64;
 
@@ -136,6 +139,9 @@ pub struct KvCache {
     /// Reused conversion buffer for host appends.
     scratch: Vec<u8>,
     max_workgroups: u32,
+    /// Most workgroups of one zeroing dispatch: the device's cap on GPUs, a few on CPU adapters, where
+    /// every workgroup costs a fixed start-up and invocations loop instead.
+    zero_workgroups: u32,
     min_storage_offset_alignment: u64,
     max_binding: u64,
 }
@@ -163,6 +169,10 @@ impl KvCache {
         let device = kernels.device().clone();
         let limits = device.limits();
         let ring = ParamRing::new(&device);
+        let zero_workgroups = match device.adapter_info().device_type {
+            wgpu::DeviceType::Cpu => 16,
+            _ => limits.max_compute_workgroups_per_dimension,
+        };
         let slots = spec
             .layers()
             .iter()
@@ -176,7 +186,8 @@ impl KvCache {
                         let row_bytes = padded_row_bytes(row_elems, spec.dtype());
                         let buffer = device.create_buffer(&wgpu::BufferDescriptor {
                             label: Some(&format!("kvgpu layer {l} {}", slot.name)),
-                            size: row_bytes * spec.max_seq_len() as u64,
+                            // Whole 16-byte vectors, as the zeroing kernel writes them.
+                            size: (row_bytes * spec.max_seq_len() as u64).next_multiple_of(16),
                             usage: wgpu::BufferUsages::STORAGE
                                 | wgpu::BufferUsages::COPY_DST
                                 | wgpu::BufferUsages::COPY_SRC,
@@ -217,6 +228,7 @@ impl KvCache {
             source_groups: HashMap::new(),
             scratch: Vec::new(),
             max_workgroups: limits.max_compute_workgroups_per_dimension,
+            zero_workgroups,
             min_storage_offset_alignment: limits.min_storage_buffer_offset_alignment as u64,
             max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
         }
@@ -610,11 +622,14 @@ impl KvCache {
         Ok(())
     }
 
-    /// Records the zeroing of the whole cache (one `clear_buffer` per slot buffer: the adapter's own
-    /// fill, about ten times the zeroing kernel's bandwidth on llvmpipe) and sets the length to 0.
+    /// Records the zeroing of the whole cache (one zeroing-kernel dispatch per slot buffer) and sets the
+    /// length to 0.
     pub fn record_reset(&mut self, encoder: &mut wgpu::CommandEncoder) {
-        for slot in self.slots.iter().flatten() {
-            encoder.clear_buffer(&slot.buffer, 0, None);
+        for layer in 0..self.slots.len() {
+            for slot in 0..self.slots[layer].len() {
+                let words = self.slots[layer][slot].buffer.size() / 4;
+                self.record_zero(encoder, layer, slot, 0, words);
+            }
         }
         self.ledger.reset();
     }
@@ -642,7 +657,9 @@ impl KvCache {
         if n == 0 {
             return;
         }
-        let (groups, thread_stride) = grid(n, self.max_workgroups);
+        // One invocation per ZERO_BLOCK 16-byte vectors the range touches.
+        let vectors = (start + n - 1) / 4 - start / 4 + 1;
+        let (groups, thread_stride) = grid(vectors.div_ceil(ZERO_BLOCK), self.zero_workgroups);
         let params = ZeroParams {
             start_word: start as u32,
             n_words: n as u32,
@@ -684,7 +701,7 @@ impl KvCache {
         Ok(SlotView {
             buffer: &sb.buffer,
             offset: 0,
-            size: sb.buffer.size(),
+            size: rows as u64 * sb.row_bytes,
             rows,
             row_bytes: sb.row_bytes,
         })

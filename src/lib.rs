@@ -43,7 +43,7 @@
 //! - `advance(n)` commits `n` rows once every layer with slots holds exactly `n` pending rows.
 //! - Views, reads and attention of layer `l` see rows `[0, len + pending[l])`.
 //! - `truncate(new_len)` is O(1); `truncate_and_scrub` also zeroes the dropped rows. `reset()` zeroes the
-//!   whole cache with one `clear_buffer` per slot buffer; `reset_fast()` only forgets.
+//!   whole cache with one zeroing-kernel dispatch per slot buffer; `reset_fast()` only forgets.
 //! - Each slot is one buffer, so a slot must fit one storage binding of the device (128 MiB on WebGPU's
 //!   defaults): a larger one is refused with [`Error::SlotTooLarge`], which names the largest capacity
 //!   that fits, rather than split.

@@ -498,3 +498,40 @@ fn host_data_already_in_the_storage_type_is_stored_as_is() {
         );
     }
 }
+
+#[test]
+fn scrub_matches_the_zero_twin_at_every_word_offset() {
+    // Rows of 1 to 5 words, and every (cut, end) pair: the scrubbed range starts and ends at every offset
+    // within a 16-byte vector, and the words around it must survive.
+    for_each_dtype(|dtype| {
+        for width in [1usize, 3, 5, 9] {
+            let capacity = 9;
+            let spec = CacheSpec::new(
+                vec![LayerSpec::new(vec![SlotSpec::new("x", &[width])])],
+                dtype,
+                capacity,
+            )
+            .unwrap();
+            let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+            let row_words = m.row_words(0, 0);
+            append_both(&mut c, &mut m, 0, capacity, 99);
+            c.advance(capacity).unwrap();
+            for end in 1..=capacity {
+                for cut in 0..end {
+                    // Rows [0, end) are rewritten, then [cut, end) scrubbed; rows from `end` on keep
+                    // their data.
+                    c.reset_fast();
+                    append_both(&mut c, &mut m, 0, end, (end * 16 + cut) as u64);
+                    c.advance(end).unwrap();
+                    c.truncate_and_scrub(cut).unwrap();
+                    reference::zero(&mut m.words[0][0], cut * row_words, (end - cut) * row_words);
+                    assert_eq!(
+                        c.read_full_words(0, 0).unwrap(),
+                        m.words[0][0],
+                        "{dtype} width {width} rows [{cut}, {end})"
+                    );
+                }
+            }
+        }
+    });
+}
