@@ -36,6 +36,10 @@ struct WriteParams {
 @group(0) @binding(1) var<storage, read_write> dst: array<u32>;
 @group(0) @binding(2) var<uniform> p: WriteParams;
 
+// The same two buffers seen as 16-byte vectors, for `main_vec4`.
+@group(0) @binding(0) var<storage, read> src4: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read_write> dst4: array<vec4<u32>>;
+
 // Source element index of element `e` (row-major over the trailing shape) of row `row`.
 fn src_index(row: u32, e: u32) -> u32 {
     var idx = p.src_offset + row * p.seq_stride;
@@ -174,6 +178,38 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         let d = p.dst_word_offset + w;
         if d < dst_len {
             dst[d] = out;
+        }
+    }
+}
+
+// The 16-byte path, chosen by the host for an f32 source whose rows are contiguous runs starting on
+// 16-byte boundaries, written to rows of whole 16-byte vectors: one invocation stores one vector of the
+// destination (4 f32 or 8 packed 16-bit elements) from one or two vectors of the source.
+@compute @workgroup_size(256)
+fn main_vec4(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let row_vecs = p.row_words / 4u;
+    let total = p.n_rows * row_vecs;
+    let dst_len = arrayLength(&dst4);
+    for (var v = gid.x; v < total; v += p.thread_stride) {
+        let row = v / row_vecs;
+        let c = v - row * row_vecs;
+        let base = (p.src_offset + row * p.seq_stride) / 4u;
+        var out: vec4<u32>;
+        if DST_DTYPE == F32 {
+            out = src4[base + c];
+        } else {
+            let a = src4[base + 2u * c];
+            let b = src4[base + 2u * c + 1u];
+            out = vec4<u32>(
+                convert(a.x) | (convert(a.y) << 16u),
+                convert(a.z) | (convert(a.w) << 16u),
+                convert(b.x) | (convert(b.y) << 16u),
+                convert(b.z) | (convert(b.w) << 16u),
+            );
+        }
+        let d = p.dst_word_offset / 4u + v;
+        if d < dst_len {
+            dst4[d] = out;
         }
     }
 }

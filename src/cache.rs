@@ -480,7 +480,22 @@ impl KvCache {
         let end_word = ((last_element + 1) * esize).div_ceil(4);
         let bind_offset =
             first_word * 4 / self.min_storage_offset_alignment * self.min_storage_offset_alignment;
-        let bind_size = end_word * 4 - bind_offset;
+        // The 16-byte path: an f32 source whose rows are contiguous runs starting on 16-byte boundaries
+        // (binding offsets are multiples of 16), into rows of whole 16-byte vectors.
+        let seq_stride = if n_new > 1 { strides[0] as u64 } else { 0 };
+        let row_words = sb.row_bytes / 4;
+        let vec4 = slab.dtype == DType::F32
+            && matches!(dims.as_slice(), [(_, 1)])
+            && slab.offset.is_multiple_of(4)
+            && seq_stride.is_multiple_of(4)
+            && row_words.is_multiple_of(4)
+            && (end_word * 4).next_multiple_of(16) <= slab.buffer.size();
+        let bind_end = if vec4 {
+            (end_word * 4).next_multiple_of(16)
+        } else {
+            end_word * 4
+        };
+        let bind_size = bind_end - bind_offset;
         if bind_size > self.max_binding {
             return Err(layout_err(format!(
                 "the source spans {bind_size} bytes, more than one storage binding of this device holds ({})",
@@ -489,10 +504,10 @@ impl KvCache {
         }
         let mut params = WriteParams {
             src_offset: (slab.offset - bind_offset / esize) as u32,
-            seq_stride: if n_new > 1 { strides[0] as u32 } else { 0 },
+            seq_stride: seq_stride as u32,
             n_rows: n_new as u32,
             row_elems: sb.row_elems as u32,
-            row_words: (sb.row_bytes / 4) as u32,
+            row_words: row_words as u32,
             rank: dims.len() as u32,
             ..Default::default()
         };
@@ -504,6 +519,7 @@ impl KvCache {
             params,
             bind_offset,
             bind_size,
+            vec4,
         })
     }
 
@@ -534,9 +550,11 @@ impl KvCache {
                 mut params,
                 bind_offset,
                 bind_size,
+                vec4,
             } => {
-                let (groups, stride) =
-                    grid(plan.n_new as u64 * sb.row_bytes / 4, self.max_workgroups);
+                let words = plan.n_new as u64 * sb.row_bytes / 4;
+                let outputs = if vec4 { words / 4 } else { words };
+                let (groups, stride) = grid(outputs, self.max_workgroups);
                 params.thread_stride = stride;
                 params.dst_word_offset = (dst_offset / 4) as u32;
                 let key = (slab.buffer.clone(), bind_offset, bind_size, layer, slot);
@@ -574,7 +592,7 @@ impl KvCache {
                     label: Some("kvgpu slab_write"),
                     timestamp_writes: None,
                 });
-                pass.set_pipeline(&self.kernels.write(slab.dtype, storage));
+                pass.set_pipeline(&self.kernels.write(slab.dtype, storage, vec4));
                 pass.set_bind_group(0, &*group, &[offset]);
                 pass.dispatch_workgroups(groups, 1, 1);
             }
@@ -778,6 +796,8 @@ enum SourceJob {
         params: WriteParams,
         bind_offset: u64,
         bind_size: u64,
+        /// Whole 16-byte vectors per invocation (`main_vec4` of shaders/slab_write.wgsl).
+        vec4: bool,
     },
 }
 

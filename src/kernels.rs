@@ -62,8 +62,8 @@ pub struct Kernels {
     write_module: wgpu::ShaderModule,
     write_layout: wgpu::BindGroupLayout,
     write_pipeline_layout: wgpu::PipelineLayout,
-    /// Slab-write pipelines by (source type, storage type), built on first use.
-    write: Mutex<HashMap<(DType, DType), wgpu::ComputePipeline>>,
+    /// Slab-write pipelines by (source type, storage type, 16-byte entry point), built on first use.
+    write: Mutex<HashMap<(DType, DType, bool), wgpu::ComputePipeline>>,
 }
 
 fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
@@ -175,10 +175,11 @@ impl Kernels {
         &self.write_layout
     }
 
-    /// The slab-write pipeline converting `src` elements to `dst` storage.
-    pub(crate) fn write(&self, src: DType, dst: DType) -> wgpu::ComputePipeline {
+    /// The slab-write pipeline converting `src` elements to `dst` storage; `vec4` picks the entry point
+    /// that moves whole 16-byte vectors.
+    pub(crate) fn write(&self, src: DType, dst: DType, vec4: bool) -> wgpu::ComputePipeline {
         let mut map = self.write.lock().unwrap_or_else(PoisonError::into_inner);
-        map.entry((src, dst))
+        map.entry((src, dst, vec4))
             .or_insert_with(|| {
                 let constants = [
                     ("SRC_DTYPE", src.code() as f64),
@@ -189,7 +190,7 @@ impl Kernels {
                         label: Some("kvgpu slab_write"),
                         layout: Some(&self.write_pipeline_layout),
                         module: &self.write_module,
-                        entry_point: Some("main"),
+                        entry_point: Some(if vec4 { "main_vec4" } else { "main" }),
                         compilation_options: wgpu::PipelineCompilationOptions {
                             constants: &constants,
                             ..Default::default()

@@ -176,53 +176,51 @@ fn conversion_matches_half_bit_for_bit() {
             _ => src.iter().map(|&b| b & 0xffff).collect(),
         };
         let buf = source(&src_bits, src_dtype, STORAGE);
-        for_each_dtype(|dtype| {
-            // Rows of 7 elements (odd: the last word of a 16-bit row is half padding).
-            let rows = n / 7;
-            let spec = CacheSpec::new(
-                vec![LayerSpec::new(vec![SlotSpec::new("x", &[7])])],
-                dtype,
-                rows,
-            )
-            .unwrap();
-            let mut c = cache(spec);
-            let shape = [rows, 7];
-            let slab = GpuSlab {
-                buffer: &buf,
-                dtype: src_dtype,
-                offset: 0,
-                shape: &shape,
-                strides: None,
-            };
-            c.append_gpu(0, &[slab]).unwrap();
-            let want = reference::slab_write(&src_bits, src_dtype, 0, &shape, &[7, 1], dtype);
-            let got = c.read_words(0, 0).unwrap();
-            let bad = got.iter().zip(&want).position(|(g, w)| g != w);
-            assert_eq!(
-                bad, None,
-                "{src_dtype} -> {dtype}: first mismatch at word {bad:?}"
-            );
-            // And the host path agrees with the GPU path for f32 sources.
-            if src_dtype == DType::F32 {
-                let host: Vec<f32> = src_bits[..rows * 7]
-                    .iter()
-                    .map(|&b| f32::from_bits(b))
-                    .collect();
+        // Rows of 7 elements (odd: the last word of a 16-bit row is half padding) take the word path;
+        // rows of 8 from an f32 source take the 16-byte path.
+        for width in [7, 8] {
+            for_each_dtype(|dtype| {
+                let rows = n / width;
                 let spec = CacheSpec::new(
-                    vec![LayerSpec::new(vec![SlotSpec::new("x", &[7])])],
+                    vec![LayerSpec::new(vec![SlotSpec::new("x", &[width])])],
                     dtype,
                     rows,
                 )
                 .unwrap();
-                let mut h = cache(spec);
-                h.append(0, &[HostSlab::f32(&host, &shape)]).unwrap();
+                let mut c = cache(spec.clone());
+                let shape = [rows, width];
+                let slab = GpuSlab {
+                    buffer: &buf,
+                    dtype: src_dtype,
+                    offset: 0,
+                    shape: &shape,
+                    strides: None,
+                };
+                c.append_gpu(0, &[slab]).unwrap();
+                let want =
+                    reference::slab_write(&src_bits, src_dtype, 0, &shape, &[width, 1], dtype);
+                let got = c.read_words(0, 0).unwrap();
+                let bad = got.iter().zip(&want).position(|(g, w)| g != w);
                 assert_eq!(
-                    h.read_words(0, 0).unwrap(),
-                    got,
-                    "host and GPU conversion differ for {dtype}"
+                    bad, None,
+                    "{src_dtype} -> {dtype}, width {width}: first mismatch at word {bad:?}"
                 );
-            }
-        });
+                // And the host path agrees with the GPU path for f32 sources.
+                if src_dtype == DType::F32 {
+                    let host: Vec<f32> = src_bits[..rows * width]
+                        .iter()
+                        .map(|&b| f32::from_bits(b))
+                        .collect();
+                    let mut h = cache(spec);
+                    h.append(0, &[HostSlab::f32(&host, &shape)]).unwrap();
+                    assert_eq!(
+                        h.read_words(0, 0).unwrap(),
+                        got,
+                        "host and GPU conversion differ for {dtype}"
+                    );
+                }
+            });
+        }
     }
 }
 
