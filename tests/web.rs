@@ -138,10 +138,14 @@ async fn mla_append_over_steps_matches_cpu_model() {
 
 #[wasm_bindgen_test]
 async fn gqa_prefill_then_decode_from_fused_qkv() {
-    let (heads, dim, q_dim) = (2usize, 3usize, 12usize);
-    let kv_dim = heads * dim;
-    let width = q_dim + 2 * kv_dim;
-    for dtype in DType::ALL {
+    // Rows of 2 x 3 take the slab-write kernel's word path; rows of 2 x 8 at 16-byte offsets its
+    // 16-byte path.
+    for ((heads, dim, q_dim), dtype) in [(2usize, 3usize, 12usize), (2, 8, 16)]
+        .into_iter()
+        .flat_map(|shape| DType::ALL.map(|d| (shape, d)))
+    {
+        let kv_dim = heads * dim;
+        let width = q_dim + 2 * kv_dim;
         let spec = CacheSpec::uniform(2, LayerSpec::kv(heads, dim, dim), dtype, 12).unwrap();
         let (g, mut c) = cache(spec.clone()).await;
         let mut cpu = CpuCache::new(&spec);
