@@ -6,6 +6,20 @@ use half::{bf16, f16};
 use crate::cache::HostData;
 use crate::spec::DType;
 
+/// Deterministic pseudo-random values in `[-amplitude, amplitude)`, different per seed (xorshift64): test
+/// and demo data that the CPU twins and the GPU see alike.
+pub fn pseudo_random(seed: u64, n: usize, amplitude: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 * amplitude - amplitude
+        })
+        .collect()
+}
+
 /// Bits of `x` stored as `dtype` (low 16 bits for 16-bit types).
 pub fn f32_to_bits(x: f32, dtype: DType) -> u32 {
     match dtype {

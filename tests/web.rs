@@ -41,17 +41,9 @@ async fn cache(spec: CacheSpec) -> (kvgpu::Gpu, KvCache) {
     (g, c)
 }
 
-/// Deterministic pseudo-random values in [-2, 2), different per seed.
+/// Deterministic pseudo-random values in [-2, 2).
 fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
-        })
-        .collect()
+    kvgpu::reference::pseudo_random(seed, n, 2.0)
 }
 
 /// Every word of every slot buffer, read back from the GPU.
