@@ -701,21 +701,21 @@ impl KvCache {
 
     /// The visible rows of a slot, for the app's own kernels.
     pub fn view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
-        let sb = self.slot_buffer(layer, slot)?;
-        let rows = self.ledger.visible(layer)?;
-        Ok(SlotView {
-            buffer: &sb.buffer,
-            offset: 0,
-            size: rows as u64 * sb.row_bytes,
-            rows,
-            row_bytes: sb.row_bytes,
-        })
+        self.slot_view(layer, slot, false)
     }
 
     /// The whole capacity of a slot, visible or not: the escape hatch.
     pub fn full_view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
+        self.slot_view(layer, slot, true)
+    }
+
+    fn slot_view(&self, layer: usize, slot: usize, full: bool) -> Result<SlotView<'_>> {
         let sb = self.slot_buffer(layer, slot)?;
-        let rows = self.capacity();
+        let rows = if full {
+            self.capacity()
+        } else {
+            self.ledger.visible(layer)?
+        };
         Ok(SlotView {
             buffer: &sb.buffer,
             offset: 0,
@@ -726,11 +726,7 @@ impl KvCache {
     }
 
     async fn read_bytes(&self, layer: usize, slot: usize, full: bool) -> Result<Vec<u8>> {
-        let view = if full {
-            self.full_view(layer, slot)?
-        } else {
-            self.view(layer, slot)?
-        };
+        let view = self.slot_view(layer, slot, full)?;
         read_buffer(
             &self.device,
             &self.queue,
