@@ -1,6 +1,7 @@
 // Attention, pass 1 of 2 (flash-decoding): one workgroup takes one chunk of the visible rows, one KV head
-// and HB (up to 16) of the query heads that share it, for one query. It walks the chunk in tiles of 64 rows
-// with a running-max softmax and writes its partial (max, sum) and unnormalised output per head; the
+// and HB (up to 16) of the query heads that share it, for one query. It walks the chunk in tiles of 64 * RPL
+// rows (each invocation scores RPL rows, so every query element it loads serves RPL rows) with a
+// running-max softmax and writes its partial (max, sum) and unnormalised output per head; the
 // reduce pass (attention_reduce.wgsl) merges the chunks. Every K / V element a workgroup reads is used
 // by all of its heads, so a group of up to 16 query heads reads its KV once.
 //
@@ -18,8 +19,10 @@ override DTYPE: u32 = 0u;
 // Query heads per workgroup: 1, 2, 4, 8 or 16, dividing the group. A constant per pipeline, so the
 // per-head loops have fixed trip counts and their accumulators stay in registers.
 override HB: u32 = 16u;
+// Rows per invocation per tile: 32 / HB, at most 8 (RPL * HB <= 32), so a tile is 64 * RPL rows.
+override RPL: u32 = 2u;
 
-// Rows per tile (= invocations per workgroup) and most query heads per workgroup (HB <= HEADS).
+// Invocations per workgroup (TILE * RPL rows per tile) and most query heads per workgroup (HB <= HEADS).
 const TILE: u32 = 64u;
 const HEADS: u32 = 16u;
 // Running max before the first row: far below any finite score, and exp(NEG - m) is 0.
@@ -66,7 +69,7 @@ struct AttnParams {
 @group(0) @binding(6) var<storage, read_write> part: array<f32>;
 @group(0) @binding(7) var<uniform> p: AttnParams;
 
-var<workgroup> scores: array<f32, 1024>; // [HEADS][TILE]
+var<workgroup> scores: array<f32, 2048>; // [HB][TILE * RPL]
 var<workgroup> run_max: array<f32, 16>;
 var<workgroup> run_sum: array<f32, 16>;
 var<workgroup> rescale: array<f32, 16>;
@@ -125,73 +128,99 @@ fn v_quad(row: u32, e: u32, m: u32) -> vec4<f32> {
     return v;
 }
 
-// acc[h] += q_a[head h0 + h] · (elements [e0, e0 + d_a) of row `row` of slot a), for h < HB.
-fn dot_a(row: u32, e0: u32, q0: u32, acc: ptr<function, array<f32, 16>>) {
+// acc[k * HB + h] += q_a[head h0 + h] · (elements [e0, e0 + d_a) of row rows[k] of slot a), for h < HB
+// and k < RPL: each query element loaded once serves RPL rows.
+fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32>>) {
     let d = p.d_a;
-    let base = row * p.row_words_a;
+    var base: array<u32, 8>;
+    for (var k = 0u; k < RPL; k++) {
+        base[k] = rows[k] * p.row_words_a;
+    }
     if DTYPE == F32 {
         for (var e = 0u; e < d; e++) {
-            let k = bitcast<f32>(slot_a[base + e0 + e]);
+            var x: array<f32, 8>;
+            for (var k = 0u; k < RPL; k++) {
+                x[k] = bitcast<f32>(slot_a[base[k] + e0 + e]);
+            }
             for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_a[q0 + h * d + e] * k;
+                let q = q_a[q0 + h * d + e];
+                for (var k = 0u; k < RPL; k++) {
+                    (*acc)[k * HB + h] += q * x[k];
+                }
             }
         }
         return;
     }
     let w_end = (e0 + d + 1u) >> 1u;
     for (var w = e0 >> 1u; w < w_end; w++) {
-        let word = slot_a[base + w];
-        let lo = half_at(word, false);
-        let hi = half_at(word, true);
+        var lo: array<f32, 8>;
+        var hi: array<f32, 8>;
+        for (var k = 0u; k < RPL; k++) {
+            let word = slot_a[base[k] + w];
+            lo[k] = half_at(word, false);
+            hi[k] = half_at(word, true);
+        }
         let i = 2u * w;
-        if i >= e0 && i + 1u < e0 + d {
-            let j = q0 + i - e0;
-            for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_a[j + h * d] * lo + q_a[j + 1u + h * d] * hi;
+        for (var h = 0u; h < HB; h++) {
+            // The query elements of the low and high halves (0 outside [e0, e0 + d)).
+            var ql = 0.0;
+            var qh = 0.0;
+            if i >= e0 {
+                ql = q_a[q0 + h * d + i - e0];
             }
-        } else if i >= e0 {
-            for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_a[q0 + i - e0 + h * d] * lo;
+            if i + 1u < e0 + d {
+                qh = q_a[q0 + h * d + i + 1u - e0];
             }
-        } else {
-            for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_a[q0 + h * d] * hi;
+            for (var k = 0u; k < RPL; k++) {
+                (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
             }
         }
     }
 }
 
 // As dot_a, for q_b and slot b.
-fn dot_b(row: u32, e0: u32, q0: u32, acc: ptr<function, array<f32, 16>>) {
+fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32>>) {
     let d = p.d_b;
-    let base = row * p.row_words_b;
+    var base: array<u32, 8>;
+    for (var k = 0u; k < RPL; k++) {
+        base[k] = rows[k] * p.row_words_b;
+    }
     if DTYPE == F32 {
         for (var e = 0u; e < d; e++) {
-            let k = bitcast<f32>(slot_b[base + e0 + e]);
+            var x: array<f32, 8>;
+            for (var k = 0u; k < RPL; k++) {
+                x[k] = bitcast<f32>(slot_b[base[k] + e0 + e]);
+            }
             for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_b[q0 + h * d + e] * k;
+                let q = q_b[q0 + h * d + e];
+                for (var k = 0u; k < RPL; k++) {
+                    (*acc)[k * HB + h] += q * x[k];
+                }
             }
         }
         return;
     }
     let w_end = (e0 + d + 1u) >> 1u;
     for (var w = e0 >> 1u; w < w_end; w++) {
-        let word = slot_b[base + w];
-        let lo = half_at(word, false);
-        let hi = half_at(word, true);
+        var lo: array<f32, 8>;
+        var hi: array<f32, 8>;
+        for (var k = 0u; k < RPL; k++) {
+            let word = slot_b[base[k] + w];
+            lo[k] = half_at(word, false);
+            hi[k] = half_at(word, true);
+        }
         let i = 2u * w;
-        if i >= e0 && i + 1u < e0 + d {
-            let j = q0 + i - e0;
-            for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_b[j + h * d] * lo + q_b[j + 1u + h * d] * hi;
+        for (var h = 0u; h < HB; h++) {
+            var ql = 0.0;
+            var qh = 0.0;
+            if i >= e0 {
+                ql = q_b[q0 + h * d + i - e0];
             }
-        } else if i >= e0 {
-            for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_b[q0 + i - e0 + h * d] * lo;
+            if i + 1u < e0 + d {
+                qh = q_b[q0 + h * d + i + 1u - e0];
             }
-        } else {
-            for (var h = 0u; h < HB; h++) {
-                (*acc)[h] += q_b[q0 + h * d] * hi;
+            for (var k = 0u; k < RPL; k++) {
+                (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
             }
         }
     }
@@ -214,9 +243,9 @@ fn in_bounds() -> bool {
     let rows = p.n_q * p.n_heads;
     let pw = per_word();
     let parts = p.n_chunks * rows;
-    return HB >= 1u && HB <= HEADS && p.group % HB == 0u && p.n_batches * HB == p.group
+    return HB >= 1u && HB <= HEADS && RPL >= 1u && RPL <= 8u && RPL * HB <= 32u && p.group % HB == 0u && p.n_batches * HB == p.group
         && p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads
-        && p.chunk_len % TILE == 0u
+        && p.chunk_len % (TILE * RPL) == 0u
         && rows * p.d_a <= arrayLength(&q_a) && rows * p.d_b <= arrayLength(&q_b)
         && p.n_kv * p.d_a <= p.row_words_a * pw && p.visible * p.row_words_a <= arrayLength(&slot_a)
         && p.n_kv * p.d_b <= p.row_words_b * pw && p.visible * p.row_words_b <= arrayLength(&slot_b)
@@ -250,42 +279,54 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let out0 = (chunk * p.n_q + qi) * p.n_heads + h0;
     let qa0 = (qi * p.n_heads + h0) * p.d_a;
     let qb0 = (qi * p.n_heads + h0) * p.d_b;
-    for (var t0 = start; t0 < end; t0 += TILE) {
-        let n = min(TILE, end - t0);
+    let span = TILE * RPL;
+    for (var t0 = start; t0 < end; t0 += span) {
+        let n = min(span, end - t0);
         if lid < n {
-            var acc: array<f32, 16>;
-            dot_a(t0 + lid, kv * p.d_a, qa0, &acc);
-            if p.d_b > 0u {
-                dot_b(t0 + lid, kv * p.d_b, qb0, &acc);
+            // This invocation's rows lid, lid + TILE, ...; rows past the tile repeat its last row
+            // (always a readable row) and are not stored.
+            var rows: array<u32, 8>;
+            for (var k = 0u; k < RPL; k++) {
+                rows[k] = t0 + min(lid + k * TILE, n - 1u);
             }
-            for (var h = 0u; h < HB; h++) {
-                var s = acc[h] * p.scale;
-                if p.soft_cap > 0.0 {
-                    s = p.soft_cap * tanh_safe(s / p.soft_cap);
+            var acc: array<f32, 32>;
+            dot_a(rows, kv * p.d_a, qa0, &acc);
+            if p.d_b > 0u {
+                dot_b(rows, kv * p.d_b, qb0, &acc);
+            }
+            for (var k = 0u; k < RPL; k++) {
+                let t = lid + k * TILE;
+                if t < n {
+                    for (var h = 0u; h < HB; h++) {
+                        var s = acc[k * HB + h] * p.scale;
+                        if p.soft_cap > 0.0 {
+                            s = p.soft_cap * tanh_safe(s / p.soft_cap);
+                        }
+                        scores[h * span + t] = s;
+                    }
                 }
-                scores[h * TILE + lid] = s;
             }
         }
         workgroupBarrier();
         if lid < HB {
             var m = run_max[lid];
             for (var t = 0u; t < n; t++) {
-                m = max(m, scores[lid * TILE + t]);
+                m = max(m, scores[lid * span + t]);
             }
             rescale[lid] = exp(run_max[lid] - m);
             run_max[lid] = m;
         }
         workgroupBarrier();
-        if lid < n {
+        for (var t = lid; t < n; t += TILE) {
             for (var h = 0u; h < HB; h++) {
-                scores[h * TILE + lid] = exp(scores[h * TILE + lid] - run_max[h]);
+                scores[h * span + t] = exp(scores[h * span + t] - run_max[h]);
             }
         }
         workgroupBarrier();
         if lid < HB {
             var s = 0.0;
             for (var t = 0u; t < n; t++) {
-                s += scores[lid * TILE + t];
+                s += scores[lid * span + t];
             }
             run_sum[lid] = run_sum[lid] * rescale[lid] + s;
         }
@@ -297,7 +338,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             for (var t = 0u; t < n; t++) {
                 let v = v_quad(t0 + t, e, m);
                 for (var h = 0u; h < HB; h++) {
-                    acc[h] += scores[h * TILE + t] * v;
+                    acc[h] += scores[h * span + t] * v;
                 }
             }
             for (var h = 0u; h < HB; h++) {

@@ -124,6 +124,12 @@ const TILE: usize = 64;
 /// Query heads one workgroup may serve (`HB` in the shader, a pipeline constant): the largest of these
 /// that divides the group, so a GQA group or the MLA heads of up to 16 read each KV row once.
 const HEAD_BATCHES: [usize; 5] = [16, 8, 4, 2, 1];
+/// Rows each pass-1 invocation scores per tile (`RPL` in the shader) with `hb` heads per workgroup: every
+/// query element it loads then serves that many rows, within 32 accumulators.
+fn rows_per_invocation(hb: usize) -> usize {
+    (32 / hb).clamp(1, 8)
+}
+
 /// Pass 1 aims for at least this many workgroups, so that a single decode query fills a large GPU.
 const TARGET_WORKGROUPS: usize = 1024;
 /// On CPU adapters (llvmpipe, lavapipe, WARP) each workgroup has a fixed cost that outweighs the
@@ -240,6 +246,7 @@ impl AttentionKernels {
             let constants = [
                 ("DTYPE", dtype.code() as f64),
                 ("HB", HEAD_BATCHES[batch] as f64),
+                ("RPL", rows_per_invocation(HEAD_BATCHES[batch]) as f64),
             ];
             self.device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -710,7 +717,8 @@ impl Attention {
             0 => 0,
             w => (visible - n_q + 1).saturating_sub(w),
         };
-        let tiles = (visible - lo).div_ceil(TILE);
+        let tile = TILE * rows_per_invocation(HEAD_BATCHES[batch]);
+        let tiles = (visible - lo).div_ceil(tile);
         let chunk_bytes = out_bytes.max(n_q as u64 * n_heads as u64 * 8);
         let by_binding = usize::try_from(self.max_binding / chunk_bytes).unwrap_or(usize::MAX);
         let want = self
@@ -738,7 +746,7 @@ impl Attention {
             row_words_v: (slot_v.row_bytes / 4) as u32,
             window: window as u32,
             lo: lo as u32,
-            chunk_len: (tiles_per_chunk * TILE) as u32,
+            chunk_len: (tiles_per_chunk * tile) as u32,
             n_chunks: n_chunks as u32,
             n_kv: job.n_kv as u32,
             scale,
