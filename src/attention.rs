@@ -124,9 +124,12 @@ const TILE: usize = 64;
 /// Query heads one workgroup may serve (`HB` in the shader, a pipeline constant): the largest of these
 /// that divides the group, so a GQA group or the MLA heads of up to 16 read each KV row once.
 const HEAD_BATCHES: [usize; 5] = [16, 8, 4, 2, 1];
-/// Rows each pass-1 invocation scores per tile (`RPL` in the shader) with `hb` heads per workgroup: every
-/// query element it loads then serves that many rows, within 32 accumulators.
-fn rows_per_invocation(hb: usize) -> usize {
+/// Rows each pass-1 invocation may score per tile (`RPL` in the shader, index into this list): every
+/// query element it loads then serves that many rows.
+const ROWS_PER_INVOCATION: [usize; 4] = [1, 2, 4, 8];
+
+/// The most rows per invocation with `hb` heads per workgroup (within the shader's 32 accumulators).
+fn max_rows_per_invocation(hb: usize) -> usize {
     (32 / hb).clamp(1, 8)
 }
 
@@ -146,7 +149,8 @@ struct AttentionKernels {
     partial_module: wgpu::ShaderModule,
     /// Pass-1 pipelines by storage type (`DType::code`) and heads per workgroup (`HEAD_BATCHES`
     /// index), compiled on first use.
-    partial: [[OnceLock<wgpu::ComputePipeline>; HEAD_BATCHES.len()]; 3],
+    partial:
+        [[[OnceLock<wgpu::ComputePipeline>; ROWS_PER_INVOCATION.len()]; HEAD_BATCHES.len()]; 3],
     reduce_layout: wgpu::BindGroupLayout,
     reduce: wgpu::ComputePipeline,
 }
@@ -241,12 +245,12 @@ impl AttentionKernels {
     }
 
     /// The pass-1 pipeline reading `dtype` storage with `HEAD_BATCHES[batch]` heads per workgroup.
-    fn partial(&self, dtype: DType, batch: usize) -> &wgpu::ComputePipeline {
-        self.partial[dtype.code() as usize][batch].get_or_init(|| {
+    fn partial(&self, dtype: DType, batch: usize, rpl: usize) -> &wgpu::ComputePipeline {
+        self.partial[dtype.code() as usize][batch][rpl].get_or_init(|| {
             let constants = [
                 ("DTYPE", dtype.code() as f64),
                 ("HB", HEAD_BATCHES[batch] as f64),
-                ("RPL", rows_per_invocation(HEAD_BATCHES[batch]) as f64),
+                ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
             ];
             self.device
                 .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -309,6 +313,8 @@ struct Plan<'a> {
     dtype: DType,
     /// Index into `HEAD_BATCHES`.
     batch: usize,
+    /// Index into `ROWS_PER_INVOCATION`.
+    rpl: usize,
     slot_a: &'a wgpu::Buffer,
     slot_b: &'a wgpu::Buffer,
     slot_v: &'a wgpu::Buffer,
@@ -585,7 +591,7 @@ impl Attention {
             label: Some("kvgpu attention"),
             timestamp_writes: None,
         });
-        pass.set_pipeline(self.kernels.partial(plan.dtype, plan.batch));
+        pass.set_pipeline(self.kernels.partial(plan.dtype, plan.batch, plan.rpl));
         pass.set_bind_group(0, &groups.partial, &[offset]);
         pass.dispatch_workgroups(plan.pass1.0, plan.pass1.1, plan.pass1.2);
         pass.set_pipeline(&self.kernels.reduce);
@@ -717,8 +723,25 @@ impl Attention {
             0 => 0,
             w => (visible - n_q + 1).saturating_sub(w),
         };
-        let tile = TILE * rows_per_invocation(HEAD_BATCHES[batch]);
-        let tiles = (visible - lo).div_ceil(tile);
+        // Rows per invocation: as many as the heads allow, unless a chunk of 64-row tiles would be
+        // shorter than one tile of them (short contexts keep their parallelism).
+        let rows = visible - lo;
+        let chunks_64 = self
+            .target_workgroups
+            .div_ceil(per_chunk)
+            .min(rows.div_ceil(TILE))
+            .max(1);
+        let rows_per_chunk = rows.div_ceil(chunks_64);
+        let rpl = ROWS_PER_INVOCATION
+            .iter()
+            .rposition(|&r| {
+                r == 1
+                    || (r <= max_rows_per_invocation(HEAD_BATCHES[batch])
+                        && TILE * r <= rows_per_chunk)
+            })
+            .unwrap_or(0);
+        let tile = TILE * ROWS_PER_INVOCATION[rpl];
+        let tiles = rows.div_ceil(tile);
         let chunk_bytes = out_bytes.max(n_q as u64 * n_heads as u64 * 8);
         let by_binding = usize::try_from(self.max_binding / chunk_bytes).unwrap_or(usize::MAX);
         let want = self
@@ -758,6 +781,7 @@ impl Attention {
             params,
             dtype: cache.spec().dtype(),
             batch,
+            rpl,
             slot_a: slot_a.buffer,
             slot_b: slot_b.buffer,
             slot_v: slot_v.buffer,
