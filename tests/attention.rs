@@ -175,6 +175,10 @@ fn gqa_matches_the_reference_for_every_dtype() {
         Gqa { n_kv: 1, group: 20, d_k: 64, d_v: 64, visible: 100, n_q: 2, window: None, soft_cap: Some(5.0) },
         // Odd head dims: 16-bit heads that start in the middle of a word.
         Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 70, n_q: 3, window: Some(9), soft_cap: None },
+        // Enough workgroups per chunk that one chunk holds tiles of 8 rows per invocation, the last tile
+        // partial (on CPU adapters), with a window and with odd 16-bit dims.
+        Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 32, visible: 600, n_q: 2, window: Some(550), soft_cap: None },
+        Gqa { n_kv: 8, group: 2, d_k: 33, d_v: 17, visible: 700, n_q: 3, window: None, soft_cap: Some(30.0) },
     ];
     for_each_dtype(|dtype| {
         let worst = cases
