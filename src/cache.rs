@@ -617,18 +617,24 @@ impl KvCache {
         new_len: usize,
     ) -> Result<()> {
         let dropped = self.ledger.plan_truncate(new_len)?;
-        for d in &dropped {
-            for slot in 0..self.slots[d.layer].len() {
-                let row_words = self.slots[d.layer][slot].row_bytes / 4;
-                self.record_zero(
-                    encoder,
-                    d.layer,
-                    slot,
-                    d.start as u64 * row_words,
-                    (d.end - d.start) as u64 * row_words,
-                );
-            }
-        }
+        let ranges: Vec<ZeroRange> = dropped
+            .iter()
+            .flat_map(|d| {
+                self.slots[d.layer]
+                    .iter()
+                    .enumerate()
+                    .map(move |(slot, sb)| {
+                        let row_words = sb.row_bytes / 4;
+                        ZeroRange {
+                            layer: d.layer,
+                            slot,
+                            start_word: d.start as u64 * row_words,
+                            n_words: (d.end - d.start) as u64 * row_words,
+                        }
+                    })
+            })
+            .collect();
+        self.record_zeros(encoder, &ranges);
         self.ledger.truncate(new_len).map(drop)
     }
 
@@ -640,15 +646,19 @@ impl KvCache {
         Ok(())
     }
 
-    /// Records the zeroing of the whole cache (one zeroing-kernel dispatch per slot buffer) and sets the
-    /// length to 0.
+    /// Records the zeroing of the whole cache (one zeroing-kernel dispatch per slot buffer, all in one
+    /// compute pass) and sets the length to 0.
     pub fn record_reset(&mut self, encoder: &mut wgpu::CommandEncoder) {
-        for layer in 0..self.slots.len() {
-            for slot in 0..self.slots[layer].len() {
-                let words = self.slots[layer][slot].buffer.size() / 4;
-                self.record_zero(encoder, layer, slot, 0, words);
-            }
-        }
+        let ranges: Vec<ZeroRange> = (0..self.slots.len())
+            .flat_map(|layer| (0..self.slots[layer].len()).map(move |slot| (layer, slot)))
+            .map(|(layer, slot)| ZeroRange {
+                layer,
+                slot,
+                start_word: 0,
+                n_words: self.slots[layer][slot].buffer.size() / 4,
+            })
+            .collect();
+        self.record_zeros(encoder, &ranges);
         self.ledger.reset();
     }
 
@@ -664,34 +674,39 @@ impl KvCache {
         self.ledger.reset();
     }
 
-    fn record_zero(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        layer: usize,
-        slot: usize,
-        start: u64,
-        n: u64,
-    ) {
-        if n == 0 {
+    /// Records one zeroing dispatch per non-empty range, in one compute pass, with their parameters
+    /// staged in one write.
+    fn record_zeros(&mut self, encoder: &mut wgpu::CommandEncoder, ranges: &[ZeroRange]) {
+        let ranges: Vec<&ZeroRange> = ranges.iter().filter(|r| r.n_words > 0).collect();
+        if ranges.is_empty() {
             return;
         }
-        // One invocation per ZERO_BLOCK 16-byte vectors the range touches.
-        let vectors = (start + n - 1) / 4 - start / 4 + 1;
-        let (groups, thread_stride) = grid(vectors.div_ceil(ZERO_BLOCK), self.zero_workgroups);
-        let params = ZeroParams {
-            start_word: start as u32,
-            n_words: n as u32,
-            thread_stride,
-            _pad: 0,
-        };
-        let offset = self.ring.push(&self.queue, &params);
+        let (groups, params): (Vec<u32>, Vec<ZeroParams>) = ranges
+            .iter()
+            .map(|r| {
+                // One invocation per ZERO_BLOCK 16-byte vectors the range touches.
+                let vectors = (r.start_word + r.n_words - 1) / 4 - r.start_word / 4 + 1;
+                let (groups, thread_stride) =
+                    grid(vectors.div_ceil(ZERO_BLOCK), self.zero_workgroups);
+                let params = ZeroParams {
+                    start_word: r.start_word as u32,
+                    n_words: r.n_words as u32,
+                    thread_stride,
+                    _pad: 0,
+                };
+                (groups, params)
+            })
+            .unzip();
+        let offsets = self.ring.push_all(&self.queue, &params);
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some("kvgpu zero"),
             timestamp_writes: None,
         });
         pass.set_pipeline(self.kernels.zero());
-        pass.set_bind_group(0, &self.slots[layer][slot].zero_group, &[offset]);
-        pass.dispatch_workgroups(groups, 1, 1);
+        for ((r, groups), offset) in ranges.iter().zip(groups).zip(offsets) {
+            pass.set_bind_group(0, &self.slots[r.layer][r.slot].zero_group, &[offset]);
+            pass.dispatch_workgroups(groups, 1, 1);
+        }
     }
 
     fn encoder(&self, label: &str) -> wgpu::CommandEncoder {
@@ -780,6 +795,14 @@ impl KvCache {
     pub fn read_f32(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
         pollster::block_on(self.read_f32_async(layer, slot))
     }
+}
+
+/// Words `[start_word, start_word + n_words)` of one slot buffer to zero.
+struct ZeroRange {
+    layer: usize,
+    slot: usize,
+    start_word: u64,
+    n_words: u64,
 }
 
 /// How one GPU source reaches its slot.

@@ -250,6 +250,32 @@ impl ParamRing {
         queue.write_buffer(&self.buffer, offset, bytemuck::bytes_of(value));
         offset as u32
     }
+
+    /// Stages `values` in consecutive entries with one write per run that does not wrap, and returns
+    /// their dynamic offsets.
+    pub(crate) fn push_all<T: bytemuck::Pod>(
+        &mut self,
+        queue: &wgpu::Queue,
+        values: &[T],
+    ) -> Vec<u32> {
+        let stride = self.stride as usize;
+        let mut offsets = Vec::with_capacity(values.len());
+        let mut rest = values;
+        while !rest.is_empty() {
+            let run = rest.len().min((PARAM_RING_ENTRIES - self.next) as usize);
+            let (now, later) = rest.split_at(run);
+            let mut bytes = vec![0u8; (run - 1) * stride + size_of::<T>()];
+            for (i, v) in now.iter().enumerate() {
+                bytes[i * stride..i * stride + size_of::<T>()]
+                    .copy_from_slice(bytemuck::bytes_of(v));
+                offsets.push(((self.next + i as u64) * self.stride) as u32);
+            }
+            queue.write_buffer(&self.buffer, self.next * self.stride, &bytes);
+            self.next = (self.next + run as u64) % PARAM_RING_ENTRIES;
+            rest = later;
+        }
+        offsets
+    }
 }
 
 #[cfg(test)]

@@ -535,3 +535,32 @@ fn scrub_matches_the_zero_twin_at_every_word_offset() {
         }
     });
 }
+
+#[test]
+fn parameter_ring_wraps_inside_one_batch() {
+    // Three slots: each reset stages three parameter entries in one write; 4096 % 3 != 0, so some
+    // reset's run crosses the end of the ring and is split in two.
+    let spec = CacheSpec::new(
+        vec![LayerSpec::new(vec![
+            SlotSpec::new("a", &[4]),
+            SlotSpec::new("b", &[3]),
+            SlotSpec::new("c", &[5]),
+        ])],
+        DType::F32,
+        2,
+    )
+    .unwrap();
+    let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
+    let resets = PARAM_RING_ENTRIES as usize / 3 + 3;
+    for i in 0..resets {
+        append_both(&mut c, &mut m, 0, 1, i as u64);
+        c.reset();
+        m.zero_all();
+        if i % 256 == 0 || i + 2 >= resets {
+            assert_matches(&c, &m);
+        }
+    }
+    append_both(&mut c, &mut m, 0, 2, 7);
+    c.truncate(0).unwrap();
+    assert_matches(&c, &m);
+}
