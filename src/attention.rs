@@ -50,7 +50,7 @@ use std::task::{Context, Poll, Waker};
 
 use crate::cache::KvCache;
 use crate::error::{Error, Result};
-use crate::kernels::{ParamRing, WriteParams, wgsl};
+use crate::kernels::{ParamRing, WriteParams, module, params_entry, storage_entry, wgsl};
 use crate::spec::DType;
 
 /// Options of one attention call; the default is plain causal attention with the default scale.
@@ -155,32 +155,6 @@ struct AttentionKernels {
     reduce: wgpu::ComputePipeline,
 }
 
-fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
-    wgpu::BindGroupLayoutEntry {
-        binding,
-        visibility: wgpu::ShaderStages::COMPUTE,
-        ty: wgpu::BindingType::Buffer {
-            ty: wgpu::BufferBindingType::Storage { read_only },
-            has_dynamic_offset: false,
-            min_binding_size: None,
-        },
-        count: None,
-    }
-}
-
-fn params_entry(binding: u32) -> wgpu::BindGroupLayoutEntry {
-    wgpu::BindGroupLayoutEntry {
-        binding,
-        visibility: wgpu::ShaderStages::COMPUTE,
-        ty: wgpu::BindingType::Buffer {
-            ty: wgpu::BufferBindingType::Uniform,
-            has_dynamic_offset: true,
-            min_binding_size: wgpu::BufferSize::new(size_of::<AttnParams>() as u64),
-        },
-        count: None,
-    }
-}
-
 impl AttentionKernels {
     fn new(device: &wgpu::Device) -> Self {
         let partial_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
@@ -193,7 +167,7 @@ impl AttentionKernels {
                 storage_entry(4, true),
                 storage_entry(5, false),
                 storage_entry(6, false),
-                params_entry(7),
+                params_entry(7, size_of::<AttnParams>()),
             ],
         });
         let partial_pipeline_layout =
@@ -202,23 +176,17 @@ impl AttentionKernels {
                 bind_group_layouts: &[Some(&partial_layout)],
                 immediate_size: 0,
             });
-        let partial_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("kvgpu attention_partial"),
-            source: wgpu::ShaderSource::Wgsl(wgsl::ATTENTION_PARTIAL.into()),
-        });
+        let partial_module = module(device, "kvgpu attention_partial", wgsl::ATTENTION_PARTIAL);
         let reduce_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("kvgpu attention_reduce"),
             entries: &[
                 storage_entry(0, true),
                 storage_entry(1, true),
                 storage_entry(2, false),
-                params_entry(3),
+                params_entry(3, size_of::<AttnParams>()),
             ],
         });
-        let reduce_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("kvgpu attention_reduce"),
-            source: wgpu::ShaderSource::Wgsl(wgsl::ATTENTION_REDUCE.into()),
-        });
+        let reduce_module = module(device, "kvgpu attention_reduce", wgsl::ATTENTION_REDUCE);
         let reduce = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some("kvgpu attention_reduce"),
             layout: Some(
