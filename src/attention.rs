@@ -11,6 +11,7 @@
 //! use kvgpu::{Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, Queries};
 //! use wgpu::util::DeviceExt;
 //!
+//! # #[cfg(not(target_arch = "wasm32"))] // blocking helpers are native only; see tests/web.rs
 //! # fn main() -> kvgpu::Result<()> {
 //! let gpu = Gpu::from_env_blocking()?;
 //! let spec = CacheSpec::qwen3_0_6b(DType::F16, 1024)?; // K/V of 8 KV heads x 128
@@ -37,6 +38,8 @@
 //! gpu.queue.submit([encoder.finish()]);
 //! # Ok(())
 //! # }
+//! # #[cfg(target_arch = "wasm32")]
+//! # fn main() {}
 //! ```
 //!
 //! Devices and buffers are told apart the way wgpu compares them, by id within one `wgpu::Instance`:
