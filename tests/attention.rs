@@ -74,34 +74,14 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) -> f32 {
     worst
 }
 
-/// Appends `n` pseudo-random rows to every slot of `layer`.
-fn fill(c: &mut KvCache, layer: usize, n: usize, seed: u64) {
-    let shapes: Vec<Vec<usize>> = c.spec().layers()[layer]
-        .slots
-        .iter()
-        .map(|s| [&[n][..], &s.trailing].concat())
-        .collect();
-    let data: Vec<Vec<f32>> = shapes
-        .iter()
-        .enumerate()
-        .map(|(s, sh)| values(seed * 131 + s as u64, sh.iter().product()))
-        .collect();
-    let slabs: Vec<HostSlab> = data
-        .iter()
-        .zip(&shapes)
-        .map(|(d, sh)| HostSlab::f32(d, sh))
-        .collect();
-    c.append(0, &slabs).unwrap();
-}
-
 /// A one-layer cache with `visible` rows: `visible - n_q` committed, then `n_q` appended this step.
 fn filled(layer: LayerSpec, dtype: DType, visible: usize, n_q: usize, seed: u64) -> KvCache {
     let mut c = cache(CacheSpec::new(vec![layer], dtype, visible.max(8)).unwrap());
     if visible > n_q {
-        fill(&mut c, 0, visible - n_q, seed);
+        append_random(&mut c, 0, visible - n_q, seed);
         c.advance(visible - n_q).unwrap();
     }
-    fill(&mut c, 0, n_q, seed + 1);
+    append_random(&mut c, 0, n_q, seed + 1);
     assert_eq!(c.visible(0).unwrap(), visible);
     c
 }
@@ -304,20 +284,20 @@ fn attention_sees_the_rows_left_by_truncate_and_reset() {
             );
             assert_close(&read(&out), &want, &format!("{dtype} {what}"));
         };
-        fill(&mut c, 0, 200, 1);
+        append_random(&mut c, 0, 200, 1);
         c.advance(200).unwrap();
         // Speculative rollback: the 3 new rows follow row 39, and rows 43.. of the old run are unseen.
         c.truncate(40).unwrap();
-        fill(&mut c, 0, n_q, 2);
+        append_random(&mut c, 0, n_q, 2);
         assert_eq!(c.visible(0).unwrap(), 43);
         check(&mut att, &c, "after truncate");
         c.advance(n_q).unwrap();
         c.reset();
-        fill(&mut c, 0, n_q, 3);
+        append_random(&mut c, 0, n_q, 3);
         check(&mut att, &c, "after reset");
         c.advance(n_q).unwrap();
         c.reset_fast();
-        fill(&mut c, 0, n_q + 1, 4);
+        append_random(&mut c, 0, n_q + 1, 4);
         check(&mut att, &c, "after reset_fast");
     });
 }

@@ -18,23 +18,7 @@ fn rounded(data: &[f32], dtype: DType) -> Vec<f32> {
 /// Appends f32 data to every slot of `layer` on the GPU and in the model.
 fn append_both(c: &mut KvCache, m: &mut CpuCache, layer: usize, n: usize, seed: u64) {
     let start = c.visible(layer).unwrap();
-    let shapes: Vec<Vec<usize>> = c.spec().layers()[layer]
-        .slots
-        .iter()
-        .map(|s| [&[n][..], &s.trailing].concat())
-        .collect();
-    let data: Vec<Vec<f32>> = shapes
-        .iter()
-        .enumerate()
-        .map(|(s, sh)| values(seed * 31 + s as u64, sh.iter().product()))
-        .collect();
-    let slabs: Vec<HostSlab> = data
-        .iter()
-        .zip(&shapes)
-        .map(|(d, sh)| HostSlab::f32(d, sh))
-        .collect();
-    c.append(layer, &slabs).unwrap();
-    for (s, d) in data.iter().enumerate() {
+    for (s, d) in append_random(c, layer, n, seed).iter().enumerate() {
         let bits: Vec<u32> = d
             .iter()
             .map(|&x| reference::f32_to_bits(x, m.dtype))

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use kvgpu::{CacheSpec, DType, Gpu, KvCache};
+use kvgpu::{CacheSpec, DType, Gpu, HostSlab, KvCache};
 
 pub fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
@@ -28,6 +28,28 @@ pub fn cache(spec: CacheSpec) -> KvCache {
 /// Deterministic pseudo-random values in [-2, 2).
 pub fn values(seed: u64, n: usize) -> Vec<f32> {
     kvgpu::reference::pseudo_random(seed, n, 2.0)
+}
+
+/// Appends `n` rows of pseudo-random f32 data to every slot of `layer` from the host and returns the
+/// data, slot by slot (`[n, ...trailing]` row-major).
+pub fn append_random(cache: &mut KvCache, layer: usize, n: usize, seed: u64) -> Vec<Vec<f32>> {
+    let shapes: Vec<Vec<usize>> = cache.spec().layers()[layer]
+        .slots
+        .iter()
+        .map(|s| [&[n][..], &s.trailing].concat())
+        .collect();
+    let data: Vec<Vec<f32>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(s, sh)| values(seed * 31 + s as u64, sh.iter().product()))
+        .collect();
+    let slabs: Vec<HostSlab> = data
+        .iter()
+        .zip(&shapes)
+        .map(|(d, sh)| HostSlab::f32(d, sh))
+        .collect();
+    cache.append(layer, &slabs).expect("a valid append");
+    data
 }
 
 /// Every word of every slot buffer, read back from the GPU.
