@@ -429,7 +429,7 @@ impl KvCache {
         }
         let usage = slab.buffer.usage();
         let storage = self.spec.dtype();
-        let dense = strides == contiguous_strides(slab.shape).as_slice();
+        let dense = slab.strides.is_none() || strides == contiguous_strides(slab.shape).as_slice();
         let aligned = (sb.row_elems as u64 * esize).is_multiple_of(4)
             && (slab.offset * esize).is_multiple_of(4);
         if slab.dtype == storage && dense && aligned && usage.contains(wgpu::BufferUsages::COPY_SRC)
