@@ -313,23 +313,8 @@ fn many_calls_with_different_parameters_share_one_encoder() {
         LayerSpec::kv(1, 128, 32),
     ];
     let mut c = cache(CacheSpec::new(layers, DType::F16, 300).unwrap());
-    for (layer, n) in [(0, 300), (2, 300)] {
-        let shapes: Vec<Vec<usize>> = c.spec().layers()[layer]
-            .slots
-            .iter()
-            .map(|s| [&[n][..], &s.trailing].concat())
-            .collect();
-        let data: Vec<Vec<f32>> = shapes
-            .iter()
-            .enumerate()
-            .map(|(s, sh)| values(layer as u64 * 7 + s as u64, sh.iter().product()))
-            .collect();
-        let slabs: Vec<HostSlab> = data
-            .iter()
-            .zip(&shapes)
-            .map(|(d, sh)| HostSlab::f32(d, sh))
-            .collect();
-        c.append(layer, &slabs).unwrap();
+    for layer in [0, 2] {
+        append_random(&mut c, layer, 300, layer as u64 + 1);
     }
     let q0 = values(1, 6 * 64);
     let q2 = values(2, 4 * 128);
