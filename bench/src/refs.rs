@@ -162,36 +162,16 @@ impl QkvToF16 {
         offset: u32,
         kv_elems: u32,
     ) -> Self {
-        let pipe = pipeline(
+        // Sizes in 16-byte words; one invocation per 8 converted floats.
+        Self::build(
             device,
             "bench qkv_to_f16",
             include_str!("../shaders/qkv_to_f16.wgsl"),
-        );
-        let total = n_rows * kv_elems / 8;
-        let groups = total.div_ceil(256).clamp(1, 65535);
-        let params = uniform(
-            device,
-            bytemuck::cast_slice(&[
-                n_rows,
-                kv_elems / 4,
-                row_elems / 4,
-                offset / 4,
-                groups * 256,
-                0,
-                0,
-                0,
-            ]),
-        );
-        let bind = group(
-            device,
-            &pipe,
-            [
-                src.as_entire_binding(),
-                dst.as_entire_binding(),
-                params.as_entire_binding(),
-            ],
-        );
-        Self { pipe, bind, groups }
+            [src, dst],
+            n_rows,
+            n_rows * kv_elems / 8,
+            [kv_elems / 4, row_elems / 4, offset / 4],
+        )
     }
 
     /// The same conversion with 4-byte loads and stores, one output word per invocation: the access
@@ -205,15 +185,33 @@ impl QkvToF16 {
         offset: u32,
         kv_elems: u32,
     ) -> Self {
-        let pipe = pipeline(
+        Self::build(
             device,
             "bench qkv_to_f16_scalar",
             include_str!("../shaders/qkv_to_f16_scalar.wgsl"),
-        );
-        let groups = (n_rows * kv_elems / 2).div_ceil(256).clamp(1, 65535);
+            [src, dst],
+            n_rows,
+            n_rows * kv_elems / 2,
+            [kv_elems, row_elems, offset],
+        )
+    }
+
+    /// One of the two kernels: `outputs` invocations' worth of work, `sizes` = (K width, row width,
+    /// K offset) in the kernel's own units, as its `Params` struct takes them.
+    fn build(
+        device: &wgpu::Device,
+        label: &str,
+        source: &str,
+        [src, dst]: [&wgpu::Buffer; 2],
+        n_rows: u32,
+        outputs: u32,
+        [kv, row, offset]: [u32; 3],
+    ) -> Self {
+        let pipe = pipeline(device, label, source);
+        let groups = outputs.div_ceil(256).clamp(1, 65535);
         let params = uniform(
             device,
-            bytemuck::cast_slice(&[n_rows, kv_elems, row_elems, offset, groups * 256, 0, 0, 0]),
+            bytemuck::cast_slice(&[n_rows, kv, row, offset, groups * 256, 0, 0, 0]),
         );
         let bind = group(
             device,
