@@ -46,6 +46,21 @@ fn values(seed: u64, n: usize) -> Vec<f32> {
     kvgpu::reference::pseudo_random(seed, n, 2.0)
 }
 
+/// Asserts every GPU output within `1e-4 · max(1, |cpu|)` of the CPU twin; returns the largest error.
+fn assert_close(got: &[f32], want: &[f32], what: &str) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: output length");
+    let mut worst = 0.0f32;
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let err = (a - b).abs();
+        worst = worst.max(err);
+        assert!(
+            err <= 1e-4 * b.abs().max(1.0),
+            "{what} output {i}: GPU {a}, CPU twin {b}"
+        );
+    }
+    worst
+}
+
 /// Every word of every slot buffer, read back from the GPU.
 async fn snapshot(cache: &KvCache) -> Vec<Vec<Vec<u32>>> {
     let mut out = Vec::new();
@@ -507,15 +522,8 @@ async fn gqa_attention_prefill_and_decode_match_the_cpu_twin() {
                     d_v,
                     &options,
                 );
-                assert_eq!(got.len(), want.len());
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    let err = (a - b).abs();
-                    worst = worst.max(err);
-                    assert!(
-                        err <= 1e-4 * b.abs().max(1.0),
-                        "{dtype} step {step} layer {l} output {i}: GPU {a}, CPU twin {b}"
-                    );
-                }
+                let what = format!("{dtype} step {step} layer {l}");
+                worst = worst.max(assert_close(&got, &want, &what));
             }
             c.advance(n_q).unwrap();
         }
@@ -570,15 +578,8 @@ async fn mla_attention_decode_matches_the_cpu_twin() {
                 p,
                 &options,
             );
-            assert_eq!(got.len(), want.len());
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                let err = (a - b).abs();
-                worst = worst.max(err);
-                assert!(
-                    err <= 1e-4 * b.abs().max(1.0),
-                    "{dtype} step {step} output {i}: GPU {a}, CPU twin {b}"
-                );
-            }
+            let what = format!("{dtype} step {step}");
+            worst = worst.max(assert_close(&got, &want, &what));
             c.advance(n_q).unwrap();
         }
         console_log!("{dtype}: MLA attention max abs error {worst:e}");
