@@ -1,4 +1,5 @@
-//! Parses and validates every `shaders/*.wgsl` with naga, reports all broken shaders at once with
+//! Parses and validates every `shaders/*.wgsl` with naga, each with `shaders/shared/prelude.wgsl`
+//! (dtype codes, shared parameter structs) prepended, reports all broken shaders at once with
 //! `file:line:col`, and writes the table of shader sources to `OUT_DIR/shaders.rs`.
 
 use std::fmt::Write as _;
@@ -10,6 +11,11 @@ use naga::valid::{Capabilities, ValidationFlags, Validator};
 fn main() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
     println!("cargo:rerun-if-changed={}", dir.display());
+    let prelude_path = dir.join("shared").join("prelude.wgsl");
+    println!("cargo:rerun-if-changed={}", prelude_path.display());
+    let prelude = fs::read_to_string(&prelude_path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", prelude_path.display()));
+    let prelude_lines = prelude.lines().count();
 
     let mut paths: Vec<PathBuf> = fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
@@ -22,17 +28,20 @@ fn main() {
     let mut table =
         String::from("// Every WGSL shader of kvgpu, by file stem, validated by build.rs.\n");
     let mut layouts = String::new();
+    let mut described = Vec::new();
     for path in &paths {
         println!("cargo:rerun-if-changed={}", path.display());
-        let source = fs::read_to_string(path)
+        let own = fs::read_to_string(path)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+        let source = format!("{prelude}{own}");
         let shown = path
             .strip_prefix(env!("CARGO_MANIFEST_DIR"))
             .unwrap_or(path)
             .display()
             .to_string();
+        let shown = format!("{shown} (line numbers count the {prelude_lines}-line prelude first)");
         match validate(&source, &shown) {
-            Ok(module) => describe_structs(&module, &mut layouts),
+            Ok(module) => describe_structs(&module, &mut described, &mut layouts),
             Err(report) => failures.push(report),
         }
         let stem = path
@@ -42,7 +51,8 @@ fn main() {
         let konst = stem.to_ascii_uppercase();
         writeln!(
             table,
-            "pub(crate) const {konst}: &str = include_str!({:?});",
+            "pub(crate) const {konst}: &str = concat!(include_str!({:?}), include_str!({:?}));",
+            prelude_path.display().to_string(),
             path.display().to_string()
         )
         .expect("writing to a String");
@@ -67,14 +77,19 @@ fn main() {
     fs::write(&out, table).unwrap_or_else(|e| panic!("cannot write {}: {e}", out.display()));
 }
 
-/// Appends `(struct, member, offset, size)` rows for every named struct of the module.
-fn describe_structs(module: &naga::Module, out: &mut String) {
+/// Appends `(struct, member, offset, size)` rows for every named struct of the module not described yet
+/// (the prelude's structs appear in every module).
+fn describe_structs(module: &naga::Module, described: &mut Vec<String>, out: &mut String) {
     let mut layouter = naga::proc::Layouter::default();
     layouter
         .update(module.to_ctx())
         .expect("a validated module has a layout");
     for (handle, ty) in module.types.iter() {
         if let (Some(name), naga::TypeInner::Struct { members, span }) = (&ty.name, &ty.inner) {
+            if described.contains(name) {
+                continue;
+            }
+            described.push(name.clone());
             for m in members {
                 let member = m.name.as_deref().unwrap_or("");
                 writeln!(out, "    ({name:?}, {member:?}, {}, {span}),", m.offset)

@@ -283,9 +283,7 @@ fn wait(gpu: &Gpu) -> kvgpu::Result<()> {
     gpu.device
         .poll(wgpu::PollType::wait_indefinitely())
         .map(drop)
-        .map_err(|e| kvgpu::Error::Readback {
-            layer: 0,
-            slot: 0,
+        .map_err(|e| kvgpu::Error::Device {
             reason: e.to_string(),
         })
 }
@@ -403,28 +401,8 @@ fn verify(run: &Run, n_q: usize) -> kvgpu::Result<(f32, bool)> {
 }
 
 fn read_buffer(gpu: &Gpu, buffer: &wgpu::Buffer, n: usize) -> kvgpu::Result<Vec<f32>> {
-    let size = (n * 4) as u64;
-    let staging = gpu.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("decode readback"),
-        size,
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
-    let mut encoder = gpu.device.create_command_encoder(&Default::default());
-    encoder.copy_buffer_to_buffer(buffer, 0, &staging, 0, size);
-    gpu.queue.submit([encoder.finish()]);
-    staging.map_async(wgpu::MapMode::Read, .., |_| {});
-    wait(gpu)?;
-    let out = staging
-        .get_mapped_range(..)
-        .map(|bytes| bytemuck::pod_collect_to_vec(&bytes))
-        .map_err(|e| kvgpu::Error::Readback {
-            layer: 0,
-            slot: 0,
-            reason: e.to_string(),
-        })?;
-    staging.unmap();
-    Ok(out)
+    let bytes = kvgpu::read_buffer(&gpu.device, &gpu.queue, buffer, 0, (n * 4) as u64)?;
+    Ok(bytemuck::pod_collect_to_vec(&bytes))
 }
 
 /// A progress bar on stderr: redrawn in place on a terminal, a line per quarter otherwise.

@@ -9,11 +9,9 @@
 // uses a = compressed_kv and b = k_pe with one KV "head". Values come from slot v (V, or compressed_kv).
 // 16-bit storage is read as packed words (low half first) and unpacked with integer bit operations
 // (exact, subnormals included; no shader-f16 or packed-float built-in needed).
-
-// Element type codes, as `DType::code` in src/spec.rs.
-const F32: u32 = 0u;
-const F16: u32 = 1u;
-const BF16: u32 = 2u;
+//
+// The pipelines are built without WebGPU's zeroing of workgroup memory (see src/kernels/mod.rs): every
+// workgroup variable here is written before it is read, by the same invocation or before a barrier.
 
 override DTYPE: u32 = 0u;
 // Query heads per workgroup: 1, 2, 4, 8 or 16, dividing the group. A constant per pipeline, so the
@@ -28,46 +26,19 @@ const HEADS: u32 = 16u;
 // Running max before the first row: far below any finite score, and exp(NEG - m) is 0.
 const NEG: f32 = -1.0e30;
 
-// Must match `AttnParams` in src/attention.rs.
-struct AttnParams {
-    n_q: u32,
-    n_heads: u32,
-    // Query heads per KV head.
-    group: u32,
-    // Workgroups per KV head: group / HB.
-    n_batches: u32,
-    d_a: u32,
-    d_b: u32,
-    d_v: u32,
-    // Visible rows of the layer; the queries are the last n_q of them.
-    visible: u32,
-    row_words_a: u32,
-    row_words_b: u32,
-    row_words_v: u32,
-    // Attend to at most this many rows ending at the query's own (0: no window).
-    window: u32,
-    // First row any query can see, and rows per chunk (a multiple of TILE).
-    lo: u32,
-    chunk_len: u32,
-    n_chunks: u32,
-    n_kv: u32,
-    scale: f32,
-    // Logit soft-cap (0: none).
-    soft_cap: f32,
-    _pad0: u32,
-    _pad1: u32,
-}
 
-@group(0) @binding(0) var<storage, read> q_a: array<f32>;
-@group(0) @binding(1) var<storage, read> q_b: array<f32>;
-@group(0) @binding(2) var<storage, read> slot_a: array<u32>;
-@group(0) @binding(3) var<storage, read> slot_b: array<u32>;
-@group(0) @binding(4) var<storage, read> slot_v: array<u32>;
+// Group 0: the layer's slots (a bind group the cache owns); group 1: queries and scratch; group 2: the
+// call's parameters.
+@group(0) @binding(0) var<storage, read> slot_a: array<u32>;
+@group(0) @binding(1) var<storage, read> slot_b: array<u32>;
+@group(0) @binding(2) var<storage, read> slot_v: array<u32>;
+@group(1) @binding(0) var<storage, read> q_a: array<f32>;
+@group(1) @binding(1) var<storage, read> q_b: array<f32>;
 // Per (chunk, query, head): running max and sum.
-@group(0) @binding(5) var<storage, read_write> stats: array<f32>;
+@group(1) @binding(2) var<storage, read_write> stats: array<f32>;
 // Per (chunk, query, head): unnormalised output [d_v].
-@group(0) @binding(6) var<storage, read_write> part: array<f32>;
-@group(0) @binding(7) var<uniform> p: AttnParams;
+@group(1) @binding(3) var<storage, read_write> part: array<f32>;
+@group(2) @binding(0) var<uniform> p: AttnParams;
 
 var<workgroup> scores: array<f32, 2048>; // [HB][TILE * RPL]
 var<workgroup> run_max: array<f32, 16>;
@@ -242,9 +213,10 @@ fn per_word() -> u32 {
 fn in_bounds() -> bool {
     let rows = p.n_q * p.n_heads;
     let pw = per_word();
-    let parts = p.n_chunks * rows;
+    let parts = p.n_chunks * p.q_count * p.n_heads;
     return HB >= 1u && HB <= HEADS && RPL >= 1u && RPL <= 8u && RPL * HB <= 32u && p.group % HB == 0u && p.n_batches * HB == p.group
         && p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads
+        && p.q_count >= 1u && p.q_first < p.n_q && p.q_count <= p.n_q - p.q_first
         && p.chunk_len % (TILE * RPL) == 0u
         && rows * p.d_a <= arrayLength(&q_a) && rows * p.d_b <= arrayLength(&q_b)
         && p.n_kv * p.d_a <= p.row_words_a * pw && p.visible * p.row_words_a <= arrayLength(&slot_a)
@@ -258,8 +230,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let chunk = wg.x;
     let kv = wg.y / max(p.n_batches, 1u);
     let batch = wg.y % max(p.n_batches, 1u);
-    let qi = wg.z;
-    if chunk >= p.n_chunks || kv >= p.n_kv || batch * HB >= p.group || qi >= p.n_q || !in_bounds() {
+    // The query (of all n_q) and its place among this pair's partial results.
+    let local = wg.z;
+    let qi = p.q_first + local;
+    if chunk >= p.n_chunks || kv >= p.n_kv || batch * HB >= p.group || local >= p.q_count || !in_bounds() {
         return;
     }
     let h0 = kv * p.group + batch * HB;
@@ -276,7 +250,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         run_max[lid] = NEG;
         run_sum[lid] = 0.0;
     }
-    let out0 = (chunk * p.n_q + qi) * p.n_heads + h0;
+    let out0 = (chunk * p.q_count + local) * p.n_heads + h0;
     let qa0 = (qi * p.n_heads + h0) * p.d_a;
     let qb0 = (qi * p.n_heads + h0) * p.d_b;
     let span = TILE * RPL;

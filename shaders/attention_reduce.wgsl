@@ -3,55 +3,34 @@
 
 const NEG: f32 = -1.0e30;
 
-// Must match `AttnParams` in src/attention.rs (and attention_partial.wgsl).
-struct AttnParams {
-    n_q: u32,
-    n_heads: u32,
-    group: u32,
-    n_batches: u32,
-    d_a: u32,
-    d_b: u32,
-    d_v: u32,
-    visible: u32,
-    row_words_a: u32,
-    row_words_b: u32,
-    row_words_v: u32,
-    window: u32,
-    lo: u32,
-    chunk_len: u32,
-    n_chunks: u32,
-    n_kv: u32,
-    scale: f32,
-    soft_cap: f32,
-    _pad0: u32,
-    _pad1: u32,
-}
-
 @group(0) @binding(0) var<storage, read> stats: array<f32>;
 @group(0) @binding(1) var<storage, read> part: array<f32>;
 // [n_q, n_heads, d_v]
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
-@group(0) @binding(3) var<uniform> p: AttnParams;
+@group(1) @binding(0) var<uniform> p: AttnParams;
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let h = wg.x;
-    let qi = wg.y;
-    let rows = p.n_q * p.n_heads;
-    if h >= p.n_heads || qi >= p.n_q || rows * p.d_v > arrayLength(&out)
+    // The query among this pair's partial results, and among all n_q.
+    let local = wg.y;
+    let qi = p.q_first + local;
+    let rows = p.q_count * p.n_heads;
+    if h >= p.n_heads || local >= p.q_count || p.q_first >= p.n_q || p.q_count > p.n_q - p.q_first
+        || p.n_q * p.n_heads * p.d_v > arrayLength(&out)
         || p.n_chunks * rows * 2u > arrayLength(&stats) || p.n_chunks * rows * p.d_v > arrayLength(&part) {
         return;
     }
     var m = NEG;
     for (var c = 0u; c < p.n_chunks; c++) {
-        let s = (c * p.n_q + qi) * p.n_heads + h;
+        let s = (c * p.q_count + local) * p.n_heads + h;
         if stats[2u * s + 1u] > 0.0 {
             m = max(m, stats[2u * s]);
         }
     }
     var l = 0.0;
     for (var c = 0u; c < p.n_chunks; c++) {
-        let s = (c * p.n_q + qi) * p.n_heads + h;
+        let s = (c * p.q_count + local) * p.n_heads + h;
         let sum = stats[2u * s + 1u];
         if sum > 0.0 {
             l += sum * exp(stats[2u * s] - m);
@@ -61,7 +40,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var d = lid; d < p.d_v; d += 64u) {
         var o = 0.0;
         for (var c = 0u; c < p.n_chunks; c++) {
-            let s = (c * p.n_q + qi) * p.n_heads + h;
+            let s = (c * p.q_count + local) * p.n_heads + h;
             if stats[2u * s + 1u] > 0.0 {
                 o += part[s * p.d_v + d] * exp(stats[2u * s] - m);
             }

@@ -4,7 +4,7 @@
 // range may only partly cover keep their words outside it (each vector is written by exactly one
 // invocation). Slot buffers are allocated in whole vectors.
 
-// Must match `ZeroParams` in src/kernels.rs.
+// Must match `ZeroParams` in src/kernels/params.rs.
 struct ZeroParams {
     start_word: u32,
     n_words: u32,
@@ -14,7 +14,7 @@ struct ZeroParams {
 }
 
 @group(0) @binding(0) var<storage, read_write> dst: array<vec4<u32>>;
-@group(0) @binding(1) var<uniform> params: ZeroParams;
+@group(1) @binding(0) var<uniform> params: ZeroParams;
 
 // Vectors per block: each invocation clears whole blocks of consecutive vectors, so the loop's
 // overhead is paid once per block.

@@ -1,47 +1,18 @@
 //! The GPU cache: one storage buffer per (layer, slot), the ledger, and the commands that carry out a
 //! checked plan. Every operation is checked in full before anything is recorded or written.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use half::{bf16, f16};
 
-use crate::device::read_buffer;
+use crate::codec::{DType, HostData, decode_rows, encode_rows, padded_row_bytes, row_elems};
+use crate::device::read_range;
 use crate::error::{Error, Result};
-use crate::kernels::{Kernels, MAX_SOURCE_RANK, ParamRing, WriteParams, ZeroParams, grid};
+use crate::kernels::{
+    GroupCache, Kernels, MAX_SOURCE_RANK, ParamRing, WriteParams, ZeroParams, grid, scoped,
+};
 use crate::ledger::{AppendPlan, Ledger};
-use crate::reference::{decode_rows, encode_rows};
-use crate::spec::{CacheSpec, DType, DeviceLimits, padded_row_bytes, row_elems};
-
-/// Host data for one slab: f32 (converted to the storage type) or data already in the storage type.
-#[derive(Clone, Copy, Debug)]
-pub enum HostData<'a> {
-    F32(&'a [f32]),
-    F16(&'a [f16]),
-    BF16(&'a [bf16]),
-}
-
-impl HostData<'_> {
-    pub fn dtype(&self) -> DType {
-        match self {
-            HostData::F32(_) => DType::F32,
-            HostData::F16(_) => DType::F16,
-            HostData::BF16(_) => DType::BF16,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            HostData::F32(d) => d.len(),
-            HostData::F16(d) => d.len(),
-            HostData::BF16(d) => d.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+use crate::spec::{CacheSpec, DeviceLimits};
 
 /// One slab from the host: `shape` is `[n_new, ...trailing]`, `data` row-major.
 #[derive(Clone, Copy, Debug)]
@@ -121,10 +92,20 @@ struct SlotBuffer {
 /// 16-byte vectors one zeroing invocation clears per loop step (`BLOCK` in shaders/zero.wgsl).
 const ZERO_BLOCK: u64 = 8;
 
-/// Bind groups of GPU sources are cached by (source, bound range, layer, slot): at most this many.
-const SOURCE_GROUPS: usize = 64;
+/// Bind groups of GPU sources are cached by (source, bound range, layer, slot): at most this many,
+/// keeping at most `SOURCE_PIN_BYTES` of source buffers alive that the app may have dropped.
+const SOURCE_GROUPS: usize = 256;
+const SOURCE_PIN_BYTES: u64 = 32 << 20;
 
 type SourceKey = (wgpu::Buffer, u64, u64, usize, usize);
+
+/// The two ways attention reads a layer: GQA (scores from slot 0, values from slot 1) and MLA (scores
+/// from slots 0 and 1, values from slot 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AttentionKind {
+    Gqa = 0,
+    Mla = 1,
+}
 
 /// A KV / latent cache on the GPU. See the crate docs for the contract.
 pub struct KvCache {
@@ -135,7 +116,14 @@ pub struct KvCache {
     slots: Vec<Vec<SlotBuffer>>,
     kernels: Arc<Kernels>,
     ring: ParamRing,
-    source_groups: HashMap<SourceKey, wgpu::BindGroup>,
+    source_groups: GroupCache<SourceKey>,
+    /// Copy sources known to belong to this device.
+    copy_sources: GroupCache<wgpu::Buffer, ()>,
+    /// The destination of the probe copy that checks a copy source's device.
+    probe: wgpu::Buffer,
+    /// Per layer, the slot bind group of each attention kind, made on first use; owned here so that a
+    /// dropped cache takes its buffers with it.
+    attention_groups: Vec<[OnceLock<wgpu::BindGroup>; 2]>,
     /// Reused conversion buffer for host appends.
     scratch: Vec<u8>,
     max_workgroups: u32,
@@ -147,31 +135,30 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Allocates a zeroed cache for `spec`, after checking every slot against the device's limits.
+    /// Allocates a zeroed cache for `spec` on `device`, whose commands go through `queue` (the pair
+    /// `request_device` returned), after checking every slot against the device's limits.
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue, spec: CacheSpec) -> Result<Self> {
-        spec.check_limits(&DeviceLimits::from_wgpu(&device.limits()))?;
-        Ok(Self::allocate(Kernels::new(device), queue, spec))
+        Self::with_kernels(Kernels::new(device, queue), spec)
     }
 
-    /// [`KvCache::new`] reusing the pipelines of another cache on the same device
-    /// (`other.kernels().clone()`), so a second cache compiles nothing.
-    pub fn with_kernels(
-        kernels: Arc<Kernels>,
-        queue: &wgpu::Queue,
-        spec: CacheSpec,
-    ) -> Result<Self> {
+    /// [`KvCache::new`] with the kernel registry of its device (`other.kernels().clone()`, or
+    /// [`Kernels::new`]), so a second cache compiles nothing. The registry carries its device's queue, so
+    /// a cache cannot be given the queue of another device.
+    pub fn with_kernels(kernels: Arc<Kernels>, spec: CacheSpec) -> Result<Self> {
         spec.check_limits(&DeviceLimits::from_wgpu(&kernels.device().limits()))?;
-        Ok(Self::allocate(kernels, queue, spec))
+        Ok(Self::allocate(kernels, spec))
     }
 
     /// Creates the buffers of a spec already checked against the device's limits.
-    fn allocate(kernels: Arc<Kernels>, queue: &wgpu::Queue, spec: CacheSpec) -> Self {
+    fn allocate(kernels: Arc<Kernels>, spec: CacheSpec) -> Self {
         let device = kernels.device().clone();
+        let queue = kernels.queue().clone();
         let limits = device.limits();
-        let ring = ParamRing::new(&device);
-        let zero_workgroups = match device.adapter_info().device_type {
-            wgpu::DeviceType::Cpu => 16,
-            _ => limits.max_compute_workgroups_per_dimension,
+        let ring = ParamRing::new(&kernels);
+        let zero_workgroups = if kernels.is_cpu() {
+            16
+        } else {
+            limits.max_compute_workgroups_per_dimension
         };
         let slots = spec
             .layers()
@@ -196,16 +183,10 @@ impl KvCache {
                         let zero_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
                             label: Some("kvgpu zero"),
                             layout: kernels.zero_layout(),
-                            entries: &[
-                                wgpu::BindGroupEntry {
-                                    binding: 0,
-                                    resource: buffer.as_entire_binding(),
-                                },
-                                wgpu::BindGroupEntry {
-                                    binding: 1,
-                                    resource: ring.binding::<ZeroParams>(),
-                                },
-                            ],
+                            entries: &[wgpu::BindGroupEntry {
+                                binding: 0,
+                                resource: buffer.as_entire_binding(),
+                            }],
                         });
                         SlotBuffer {
                             buffer,
@@ -217,15 +198,24 @@ impl KvCache {
                     .collect()
             })
             .collect();
+        let probe = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu source probe"),
+            size: 4,
+            usage: wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
         Self {
             device,
-            queue: queue.clone(),
+            queue,
             ledger: Ledger::new(&spec),
+            attention_groups: (0..spec.n_layers()).map(|_| Default::default()).collect(),
             spec,
             slots,
             kernels,
             ring,
-            source_groups: HashMap::new(),
+            source_groups: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES),
+            copy_sources: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES),
+            probe,
             scratch: Vec::new(),
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             zero_workgroups,
@@ -247,9 +237,40 @@ impl KvCache {
         &self.device
     }
 
-    /// The pipelines this cache records with, to share with another cache of the same device.
+    /// The kernel registry this cache records with, to share with another cache or an
+    /// [`crate::Attention`] of the same device.
     pub fn kernels(&self) -> &Arc<Kernels> {
         &self.kernels
+    }
+
+    /// The bind group of `layer`'s slots that attention of `kind` reads (group 0 of
+    /// `attention_partial.wgsl`), made on first use. The layer has the slots `kind` needs.
+    pub(crate) fn attention_group(&self, layer: usize, kind: AttentionKind) -> &wgpu::BindGroup {
+        let (a, b, v) = match kind {
+            AttentionKind::Gqa => (0, 0, 1),
+            AttentionKind::Mla => (0, 1, 0),
+        };
+        self.attention_groups[layer][kind as usize].get_or_init(|| {
+            let slot = |s: usize| self.slots[layer][s].buffer.as_entire_binding();
+            self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("kvgpu attention slots"),
+                layout: self.kernels.attn_slots_layout(),
+                entries: &[
+                    wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: slot(a),
+                    },
+                    wgpu::BindGroupEntry {
+                        binding: 1,
+                        resource: slot(b),
+                    },
+                    wgpu::BindGroupEntry {
+                        binding: 2,
+                        resource: slot(v),
+                    },
+                ],
+            })
+        })
     }
 
     pub fn queue(&self) -> &wgpu::Queue {
@@ -353,8 +374,15 @@ impl KvCache {
             .enumerate()
             .map(|(slot, slab)| self.plan_source(layer, slot, slab, plan.n_new))
             .collect::<Result<Vec<_>>>()?;
-        for (slot, (slab, job)) in slabs.iter().zip(jobs).enumerate() {
-            self.record_source(encoder, &plan, slot, slab, job);
+        // Bind groups (and the device check of each source) before anything is recorded.
+        let groups = slabs
+            .iter()
+            .zip(&jobs)
+            .enumerate()
+            .map(|(slot, (slab, job))| self.prepare_source(layer, slot, slab, job))
+            .collect::<Result<Vec<_>>>()?;
+        for (slot, ((slab, job), group)) in slabs.iter().zip(jobs).zip(groups).enumerate() {
+            self.record_source(encoder, &plan, slot, slab, job, group);
         }
         self.ledger.commit_append(plan);
         Ok(plan)
@@ -495,6 +523,14 @@ impl KvCache {
         } else {
             end_word * 4
         };
+        if bind_end > slab.buffer.size() {
+            return Err(Error::SourceWordTail {
+                layer,
+                slot,
+                needed: bind_end,
+                size: slab.buffer.size(),
+            });
+        }
         let bind_size = bind_end - bind_offset;
         if bind_size > self.max_binding {
             return Err(layout_err(format!(
@@ -523,6 +559,78 @@ impl KvCache {
         })
     }
 
+    /// Makes (or finds) the bind group a kernel job needs, and checks that the source belongs to this
+    /// device: wgpu refuses a bind group or a copy naming a buffer of another device, and the check
+    /// runs here, inside an error scope, so the caller's encoder never sees the refusal.
+    fn prepare_source(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        slab: &GpuSlab<'_>,
+        job: &SourceJob,
+    ) -> Result<Option<wgpu::BindGroup>> {
+        let foreign = |reason: String| Error::ForeignDevice {
+            layer,
+            what: format!("GPU source of slot {slot} (wgpu: {reason})"),
+        };
+        match *job {
+            SourceJob::Nothing => Ok(None),
+            SourceJob::Copy { .. } => {
+                let (device, probe) = (&self.device, &self.probe);
+                self.copy_sources
+                    .get_or_try_insert(slab.buffer.clone(), &[slab.buffer], || {
+                        let (_, error) = scoped(device, || {
+                            let mut encoder =
+                                device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                                    label: Some("kvgpu source probe"),
+                                });
+                            encoder.copy_buffer_to_buffer(slab.buffer, 0, probe, 0, 4);
+                            encoder.finish()
+                        });
+                        error.map_or(Ok(()), |e| Err(foreign(e)))
+                    })?;
+                Ok(None)
+            }
+            SourceJob::Kernel {
+                bind_offset,
+                bind_size,
+                ..
+            } => {
+                let key = (slab.buffer.clone(), bind_offset, bind_size, layer, slot);
+                let (device, kernels) = (&self.device, &self.kernels);
+                let dst = &self.slots[layer][slot].buffer;
+                let group = self
+                    .source_groups
+                    .get_or_try_insert(key, &[slab.buffer], || {
+                        let (group, error) = scoped(device, || {
+                            device.create_bind_group(&wgpu::BindGroupDescriptor {
+                                label: Some("kvgpu slab_write"),
+                                layout: kernels.write_layout(),
+                                entries: &[
+                                    wgpu::BindGroupEntry {
+                                        binding: 0,
+                                        resource: wgpu::BindingResource::Buffer(
+                                            wgpu::BufferBinding {
+                                                buffer: slab.buffer,
+                                                offset: bind_offset,
+                                                size: wgpu::BufferSize::new(bind_size),
+                                            },
+                                        ),
+                                    },
+                                    wgpu::BindGroupEntry {
+                                        binding: 1,
+                                        resource: dst.as_entire_binding(),
+                                    },
+                                ],
+                            })
+                        });
+                        error.map_or(Ok(group), |e| Err(foreign(e)))
+                    })?;
+                Ok(Some(group))
+            }
+        }
+    }
+
     fn record_source(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -530,13 +638,13 @@ impl KvCache {
         slot: usize,
         slab: &GpuSlab<'_>,
         job: SourceJob,
+        group: Option<wgpu::BindGroup>,
     ) {
         let (layer, storage) = (plan.layer, self.spec.dtype());
         let sb = &self.slots[layer][slot];
         let dst_offset = plan.start_row as u64 * sb.row_bytes;
-        match job {
-            SourceJob::Nothing => {}
-            SourceJob::Copy { src_offset } => {
+        match (job, group) {
+            (SourceJob::Copy { src_offset }, _) => {
                 let size = plan.n_new as u64 * sb.row_bytes;
                 encoder.copy_buffer_to_buffer(
                     slab.buffer,
@@ -546,56 +654,29 @@ impl KvCache {
                     size,
                 );
             }
-            SourceJob::Kernel {
-                mut params,
-                bind_offset,
-                bind_size,
-                vec4,
-            } => {
+            (
+                SourceJob::Kernel {
+                    mut params, vec4, ..
+                },
+                Some(group),
+            ) => {
                 let words = plan.n_new as u64 * sb.row_bytes / 4;
                 let outputs = if vec4 { words / 4 } else { words };
                 let (groups, stride) = grid(outputs, self.max_workgroups);
                 params.thread_stride = stride;
                 params.dst_word_offset = (dst_offset / 4) as u32;
-                let key = (slab.buffer.clone(), bind_offset, bind_size, layer, slot);
-                if !self.source_groups.contains_key(&key)
-                    && self.source_groups.len() >= SOURCE_GROUPS
-                {
-                    self.source_groups.clear();
-                }
-                let group = self.source_groups.entry(key).or_insert_with(|| {
-                    self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                        label: Some("kvgpu slab_write"),
-                        layout: self.kernels.write_layout(),
-                        entries: &[
-                            wgpu::BindGroupEntry {
-                                binding: 0,
-                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                                    buffer: slab.buffer,
-                                    offset: bind_offset,
-                                    size: wgpu::BufferSize::new(bind_size),
-                                }),
-                            },
-                            wgpu::BindGroupEntry {
-                                binding: 1,
-                                resource: sb.buffer.as_entire_binding(),
-                            },
-                            wgpu::BindGroupEntry {
-                                binding: 2,
-                                resource: self.ring.binding::<WriteParams>(),
-                            },
-                        ],
-                    })
-                });
-                let offset = self.ring.push(&self.queue, &params);
+                let pipeline = self.kernels.write(slab.dtype, storage, vec4);
+                let params = self.ring.push(&self.queue, &params);
                 let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                     label: Some("kvgpu slab_write"),
                     timestamp_writes: None,
                 });
-                pass.set_pipeline(&self.kernels.write(slab.dtype, storage, vec4));
-                pass.set_bind_group(0, &*group, &[offset]);
+                pass.set_pipeline(&pipeline);
+                pass.set_bind_group(0, &group, &[]);
+                pass.set_bind_group(1, &params.group, &[params.offset]);
                 pass.dispatch_workgroups(groups, 1, 1);
             }
+            _ => {}
         }
     }
 
@@ -697,14 +778,15 @@ impl KvCache {
                 (groups, params)
             })
             .unzip();
-        let offsets = self.ring.push_all(&self.queue, &params);
+        let slots = self.ring.push_all(&self.queue, &params);
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some("kvgpu zero"),
             timestamp_writes: None,
         });
         pass.set_pipeline(self.kernels.zero());
-        for ((r, groups), offset) in ranges.iter().zip(groups).zip(offsets) {
-            pass.set_bind_group(0, &self.slots[r.layer][r.slot].zero_group, &[offset]);
+        for ((r, groups), params) in ranges.iter().zip(groups).zip(slots) {
+            pass.set_bind_group(0, &self.slots[r.layer][r.slot].zero_group, &[]);
+            pass.set_bind_group(1, &params.group, &[params.offset]);
             pass.dispatch_workgroups(groups, 1, 1);
         }
     }
@@ -742,7 +824,7 @@ impl KvCache {
 
     async fn read_bytes(&self, layer: usize, slot: usize, full: bool) -> Result<Vec<u8>> {
         let view = self.slot_view(layer, slot, full)?;
-        read_buffer(
+        read_range(
             &self.device,
             &self.queue,
             view.buffer,

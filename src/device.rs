@@ -164,9 +164,57 @@ impl<T> Future for Receiver<T> {
     }
 }
 
-/// Copies `size` bytes at `offset` of `buffer` to the host. On native this waits for the GPU; in the
-/// browser it resolves when the map callback fires.
-pub(crate) async fn read_buffer(
+/// Copies `size` bytes at `offset` of an app's `buffer` to the host: for checking an attention output
+/// or any buffer the app wrote. The buffer needs `COPY_SRC`; `offset` and `size` must be multiples of
+/// 4 inside the buffer. On native this waits for the GPU; in the browser it resolves when the map
+/// callback fires.
+pub async fn read_buffer_async(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    size: u64,
+) -> Result<Vec<u8>> {
+    let refuse = |reason: String| Err(Error::Device { reason });
+    if !buffer.usage().contains(wgpu::BufferUsages::COPY_SRC) {
+        return refuse(format!(
+            "cannot read back a buffer whose usage {:?} lacks COPY_SRC",
+            buffer.usage()
+        ));
+    }
+    if !offset.is_multiple_of(4) || !size.is_multiple_of(4) {
+        return refuse(format!(
+            "a readback range must start and end on 4-byte boundaries, not at byte {offset} for {size} bytes"
+        ));
+    }
+    if offset
+        .checked_add(size)
+        .is_none_or(|end| end > buffer.size())
+    {
+        return refuse(format!(
+            "bytes {offset}..{offset}+{size} are outside the {}-byte buffer",
+            buffer.size()
+        ));
+    }
+    read_range(device, queue, buffer, offset, size)
+        .await
+        .map_err(|reason| Error::Device { reason })
+}
+
+/// [`read_buffer_async`], blocking (native only).
+#[cfg(not(target_arch = "wasm32"))]
+pub fn read_buffer(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    size: u64,
+) -> Result<Vec<u8>> {
+    pollster::block_on(read_buffer_async(device, queue, buffer, offset, size))
+}
+
+/// Copies a checked range of `buffer` to the host (see [`read_buffer_async`]).
+pub(crate) async fn read_range(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
     buffer: &wgpu::Buffer,

@@ -1,6 +1,6 @@
 //! The one error type of kvgpu. Every refused operation returns one of these and changes nothing.
 
-use crate::spec::DType;
+use crate::codec::DType;
 
 /// Everything kvgpu can refuse, with the layer, slot, shapes, positions and capacity involved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -124,6 +124,23 @@ pub enum Error {
         reason: String,
     },
 
+    /// A 16-bit GPU source is read as 32-bit words, and its last word reaches past the buffer's end.
+    #[error(
+        "layer {layer} slot {slot}: 16-bit sources are read as whole 32-bit words, up to byte {needed}, \
+         but the buffer has {size} bytes; give it a size that covers its last word (a multiple of 4)"
+    )]
+    SourceWordTail {
+        layer: usize,
+        slot: usize,
+        needed: u64,
+        size: u64,
+    },
+
+    /// A buffer or cache of another device than the one it is used with (wgpu would refuse it and
+    /// spoil the caller's encoder).
+    #[error("layer {layer}: the {what} belongs to another device")]
+    ForeignDevice { layer: usize, what: String },
+
     /// The cache description itself is unusable.
     #[error("invalid cache spec: {reason}")]
     InvalidSpec { reason: String },
@@ -158,6 +175,11 @@ pub enum Error {
         slot: usize,
         reason: String,
     },
+
+    /// The device failed an operation that is not about one slot: a readback of an app's buffer, a
+    /// lost device, a poll that timed out.
+    #[error("device error: {reason}")]
+    Device { reason: String },
 
     /// Attention was asked of a layer whose slots are not the kind it reads (K/V or MLA latents).
     #[error("layer {layer} cannot run {kind} attention: {reason}")]

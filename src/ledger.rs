@@ -14,7 +14,7 @@ pub struct AppendPlan {
 
 /// Rows `[start, end)` of `layer` that a truncate drops (zeroed when the caller scrubs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DroppedRows {
+pub(crate) struct DroppedRows {
     pub layer: usize,
     pub start: usize,
     pub end: usize,
@@ -166,20 +166,21 @@ impl Ledger {
     }
 
     /// Records a planned append. The plan must come from [`Ledger::plan_append`] on this ledger, unchanged since.
-    pub fn commit_append(&mut self, plan: AppendPlan) {
+    pub(crate) fn commit_append(&mut self, plan: AppendPlan) {
         debug_assert_eq!(plan.start_row, self.len + self.pending[plan.layer]);
         self.pending[plan.layer] += plan.n_new;
     }
 
     /// Plans and records an append in one step.
-    pub fn append(&mut self, layer: usize, slab_shapes: &[&[usize]]) -> Result<AppendPlan> {
+    #[cfg(test)]
+    pub(crate) fn append(&mut self, layer: usize, slab_shapes: &[&[usize]]) -> Result<AppendPlan> {
         let plan = self.plan_append(layer, slab_shapes)?;
         self.commit_append(plan);
         Ok(plan)
     }
 
     /// Commits `n` rows: every layer with slots must hold exactly `n` pending rows.
-    pub fn advance(&mut self, n: usize) -> Result<()> {
+    pub(crate) fn advance(&mut self, n: usize) -> Result<()> {
         let uneven =
             (0..self.shapes.len()).find(|&l| !self.shapes[l].is_empty() && self.pending[l] != n);
         if let Some(layer) = uneven {
@@ -196,7 +197,7 @@ impl Ledger {
     }
 
     /// Checks `truncate(new_len)` and lists, per layer with slots, the rows it drops (pending rows included).
-    pub fn plan_truncate(&self, new_len: usize) -> Result<Vec<DroppedRows>> {
+    pub(crate) fn plan_truncate(&self, new_len: usize) -> Result<Vec<DroppedRows>> {
         if new_len > self.len {
             return Err(Error::TruncateBeyondLength {
                 new_len,
@@ -215,7 +216,7 @@ impl Ledger {
     }
 
     /// Sets the committed length to `new_len` (not above the current one) and drops all pending rows.
-    pub fn truncate(&mut self, new_len: usize) -> Result<Vec<DroppedRows>> {
+    pub(crate) fn truncate(&mut self, new_len: usize) -> Result<Vec<DroppedRows>> {
         let dropped = self.plan_truncate(new_len)?;
         self.len = new_len;
         self.pending.iter_mut().for_each(|p| *p = 0);
@@ -223,7 +224,7 @@ impl Ledger {
     }
 
     /// Forgets every row.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.len = 0;
         self.pending.iter_mut().for_each(|p| *p = 0);
     }
@@ -232,7 +233,8 @@ impl Ledger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{DType, LayerSpec};
+    use crate::codec::DType;
+    use crate::spec::LayerSpec;
 
     fn ledger(capacity: usize) -> Ledger {
         let spec = CacheSpec::new(

@@ -52,26 +52,34 @@
 //!
 //! Ordering: host appends take effect at the next queue submission, before the commands submitted with
 //! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
-//! rows that must survive it. Each kernel dispatch takes one entry of a ring of [`PARAM_RING_ENTRIES`]
-//! parameter slots per cache: record at most that many dispatches between submissions.
+//! rows that must survive it. Any number of operations may be recorded between two submissions: every
+//! kernel dispatch reads its parameters from an entry of its own, never reused.
 
 // In the browser wgpu objects are not Send/Sync and everything runs on one thread; caches still share
 // their pipelines through an `Arc` so native and wasm have one code path.
 #![cfg_attr(target_arch = "wasm32", allow(clippy::arc_with_non_send_sync))]
 
-pub mod attention;
-pub mod cache;
-pub mod device;
-pub mod error;
-pub mod kernels;
-pub mod ledger;
+mod attention;
+mod cache;
+mod codec;
+mod device;
+mod error;
+mod kernels;
+mod ledger;
 pub mod reference;
-pub mod spec;
+mod spec;
+
+/// The wgpu kvgpu is built with: use it for the devices and buffers you hand to kvgpu, so the versions
+/// match.
+pub use wgpu;
 
 pub use attention::{Attention, AttentionOptions, MlaQueries, Queries};
-pub use cache::{GpuSlab, HostData, HostSlab, KvCache, SlotView};
-pub use device::Gpu;
+pub use cache::{GpuSlab, HostSlab, KvCache, SlotView};
+pub use codec::{DType, HostData};
+#[cfg(not(target_arch = "wasm32"))]
+pub use device::read_buffer;
+pub use device::{Gpu, INSTALL_HINT, read_buffer_async};
 pub use error::{Error, Result};
-pub use kernels::{Kernels, PARAM_RING_ENTRIES};
-pub use ledger::{AppendPlan, DroppedRows, Ledger};
-pub use spec::{CacheSpec, DType, DeviceLimits, LayerSpec, SlotSpec};
+pub use kernels::Kernels;
+pub use ledger::{AppendPlan, Ledger};
+pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};

@@ -1,10 +1,11 @@
 //! Plain-Rust twins of the kernels and of the whole cache, used as the reference in tests and tools.
 //! Conversions use `half` (round to nearest, ties to even), which the WGSL kernels match bit for bit.
 
-use half::{bf16, f16};
-
-use crate::cache::HostData;
-use crate::spec::DType;
+use crate::codec::DType;
+pub use crate::codec::{
+    bits_to_f32, convert_bits, decode_rows, f32_to_bits, host_bits, pack_rows, round_trip,
+    unpack_rows,
+};
 
 /// Deterministic pseudo-random values in `[-amplitude, amplitude)`, different per seed (xorshift64): test
 /// and demo data that the CPU twins and the GPU see alike.
@@ -18,118 +19,6 @@ pub fn pseudo_random(seed: u64, n: usize, amplitude: f32) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 * amplitude - amplitude
         })
         .collect()
-}
-
-/// Bits of `x` stored as `dtype` (low 16 bits for 16-bit types).
-pub fn f32_to_bits(x: f32, dtype: DType) -> u32 {
-    match dtype {
-        DType::F32 => x.to_bits(),
-        DType::F16 => f16::from_f32(x).to_bits() as u32,
-        DType::BF16 => bf16::from_f32(x).to_bits() as u32,
-    }
-}
-
-/// The f32 value of bits stored as `dtype`.
-pub fn bits_to_f32(bits: u32, dtype: DType) -> f32 {
-    match dtype {
-        DType::F32 => f32::from_bits(bits),
-        DType::F16 => f16::from_bits(bits as u16).to_f32(),
-        DType::BF16 => bf16::from_bits(bits as u16).to_f32(),
-    }
-}
-
-/// Bits of an element of type `from` converted to type `to`, as the slab-write kernel converts it.
-pub fn convert_bits(bits: u32, from: DType, to: DType) -> u32 {
-    if from == to {
-        bits
-    } else {
-        f32_to_bits(bits_to_f32(bits, from), to)
-    }
-}
-
-/// `x` rounded through the storage type, as a read of the cache returns it.
-pub fn round_trip(x: f32, dtype: DType) -> f32 {
-    bits_to_f32(f32_to_bits(x, dtype), dtype)
-}
-
-/// Packs row-major element bits (one element per entry) into stored words: rows of `row_elems`
-/// elements, 16-bit types two per word low half first, each row padded to a whole word.
-pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
-    if dtype == DType::F32 {
-        return bits.to_vec();
-    }
-    let row_words = row_elems.div_ceil(2);
-    let rows = bits.len().checked_div(row_elems).unwrap_or(0);
-    let mut out = vec![0u32; rows * row_words];
-    for (r, row) in bits.chunks(row_elems.max(1)).enumerate() {
-        for (e, &b) in row.iter().enumerate() {
-            out[r * row_words + e / 2] |= (b & 0xffff) << (16 * (e % 2));
-        }
-    }
-    out
-}
-
-/// Inverse of [`pack_rows`]: element bits of every row, padding dropped.
-pub fn unpack_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
-    if dtype == DType::F32 {
-        return words.to_vec();
-    }
-    let row_words = row_elems.div_ceil(2).max(1);
-    words
-        .chunks(row_words)
-        .flat_map(|row| (0..row_elems).map(move |e| (row[e / 2] >> (16 * (e % 2))) & 0xffff))
-        .collect()
-}
-
-/// Stored words to f32 values, `[rows, row_elems]` row-major.
-pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
-    unpack_rows(words, dtype, row_elems)
-        .into_iter()
-        .map(|b| bits_to_f32(b, dtype))
-        .collect()
-}
-
-/// Element bits of host data converted to `storage`.
-pub fn host_bits(data: HostData<'_>, storage: DType) -> Vec<u32> {
-    match data {
-        HostData::F32(d) => d.iter().map(|&x| f32_to_bits(x, storage)).collect(),
-        HostData::F16(d) => d
-            .iter()
-            .map(|x| convert_bits(x.to_bits() as u32, DType::F16, storage))
-            .collect(),
-        HostData::BF16(d) => d
-            .iter()
-            .map(|x| convert_bits(x.to_bits() as u32, DType::BF16, storage))
-            .collect(),
-    }
-}
-
-/// Encodes host rows into the stored byte layout, reusing `out`'s allocation.
-pub(crate) fn encode_rows(data: HostData<'_>, storage: DType, row_elems: usize, out: &mut Vec<u8>) {
-    out.clear();
-    let row_bytes = crate::spec::padded_row_bytes(row_elems, storage) as usize;
-    let rows = data.len().checked_div(row_elems).unwrap_or(0);
-    out.resize(rows * row_bytes, 0);
-    let esize = storage.size();
-    let mut put = |i: usize, bits: u32| {
-        let (r, e) = (i / row_elems, i % row_elems);
-        let at = r * row_bytes + e * esize;
-        out[at..at + esize].copy_from_slice(&bits.to_le_bytes()[..esize]);
-    };
-    match data {
-        HostData::F32(d) => d
-            .iter()
-            .enumerate()
-            .for_each(|(i, &x)| put(i, f32_to_bits(x, storage))),
-        HostData::F16(d) => d
-            .iter()
-            .enumerate()
-            .for_each(|(i, x)| put(i, x.to_bits() as u32)),
-        HostData::BF16(d) => d
-            .iter()
-            .enumerate()
-            .for_each(|(i, x)| put(i, x.to_bits() as u32)),
-    }
 }
 
 /// Element bits of a strided source read the way the slab-write kernel reads it: element
@@ -205,7 +94,7 @@ impl CpuCache {
     }
 
     fn row_words_of(row_elems: usize, dtype: DType) -> usize {
-        crate::spec::padded_row_bytes(row_elems, dtype) as usize / 4
+        crate::codec::padded_row_bytes(row_elems, dtype) as usize / 4
     }
 
     pub fn row_words(&self, layer: usize, slot: usize) -> usize {
@@ -370,14 +259,5 @@ mod tests {
             gather_strided(&src, 4, &[2, 2], &[8, 1]),
             vec![4, 5, 12, 13]
         );
-    }
-
-    #[test]
-    fn encode_rows_pads_16_bit_rows() {
-        let mut out = Vec::new();
-        encode_rows(HostData::F32(&[1.0, 2.0, 3.0]), DType::BF16, 3, &mut out);
-        assert_eq!(out.len(), 8);
-        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&out);
-        assert_eq!(decode_rows(&words, DType::BF16, 3), vec![1.0, 2.0, 3.0]);
     }
 }

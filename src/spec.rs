@@ -1,71 +1,8 @@
 //! What a cache holds: layers of slots, each slot `[max_seq_len, ...trailing]` of one element type;
 //! presets for real models, and byte accounting checked against the device's limits.
 
-use std::fmt;
-
+use crate::codec::{DType, padded_row_bytes, row_elems};
 use crate::error::{Error, Result};
-
-/// Element type of the stored cache. 16-bit types are packed two to a `u32` word.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    F16,
-    BF16,
-}
-
-impl DType {
-    /// Every element type, for tests and tools that cover them all.
-    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-    /// Bytes per element.
-    pub const fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-        }
-    }
-
-    /// The code the WGSL kernels use for this type (`0` f32, `1` f16, `2` bf16).
-    pub(crate) const fn code(self) -> u32 {
-        match self {
-            DType::F32 => 0,
-            DType::F16 => 1,
-            DType::BF16 => 2,
-        }
-    }
-
-    /// Parses `f32`, `f16` or `bf16`.
-    pub fn parse(s: &str) -> Option<DType> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Some(DType::F32),
-            "f16" => Some(DType::F16),
-            "bf16" => Some(DType::BF16),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-        })
-    }
-}
-
-/// Elements in one row of the given trailing shape (rank 0 is one element).
-pub(crate) fn row_elems(trailing: &[usize]) -> Option<usize> {
-    trailing
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-}
-
-/// Bytes of one stored row: elements times element size, padded up to a 4-byte word.
-pub(crate) fn padded_row_bytes(elems: usize, dtype: DType) -> u64 {
-    (elems as u64 * dtype.size() as u64).div_ceil(4) * 4
-}
 
 /// One named slot of a layer: its rows are `trailing`-shaped tensors.
 #[derive(Clone, Debug, PartialEq, Eq)]

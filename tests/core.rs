@@ -521,9 +521,9 @@ fn scrub_matches_the_zero_twin_at_every_word_offset() {
 }
 
 #[test]
-fn parameter_ring_wraps_inside_one_batch() {
-    // Three slots: each reset stages three parameter entries in one write; 4096 % 3 != 0, so some
-    // reset's run crosses the end of the ring and is split in two.
+fn parameters_move_on_to_fresh_buffers_inside_one_batch() {
+    // Three slots: each reset stages three parameter entries in one write. Over 3,300 entries fill
+    // several ring buffers, and runs that do not fit the rest of one move to the next whole.
     let spec = CacheSpec::new(
         vec![LayerSpec::new(vec![
             SlotSpec::new("a", &[4]),
@@ -535,7 +535,7 @@ fn parameter_ring_wraps_inside_one_batch() {
     )
     .unwrap();
     let (mut c, mut m) = (cache(spec.clone()), CpuCache::new(&spec));
-    let resets = PARAM_RING_ENTRIES as usize / 3 + 3;
+    let resets = 1100;
     for i in 0..resets {
         append_both(&mut c, &mut m, 0, 1, i as u64);
         c.reset();

@@ -20,7 +20,7 @@ fn unmatched_adapter_name_is_an_error_naming_the_adapters_found() {
 
 #[test]
 fn a_matching_name_opens_that_adapter() {
-    let any = Gpu::from_env_blocking().expect("an adapter; see kvgpu::device::INSTALL_HINT");
+    let any = Gpu::from_env_blocking().expect("an adapter; see kvgpu::INSTALL_HINT");
     let name = any.adapter.get_info().name;
     let backend = any.adapter.get_info().backend;
     let again = pollster::block_on(Gpu::open(backend.into(), Some(&name.to_uppercase()))).unwrap();
@@ -40,7 +40,10 @@ fn caches_of_two_instances_and_caches_sharing_pipelines() {
     let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F16, 4).unwrap();
     let mut ca = KvCache::new(&a.device, &a.queue, spec.clone()).unwrap();
     let mut cb = KvCache::new(&b.device, &b.queue, spec.clone()).unwrap();
-    let mut shared = KvCache::with_kernels(ca.kernels().clone(), &a.queue, spec).unwrap();
+    // The registry carries its device's queue, so a cache sharing it cannot be handed another
+    // device's queue (which used to write nothing and raise a wgpu mismatch).
+    let mut shared = KvCache::with_kernels(ca.kernels().clone(), spec).unwrap();
+    assert_eq!(shared.queue(), &a.queue);
     assert!(std::sync::Arc::ptr_eq(ca.kernels(), shared.kernels()));
     for (i, c) in [&mut ca, &mut cb, &mut shared].into_iter().enumerate() {
         let (x, y) = (vec![i as f32 + 1.0; 8], vec![-(i as f32); 4]);

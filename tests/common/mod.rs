@@ -12,7 +12,7 @@ pub fn gpu() -> &'static Gpu {
         let gpu = Gpu::from_env_blocking().unwrap_or_else(|e| {
             panic!(
                 "GPU tests need an adapter and found none: {e}\n{}",
-                kvgpu::device::INSTALL_HINT
+                kvgpu::INSTALL_HINT
             )
         });
         eprintln!("kvgpu tests on {}", gpu.describe());

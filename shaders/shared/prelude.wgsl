@@ -1,0 +1,39 @@
+// Shared by every kvgpu kernel: build.rs prepends this file to each shader of shaders/ before it
+// validates it and before the library compiles it, so nothing here is written twice.
+
+// Element type codes, as `DType::code` in src/codec.rs.
+const F32: u32 = 0u;
+const F16: u32 = 1u;
+const BF16: u32 = 2u;
+
+// Parameters of both attention passes; must match `AttnParams` in src/kernels/params.rs.
+struct AttnParams {
+    n_q: u32,
+    n_heads: u32,
+    // Query heads per KV head.
+    group: u32,
+    // Workgroups per KV head: group / HB.
+    n_batches: u32,
+    d_a: u32,
+    d_b: u32,
+    d_v: u32,
+    // Visible rows of the layer; the queries are the last n_q of them.
+    visible: u32,
+    row_words_a: u32,
+    row_words_b: u32,
+    row_words_v: u32,
+    // Attend to at most this many rows ending at the query's own (0: no window).
+    window: u32,
+    // First row any query can see, and rows per chunk (a multiple of TILE).
+    lo: u32,
+    chunk_len: u32,
+    n_chunks: u32,
+    n_kv: u32,
+    scale: f32,
+    // Logit soft-cap (0: none).
+    soft_cap: f32,
+    // The queries of this dispatch pair: q_first .. q_first + q_count of the n_q (a call whose partial
+    // results would not fit one binding is split into several pairs).
+    q_first: u32,
+    q_count: u32,
+}

@@ -1,0 +1,442 @@
+//! The kernel registry of one device: every compute pipeline of kvgpu (zeroing, slab writes, both
+//! attention passes), their bind-group layouts, and the queue they submit parameters through. Caches
+//! and attention share one registry per device; pipeline variants are compiled on first use.
+
+mod groups;
+mod params;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use crate::codec::DType;
+
+pub(crate) use groups::GroupCache;
+pub(crate) use params::{
+    AttnParams, MAX_SOURCE_RANK, PARAMS_BINDING, ParamRing, WriteParams, ZeroParams,
+};
+
+pub(crate) mod wgsl {
+    include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
+}
+
+/// Invocations per workgroup of the zeroing and slab-write kernels (`@workgroup_size(256)`).
+pub(crate) const WORKGROUP_SIZE: u32 = 256;
+
+/// Query heads one attention workgroup may serve (`HB` in `attention_partial.wgsl`): the largest that
+/// divides the group is used, so a GQA group or the MLA heads of up to 16 read each KV row once.
+pub(crate) const HEAD_BATCHES: [usize; 5] = [16, 8, 4, 2, 1];
+/// Rows each attention invocation may score per tile (`RPL` in the shader).
+pub(crate) const ROWS_PER_INVOCATION: [usize; 4] = [1, 2, 4, 8];
+
+/// Workgroups for `threads` invocations, capped at the device's per-dimension limit, and the loop stride
+/// (total invocations) the kernel must use to cover the rest.
+pub(crate) fn grid(threads: u64, max_workgroups: u32) -> (u32, u32) {
+    let groups = threads
+        .div_ceil(WORKGROUP_SIZE as u64)
+        .clamp(1, max_workgroups.max(1) as u64) as u32;
+    (groups, groups * WORKGROUP_SIZE)
+}
+
+/// A compute-visible storage binding of any size.
+fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    }
+}
+
+/// A bind-group layout of storage bindings `0..`, read-only where `read_only[i]`.
+fn storage_layout(device: &wgpu::Device, label: &str, read_only: &[bool]) -> wgpu::BindGroupLayout {
+    let entries: Vec<_> = read_only
+        .iter()
+        .enumerate()
+        .map(|(i, &ro)| storage_entry(i as u32, ro))
+        .collect();
+    device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+        label: Some(label),
+        entries: &entries,
+    })
+}
+
+/// One kernel: its shader module and pipeline layout; pipelines are made from them per variant.
+#[derive(Debug)]
+struct Kernel {
+    label: &'static str,
+    module: wgpu::ShaderModule,
+    layout: wgpu::PipelineLayout,
+}
+
+impl Kernel {
+    fn new(
+        device: &wgpu::Device,
+        label: &'static str,
+        source: &str,
+        groups: &[&wgpu::BindGroupLayout],
+    ) -> Self {
+        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(label),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
+        });
+        let groups: Vec<Option<&wgpu::BindGroupLayout>> = groups.iter().map(|g| Some(*g)).collect();
+        let layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(label),
+            bind_group_layouts: &groups,
+            immediate_size: 0,
+        });
+        Self {
+            label,
+            module,
+            layout,
+        }
+    }
+
+    /// The pipeline of `entry` with these override constants.
+    fn pipeline(
+        &self,
+        device: &wgpu::Device,
+        entry: &str,
+        constants: &[(&str, f64)],
+    ) -> wgpu::ComputePipeline {
+        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(self.label),
+            layout: Some(&self.layout),
+            module: &self.module,
+            entry_point: Some(entry),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants,
+                // Every kernel writes its workgroup memory before reading it. The zeroing WebGPU
+                // would add costs about 20 s per attention variant on OpenGL (Mesa compiles it into a
+                // 2,048-element initialiser), and nothing here needs it; browsers always zero.
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        })
+    }
+}
+
+/// The attention kernels, built when a device first runs attention.
+#[derive(Debug)]
+struct AttentionKernels {
+    partial: Kernel,
+    /// Pass-1 pipelines by (storage type, `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index).
+    partial_pipelines: Mutex<HashMap<(DType, usize, usize), wgpu::ComputePipeline>>,
+    reduce: wgpu::ComputePipeline,
+}
+
+/// The pipelines and layouts of one device, with the queue they go with. Make one with
+/// [`Kernels::new`] and share it: [`crate::KvCache::with_kernels`], [`crate::Attention::for_cache`].
+///
+/// There is no process-wide registry keyed by device: wgpu compares devices by an id that is unique
+/// only within one `wgpu::Instance`, so such a registry could hand one instance's pipelines to another.
+pub struct Kernels {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    cpu: bool,
+    params_layout: wgpu::BindGroupLayout,
+    zero_layout: wgpu::BindGroupLayout,
+    zero: wgpu::ComputePipeline,
+    write_layout: wgpu::BindGroupLayout,
+    write: Kernel,
+    /// Slab-write pipelines by (source type, storage type, 16-byte entry point), built on first use.
+    write_pipelines: Mutex<HashMap<(DType, DType, bool), wgpu::ComputePipeline>>,
+    /// Attention group 0: the slots a, b and v of one layer.
+    attn_slots_layout: wgpu::BindGroupLayout,
+    /// Attention group 1: q_a, q_b and the scratch (stats, partials).
+    attn_io_layout: wgpu::BindGroupLayout,
+    /// Reduce group 0: stats, partials, output.
+    reduce_layout: wgpu::BindGroupLayout,
+    attention: OnceLock<AttentionKernels>,
+}
+
+impl fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Kernels")
+            .field("adapter", &self.device.adapter_info().name)
+            .field("cpu_adapter", &self.cpu)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Kernels {
+    /// The registry of `device`, whose commands go through `queue` (its own queue: the pair that
+    /// `request_device` returned). Compiles the zeroing kernel now, every other variant on first use.
+    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Arc<Kernels> {
+        let params_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("kvgpu params"),
+            entries: &[wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Uniform,
+                    has_dynamic_offset: true,
+                    min_binding_size: wgpu::BufferSize::new(PARAMS_BINDING),
+                },
+                count: None,
+            }],
+        });
+        let zero_layout = storage_layout(device, "kvgpu zero", &[false]);
+        let zero = Kernel::new(
+            device,
+            "kvgpu zero",
+            wgsl::ZERO,
+            &[&zero_layout, &params_layout],
+        )
+        .pipeline(device, "main", &[]);
+        let write_layout = storage_layout(device, "kvgpu slab_write", &[true, false]);
+        let write = Kernel::new(
+            device,
+            "kvgpu slab_write",
+            wgsl::SLAB_WRITE,
+            &[&write_layout, &params_layout],
+        );
+        Arc::new(Self {
+            device: device.clone(),
+            queue: queue.clone(),
+            cpu: device.adapter_info().device_type == wgpu::DeviceType::Cpu,
+            attn_slots_layout: storage_layout(device, "kvgpu attention slots", &[true; 3]),
+            attn_io_layout: storage_layout(
+                device,
+                "kvgpu attention io",
+                &[true, true, false, false],
+            ),
+            reduce_layout: storage_layout(device, "kvgpu attention_reduce", &[true, true, false]),
+            params_layout,
+            zero_layout,
+            zero,
+            write_layout,
+            write,
+            write_pipelines: Mutex::new(HashMap::new()),
+            attention: OnceLock::new(),
+        })
+    }
+
+    /// The device these pipelines belong to.
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    /// The queue that goes with the device.
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    /// Whether the adapter is a CPU (llvmpipe, lavapipe, WARP): few fat workgroups suit it best.
+    pub(crate) fn is_cpu(&self) -> bool {
+        self.cpu
+    }
+
+    pub(crate) fn params_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.params_layout
+    }
+
+    pub(crate) fn zero(&self) -> &wgpu::ComputePipeline {
+        &self.zero
+    }
+
+    pub(crate) fn zero_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.zero_layout
+    }
+
+    pub(crate) fn write_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.write_layout
+    }
+
+    /// The slab-write pipeline converting `src` elements to `dst` storage; `vec4` picks the entry point
+    /// that moves whole 16-byte vectors.
+    pub(crate) fn write(&self, src: DType, dst: DType, vec4: bool) -> wgpu::ComputePipeline {
+        let mut map = self
+            .write_pipelines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        map.entry((src, dst, vec4))
+            .or_insert_with(|| {
+                let constants = [
+                    ("SRC_DTYPE", src.code() as f64),
+                    ("DST_DTYPE", dst.code() as f64),
+                ];
+                let entry = if vec4 { "main_vec4" } else { "main" };
+                self.write.pipeline(&self.device, entry, &constants)
+            })
+            .clone()
+    }
+
+    pub(crate) fn attn_slots_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.attn_slots_layout
+    }
+
+    pub(crate) fn attn_io_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.attn_io_layout
+    }
+
+    pub(crate) fn reduce_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.reduce_layout
+    }
+
+    fn attention(&self) -> &AttentionKernels {
+        self.attention.get_or_init(|| {
+            let device = &self.device;
+            let partial = Kernel::new(
+                device,
+                "kvgpu attention_partial",
+                wgsl::ATTENTION_PARTIAL,
+                &[
+                    &self.attn_slots_layout,
+                    &self.attn_io_layout,
+                    &self.params_layout,
+                ],
+            );
+            let reduce = Kernel::new(
+                device,
+                "kvgpu attention_reduce",
+                wgsl::ATTENTION_REDUCE,
+                &[&self.reduce_layout, &self.params_layout],
+            )
+            .pipeline(device, "main", &[]);
+            AttentionKernels {
+                partial,
+                partial_pipelines: Mutex::new(HashMap::new()),
+                reduce,
+            }
+        })
+    }
+
+    /// The attention pass-1 pipeline reading `dtype` storage with `HEAD_BATCHES[batch]` heads per
+    /// workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation.
+    pub(crate) fn attention_partial(
+        &self,
+        dtype: DType,
+        batch: usize,
+        rpl: usize,
+    ) -> wgpu::ComputePipeline {
+        let kernels = self.attention();
+        let mut map = kernels
+            .partial_pipelines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        map.entry((dtype, batch, rpl))
+            .or_insert_with(|| {
+                let constants = [
+                    ("DTYPE", dtype.code() as f64),
+                    ("HB", HEAD_BATCHES[batch] as f64),
+                    ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
+                ];
+                kernels.partial.pipeline(&self.device, "main", &constants)
+            })
+            .clone()
+    }
+
+    pub(crate) fn attention_reduce(&self) -> &wgpu::ComputePipeline {
+        &self.attention().reduce
+    }
+}
+
+/// Runs `f` inside a validation error scope of `device` and returns what it made, with the error wgpu
+/// reported during it, if any. Native wgpu resolves the scope at once; in the browser it resolves later,
+/// so there nothing is reported here and a refused object surfaces as a wgpu error instead.
+pub(crate) fn scoped<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Option<String>) {
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let made = f();
+    let error = poll_now(scope.pop()).flatten().map(|e| e.to_string());
+    (made, error)
+}
+
+/// Polls a future once.
+fn poll_now<F: std::future::Future>(future: F) -> Option<F::Output> {
+    let mut future = std::pin::pin!(future);
+    match future
+        .as_mut()
+        .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+    {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wgsl::WGSL_LAYOUTS;
+    use super::*;
+
+    /// `(member, offset)` of every copy of WGSL struct `name`, after checking each copy's size.
+    fn layout_of(name: &str, size: usize) -> Vec<(&'static str, u32)> {
+        let rows: Vec<_> = WGSL_LAYOUTS.iter().filter(|r| r.0 == name).collect();
+        assert!(!rows.is_empty(), "no WGSL struct {name}");
+        assert!(rows.iter().all(|r| r.3 as usize == size), "{name} size");
+        rows.iter().map(|r| (r.1, r.2)).collect()
+    }
+
+    #[test]
+    fn host_params_match_the_wgsl_structs() {
+        let zero = ZeroParams::default();
+        let base = &zero as *const _ as usize;
+        let at = |a: *const u32| (a as usize - base) as u32;
+        assert_eq!(
+            layout_of("ZeroParams", size_of::<ZeroParams>()),
+            vec![
+                ("start_word", at(&zero.start_word)),
+                ("n_words", at(&zero.n_words)),
+                ("thread_stride", at(&zero.thread_stride)),
+                ("_pad", at(&zero._pad)),
+            ]
+        );
+        let p = WriteParams::default();
+        let base = &p as *const _ as usize;
+        let at = |a: *const u32| (a as usize - base) as u32;
+        assert_eq!(
+            layout_of("WriteParams", size_of::<WriteParams>()),
+            vec![
+                ("src_offset", at(&p.src_offset)),
+                ("seq_stride", at(&p.seq_stride)),
+                ("n_rows", at(&p.n_rows)),
+                ("row_elems", at(&p.row_elems)),
+                ("row_words", at(&p.row_words)),
+                ("dst_word_offset", at(&p.dst_word_offset)),
+                ("rank", at(&p.rank)),
+                ("thread_stride", at(&p.thread_stride)),
+                ("shape", at(p.shape.as_ptr())),
+                ("stride", at(p.stride.as_ptr())),
+            ]
+        );
+        let a = AttnParams::default();
+        let base = &a as *const _ as usize;
+        let at = |x: *const u32| (x as usize - base) as u32;
+        let host = vec![
+            ("n_q", at(&a.n_q)),
+            ("n_heads", at(&a.n_heads)),
+            ("group", at(&a.group)),
+            ("n_batches", at(&a.n_batches)),
+            ("d_a", at(&a.d_a)),
+            ("d_b", at(&a.d_b)),
+            ("d_v", at(&a.d_v)),
+            ("visible", at(&a.visible)),
+            ("row_words_a", at(&a.row_words_a)),
+            ("row_words_b", at(&a.row_words_b)),
+            ("row_words_v", at(&a.row_words_v)),
+            ("window", at(&a.window)),
+            ("lo", at(&a.lo)),
+            ("chunk_len", at(&a.chunk_len)),
+            ("n_chunks", at(&a.n_chunks)),
+            ("n_kv", at(&a.n_kv)),
+            ("scale", at(&a.scale as *const f32 as *const u32)),
+            ("soft_cap", at(&a.soft_cap as *const f32 as *const u32)),
+            ("q_first", at(&a.q_first)),
+            ("q_count", at(&a.q_count)),
+        ];
+        assert_eq!(layout_of("AttnParams", size_of::<AttnParams>()), host);
+    }
+
+    #[test]
+    fn grid_caps_workgroups_and_strides_over_the_rest() {
+        assert_eq!(grid(1, 65535), (1, 256));
+        assert_eq!(grid(257, 65535), (2, 512));
+        assert_eq!(grid(0, 65535), (1, 256));
+        assert_eq!(grid(1 << 30, 65535), (65535, 65535 * 256));
+    }
+}

@@ -1,0 +1,187 @@
+//! Kernel parameters: the host twins of the WGSL parameter structs, and the ring that stages them.
+//!
+//! Every dispatch reads its parameters from its own entry of a uniform buffer, bound as the last bind
+//! group of its pipeline with a dynamic offset. Entries are written with
+//! `Queue::write_buffer`, which lands at the next submission, before the recorded commands run. An entry
+//! is never written twice: when a ring buffer is used up, the ring moves on to a fresh buffer (the old
+//! one lives as long as recorded commands still name it). So any number of dispatches may be recorded
+//! between two submissions, and none can read another's parameters.
+
+use crate::kernels::Kernels;
+
+/// Parameters of `shaders/zero.wgsl`; must match its `ZeroParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct ZeroParams {
+    pub start_word: u32,
+    pub n_words: u32,
+    pub thread_stride: u32,
+    pub _pad: u32,
+}
+
+/// Most trailing dimensions a strided GPU source may have after merging contiguous ones.
+pub(crate) const MAX_SOURCE_RANK: usize = 8;
+
+/// Parameters of `shaders/slab_write.wgsl`; must match its `WriteParams`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct WriteParams {
+    pub src_offset: u32,
+    pub seq_stride: u32,
+    pub n_rows: u32,
+    pub row_elems: u32,
+    pub row_words: u32,
+    pub dst_word_offset: u32,
+    pub rank: u32,
+    pub thread_stride: u32,
+    pub shape: [u32; MAX_SOURCE_RANK],
+    pub stride: [u32; MAX_SOURCE_RANK],
+}
+
+/// Parameters of both attention passes; must match `AttnParams` in `shaders/attention_partial.wgsl`
+/// and `shaders/attention_reduce.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub(crate) struct AttnParams {
+    pub n_q: u32,
+    pub n_heads: u32,
+    pub group: u32,
+    pub n_batches: u32,
+    pub d_a: u32,
+    pub d_b: u32,
+    pub d_v: u32,
+    pub visible: u32,
+    pub row_words_a: u32,
+    pub row_words_b: u32,
+    pub row_words_v: u32,
+    pub window: u32,
+    pub lo: u32,
+    pub chunk_len: u32,
+    pub n_chunks: u32,
+    pub n_kv: u32,
+    pub scale: f32,
+    pub soft_cap: f32,
+    pub q_first: u32,
+    pub q_count: u32,
+}
+
+/// Bytes of the binding every parameter bind group exposes: the largest parameter struct.
+pub(crate) const PARAMS_BINDING: u64 = {
+    let (a, b, c) = (
+        size_of::<WriteParams>(),
+        size_of::<ZeroParams>(),
+        size_of::<AttnParams>(),
+    );
+    let ab = if a > b { a } else { b };
+    (if ab > c { ab } else { c }) as u64
+};
+
+/// Entries of one ring buffer; a full buffer is replaced, never rewritten.
+pub(crate) const RING_ENTRIES: u64 = 1024;
+
+/// The parameter entry of one dispatch: the bind group of its ring buffer and the dynamic offset.
+#[derive(Clone, Debug)]
+pub(crate) struct ParamSlot {
+    pub group: wgpu::BindGroup,
+    pub offset: u32,
+}
+
+/// Uniform parameters of recorded dispatches (see the module docs).
+#[derive(Debug)]
+pub(crate) struct ParamRing {
+    device: wgpu::Device,
+    layout: wgpu::BindGroupLayout,
+    stride: u64,
+    next: u64,
+    buffer: wgpu::Buffer,
+    group: wgpu::BindGroup,
+}
+
+impl ParamRing {
+    pub(crate) fn new(kernels: &Kernels) -> Self {
+        let device = kernels.device().clone();
+        let align = device.limits().min_uniform_buffer_offset_alignment as u64;
+        let stride = PARAMS_BINDING.next_multiple_of(align);
+        let layout = kernels.params_layout().clone();
+        let (buffer, group) = Self::fresh(&device, &layout, stride);
+        Self {
+            device,
+            layout,
+            stride,
+            next: 0,
+            buffer,
+            group,
+        }
+    }
+
+    fn fresh(
+        device: &wgpu::Device,
+        layout: &wgpu::BindGroupLayout,
+        stride: u64,
+    ) -> (wgpu::Buffer, wgpu::BindGroup) {
+        let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu params"),
+            size: stride * RING_ENTRIES,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("kvgpu params"),
+            layout,
+            entries: &[wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &buffer,
+                    offset: 0,
+                    size: wgpu::BufferSize::new(PARAMS_BINDING),
+                }),
+            }],
+        });
+        (buffer, group)
+    }
+
+    /// Moves on to a fresh buffer when this one has fewer than `n` entries left.
+    fn reserve(&mut self, n: u64) {
+        if self.next + n > RING_ENTRIES {
+            (self.buffer, self.group) = Self::fresh(&self.device, &self.layout, self.stride);
+            self.next = 0;
+        }
+    }
+
+    /// Stages `value` in a fresh entry.
+    pub(crate) fn push<T: bytemuck::Pod>(&mut self, queue: &wgpu::Queue, value: &T) -> ParamSlot {
+        self.reserve(1);
+        let offset = self.next * self.stride;
+        queue.write_buffer(&self.buffer, offset, bytemuck::bytes_of(value));
+        self.next += 1;
+        ParamSlot {
+            group: self.group.clone(),
+            offset: offset as u32,
+        }
+    }
+
+    /// Stages `values` in fresh entries, with one write per ring buffer they fill.
+    pub(crate) fn push_all<T: bytemuck::Pod>(
+        &mut self,
+        queue: &wgpu::Queue,
+        values: &[T],
+    ) -> Vec<ParamSlot> {
+        let stride = self.stride as usize;
+        let mut slots = Vec::with_capacity(values.len());
+        for run in values.chunks(RING_ENTRIES as usize) {
+            self.reserve(run.len() as u64);
+            let mut bytes = vec![0u8; (run.len() - 1) * stride + size_of::<T>()];
+            for (i, v) in run.iter().enumerate() {
+                bytes[i * stride..i * stride + size_of::<T>()]
+                    .copy_from_slice(bytemuck::bytes_of(v));
+                slots.push(ParamSlot {
+                    group: self.group.clone(),
+                    offset: ((self.next + i as u64) * self.stride) as u32,
+                });
+            }
+            queue.write_buffer(&self.buffer, self.next * self.stride, &bytes);
+            self.next += run.len() as u64;
+        }
+        slots
+    }
+}
