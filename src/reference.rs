@@ -140,6 +140,7 @@ fn attend(
 ) -> Vec<f32> {
     let mut out = vec![0f32; n_q * n_heads * d_v];
     let mut weights = Vec::with_capacity(visible);
+    let mut acc: Vec<f64> = Vec::with_capacity(d_v);
     for qi in 0..n_q {
         let last = visible - n_q + qi;
         let first = options.window.map_or(0, |w| (last + 1).saturating_sub(w));
@@ -155,13 +156,17 @@ fn attend(
             let max = weights.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             weights.iter_mut().for_each(|w| *w = (*w - max).exp());
             let sum: f64 = weights.iter().sum();
+            // Row by row (each output dim still sums its rows in order), so the rows are read once.
+            acc.clear();
+            acc.resize(d_v, 0.0);
+            for (row, w) in (first..=last).zip(&weights) {
+                for (d, a) in acc.iter_mut().enumerate() {
+                    *a += w * value(h, row, d);
+                }
+            }
             let o = &mut out[(qi * n_heads + h) * d_v..][..d_v];
-            for (d, o) in o.iter_mut().enumerate() {
-                let acc: f64 = (first..=last)
-                    .zip(&weights)
-                    .map(|(row, w)| w * value(h, row, d))
-                    .sum();
-                *o = (acc / sum) as f32;
+            for (o, a) in o.iter_mut().zip(&acc) {
+                *o = (a / sum) as f32;
             }
         }
     }
