@@ -2,6 +2,7 @@
 //! turn a checked request into row ranges. No wgpu types: every rule is unit- and property-tested here.
 
 use crate::error::{Error, Result};
+use crate::placement::Run;
 use crate::spec::CacheSpec;
 
 /// Rows `[start_row, start_row + n_new)` of every slot of `layer` receive an append.
@@ -12,12 +13,34 @@ pub struct AppendPlan {
     pub n_new: usize,
 }
 
+impl AppendPlan {
+    /// Where the rows go: one run per page they touch (one run in a single-sequence cache).
+    pub fn runs(&self) -> [Run; 1] {
+        [Run {
+            page: 0,
+            first_row: self.start_row,
+            n_rows: self.n_new,
+        }]
+    }
+}
+
 /// Rows `[start, end)` of `layer` that a truncate drops (zeroed when the caller scrubs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct DroppedRows {
     pub layer: usize,
     pub start: usize,
     pub end: usize,
+}
+
+impl DroppedRows {
+    /// The dropped rows as a run of the slot's storage.
+    pub(crate) fn run(&self) -> Run {
+        Run {
+            page: 0,
+            first_row: self.start,
+            n_rows: self.end - self.start,
+        }
+    }
 }
 
 /// Positions and pending rows of every layer; see the crate docs for the contract.
@@ -106,8 +129,8 @@ impl Ledger {
         self.plan_append_with(layer, slab_shapes.len(), |s| slab_shapes[s])
     }
 
-    /// [`Ledger::plan_append`] for `n_slabs` slabs whose shapes `shape_of(s)` gives, without collecting them.
-    pub fn plan_append_with<'s>(
+    /// `Ledger::plan_append` for `n_slabs` slabs whose shapes `shape_of(s)` gives, without collecting them.
+    pub(crate) fn plan_append_with<'s>(
         &self,
         layer: usize,
         n_slabs: usize,

@@ -66,6 +66,7 @@ mod device;
 mod error;
 mod kernels;
 mod ledger;
+mod placement;
 pub mod reference;
 mod spec;
 
@@ -82,4 +83,5 @@ pub use device::{Gpu, INSTALL_HINT, read_buffer_async};
 pub use error::{Error, Result};
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger};
+pub use placement::Run;
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};

@@ -24,7 +24,7 @@ pub(crate) const MAX_SOURCE_RANK: usize = 8;
 
 /// Parameters of `shaders/slab_write.wgsl`; must match its `WriteParams`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub(crate) struct WriteParams {
     pub src_offset: u32,
     pub seq_stride: u32,

@@ -1,0 +1,394 @@
+//! The GPU cache: one storage buffer per (layer, slot), the ledger, and the commands that carry out a
+//! checked plan. Every operation is checked in full before anything is recorded or written.
+
+mod gpu_append;
+mod read;
+mod slabs;
+mod source;
+mod zero;
+
+use std::sync::{Arc, OnceLock};
+
+use crate::codec::{DType, HostData, encode_rows, padded_row_bytes, row_elems};
+use crate::error::{Error, Result};
+use crate::kernels::{GroupCache, Kernels, ParamRing};
+use crate::ledger::{AppendPlan, Ledger};
+use crate::placement::Placement;
+use crate::spec::{CacheSpec, DeviceLimits};
+pub use slabs::{GpuSlab, HostSlab, SlotView};
+use zero::ZeroRange;
+
+struct SlotBuffer {
+    buffer: wgpu::Buffer,
+    row_elems: usize,
+    placement: Placement,
+    zero_group: wgpu::BindGroup,
+}
+
+/// Bind groups of GPU sources are cached by (source, bound range, layer, slot): at most this many,
+/// keeping at most `SOURCE_PIN_BYTES` of source buffers alive that the app may have dropped.
+const SOURCE_GROUPS: usize = 256;
+const SOURCE_PIN_BYTES: u64 = 32 << 20;
+
+type SourceKey = (wgpu::Buffer, u64, u64, usize, usize);
+
+/// The two ways attention reads a layer: GQA (scores from slot 0, values from slot 1) and MLA (scores
+/// from slots 0 and 1, values from slot 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AttentionKind {
+    Gqa = 0,
+    Mla = 1,
+}
+
+/// A KV / latent cache on the GPU. See the crate docs for the contract.
+pub struct KvCache {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    spec: CacheSpec,
+    ledger: Ledger,
+    slots: Vec<Vec<SlotBuffer>>,
+    kernels: Arc<Kernels>,
+    ring: ParamRing,
+    source_groups: GroupCache<SourceKey>,
+    /// Copy sources known to belong to this device.
+    copy_sources: GroupCache<wgpu::Buffer, ()>,
+    /// The destination of the probe copy that checks a copy source's device.
+    probe: wgpu::Buffer,
+    /// Per layer, the slot bind group of each attention kind, made on first use; owned here so that a
+    /// dropped cache takes its buffers with it.
+    attention_groups: Vec<[OnceLock<wgpu::BindGroup>; 2]>,
+    /// Reused conversion buffer for host appends.
+    scratch: Vec<u8>,
+    max_workgroups: u32,
+    /// Most workgroups of one zeroing dispatch: the device's cap on GPUs, a few on CPU adapters, where
+    /// every workgroup costs a fixed start-up and invocations loop instead.
+    zero_workgroups: u32,
+    min_storage_offset_alignment: u64,
+    max_binding: u64,
+}
+
+impl KvCache {
+    /// Allocates a zeroed cache for `spec` on `device`, whose commands go through `queue` (the pair
+    /// `request_device` returned), after checking every slot against the device's limits.
+    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue, spec: CacheSpec) -> Result<Self> {
+        Self::with_kernels(Kernels::new(device, queue), spec)
+    }
+
+    /// [`KvCache::new`] with the kernel registry of its device (`other.kernels().clone()`, or
+    /// [`Kernels::new`]), so a second cache compiles nothing. The registry carries its device's queue, so
+    /// a cache cannot be given the queue of another device.
+    pub fn with_kernels(kernels: Arc<Kernels>, spec: CacheSpec) -> Result<Self> {
+        spec.check_limits(&DeviceLimits::from_wgpu(&kernels.device().limits()))?;
+        Ok(Self::allocate(kernels, spec))
+    }
+
+    /// Creates the buffers of a spec already checked against the device's limits.
+    fn allocate(kernels: Arc<Kernels>, spec: CacheSpec) -> Self {
+        let device = kernels.device().clone();
+        let queue = kernels.queue().clone();
+        let limits = device.limits();
+        let ring = ParamRing::new(&kernels);
+        let zero_workgroups = if kernels.is_cpu() {
+            16
+        } else {
+            limits.max_compute_workgroups_per_dimension
+        };
+        let slots = spec
+            .layers()
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                layer
+                    .slots
+                    .iter()
+                    .map(|slot| {
+                        let row_elems = slot.row_elems();
+                        let row_bytes = padded_row_bytes(row_elems, spec.dtype());
+                        let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+                            label: Some(&format!("kvgpu layer {l} {}", slot.name)),
+                            // Whole 16-byte vectors, as the zeroing kernel writes them.
+                            size: (row_bytes * spec.max_seq_len() as u64).next_multiple_of(16),
+                            usage: wgpu::BufferUsages::STORAGE
+                                | wgpu::BufferUsages::COPY_DST
+                                | wgpu::BufferUsages::COPY_SRC,
+                            mapped_at_creation: false,
+                        });
+                        let zero_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                            label: Some("kvgpu zero"),
+                            layout: kernels.zero_layout(),
+                            entries: &[wgpu::BindGroupEntry {
+                                binding: 0,
+                                resource: buffer.as_entire_binding(),
+                            }],
+                        });
+                        SlotBuffer {
+                            buffer,
+                            row_elems,
+                            placement: Placement { row_bytes },
+                            zero_group,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let probe = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu source probe"),
+            size: 4,
+            usage: wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Self {
+            device,
+            queue,
+            ledger: Ledger::new(&spec),
+            attention_groups: (0..spec.n_layers()).map(|_| Default::default()).collect(),
+            spec,
+            slots,
+            kernels,
+            ring,
+            source_groups: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES),
+            copy_sources: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES),
+            probe,
+            scratch: Vec::new(),
+            max_workgroups: limits.max_compute_workgroups_per_dimension,
+            zero_workgroups,
+            min_storage_offset_alignment: limits.min_storage_buffer_offset_alignment as u64,
+            max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
+        }
+    }
+
+    pub fn spec(&self) -> &CacheSpec {
+        &self.spec
+    }
+
+    /// The host bookkeeping: positions, pending rows, capacity.
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
+    pub fn device(&self) -> &wgpu::Device {
+        &self.device
+    }
+
+    /// The kernel registry this cache records with, to share with another cache or an
+    /// [`crate::Attention`] of the same device.
+    pub fn kernels(&self) -> &Arc<Kernels> {
+        &self.kernels
+    }
+
+    /// The bind group of `layer`'s slots that attention of `kind` reads (group 0 of
+    /// `attention_partial.wgsl`), made on first use. The layer has the slots `kind` needs.
+    pub(crate) fn attention_group(&self, layer: usize, kind: AttentionKind) -> &wgpu::BindGroup {
+        let (a, b, v) = match kind {
+            AttentionKind::Gqa => (0, 0, 1),
+            AttentionKind::Mla => (0, 1, 0),
+        };
+        self.attention_groups[layer][kind as usize].get_or_init(|| {
+            let slot = |s: usize| self.slots[layer][s].buffer.as_entire_binding();
+            self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("kvgpu attention slots"),
+                layout: self.kernels.attn_slots_layout(),
+                entries: &[
+                    wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: slot(a),
+                    },
+                    wgpu::BindGroupEntry {
+                        binding: 1,
+                        resource: slot(b),
+                    },
+                    wgpu::BindGroupEntry {
+                        binding: 2,
+                        resource: slot(v),
+                    },
+                ],
+            })
+        })
+    }
+
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.queue
+    }
+
+    /// Committed rows.
+    pub fn len(&self) -> usize {
+        self.ledger.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ledger.is_empty()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.ledger.capacity()
+    }
+
+    pub fn remaining(&self) -> usize {
+        self.ledger.remaining()
+    }
+
+    pub fn is_full(&self) -> bool {
+        self.ledger.is_full()
+    }
+
+    /// Rows of `layer` that views, reads and attention see: committed plus this step's appends.
+    pub fn visible(&self, layer: usize) -> Result<usize> {
+        self.ledger.visible(layer)
+    }
+
+    fn slot_buffer(&self, layer: usize, slot: usize) -> Result<&SlotBuffer> {
+        self.spec.slot(layer, slot)?;
+        Ok(&self.slots[layer][slot])
+    }
+
+    /// Appends one slab per slot of `layer` from host memory. The rows reach the GPU at the next queue
+    /// submission, ahead of the commands submitted with it.
+    pub fn append(&mut self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<AppendPlan> {
+        let plan = self
+            .ledger
+            .plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
+        let storage = self.spec.dtype();
+        for (slot, slab) in slabs.iter().enumerate() {
+            let got = slab.data.dtype();
+            if got != DType::F32 && got != storage {
+                return Err(Error::SourceDType {
+                    layer,
+                    slot,
+                    expected: storage,
+                    got,
+                });
+            }
+            let expected = row_elems(slab.shape).unwrap_or(usize::MAX);
+            if slab.data.len() != expected {
+                return Err(Error::SourceSize {
+                    layer,
+                    slot,
+                    shape: slab.shape.to_vec(),
+                    expected,
+                    got: slab.data.len(),
+                });
+            }
+        }
+        for (slot, slab) in slabs.iter().enumerate() {
+            let sb = &self.slots[layer][slot];
+            if plan.n_new == 0 {
+                continue;
+            }
+            let offset = sb.placement.offset(plan.start_row);
+            let unpadded = (sb.row_elems * storage.size()).is_multiple_of(4);
+            let bytes: &[u8] = match slab.data {
+                HostData::F32(d) if storage == DType::F32 => bytemuck::cast_slice(d),
+                HostData::F16(d) if unpadded => bytemuck::cast_slice(d),
+                HostData::BF16(d) if unpadded => bytemuck::cast_slice(d),
+                data => {
+                    encode_rows(data, storage, sb.row_elems, &mut self.scratch);
+                    &self.scratch
+                }
+            };
+            self.queue.write_buffer(&sb.buffer, offset, bytes);
+        }
+        self.ledger.commit_append(plan);
+        Ok(plan)
+    }
+
+    /// Commits `n` rows: every layer with slots must have exactly `n` pending rows.
+    pub fn advance(&mut self, n: usize) -> Result<()> {
+        self.ledger.advance(n)
+    }
+
+    /// Rolls back to `new_len` committed rows in O(1), dropping pending rows; the dropped rows keep
+    /// their bytes until overwritten (see [`KvCache::truncate_and_scrub`]).
+    pub fn truncate(&mut self, new_len: usize) -> Result<()> {
+        self.ledger.truncate(new_len).map(drop)
+    }
+
+    /// Truncates and records the zeroing of every dropped row into `encoder`.
+    pub fn record_truncate_and_scrub(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        new_len: usize,
+    ) -> Result<()> {
+        let dropped = self.ledger.plan_truncate(new_len)?;
+        let ranges: Vec<ZeroRange> = dropped
+            .iter()
+            .flat_map(|d| {
+                self.slots[d.layer]
+                    .iter()
+                    .enumerate()
+                    .map(move |(slot, sb)| {
+                        let (start_word, n_words) = sb.placement.words(&d.run());
+                        ZeroRange {
+                            layer: d.layer,
+                            slot,
+                            start_word,
+                            n_words,
+                        }
+                    })
+            })
+            .collect();
+        self.record_zeros(encoder, &ranges);
+        self.ledger.truncate(new_len).map(drop)
+    }
+
+    /// [`KvCache::record_truncate_and_scrub`] in its own submission.
+    pub fn truncate_and_scrub(&mut self, new_len: usize) -> Result<()> {
+        let mut encoder = self.encoder("kvgpu truncate");
+        self.record_truncate_and_scrub(&mut encoder, new_len)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// Records the zeroing of the whole cache (one zeroing-kernel dispatch per slot buffer, all in one
+    /// compute pass) and sets the length to 0.
+    pub fn record_reset(&mut self, encoder: &mut wgpu::CommandEncoder) {
+        let ranges: Vec<ZeroRange> = (0..self.slots.len())
+            .flat_map(|layer| (0..self.slots[layer].len()).map(move |slot| (layer, slot)))
+            .map(|(layer, slot)| ZeroRange {
+                layer,
+                slot,
+                start_word: 0,
+                n_words: self.slots[layer][slot].buffer.size() / 4,
+            })
+            .collect();
+        self.record_zeros(encoder, &ranges);
+        self.ledger.reset();
+    }
+
+    /// [`KvCache::record_reset`] in its own submission.
+    pub fn reset(&mut self) {
+        let mut encoder = self.encoder("kvgpu reset");
+        self.record_reset(&mut encoder);
+        self.queue.submit([encoder.finish()]);
+    }
+
+    /// Sets the length to 0 and keeps the bytes: the next appends overwrite them.
+    pub fn reset_fast(&mut self) {
+        self.ledger.reset();
+    }
+
+    /// Records one zeroing dispatch per non-empty range, in one compute pass, with their parameters
+    /// staged in one write.
+    fn record_zeros(&mut self, encoder: &mut wgpu::CommandEncoder, ranges: &[ZeroRange]) {
+        let dispatches = zero::zero_dispatches(ranges, self.zero_workgroups);
+        if dispatches.is_empty() {
+            return;
+        }
+        let params: Vec<_> = dispatches.iter().map(|d| d.2).collect();
+        let slots = self.ring.push_all(&self.queue, &params);
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("kvgpu zero"),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(self.kernels.zero());
+        for ((r, groups, _), params) in dispatches.iter().zip(slots) {
+            pass.set_bind_group(0, &self.slots[r.layer][r.slot].zero_group, &[]);
+            pass.set_bind_group(1, &params.group, &[params.offset]);
+            pass.dispatch_workgroups(*groups, 1, 1);
+        }
+    }
+
+    fn encoder(&self, label: &str) -> wgpu::CommandEncoder {
+        self.device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) })
+    }
+}

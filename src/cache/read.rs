@@ -1,0 +1,90 @@
+//! Views of slot buffers for the app's own kernels, and readback to the host.
+
+use super::{KvCache, SlotView};
+use crate::codec::decode_rows;
+use crate::device::read_range;
+use crate::error::{Error, Result};
+
+impl KvCache {
+    /// The visible rows of a slot, for the app's own kernels.
+    pub fn view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
+        self.slot_view(layer, slot, false)
+    }
+
+    /// The whole capacity of a slot, visible or not: the escape hatch.
+    pub fn full_view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
+        self.slot_view(layer, slot, true)
+    }
+
+    fn slot_view(&self, layer: usize, slot: usize, full: bool) -> Result<SlotView<'_>> {
+        let sb = self.slot_buffer(layer, slot)?;
+        let rows = if full {
+            self.capacity()
+        } else {
+            self.ledger.visible(layer)?
+        };
+        Ok(SlotView {
+            buffer: &sb.buffer,
+            offset: 0,
+            size: sb.placement.offset(rows),
+            rows,
+            row_bytes: sb.placement.row_bytes,
+        })
+    }
+
+    async fn read_bytes(&self, layer: usize, slot: usize, full: bool) -> Result<Vec<u8>> {
+        let view = self.slot_view(layer, slot, full)?;
+        read_range(
+            &self.device,
+            &self.queue,
+            view.buffer,
+            view.offset,
+            view.size,
+        )
+        .await
+        .map_err(|reason| Error::Readback {
+            layer,
+            slot,
+            reason,
+        })
+    }
+
+    /// The visible rows of a slot as stored: 32-bit words, 16-bit types packed, rows padded.
+    pub async fn read_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_bytes(layer, slot, false).await?,
+        ))
+    }
+
+    /// Every word of a slot buffer, visible or not.
+    pub async fn read_full_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.read_bytes(layer, slot, true).await?,
+        ))
+    }
+
+    /// The visible rows of a slot as f32, `[visible, ...trailing]` row-major, padding removed.
+    pub async fn read_f32_async(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
+        let words = self.read_words_async(layer, slot).await?;
+        let sb = self.slot_buffer(layer, slot)?;
+        Ok(decode_rows(&words, self.spec.dtype(), sb.row_elems))
+    }
+
+    /// [`KvCache::read_words_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_words(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        pollster::block_on(self.read_words_async(layer, slot))
+    }
+
+    /// [`KvCache::read_full_words_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_full_words(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        pollster::block_on(self.read_full_words_async(layer, slot))
+    }
+
+    /// [`KvCache::read_f32_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_f32(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
+        pollster::block_on(self.read_f32_async(layer, slot))
+    }
+}
