@@ -3,7 +3,7 @@
 use crate::codec::DType;
 
 /// Everything kvgpu can refuse, with the layer, slot, shapes, positions and capacity involved.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The layer index is not below the number of layers.
@@ -117,11 +117,11 @@ pub enum Error {
     },
 
     /// A GPU source that cannot be read the way it is described (usage flags, strides, rank, binding size).
-    #[error("layer {layer} slot {slot}: unusable GPU source: {reason}")]
+    #[error("layer {layer} slot {slot}: unusable GPU source: {problem}")]
     SourceLayout {
         layer: usize,
         slot: usize,
-        reason: String,
+        problem: SourceProblem,
     },
 
     /// A 16-bit GPU source is read as 32-bit words, and its last word reaches past the buffer's end.
@@ -142,8 +142,8 @@ pub enum Error {
     ForeignDevice { layer: usize, what: String },
 
     /// The cache description itself is unusable.
-    #[error("invalid cache spec: {reason}")]
-    InvalidSpec { reason: String },
+    #[error("invalid cache spec: {problem}")]
+    InvalidSpec { problem: SpecProblem },
 
     /// One slot would not fit in one storage binding of this device.
     #[error(
@@ -181,12 +181,13 @@ pub enum Error {
     #[error("device error: {reason}")]
     Device { reason: String },
 
-    /// Attention was asked of a layer whose slots are not the kind it reads (K/V or MLA latents).
-    #[error("layer {layer} cannot run {kind} attention: {reason}")]
+    /// Attention was asked of a layer whose slots are not the kind it reads: GQA needs K
+    /// `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`, MLA needs `compressed_kv [r]` and `k_pe [p]`.
+    #[error("layer {layer} cannot run {kind} attention: its slots have trailing shapes {shapes:?}")]
     NotAttentionLayer {
         layer: usize,
         kind: &'static str,
-        reason: String,
+        shapes: Vec<Vec<usize>>,
     },
 
     /// Queries whose shape does not fit the layer's slots (or each other).
@@ -231,17 +232,136 @@ pub enum Error {
         size: u64,
     },
 
-    /// A query or output buffer attention cannot use: usage flags, device, aliasing or binding size.
-    #[error("layer {layer}: unusable {which} buffer: {reason}")]
+    /// A query or output buffer attention cannot use: usage flags, aliasing or binding size.
+    #[error("layer {layer}: unusable {which} buffer: {problem}")]
     AttentionBuffer {
         layer: usize,
         which: &'static str,
-        reason: String,
+        problem: BufferProblem,
     },
 
-    /// Attention options out of range (scale, window, soft-cap) or a dispatch beyond the device's limits.
-    #[error("layer {layer}: invalid attention request: {reason}")]
-    AttentionRequest { layer: usize, reason: String },
+    /// Attention options out of range (scale, window, soft-cap) or a call beyond the device's limits.
+    #[error("layer {layer}: invalid attention request: {problem}")]
+    AttentionRequest {
+        layer: usize,
+        problem: AttentionProblem,
+    },
+}
+
+/// Why a GPU source cannot be read as described ([`Error::SourceLayout`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SourceProblem {
+    /// The strides do not give one stride per axis.
+    #[error("{strides} strides given for the {rank}-axis shape {shape:?}")]
+    StrideCount {
+        strides: usize,
+        rank: usize,
+        shape: Vec<usize>,
+    },
+    /// The source is the destination slot's own buffer.
+    #[error("the source is the destination slot's own buffer")]
+    IsDestination,
+    /// The source cannot be copied and lacks the `STORAGE` usage the slab-write kernel needs.
+    #[error("the buffer's usage {usage:?} lacks STORAGE, which the slab-write kernel needs: {why}")]
+    NeedsStorage {
+        usage: wgpu::BufferUsages,
+        why: CopyBlocker,
+    },
+    /// More non-contiguous trailing axes than the slab-write kernel walks.
+    #[error("{axes} non-contiguous trailing axes; at most {max} are supported")]
+    TooManyAxes { axes: usize, max: usize },
+    /// The bytes the source spans exceed one storage binding of the device.
+    #[error(
+        "the source spans {bytes} bytes, more than one storage binding of this device holds ({limit})"
+    )]
+    BindingTooLarge { bytes: u64, limit: u64 },
+}
+
+/// Why a source is not a plain copy ([`SourceProblem::NeedsStorage`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CopyBlocker {
+    /// It holds another element type than the cache stores.
+    #[error("it holds {held} and the cache stores {storage}")]
+    Type { held: DType, storage: DType },
+    /// Its rows or elements are strided.
+    #[error("it is strided")]
+    Strided,
+    /// Copies move whole words: the start or the row length is not a multiple of 4 bytes.
+    #[error(
+        "a copy must start on a 4-byte boundary with unpadded rows, and this one starts at byte \
+         {start} with {row_bytes}-byte rows"
+    )]
+    Unaligned { start: u64, row_bytes: u64 },
+    /// It lacks `COPY_SRC`.
+    #[error("it lacks COPY_SRC too")]
+    NoCopySrc,
+}
+
+/// Why a cache description is unusable ([`Error::InvalidSpec`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecProblem {
+    #[error("the cache has no layers")]
+    NoLayers,
+    #[error("max_seq_len is 0; the cache must hold at least one row")]
+    ZeroCapacity,
+    #[error("none of the {n_layers} layers has a slot; nothing to cache")]
+    NoSlots { n_layers: usize },
+    #[error("layer {layer} slot {slot} ({name}): trailing shape {trailing:?} has a zero dimension")]
+    ZeroDimension {
+        layer: usize,
+        slot: usize,
+        name: String,
+        trailing: Vec<usize>,
+    },
+    #[error(
+        "layer {layer} slot {slot} ({name}): trailing shape {trailing:?} x {max_seq_len} rows is too large"
+    )]
+    TooLarge {
+        layer: usize,
+        slot: usize,
+        name: String,
+        trailing: Vec<usize>,
+        max_seq_len: usize,
+    },
+    #[error("unknown preset {name:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid")]
+    UnknownPreset { name: String },
+}
+
+/// Why attention cannot use a query or output buffer ([`Error::AttentionBuffer`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BufferProblem {
+    #[error("its usage {usage:?} lacks STORAGE")]
+    NoStorage { usage: wgpu::BufferUsages },
+    #[error(
+        "shape {shape:?} takes {bytes} bytes, more than one storage binding of this device holds \
+         ({limit}); split the queries"
+    )]
+    BindingTooLarge {
+        shape: Vec<usize>,
+        bytes: u64,
+        limit: u64,
+    },
+    #[error("it is one of the layer's own slot buffers")]
+    IsSlot,
+}
+
+/// Why an attention call is refused ([`Error::AttentionRequest`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum AttentionProblem {
+    #[error("scale {scale} is not finite")]
+    Scale { scale: f32 },
+    #[error("soft-cap {cap} must be finite and positive")]
+    SoftCap { cap: f32 },
+    #[error("a sliding window of 0 rows sees nothing")]
+    EmptyWindow,
+    /// The call needs more than the device allows (workgroups, loop iterations, binding size).
+    #[error("{detail}")]
+    DeviceLimit { detail: String },
 }
 
 /// Shorthand used throughout kvgpu.

@@ -80,7 +80,9 @@ pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]
 pub use device::read_buffer;
 pub use device::{Gpu, INSTALL_HINT, read_buffer_async};
-pub use error::{Error, Result};
+pub use error::{
+    AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SourceProblem, SpecProblem,
+};
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger};
 pub use placement::Run;

@@ -2,7 +2,7 @@
 //! presets for real models, and byte accounting checked against the device's limits.
 
 use crate::codec::{DType, padded_row_bytes, row_elems};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SpecProblem};
 
 /// One named slot of a layer: its rows are `trailing`-shaped tensors.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -98,35 +98,39 @@ impl CacheSpec {
     /// Checks the description and builds it: at least one layer, one slot somewhere, non-zero capacity,
     /// no zero-sized trailing dimension, and byte sizes that fit in `u64`.
     pub fn new(layers: Vec<LayerSpec>, dtype: DType, max_seq_len: usize) -> Result<Self> {
-        let invalid = |reason: String| Err(Error::InvalidSpec { reason });
+        let invalid = |problem: SpecProblem| Err(Error::InvalidSpec { problem });
         if layers.is_empty() {
-            return invalid("the cache has no layers".into());
+            return invalid(SpecProblem::NoLayers);
         }
         if max_seq_len == 0 {
-            return invalid("max_seq_len is 0; the cache must hold at least one row".into());
+            return invalid(SpecProblem::ZeroCapacity);
         }
         if layers.iter().all(|l| l.slots.is_empty()) {
-            return invalid(format!(
-                "none of the {} layers has a slot; nothing to cache",
-                layers.len()
-            ));
+            return invalid(SpecProblem::NoSlots {
+                n_layers: layers.len(),
+            });
         }
         for (l, layer) in layers.iter().enumerate() {
             for (s, slot) in layer.slots.iter().enumerate() {
                 if slot.trailing.contains(&0) {
-                    return invalid(format!(
-                        "layer {l} slot {s} ({}): trailing shape {:?} has a zero dimension",
-                        slot.name, slot.trailing
-                    ));
+                    return invalid(SpecProblem::ZeroDimension {
+                        layer: l,
+                        slot: s,
+                        name: slot.name.clone(),
+                        trailing: slot.trailing.clone(),
+                    });
                 }
                 let too_large = row_elems(&slot.trailing)
                     .and_then(|e| padded_row_bytes(e, dtype).checked_mul(max_seq_len as u64))
                     .is_none_or(|bytes| bytes > u64::MAX / 4);
                 if too_large || row_elems(&slot.trailing).is_none_or(|e| e > u32::MAX as usize) {
-                    return invalid(format!(
-                        "layer {l} slot {s} ({}): trailing shape {:?} x {max_seq_len} rows is too large",
-                        slot.name, slot.trailing
-                    ));
+                    return invalid(SpecProblem::TooLarge {
+                        layer: l,
+                        slot: s,
+                        name: slot.name.clone(),
+                        trailing: slot.trailing.clone(),
+                        max_seq_len,
+                    });
                 }
             }
         }
@@ -185,9 +189,7 @@ impl CacheSpec {
             "deepseek-v2-lite" => Self::deepseek_v2_lite(dtype, max_seq_len),
             "hybrid" => Self::hybrid(dtype, max_seq_len),
             other => Err(Error::InvalidSpec {
-                reason: format!(
-                    "unknown preset {other:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid"
-                ),
+                problem: SpecProblem::UnknownPreset { name: other.into() },
             }),
         }
     }

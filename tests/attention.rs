@@ -576,7 +576,14 @@ fn bad_requests_are_refused_and_change_nothing() {
     });
     let e = gqa(0, Queries::new(&uniform, 1, 2, 8), &out, &dflt);
     assert!(
-        matches!(e, Error::AttentionBuffer { which: "q", .. }) && e.to_string().contains("STORAGE"),
+        matches!(
+            e,
+            Error::AttentionBuffer {
+                which: "q",
+                problem: BufferProblem::NoStorage { .. },
+                ..
+            }
+        ),
         "{e}"
     );
     let e = gqa(

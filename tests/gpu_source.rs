@@ -307,7 +307,14 @@ fn refused_sources_change_nothing() {
         )
         .unwrap_err();
     assert!(
-        matches!(&err, Error::SourceLayout { layer: 0, slot: 1, reason } if reason.contains("2 strides")),
+        matches!(
+            &err,
+            Error::SourceLayout {
+                layer: 0,
+                slot: 1,
+                problem: SourceProblem::StrideCount { strides: 2, .. }
+            }
+        ),
         "{err}"
     );
     let err = c
@@ -323,7 +330,14 @@ fn refused_sources_change_nothing() {
         )
         .unwrap_err();
     assert!(
-        matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("lacks STORAGE")),
+        matches!(
+            &err,
+            Error::SourceLayout {
+                slot: 1,
+                problem: SourceProblem::NeedsStorage { .. },
+                ..
+            }
+        ),
         "{err}"
     );
     let own = c.full_view(0, 1).unwrap().buffer.clone();
@@ -341,7 +355,14 @@ fn refused_sources_change_nothing() {
         )
         .unwrap_err();
     assert!(
-        matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("own buffer")),
+        matches!(
+            &err,
+            Error::SourceLayout {
+                slot: 1,
+                problem: SourceProblem::IsDestination,
+                ..
+            }
+        ),
         "{err}"
     );
     let err = c
@@ -397,7 +418,17 @@ fn refused_sources_change_nothing() {
     };
     let err = c.append_gpu(0, &[ok, unaligned]).unwrap_err();
     assert!(
-        matches!(&err, Error::SourceLayout { slot: 1, reason, .. } if reason.contains("4-byte boundary")),
+        matches!(
+            &err,
+            Error::SourceLayout {
+                slot: 1,
+                problem: SourceProblem::NeedsStorage {
+                    why: CopyBlocker::Unaligned { .. },
+                    ..
+                },
+                ..
+            }
+        ),
         "{err}"
     );
 

@@ -175,10 +175,7 @@ impl Attention {
                 return Err(Error::NotAttentionLayer {
                     layer,
                     kind: "GQA",
-                    reason: format!(
-                        "its slots have trailing shapes {shapes:?}; GQA needs K [n_kv_heads, d_k] and \
-                         V [n_kv_heads, d_v]"
-                    ),
+                    shapes: shapes.iter().map(|s| s.to_vec()).collect(),
                 });
             }
         };
@@ -243,9 +240,7 @@ impl Attention {
                 return Err(Error::NotAttentionLayer {
                     layer,
                     kind: "MLA",
-                    reason: format!(
-                        "its slots have trailing shapes {shapes:?}; MLA needs compressed_kv [r] and k_pe [p]"
-                    ),
+                    shapes: shapes.iter().map(|s| s.to_vec()).collect(),
                 });
             }
         };

@@ -4,7 +4,7 @@
 use super::plan::{self, CallShape, Dispatch};
 use super::{Attention, AttentionOptions, Job, Queries, Scratch};
 use crate::cache::{AttentionKind, KvCache};
-use crate::error::{Error, Result};
+use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
 
 impl Attention {
@@ -103,7 +103,7 @@ impl Attention {
         options: &AttentionOptions,
     ) -> Result<(Dispatch, Option<Queries<'a>>)> {
         let layer = job.layer;
-        let request = |reason: String| Err(Error::AttentionRequest { layer, reason });
+        let request = |problem: AttentionProblem| Err(Error::AttentionRequest { layer, problem });
         if cache.device() != &self.device {
             return Err(Error::ForeignDevice {
                 layer,
@@ -122,16 +122,16 @@ impl Attention {
         }
         let scale = options.scale.unwrap_or(job.default_scale);
         if !scale.is_finite() {
-            return request(format!("scale {scale} is not finite"));
+            return request(AttentionProblem::Scale { scale });
         }
         let soft_cap = match options.soft_cap {
             None => 0.0,
             Some(c) if c.is_finite() && c > 0.0 => c,
-            Some(c) => return request(format!("soft-cap {c} must be finite and positive")),
+            Some(cap) => return request(AttentionProblem::SoftCap { cap }),
         };
         let window = match options.window {
             None => 0,
-            Some(0) => return request("a sliding window of 0 rows sees nothing".into()),
+            Some(0) => return request(AttentionProblem::EmptyWindow),
             Some(w) => w.min(visible),
         };
         let (a, b, v) = match job.kind {
@@ -150,7 +150,7 @@ impl Attention {
                 return Err(Error::AttentionBuffer {
                     layer,
                     which,
-                    reason: format!("its usage {usage:?} lacks STORAGE"),
+                    problem: BufferProblem::NoStorage { usage },
                 });
             }
             if needed > buffer.size() {
@@ -166,11 +166,11 @@ impl Attention {
                 return Err(Error::AttentionBuffer {
                     layer,
                     which,
-                    reason: format!(
-                        "shape {shape:?} takes {needed} bytes, more than one storage binding of this \
-                         device holds ({}); split the queries",
-                        self.facts.max_binding
-                    ),
+                    problem: BufferProblem::BindingTooLarge {
+                        shape: shape.to_vec(),
+                        bytes: needed,
+                        limit: self.facts.max_binding,
+                    },
                 });
             }
             Ok(needed)
@@ -188,7 +188,7 @@ impl Attention {
             return Err(Error::AttentionBuffer {
                 layer,
                 which: "output",
-                reason: "it is one of the layer's own slot buffers".into(),
+                problem: BufferProblem::IsSlot,
             });
         }
         let shape = CallShape {
@@ -209,8 +209,11 @@ impl Attention {
             scale,
             soft_cap,
         };
-        let dispatch = plan::plan(&shape, &self.facts)
-            .map_err(|reason| Error::AttentionRequest { layer, reason })?;
+        let dispatch =
+            plan::plan(&shape, &self.facts).map_err(|detail| Error::AttentionRequest {
+                layer,
+                problem: AttentionProblem::DeviceLimit { detail },
+            })?;
         Ok((dispatch, job.q_b))
     }
 

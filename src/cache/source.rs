@@ -4,7 +4,7 @@
 //! so every rule is unit-tested on the CPU.
 
 use crate::codec::DType;
-use crate::error::{Error, Result};
+use crate::error::{CopyBlocker, Error, Result, SourceProblem};
 use crate::kernels::{MAX_SOURCE_RANK, WriteParams};
 
 /// What the planner needs to know of a source: its buffer's size and usage, and the slab's layout.
@@ -81,10 +81,10 @@ pub(crate) fn plan_source(
     dst: &Destination,
     n_new: usize,
 ) -> Result<SourceJob> {
-    let layout_err = |reason: String| Error::SourceLayout {
+    let layout_err = |problem: SourceProblem| Error::SourceLayout {
         layer,
         slot,
-        reason,
+        problem,
     };
     let contiguous: Vec<usize>;
     let strides = match src.strides {
@@ -95,17 +95,14 @@ pub(crate) fn plan_source(
         }
     };
     if strides.len() != src.shape.len() {
-        return Err(layout_err(format!(
-            "{} strides given for the {}-axis shape {:?}",
-            strides.len(),
-            src.shape.len(),
-            src.shape
-        )));
+        return Err(layout_err(SourceProblem::StrideCount {
+            strides: strides.len(),
+            rank: src.shape.len(),
+            shape: src.shape.to_vec(),
+        }));
     }
     if src.is_destination {
-        return Err(layout_err(
-            "the source is the destination slot's own buffer".into(),
-        ));
+        return Err(layout_err(SourceProblem::IsDestination));
     }
     if n_new == 0 || src.shape.contains(&0) {
         return Ok(SourceJob::Nothing);
@@ -142,32 +139,28 @@ pub(crate) fn plan_source(
     }
     if !usage.contains(wgpu::BufferUsages::STORAGE) {
         let why = if src.dtype != dst.storage {
-            format!(
-                "it holds {} and the cache stores {}",
-                src.dtype, dst.storage
-            )
+            CopyBlocker::Type {
+                held: src.dtype,
+                storage: dst.storage,
+            }
         } else if !dense {
-            "it is strided".to_string()
+            CopyBlocker::Strided
         } else if !aligned {
-            format!(
-                "a copy must start on a 4-byte boundary with unpadded rows, and this one starts at \
-                 byte {} with {}-byte rows",
-                src.offset * esize,
-                dst.row_elems as u64 * esize
-            )
+            CopyBlocker::Unaligned {
+                start: src.offset * esize,
+                row_bytes: dst.row_elems as u64 * esize,
+            }
         } else {
-            "it lacks COPY_SRC too".to_string()
+            CopyBlocker::NoCopySrc
         };
-        return Err(layout_err(format!(
-            "the buffer's usage {usage:?} lacks STORAGE, which the slab-write kernel needs: {why}"
-        )));
+        return Err(layout_err(SourceProblem::NeedsStorage { usage, why }));
     }
     let dims = merged_trailing(src.shape, strides);
     if dims.len() > MAX_SOURCE_RANK {
-        return Err(layout_err(format!(
-            "{} non-contiguous trailing axes; at most {MAX_SOURCE_RANK} are supported",
-            dims.len()
-        )));
+        return Err(layout_err(SourceProblem::TooManyAxes {
+            axes: dims.len(),
+            max: MAX_SOURCE_RANK,
+        }));
     }
     let first_word = src.offset * esize / 4;
     let end_word = ((last_element + 1) * esize).div_ceil(4);
@@ -198,10 +191,10 @@ pub(crate) fn plan_source(
     }
     let bind_size = bind_end - bind_offset;
     if bind_size > dst.max_binding {
-        return Err(layout_err(format!(
-            "the source spans {bind_size} bytes, more than one storage binding of this device holds ({})",
-            dst.max_binding
-        )));
+        return Err(layout_err(SourceProblem::BindingTooLarge {
+            bytes: bind_size,
+            limit: dst.max_binding,
+        }));
     }
     // Everything below is bounded by the binding size, which fits a u32.
     let mut params = WriteParams {
@@ -348,21 +341,49 @@ mod tests {
         let d = dst(DType::F32, 4);
         let e = plan_source(0, 0, &src(64, DType::F32, 0, &[2, 4], Some(&[4])), &d, 2).unwrap_err();
         assert!(
-            matches!(&e, Error::SourceLayout { reason, .. } if reason.contains("strides")),
+            matches!(
+                &e,
+                Error::SourceLayout {
+                    problem: SourceProblem::StrideCount {
+                        strides: 1,
+                        rank: 2,
+                        ..
+                    },
+                    ..
+                }
+            ),
             "{e}"
         );
         let own = Source {
             is_destination: true,
             ..src(64, DType::F32, 0, &[2, 4], None)
         };
-        assert!(plan_source(0, 0, &own, &d, 2).is_err());
+        assert!(matches!(
+            plan_source(0, 0, &own, &d, 2),
+            Err(Error::SourceLayout {
+                problem: SourceProblem::IsDestination,
+                ..
+            })
+        ));
         let copy_only = Source {
             usage: wgpu::BufferUsages::COPY_SRC,
             ..src(64, DType::F16, 0, &[2, 4], None)
         };
         let e = plan_source(0, 0, &copy_only, &d, 2).unwrap_err();
         assert!(
-            matches!(&e, Error::SourceLayout { reason, .. } if reason.contains("STORAGE")),
+            matches!(
+                &e,
+                Error::SourceLayout {
+                    problem: SourceProblem::NeedsStorage {
+                        why: CopyBlocker::Type {
+                            held: DType::F16,
+                            storage: DType::F32
+                        },
+                        ..
+                    },
+                    ..
+                }
+            ),
             "{e}"
         );
     }
