@@ -32,7 +32,7 @@ impl Gpu {
     /// Opens the adapter chosen by `WGPU_BACKEND` and `WGPU_ADAPTER_NAME` (a case-insensitive substring
     /// of the adapter name; an unmatched name is an error listing the adapters found).
     pub async fn from_env() -> Result<Gpu> {
-        let backends = wgpu::Backends::from_env().unwrap_or(default_backends());
+        let backends = backends_from(std::env::var("WGPU_BACKEND").ok().as_deref())?;
         let name = std::env::var("WGPU_ADAPTER_NAME")
             .ok()
             .filter(|n| !n.is_empty());
@@ -94,6 +94,24 @@ impl Gpu {
     }
 }
 
+/// The backends a `WGPU_BACKEND` value names (all of them when unset or empty); a value that names
+/// none is an error saying which names exist.
+fn backends_from(value: Option<&str>) -> Result<wgpu::Backends> {
+    let Some(value) = value.filter(|v| !v.trim().is_empty()) else {
+        return Ok(default_backends());
+    };
+    let backends = wgpu::Backends::from_comma_list(value);
+    if backends.is_empty() {
+        return Err(Error::AdapterNotFound {
+            reason: format!(
+                "WGPU_BACKEND={value:?} names no backend; use one or more of vulkan, metal, dx12, \
+                 gl, webgpu (comma-separated), or unset it for all"
+            ),
+        });
+    }
+    Ok(backends)
+}
+
 fn default_backends() -> wgpu::Backends {
     if cfg!(target_arch = "wasm32") {
         wgpu::Backends::BROWSER_WEBGPU
@@ -109,23 +127,21 @@ async fn pick_by_name(
 ) -> Result<wgpu::Adapter> {
     let adapters = instance.enumerate_adapters(backends).await;
     let wanted = name.to_lowercase();
-    let found = adapters
+    let seen: Vec<String> = adapters
         .iter()
-        .position(|a| a.get_info().name.to_lowercase().contains(&wanted));
+        .map(|a| format!("{} ({:?})", a.get_info().name, a.get_info().backend))
+        .collect();
+    let found = adapters
+        .into_iter()
+        .find(|a| a.get_info().name.to_lowercase().contains(&wanted));
     match found {
-        Some(i) => Ok(adapters.into_iter().nth(i).expect("index from position")),
-        None => {
-            let seen: Vec<String> = adapters
-                .iter()
-                .map(|a| format!("{} ({:?})", a.get_info().name, a.get_info().backend))
-                .collect();
-            Err(Error::AdapterNotFound {
-                reason: format!(
-                    "WGPU_ADAPTER_NAME={name:?} matches none of the adapters of {backends:?}: [{}]",
-                    seen.join(", ")
-                ),
-            })
-        }
+        Some(adapter) => Ok(adapter),
+        None => Err(Error::AdapterNotFound {
+            reason: format!(
+                "WGPU_ADAPTER_NAME={name:?} matches none of the adapters of {backends:?}: [{}]",
+                seen.join(", ")
+            ),
+        }),
     }
 }
 
@@ -248,4 +264,25 @@ pub(crate) async fn read_range(
         .to_vec();
     staging.unmap();
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wgpu_backend_values_are_parsed_or_named_in_the_error() {
+        assert_eq!(backends_from(Some("gl")).unwrap(), wgpu::Backends::GL);
+        assert_eq!(
+            backends_from(Some("vulkan,gl")).unwrap(),
+            wgpu::Backends::VULKAN | wgpu::Backends::GL
+        );
+        assert_eq!(backends_from(None).unwrap(), default_backends());
+        assert_eq!(backends_from(Some(" ")).unwrap(), default_backends());
+        let e = backends_from(Some("foo")).unwrap_err();
+        assert!(
+            matches!(&e, Error::AdapterNotFound { reason } if reason.contains("\"foo\"") && reason.contains("vulkan")),
+            "{e}"
+        );
+    }
 }

@@ -67,6 +67,19 @@ pub struct KvCache {
     max_binding: u64,
 }
 
+impl std::fmt::Debug for KvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvCache")
+            .field("dtype", &self.spec.dtype())
+            .field("layers", &self.spec.n_layers())
+            .field("len", &self.len())
+            .field("capacity", &self.capacity())
+            .field("total_bytes", &self.spec.total_bytes())
+            .field("kernels", &self.kernels)
+            .finish_non_exhaustive()
+    }
+}
+
 impl KvCache {
     /// Allocates a zeroed cache for `spec` on `device`, whose commands go through `queue` (the pair
     /// `request_device` returned), after checking every slot against the device's limits.
