@@ -23,9 +23,7 @@ fn slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits() {
     let limit = g.limits().max_slot_bytes();
     let fits = (limit / 4096) as usize;
     let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let err = KvCache::new(&g.device, &g.queue, one_k_slot(fits + 1))
-        .err()
-        .expect("refused");
+    let err = KvCache::new(&g.device, &g.queue, one_k_slot(fits + 1)).expect_err("refused");
     assert!(
         pollster::block_on(scope.pop()).is_none(),
         "a refused cache must not reach wgpu"
