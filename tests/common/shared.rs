@@ -1,0 +1,450 @@
+//! Test bodies shared by the native suites and the browser suite (`tests/web.rs`): async functions over
+//! a [`Gpu`] that the browser harness awaits and a native harness can run with `pollster::block_on`,
+//! and the one attention tolerance every suite uses. Include it with
+//! `#[path = "common/shared.rs"] mod shared;`. Nothing here is native-only or browser-only except the
+//! log line and the clock.
+#![allow(dead_code)]
+
+use kvgpu::reference::{self, CpuCache};
+use kvgpu::wgpu::{self, util::DeviceExt};
+use kvgpu::{
+    Attention, AttentionOptions, CacheSpec, DType, Error, Gpu, GpuSlab, HostSlab, Kernels, KvCache,
+    LayerSpec, MlaQueries, Queries, SlotSpec,
+};
+
+/// Attention outputs may differ from the CPU twins by `|gpu - cpu| <= TOL · (1 + |cpu|)`: the twins
+/// read back the values the cache stores and accumulate in f64, the GPU accumulates in f32 with its
+/// own `exp`, so 1e-5 relative to the values' scale (|v| < 2), and never looser for larger outputs.
+pub const TOL: f32 = 1e-5;
+
+/// A line on stderr natively, on the browser console (shown with `-- --nocapture`) in the browser.
+macro_rules! note {
+    ($($arg:tt)*) => {{
+        #[cfg(target_arch = "wasm32")]
+        wasm_bindgen_test::console_log!($($arg)*);
+        #[cfg(not(target_arch = "wasm32"))]
+        eprintln!($($arg)*);
+    }};
+}
+// For the harnesses; a harness that logs nothing itself leaves it unused.
+#[allow(unused_imports)]
+pub(crate) use note;
+
+/// Wall-clock seconds since it was started: `performance.now()` in the browser, where
+/// `std::time::Instant` panics.
+pub struct Stopwatch(f64);
+
+impl Stopwatch {
+    pub fn start() -> Self {
+        Self(now_ms())
+    }
+
+    pub fn seconds(&self) -> f64 {
+        (now_ms() - self.0) / 1e3
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+fn now_ms() -> f64 {
+    web_sys::window()
+        .and_then(|w| w.performance())
+        .map_or(0.0, |p| p.now())
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn now_ms() -> f64 {
+    static ORIGIN: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    ORIGIN
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_secs_f64()
+        * 1e3
+}
+
+/// Largest `|got - want| / (1 + |want|)`, after checking every element is within [`TOL`].
+pub fn assert_close(got: &[f32], want: &[f32], what: &str) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0f32;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs() / (1.0 + w.abs());
+        assert!(
+            err <= TOL,
+            "{what}: element {i}: gpu {g} vs cpu {w} (scaled error {err:e} > {TOL:e})"
+        );
+        worst = worst.max(err);
+    }
+    worst
+}
+
+/// Deterministic pseudo-random values in [-2, 2).
+pub fn values(seed: u64, n: usize) -> Vec<f32> {
+    reference::pseudo_random(seed, n, 2.0)
+}
+
+pub const USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
+
+/// A buffer of `device` holding `words`.
+pub fn buffer_with(
+    device: &wgpu::Device,
+    words: &[u32],
+    usage: wgpu::BufferUsages,
+) -> wgpu::Buffer {
+    device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some("test source"),
+        contents: bytemuck::cast_slice(words),
+        usage,
+    })
+}
+
+/// A storage buffer holding `data`, readable with [`read_f32`].
+pub fn f32_buffer(device: &wgpu::Device, data: &[f32]) -> wgpu::Buffer {
+    device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some("test f32"),
+        contents: bytemuck::cast_slice(data),
+        usage: USAGE,
+    })
+}
+
+/// An output buffer of `n` f32 filled with a sentinel, so untouched outputs are visible.
+pub fn output(device: &wgpu::Device, n: usize) -> wgpu::Buffer {
+    f32_buffer(device, &vec![-7.0; n])
+}
+
+/// An f32 buffer of the test (an attention output) copied to the host.
+pub async fn read_f32(g: &Gpu, buffer: &wgpu::Buffer) -> Vec<f32> {
+    let bytes = kvgpu::read_buffer_async(&g.device, &g.queue, buffer, 0, buffer.size())
+        .await
+        .expect("read back a test buffer");
+    bytemuck::pod_collect_to_vec(&bytes)
+}
+
+/// Every word of every slot buffer, read back from the GPU.
+pub async fn snapshot(cache: &KvCache) -> Vec<Vec<Vec<u32>>> {
+    let mut out = Vec::new();
+    for (l, layer) in cache.spec().layers().iter().enumerate() {
+        let mut slots = Vec::new();
+        for s in 0..layer.slots.len() {
+            slots.push(cache.read_full_words_async(l, s).await.unwrap());
+        }
+        out.push(slots);
+    }
+    out
+}
+
+/// Appends `n` rows of pseudo-random f32 data to every slot of `layer` from the host and returns the
+/// data, slot by slot (`[n, ...trailing]` row-major).
+pub fn append_random(cache: &mut KvCache, layer: usize, n: usize, seed: u64) -> Vec<Vec<f32>> {
+    let shapes: Vec<Vec<usize>> = cache.spec().layers()[layer]
+        .slots
+        .iter()
+        .map(|s| [&[n][..], &s.trailing].concat())
+        .collect();
+    let data: Vec<Vec<f32>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(s, sh)| values(seed * 31 + s as u64, sh.iter().product()))
+        .collect();
+    let slabs: Vec<HostSlab> = data
+        .iter()
+        .zip(&shapes)
+        .map(|(d, sh)| HostSlab::f32(d, sh))
+        .collect();
+    cache.append(layer, &slabs).expect("a valid append");
+    data
+}
+
+/// A cache of one layer with one slot of `row` elements.
+fn one_slot(kernels: &std::sync::Arc<Kernels>, row: usize, dtype: DType, cap: usize) -> KvCache {
+    let spec = CacheSpec::new(
+        vec![LayerSpec::new(vec![SlotSpec::new("x", &[row])])],
+        dtype,
+        cap,
+    )
+    .unwrap();
+    KvCache::with_kernels(kernels.clone(), spec).expect("cache fits the device")
+}
+
+/// A 16-bit GPU source of 6 bytes holding `[1, 3]` elements: its last word would reach byte 8, so it
+/// is refused with `SourceWordTail` before anything is recorded, changing nothing, while a valid append
+/// to another cache recorded earlier in the same encoder survives.
+pub async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording(g: &Gpu) {
+    let kernels = Kernels::new(&g.device, &g.queue);
+    for dtype in [DType::F16, DType::BF16] {
+        let mut bad_cache = one_slot(&kernels, 3, dtype, 4);
+        let mut good_cache = one_slot(&kernels, 3, dtype, 4);
+        let mut model = CpuCache::new(good_cache.spec());
+        let six = g.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("six bytes"),
+            size: 6,
+            usage: USAGE,
+            mapped_at_creation: false,
+        });
+        let shape = [1, 3];
+        let slab = GpuSlab {
+            buffer: &six,
+            dtype,
+            offset: 0,
+            shape: &shape,
+            strides: None,
+        };
+        let bits = [1.5, -2.0, 0.25].map(|x| reference::f32_to_bits(x, dtype));
+        let good_src = buffer_with(&g.device, &reference::pack_rows(&bits, dtype, 3), USAGE);
+        let good = GpuSlab {
+            buffer: &good_src,
+            ..slab
+        };
+        let ledger = bad_cache.ledger().clone();
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        good_cache
+            .record_append_gpu(&mut encoder, 0, &[good])
+            .unwrap();
+        let e = bad_cache
+            .record_append_gpu(&mut encoder, 0, &[slab])
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::SourceWordTail {
+                    layer: 0,
+                    slot: 0,
+                    needed: 8,
+                    size: 6
+                }
+            ),
+            "{dtype}: {e}"
+        );
+        assert_eq!(
+            bad_cache.ledger(),
+            &ledger,
+            "{dtype}: the refusal changed the ledger"
+        );
+        g.queue.submit([encoder.finish()]);
+        good_cache.advance(1).unwrap();
+        model.write_rows(0, 0, 0, &bits);
+        assert_eq!(snapshot(&good_cache).await, model.words, "{dtype}");
+        assert_eq!(
+            bad_cache.append_gpu(0, &[slab]).unwrap_err(),
+            e,
+            "{dtype}: append_gpu"
+        );
+        assert_eq!(bad_cache.ledger(), &ledger);
+        let untouched = CpuCache::new(bad_cache.spec());
+        assert_eq!(
+            snapshot(&bad_cache).await,
+            untouched.words,
+            "{dtype}: the refused cache's memory"
+        );
+        note!("{dtype}: refused as expected: {e}");
+    }
+}
+
+/// 4,100 kernel appends recorded before one submission: each reads the parameters it was recorded
+/// with, word for word against the CPU model.
+pub async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(g: &Gpu) {
+    let n = 4100;
+    let kernels = Kernels::new(&g.device, &g.queue);
+    let mut c = one_slot(&kernels, 3, DType::F16, n);
+    let mut m = CpuCache::new(c.spec());
+    let src: Vec<u32> = values(9, 64).iter().map(|x| x.to_bits()).collect();
+    let buf = buffer_with(&g.device, &src, USAGE);
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    let shape = [1, 3];
+    for i in 0..n {
+        let offset = i % 61;
+        let slab = GpuSlab {
+            buffer: &buf,
+            dtype: DType::F32,
+            offset: offset as u64,
+            shape: &shape,
+            strides: Some(&[3, 1]),
+        };
+        c.record_append_gpu(&mut encoder, 0, &[slab]).unwrap();
+        let bits: Vec<u32> = src[offset..offset + 3]
+            .iter()
+            .map(|&b| reference::convert_bits(b, DType::F32, DType::F16))
+            .collect();
+        m.write_rows(0, 0, i, &bits);
+    }
+    g.queue.submit([encoder.finish()]);
+    c.advance(n).unwrap();
+    assert_eq!(snapshot(&c).await, m.words);
+}
+
+/// f16 / bf16 rows of 7 elements (4 words, one padding half) from an f32 source whose rows start on
+/// 16-byte boundaries (row stride 8): the path that moves whole 16-byte vectors must leave the padding
+/// half of every row zero. The whole buffer is compared with the CPU twin.
+pub async fn the_16_byte_path_leaves_the_padding_half_zero(g: &Gpu) {
+    let kernels = Kernels::new(&g.device, &g.queue);
+    for dtype in [DType::F16, DType::BF16] {
+        let n = 5;
+        let mut c = one_slot(&kernels, 7, dtype, 8);
+        let mut m = CpuCache::new(c.spec());
+        // Rows of 8 floats, the 8th of each a non-zero value that must not land in the padding.
+        let src: Vec<u32> = (0..n * 8).map(|i| (1.0 + i as f32).to_bits()).collect();
+        let buf = buffer_with(&g.device, &src, USAGE);
+        let shape = [n, 7];
+        c.append_gpu(
+            0,
+            &[GpuSlab {
+                buffer: &buf,
+                dtype: DType::F32,
+                offset: 0,
+                shape: &shape,
+                strides: Some(&[8, 1]),
+            }],
+        )
+        .unwrap();
+        let bits = reference::slab_write(&src, DType::F32, 0, &shape, &[8, 1], dtype);
+        m.words[0][0][..bits.len()].copy_from_slice(&bits);
+        assert_eq!(snapshot(&c).await, m.words, "{dtype}");
+        let words = c.read_full_words_async(0, 0).await.unwrap();
+        for row in 0..n {
+            assert_eq!(
+                words[row * 4 + 3] >> 16,
+                0,
+                "{dtype}: padding half of row {row}"
+            );
+        }
+    }
+}
+
+/// MLA with DeepSeek-V2-Lite's shapes (16 heads, compressed_kv 512, k_pe 64): `n_q` queries over
+/// `visible` rows (`visible - n_q` committed, `n_q` appended this step), against
+/// `reference::attention_mla`; returns the worst scaled error.
+pub async fn deepseek_v2_lite_mla_matches_the_reference(
+    g: &Gpu,
+    dtype: DType,
+    visible: usize,
+    n_q: usize,
+) -> f32 {
+    let (n_heads, r, p, seed) = (16, 512, 64, 80);
+    let spec = CacheSpec::new(vec![LayerSpec::mla(r, p)], dtype, visible).unwrap();
+    let mut c = KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device");
+    append_random(&mut c, 0, visible - n_q, seed);
+    c.advance(visible - n_q).unwrap();
+    append_random(&mut c, 0, n_q, seed + 1);
+    assert_eq!(c.visible(0).unwrap(), visible);
+    let ql = values(seed + 77, n_q * n_heads * r);
+    let qr = values(seed + 78, n_q * n_heads * p);
+    let (qlb, qrb) = (f32_buffer(&g.device, &ql), f32_buffer(&g.device, &qr));
+    let out = output(&g.device, n_q * n_heads * r);
+    let options = AttentionOptions {
+        scale: Some(0.07),
+        ..Default::default()
+    };
+    let clock = Stopwatch::start();
+    Attention::for_cache(&c)
+        .mla(
+            &c,
+            0,
+            MlaQueries {
+                latent: Queries::new(&qlb, n_q, n_heads, r),
+                rope: Queries::new(&qrb, n_q, n_heads, p),
+            },
+            &out,
+            &options,
+        )
+        .unwrap();
+    let got = read_f32(g, &out).await;
+    let gpu_s = clock.seconds();
+    let clock = Stopwatch::start();
+    let want = reference::attention_mla(
+        &ql,
+        &qr,
+        [n_q, n_heads, r],
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        p,
+        &options,
+    );
+    let cpu_s = clock.seconds();
+    let worst = assert_close(
+        &got,
+        &want,
+        &format!("{dtype} MLA, {n_q} queries, {visible} rows"),
+    );
+    note!(
+        "{dtype}: MLA {n_q} queries x {n_heads} heads over {visible} rows: worst scaled error \
+         {worst:e} (GPU {gpu_s:.1} s, CPU twin {cpu_s:.1} s)"
+    );
+    worst
+}
+
+/// Rows `r` of `[0, n)` whose bit `e` is set.
+pub fn ones_below(n: usize, e: usize) -> usize {
+    if e >= 40 {
+        return 0;
+    }
+    let (n, period) = (n as u64, 2u64 << e);
+    (n / period * (period / 2) + (n % period).saturating_sub(period / 2)) as usize
+}
+
+/// 16 queries (4 heads on 1 KV head, d = 64) over `visible` rows with K = 0, so every visible row
+/// weighs the same, and V's element `e` = bit `e` of the row index: each output is the share of the
+/// query's rows with that bit set, so every dropped or repeated tile shows.
+pub async fn many_queries_over_a_long_context_see_every_row(g: &Gpu, dtype: DType, visible: usize) {
+    let (n_kv, group, d, n_q) = (1, 4, 64, 16);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(n_kv, d, d)], dtype, visible).unwrap();
+    let mut c = KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device");
+    let block = 16_384.min(visible);
+    let zeros = vec![0f32; block * d];
+    let mut v = vec![0f32; block * d];
+    let mut row = 0;
+    let clock = Stopwatch::start();
+    while row < visible {
+        let n = block.min(visible - row);
+        for (i, x) in v[..n * d].iter_mut().enumerate() {
+            // u64: bit 63 of a row index must be 0 on wasm32 too.
+            *x = ((row + i / d) as u64 >> (i % d) & 1) as f32;
+        }
+        let shape = [n, n_kv, d];
+        c.append(
+            0,
+            &[
+                HostSlab::f32(&zeros[..n * d], &shape),
+                HostSlab::f32(&v[..n * d], &shape),
+            ],
+        )
+        .unwrap();
+        c.advance(n).unwrap();
+        row += n;
+    }
+    let fill_s = clock.seconds();
+    let n_heads = n_kv * group;
+    let qb = f32_buffer(&g.device, &values(5, n_q * n_heads * d));
+    let out = output(&g.device, n_q * n_heads * d);
+    let clock = Stopwatch::start();
+    Attention::for_cache(&c)
+        .gqa(
+            &c,
+            0,
+            Queries::new(&qb, n_q, n_heads, d),
+            &out,
+            &Default::default(),
+        )
+        .unwrap();
+    let got = read_f32(g, &out).await;
+    let attention_s = clock.seconds();
+    let mut worst = 0f64;
+    for qi in 0..n_q {
+        let seen = visible - n_q + qi + 1;
+        for h in 0..n_heads {
+            for e in 0..d {
+                let want = ones_below(seen, e) as f64 / seen as f64;
+                let g = got[(qi * n_heads + h) * d + e] as f64;
+                let err = (g - want).abs() / (1.0 + want);
+                assert!(
+                    err <= TOL as f64,
+                    "{dtype}, {visible} rows: query {qi} head {h} element {e}: {g} vs {want}"
+                );
+                worst = worst.max(err);
+            }
+        }
+    }
+    note!(
+        "{dtype}: {n_q} queries over {visible} rows see every row: worst scaled error {worst:e} \
+         (fill {fill_s:.1} s, attention + readback {attention_s:.1} s)"
+    );
+}
