@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Loads the demo page (built by examples/web/build.sh into target/web-demo/) in headless Chromium and
-checks the verification line it shows.
+"""Loads the demo page (built by examples/web/build.sh into <target>/web-demo/, <target> being cargo's
+target directory: target/ or CARGO_TARGET_DIR) in headless Chromium and checks the verification line
+it shows.
 
 Serves the folder on 127.0.0.1, starts chromedriver on 127.0.0.1, opens a session with the Chromium
 options of webdriver.json (the ones the browser suite uses), waits for #result to leave "running…", and
@@ -20,8 +21,19 @@ import time
 import urllib.request
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-SITE = os.path.join(ROOT, "target", "web-demo")
 TIMEOUT_S = 120
+
+
+def site():
+    """<target>/web-demo, with cargo's own answer for the target directory (as build.sh asks it)."""
+    meta = subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--no-deps"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return os.path.join(json.loads(meta.stdout)["target_directory"], "web-demo")
 
 
 def free_port():
@@ -45,14 +57,15 @@ class Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 def main():
-    if not os.path.isfile(os.path.join(SITE, "pkg", "web_bg.wasm")):
-        sys.exit(f"FAIL: {SITE} is not built; run bash examples/web/build.sh first")
+    site_dir = site()
+    if not os.path.isfile(os.path.join(site_dir, "pkg", "web_bg.wasm")):
+        sys.exit(f"FAIL: {site_dir} is not built; run bash examples/web/build.sh first")
     with open(os.path.join(ROOT, "webdriver.json")) as f:
         caps = json.load(f)
 
     Quiet.extensions_map = {**Quiet.extensions_map, ".wasm": "application/wasm", ".js": "text/javascript"}
     server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Quiet, directory=SITE)
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=site_dir)
     )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     page = f"http://127.0.0.1:{server.server_address[1]}/index.html"
