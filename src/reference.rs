@@ -1,5 +1,9 @@
 //! Plain-Rust twins of the kernels and of the whole cache, used as the reference in tests and tools.
 //! Conversions use `half` (round to nearest, ties to even), which the WGSL kernels match bit for bit.
+//!
+//! Every function here takes any input without panicking: shapes that disagree with their slices give
+//! an empty result, elements outside a source read as 0, and writes outside a slot are dropped, as each
+//! function's doc says. Sizes that overflow `usize` or cannot be allocated also give an empty result.
 
 use crate::codec::DType;
 pub use crate::codec::{
@@ -7,38 +11,83 @@ pub use crate::codec::{
     unpack_rows,
 };
 
+/// The product of `dims`, or `None` when it overflows `usize`.
+fn product(dims: &[usize]) -> Option<usize> {
+    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// Whether a slice of `len` elements holds the tensor `dims`.
+fn holds(len: usize, dims: &[usize]) -> bool {
+    product(dims).is_some_and(|n| n <= len)
+}
+
+/// An empty `Vec` with room for `n` elements, or `None` when `n` is unknown (an overflowed size) or
+/// cannot be allocated.
+fn with_room<T>(n: Option<usize>) -> Option<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n?).ok()?;
+    Some(v)
+}
+
+/// `n` zeros, or an empty `Vec` when `n` is unknown or cannot be allocated.
+fn zeros<T: Clone + Default>(n: Option<usize>) -> Vec<T> {
+    match (n, with_room(n)) {
+        (Some(n), Some(mut v)) => {
+            v.resize(n, T::default());
+            v
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// Deterministic pseudo-random values in `[-amplitude, amplitude)`, different per seed (xorshift64): test
-/// and demo data that the CPU twins and the GPU see alike.
+/// and demo data that the CPU twins and the GPU see alike. An `n` too large to allocate gives an empty
+/// `Vec`; a non-finite `amplitude` gives non-finite values.
 pub fn pseudo_random(seed: u64, n: usize, amplitude: f32) -> Vec<f32> {
+    let Some(mut out) = with_room(Some(n)) else {
+        return Vec::new();
+    };
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 * amplitude - amplitude
-        })
-        .collect()
+    out.extend((0..n).map(|_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 * amplitude - amplitude
+    }));
+    out
 }
 
 /// Element bits of a strided source read the way the slab-write kernel reads it: element
 /// `(r, i1, i2, ...)` of `shape` is source element `offset + r·strides[0] + Σ i_k·strides[k]`.
 /// `src` holds element bits one per entry.
+///
+/// An element whose index lies past the end of `src` (or overflows `usize`) reads as 0. When
+/// `strides` has another length than `shape`, or the element count overflows or cannot be
+/// allocated, the result is empty (the GPU refuses such a source and writes nothing).
 pub fn gather_strided(src: &[u32], offset: usize, shape: &[usize], strides: &[usize]) -> Vec<u32> {
-    let total: usize = shape.iter().product();
-    (0..total)
-        .map(|flat| {
-            let (mut rem, mut idx) = (flat, offset);
-            for k in (0..shape.len()).rev() {
-                idx += (rem % shape[k]) * strides[k];
-                rem /= shape[k];
-            }
-            src[idx]
-        })
-        .collect()
+    if strides.len() != shape.len() {
+        return Vec::new();
+    }
+    let total = product(shape);
+    let Some(mut out) = with_room(total) else {
+        return Vec::new();
+    };
+    out.extend((0..total.unwrap_or(0)).map(|flat| {
+        let (mut rem, mut idx) = (flat, Some(offset));
+        // Every extent is non-zero here: a zero extent makes `total` 0.
+        for (&n, &stride) in shape.iter().zip(strides).rev() {
+            let i = rem % n;
+            rem /= n;
+            idx = idx.and_then(|x| x.checked_add(i.checked_mul(stride)?));
+        }
+        idx.and_then(|i| src.get(i)).copied().unwrap_or(0)
+    }));
+    out
 }
 
 /// Twin of `shaders/slab_write.wgsl`: the stored words of a strided source converted to `storage`.
+/// Reads like [`gather_strided`] (outside `src` reads as 0; a rank mismatch or an overflowing shape
+/// gives an empty result); rank 0 is one element.
 pub fn slab_write(
     src_bits: &[u32],
     src_dtype: DType,
@@ -47,21 +96,25 @@ pub fn slab_write(
     strides: &[usize],
     storage: DType,
 ) -> Vec<u32> {
-    let row_elems: usize = shape.iter().skip(1).product();
-    let bits: Vec<u32> = gather_strided(src_bits, offset, shape, strides)
-        .into_iter()
-        .map(|b| convert_bits(b, src_dtype, storage))
-        .collect();
+    let Some(row_elems) = product(shape.get(1..).unwrap_or(&[])) else {
+        return Vec::new();
+    };
+    let mut bits = gather_strided(src_bits, offset, shape, strides);
+    bits.iter_mut()
+        .for_each(|b| *b = convert_bits(*b, src_dtype, storage));
     pack_rows(&bits, storage, row_elems)
 }
 
-/// Twin of `shaders/zero.wgsl`.
+/// Twin of `shaders/zero.wgsl`: zeroes words `[start, start + n)`, the part inside `words`.
 pub fn zero(words: &mut [u32], start: usize, n: usize) {
-    let end = (start + n).min(words.len());
+    let end = start.saturating_add(n).min(words.len());
     words[start.min(end)..end].fill(0);
 }
 
 /// A plain-Rust model of a whole cache: the stored words of every slot buffer at full capacity.
+///
+/// The fields are public, so they may disagree with each other; every method then acts only on the
+/// layers and slots present in both `row_elems` and `words`, and on the words a slot has.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuCache {
     pub dtype: DType,
@@ -72,6 +125,8 @@ pub struct CpuCache {
 }
 
 impl CpuCache {
+    /// A zeroed model of `spec` at full capacity. A slot whose words overflow `usize` or cannot be
+    /// allocated gets none (an empty `Vec`): writes to it are dropped and reads of it return nothing.
     pub fn new(spec: &crate::spec::CacheSpec) -> Self {
         let row_elems: Vec<Vec<usize>> = spec
             .layers()
@@ -82,7 +137,11 @@ impl CpuCache {
             .iter()
             .map(|l| {
                 l.iter()
-                    .map(|&e| vec![0; Self::row_words_of(e, spec.dtype()) * spec.max_seq_len()])
+                    .map(|&e| {
+                        let n = Self::row_words_of(e, spec.dtype())
+                            .and_then(|w| w.checked_mul(spec.max_seq_len()));
+                        zeros(n)
+                    })
                     .collect()
             })
             .collect();
@@ -93,26 +152,60 @@ impl CpuCache {
         }
     }
 
-    fn row_words_of(row_elems: usize, dtype: DType) -> usize {
-        crate::codec::padded_row_bytes(row_elems, dtype) as usize / 4
+    /// Stored words of a row of `row_elems` elements (padded to a word), unless that overflows.
+    fn row_words_of(row_elems: usize, dtype: DType) -> Option<usize> {
+        row_elems
+            .checked_mul(dtype.size())
+            .map(|bytes| bytes.div_ceil(4))
     }
 
+    /// Elements per row and stored words per row of a slot, when `row_elems` has it.
+    fn row_of(
+        row_elems: &[Vec<usize>],
+        dtype: DType,
+        layer: usize,
+        slot: usize,
+    ) -> Option<(usize, usize)> {
+        let e = *row_elems.get(layer)?.get(slot)?;
+        Some((e, Self::row_words_of(e, dtype)?))
+    }
+
+    /// Stored words per row of a slot; 0 when the layer or slot does not exist or its row size
+    /// overflows `usize`.
     pub fn row_words(&self, layer: usize, slot: usize) -> usize {
-        Self::row_words_of(self.row_elems[layer][slot], self.dtype)
+        Self::row_of(&self.row_elems, self.dtype, layer, slot).map_or(0, |(_, w)| w)
     }
 
-    /// Writes element bits (already in the storage type) as rows starting at `row`.
+    /// Writes element bits (already in the storage type) as rows starting at `row`. Only whole rows of
+    /// `bits` are written (a trailing partial row is ignored), and words past the end of the slot are
+    /// dropped; a layer or slot that does not exist is left alone.
     pub fn write_rows(&mut self, layer: usize, slot: usize, row: usize, bits: &[u32]) {
-        let packed = pack_rows(bits, self.dtype, self.row_elems[layer][slot]);
-        let at = row * self.row_words(layer, slot);
-        self.words[layer][slot][at..at + packed.len()].copy_from_slice(&packed);
+        let Some((re, rw)) = Self::row_of(&self.row_elems, self.dtype, layer, slot) else {
+            return;
+        };
+        let Some(words) = self.words.get_mut(layer).and_then(|l| l.get_mut(slot)) else {
+            return;
+        };
+        let Some(dst) = row.checked_mul(rw).and_then(|at| words.get_mut(at..)) else {
+            return;
+        };
+        let whole = bits.len().checked_div(re).unwrap_or(0) * re;
+        let packed = pack_rows(&bits[..whole], self.dtype, re);
+        let n = packed.len().min(dst.len());
+        dst[..n].copy_from_slice(&packed[..n]);
     }
 
-    /// Zeroes rows `[start, end)` of every slot of `layer`.
+    /// Zeroes rows `[start, end)` of every slot of `layer`: the rows the slots have (none when
+    /// `end <= start` or the layer does not exist).
     pub fn zero_rows(&mut self, layer: usize, start: usize, end: usize) {
-        for slot in 0..self.words[layer].len() {
-            let rw = self.row_words(layer, slot);
-            zero(&mut self.words[layer][slot], start * rw, (end - start) * rw);
+        let Some(slots) = self.words.get_mut(layer) else {
+            return;
+        };
+        for (slot, words) in slots.iter_mut().enumerate() {
+            if let Some((_, rw)) = Self::row_of(&self.row_elems, self.dtype, layer, slot) {
+                let n = end.saturating_sub(start).saturating_mul(rw);
+                zero(words, start.saturating_mul(rw), n);
+            }
         }
     }
 
@@ -121,15 +214,25 @@ impl CpuCache {
         self.words.iter_mut().flatten().for_each(|w| w.fill(0));
     }
 
-    /// The first `rows` rows of a slot as f32.
+    /// The first `rows` rows of a slot as f32: at most the whole rows the slot has (so fewer values
+    /// when `rows` passes its capacity); empty when the layer or slot does not exist.
     pub fn read_f32(&self, layer: usize, slot: usize, rows: usize) -> Vec<f32> {
-        let w = &self.words[layer][slot][..rows * self.row_words(layer, slot)];
-        decode_rows(w, self.dtype, self.row_elems[layer][slot])
+        let Some((re, rw)) = Self::row_of(&self.row_elems, self.dtype, layer, slot) else {
+            return Vec::new();
+        };
+        let Some(words) = self.words.get(layer).and_then(|l| l.get(slot)) else {
+            return Vec::new();
+        };
+        let have = words.len().checked_div(rw).unwrap_or(0);
+        let w = &words[..rows.min(have) * rw];
+        decode_rows(w, self.dtype, re)
     }
 }
 
 /// Twin of attention: for each query `qi` and head `h`, softmax over the rows the query sees of
 /// `scale · score(qi, h, row)` (soft-capped if asked), times `value(h, row, d)`. Accumulates in f64.
+/// The caller has checked `1 <= n_q <= visible` (or `n_q == 0`) and that every index the closures
+/// take is inside their slices; an output too large to allocate gives an empty `Vec`.
 fn attend(
     [n_q, n_heads, d_v]: [usize; 3],
     visible: usize,
@@ -138,7 +241,10 @@ fn attend(
     score: impl Fn(usize, usize, usize) -> f64,
     value: impl Fn(usize, usize, usize) -> f64,
 ) -> Vec<f32> {
-    let mut out = vec![0f32; n_q * n_heads * d_v];
+    let mut out: Vec<f32> = zeros(product(&[n_q, n_heads, d_v]));
+    if out.is_empty() {
+        return out;
+    }
     let mut weights = Vec::with_capacity(visible);
     let mut acc: Vec<f64> = Vec::with_capacity(d_v);
     for qi in 0..n_q {
@@ -175,8 +281,12 @@ fn attend(
 
 /// Twin of GQA / MHA attention: `q [n_q, n_heads, d_k]` (`q_shape`), `k [visible, n_kv_heads, d_k]`
 /// and `v [visible, n_kv_heads, d_v]` as stored (read back, or rounded with [`round_trip`]); returns
-/// `[n_q, n_heads, d_v]`. The queries are the last `n_q` of the `visible` rows. Panics on slices too
-/// short for their shapes.
+/// `[n_q, n_heads, d_v]`. The queries are the last `n_q` of the `visible` rows (the whole rows of `k`).
+///
+/// Returns an empty `Vec` when the shapes disagree: `n_kv_heads` or `d_k` of 0, `n_heads` not a
+/// multiple of `n_kv_heads`, more queries than visible rows, `q` or `v` too short for their shapes,
+/// or a size that overflows. The options are applied as given, without the checks
+/// [`crate::Attention`] makes: a window of 0 sees no row and gives NaN, as does a NaN scale or cap.
 pub fn attention_gqa(
     q: &[f32],
     q_shape: [usize; 3],
@@ -187,7 +297,19 @@ pub fn attention_gqa(
     options: &crate::attention::AttentionOptions,
 ) -> Vec<f32> {
     let [n_q, n_heads, d_k] = q_shape;
-    let visible = k.len() / (n_kv_heads * d_k);
+    let Some(visible) = n_kv_heads
+        .checked_mul(d_k)
+        .and_then(|row| k.len().checked_div(row))
+    else {
+        return Vec::new();
+    };
+    if n_q > visible
+        || !n_heads.is_multiple_of(n_kv_heads)
+        || !holds(q.len(), &q_shape)
+        || !holds(v.len(), &[visible, n_kv_heads, d_v])
+    {
+        return Vec::new();
+    }
     let group = n_heads / n_kv_heads;
     let scale = options.scale.unwrap_or(1.0 / (d_k as f32).sqrt());
     attend(
@@ -206,7 +328,10 @@ pub fn attention_gqa(
 
 /// Twin of MLA absorbed attention: `q_latent [n_q, n_heads, r]` (`q_shape`), `q_rope [n_q, n_heads,
 /// rope_dim]`, `c_kv [visible, r]` and `k_pe [visible, rope_dim]` as stored; returns `[n_q, n_heads, r]`.
-/// The default scale is `1/sqrt(r + rope_dim)`. Panics on slices too short for their shapes.
+/// `visible` is the whole rows of `c_kv`. The default scale is `1/sqrt(r + rope_dim)`.
+///
+/// Returns an empty `Vec` when the shapes disagree: `r` of 0, more queries than visible rows, a slice
+/// too short for its shape, or a size that overflows. Options are applied as in [`attention_gqa`].
 pub fn attention_mla(
     q_latent: &[f32],
     q_rope: &[f32],
@@ -218,8 +343,19 @@ pub fn attention_mla(
 ) -> Vec<f32> {
     let [n_q, n_heads, r] = q_shape;
     let p = rope_dim;
-    let visible = c_kv.len() / r;
-    let scale = options.scale.unwrap_or(1.0 / ((r + p) as f32).sqrt());
+    let Some(visible) = c_kv.len().checked_div(r) else {
+        return Vec::new();
+    };
+    if n_q > visible
+        || !holds(q_latent.len(), &q_shape)
+        || !holds(q_rope.len(), &[n_q, n_heads, p])
+        || !holds(k_pe.len(), &[visible, p])
+    {
+        return Vec::new();
+    }
+    let scale = options
+        .scale
+        .unwrap_or(1.0 / (r.saturating_add(p) as f32).sqrt());
     attend(
         [n_q, n_heads, r],
         visible,
@@ -247,6 +383,8 @@ pub fn attention_mla(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::AttentionOptions;
+    use crate::spec::{CacheSpec, LayerSpec, SlotSpec};
 
     #[test]
     fn pack_and_unpack_odd_rows() {
@@ -264,5 +402,304 @@ mod tests {
             gather_strided(&src, 4, &[2, 2], &[8, 1]),
             vec![4, 5, 12, 13]
         );
+    }
+
+    const BIG: usize = usize::MAX;
+
+    /// `q, q_shape, k, v, n_kv_heads, d_v` of [`attention_gqa`].
+    type GqaArgs<'a> = (&'a [f32], [usize; 3], &'a [f32], &'a [f32], usize, usize);
+    /// `q_latent, q_rope, q_shape, c_kv, k_pe, rope_dim` of [`attention_mla`].
+    type MlaArgs<'a> = (
+        &'a [f32],
+        &'a [f32],
+        [usize; 3],
+        &'a [f32],
+        &'a [f32],
+        usize,
+    );
+
+    #[test]
+    fn gather_reads_outside_the_source_as_zero_and_refuses_inconsistent_shapes() {
+        let src: Vec<u32> = (1..=8).collect();
+        // Rank 0 is one element; an offset past the end reads 0.
+        assert_eq!(gather_strided(&src, 2, &[], &[]), vec![3]);
+        assert_eq!(gather_strided(&src, 8, &[], &[]), vec![0]);
+        assert_eq!(gather_strided(&src, BIG, &[2], &[1]), vec![0, 0]);
+        // Rows reaching past the end: the part inside is read, the rest is 0.
+        assert_eq!(gather_strided(&src, 5, &[2, 2], &[2, 1]), vec![6, 7, 8, 0]);
+        // Index arithmetic that overflows usize reads 0 (element 0 of the row is still `offset`).
+        assert_eq!(gather_strided(&src, 1, &[1, 3], &[1, BIG]), vec![2, 0, 0]);
+        assert_eq!(gather_strided(&src, 0, &[2, 1], &[BIG, 1]), vec![1, 0]);
+        // Rank mismatch, overflowing or unallocatable counts: nothing.
+        assert_eq!(gather_strided(&src, 0, &[2, 2], &[1]), Vec::<u32>::new());
+        assert_eq!(gather_strided(&src, 0, &[2], &[1, 1]), Vec::<u32>::new());
+        assert_eq!(
+            gather_strided(&src, 0, &[BIG, 2], &[1, 1]),
+            Vec::<u32>::new()
+        );
+        assert_eq!(gather_strided(&src, 0, &[BIG], &[1]), Vec::<u32>::new());
+        assert_eq!(
+            gather_strided(&src, 0, &[0, BIG], &[1, 1]),
+            Vec::<u32>::new()
+        );
+        assert_eq!(gather_strided(&[], 0, &[3], &[1]), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn slab_write_of_hostile_shapes_is_empty_or_zero_filled() {
+        let src: Vec<u32> = (0..6).map(|i| f32_to_bits(i as f32, DType::F32)).collect();
+        for storage in DType::ALL {
+            let one = f32_to_bits(1.0, storage);
+            // One row of 3 from element 1 with the last element outside the source.
+            let got = slab_write(&src, DType::F32, 4, &[1, 3], &[3, 1], storage);
+            let want = pack_rows(
+                &[f32_to_bits(4.0, storage), f32_to_bits(5.0, storage), 0],
+                storage,
+                3,
+            );
+            assert_eq!(got, want, "{storage}");
+            assert_eq!(
+                slab_write(&src, DType::F32, 1, &[], &[], storage),
+                vec![one]
+            );
+            for (shape, strides) in [
+                (&[2usize, 3][..], &[3usize][..]),
+                (&[BIG, 2], &[2, 1]),
+                (&[2, BIG, 2], &[1, 1, 1]),
+                (&[0, 3], &[3, 1]),
+                (&[3, 0], &[1, 1]),
+            ] {
+                let got = slab_write(&src, DType::F32, 0, shape, strides, storage);
+                assert!(got.is_empty(), "{storage} {shape:?} {strides:?}: {got:?}");
+            }
+            // Huge offsets and strides read zeros rather than panic.
+            let got = slab_write(&src, DType::F16, BIG, &[2, 3], &[BIG, BIG], storage);
+            assert_eq!(got, pack_rows(&[0; 6], storage, 3), "{storage}");
+        }
+    }
+
+    #[test]
+    fn zero_clears_only_the_words_inside() {
+        let mut w = vec![7u32; 6];
+        zero(&mut w, 4, BIG);
+        assert_eq!(w, [7, 7, 7, 7, 0, 0]);
+        zero(&mut w, BIG, BIG);
+        zero(&mut w, 9, 1);
+        zero(&mut w, 1, 0);
+        assert_eq!(w, [7, 7, 7, 7, 0, 0]);
+        zero(&mut [], 0, 3);
+    }
+
+    fn model(dtype: DType, capacity: usize) -> CpuCache {
+        let spec = CacheSpec::new(
+            vec![
+                LayerSpec::new(vec![SlotSpec::new("x", &[3])]),
+                LayerSpec::empty(),
+            ],
+            dtype,
+            capacity,
+        )
+        .unwrap();
+        CpuCache::new(&spec)
+    }
+
+    #[test]
+    fn the_cache_model_drops_writes_outside_its_slots() {
+        for dtype in DType::ALL {
+            let mut m = model(dtype, 2);
+            let rw = m.row_words(0, 0);
+            assert_eq!(rw, if dtype == DType::F32 { 3 } else { 2 });
+            for (layer, slot) in [(0, 1), (1, 0), (BIG, 0), (0, BIG)] {
+                assert_eq!(m.row_words(layer, slot), 0);
+                m.write_rows(layer, slot, 0, &[1, 2, 3]);
+                m.zero_rows(layer, 0, BIG);
+                assert_eq!(m.read_f32(layer, slot, 1), Vec::<f32>::new());
+            }
+            // Row 1 is the last one: of two rows written there, only the first lands.
+            let bits: Vec<u32> = (1..=6).map(|x| f32_to_bits(x as f32, dtype)).collect();
+            m.write_rows(0, 0, 1, &bits);
+            m.write_rows(0, 0, 2, &bits);
+            m.write_rows(0, 0, BIG, &bits);
+            // A partial row is not written.
+            m.write_rows(0, 0, 0, &bits[..2]);
+            assert_eq!(m.read_f32(0, 0, BIG), vec![0.0, 0.0, 0.0, 1.0, 2.0, 3.0]);
+            assert_eq!(m.read_f32(0, 0, 1), vec![0.0; 3]);
+            m.zero_rows(0, 2, 1);
+            m.zero_rows(0, BIG, BIG);
+            assert_eq!(m.read_f32(0, 0, 2)[3..], [1.0, 2.0, 3.0]);
+            m.zero_rows(0, 1, BIG);
+            assert_eq!(m.read_f32(0, 0, 2), vec![0.0; 6]);
+        }
+    }
+
+    #[test]
+    fn a_model_whose_public_fields_disagree_does_not_panic() {
+        for dtype in DType::ALL {
+            let mut m = model(dtype, 2);
+            m.row_elems[0][0] = BIG;
+            assert_eq!(m.row_words(0, 0), 0);
+            m.write_rows(0, 0, 0, &[1; 8]);
+            m.zero_rows(0, 0, 2);
+            assert_eq!(m.read_f32(0, 0, 2), Vec::<f32>::new());
+            m.row_elems[0][0] = 0;
+            m.write_rows(0, 0, 0, &[1; 8]);
+            assert_eq!(m.read_f32(0, 0, 2), Vec::<f32>::new());
+            // Rows of 5 elements over words made for rows of 3: whole rows of the words only.
+            m.row_elems[0][0] = 5;
+            m.write_rows(0, 0, 0, &[f32_to_bits(2.0, dtype); 10]);
+            assert_eq!(m.read_f32(0, 0, 9), vec![2.0; 5]);
+            m.words[0].clear();
+            m.write_rows(0, 0, 0, &[1; 5]);
+            m.zero_rows(0, 0, 2);
+            assert_eq!(m.read_f32(0, 0, 1), Vec::<f32>::new());
+            m.words.clear();
+            m.zero_rows(0, 0, 2);
+            m.zero_all();
+        }
+    }
+
+    #[test]
+    fn sizes_too_large_to_allocate_give_empty_results() {
+        assert!(pseudo_random(1, BIG, 1.0).is_empty());
+        assert!(pseudo_random(1, BIG / 4, 1.0).is_empty());
+        assert_eq!(pseudo_random(1, 3, 1.0).len(), 3);
+        assert!(pseudo_random(1, 3, f32::NAN).iter().all(|x| x.is_nan()));
+    }
+
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn a_model_too_large_to_allocate_has_no_words() {
+        // 2^59 rows of one f32: a valid spec (2^61 bytes), far beyond any address space.
+        let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1, 1)], DType::F32, 1 << 59).unwrap();
+        let mut m = CpuCache::new(&spec);
+        assert_eq!(m.words[0].len(), 2);
+        assert!(m.words[0].iter().all(Vec::is_empty));
+        assert_eq!(m.row_words(0, 0), 1);
+        m.write_rows(0, 0, 5, &[1]);
+        m.zero_rows(0, 0, BIG);
+        assert_eq!(m.read_f32(0, 0, 6), Vec::<f32>::new());
+    }
+
+    #[test]
+    fn attention_twins_return_nothing_for_inconsistent_shapes() {
+        let o = AttentionOptions::default();
+        let x = pseudo_random(3, 64, 1.0);
+        // Valid: 2 queries of 2 heads x 2 over 4 rows of 1 KV head.
+        let (q, k, v) = (&x[..8], &x[8..16], &x[16..28]);
+        let good = attention_gqa(q, [2, 2, 2], k, v, 1, 3, &o);
+        assert_eq!(good.len(), 12);
+        assert!(good.iter().all(|y| y.is_finite()));
+        let cases: [GqaArgs; 11] = [
+            (q, [2, 2, 2], k, v, 0, 3),        // no KV heads
+            (q, [2, 2, 0], k, v, 1, 3),        // d_k 0
+            (q, [2, 3, 2], k, v, 2, 3),        // 3 heads over 2 KV heads
+            (q, [2, 1, 2], k, v, 2, 3),        // fewer heads than KV heads
+            (q, [5, 1, 2], k, v, 1, 3),        // 5 queries, 4 rows
+            (&q[..7], [2, 2, 2], k, v, 1, 3),  // q short
+            (q, [2, 2, 2], k, &v[..11], 1, 3), // v short
+            (q, [BIG, 2, 2], k, v, 1, 3),
+            (q, [2, BIG, 2], k, v, 1, 3),
+            (q, [2, 2, 2], k, v, 1, BIG),
+            (q, [2, 2, BIG], k, v, BIG, 3),
+        ];
+        for (i, (q, shape, k, v, n_kv, d_v)) in cases.into_iter().enumerate() {
+            assert!(
+                attention_gqa(q, shape, k, v, n_kv, d_v, &o).is_empty(),
+                "case {i}"
+            );
+        }
+        assert!(attention_gqa(q, [0, 2, 2], k, v, 1, 3, &o).is_empty());
+        // Options the GPU refuses are computed as given: NaN, never a panic.
+        for o in [
+            AttentionOptions {
+                window: Some(0),
+                ..o
+            },
+            AttentionOptions {
+                scale: Some(f32::NAN),
+                ..o
+            },
+            AttentionOptions {
+                soft_cap: Some(f32::NAN),
+                ..o
+            },
+        ] {
+            let y = attention_gqa(q, [2, 2, 2], k, v, 1, 3, &o);
+            assert!(
+                y.len() == 12 && y.iter().all(|y| y.is_nan()),
+                "{o:?}: {y:?}"
+            );
+        }
+        for o in [
+            AttentionOptions {
+                window: Some(BIG),
+                ..o
+            },
+            AttentionOptions {
+                scale: Some(0.0),
+                ..o
+            },
+            AttentionOptions {
+                soft_cap: Some(-1.0),
+                ..o
+            },
+            AttentionOptions {
+                soft_cap: Some(0.0),
+                ..o
+            },
+            AttentionOptions {
+                scale: Some(f32::INFINITY),
+                ..o
+            },
+        ] {
+            assert_eq!(
+                attention_gqa(q, [2, 2, 2], k, v, 1, 3, &o).len(),
+                12,
+                "{o:?}"
+            );
+        }
+        assert_eq!(
+            attention_gqa(
+                q,
+                [2, 2, 2],
+                k,
+                v,
+                1,
+                3,
+                &AttentionOptions {
+                    window: Some(BIG),
+                    ..o
+                }
+            ),
+            good
+        );
+    }
+
+    #[test]
+    fn mla_twin_returns_nothing_for_inconsistent_shapes() {
+        let o = AttentionOptions::default();
+        let x = pseudo_random(4, 64, 1.0);
+        // 1 query of 2 heads, r = 3, p = 2, over 3 rows.
+        let (ql, qr, c, kp) = (&x[..6], &x[6..10], &x[10..19], &x[19..25]);
+        assert_eq!(attention_mla(ql, qr, [1, 2, 3], c, kp, 2, &o).len(), 6);
+        // No rope part is plain latent attention.
+        assert_eq!(attention_mla(ql, &[], [1, 2, 3], c, &[], 0, &o).len(), 6);
+        let cases: [MlaArgs; 9] = [
+            (ql, qr, [1, 2, 0], c, kp, 2),
+            (ql, qr, [4, 2, 3], c, kp, 2),
+            (&ql[..5], qr, [1, 2, 3], c, kp, 2),
+            (ql, &qr[..3], [1, 2, 3], c, kp, 2),
+            (ql, qr, [1, 2, 3], c, &kp[..5], 2),
+            (ql, qr, [1, 2, 3], c, kp, BIG),
+            (ql, qr, [BIG, 2, 3], c, kp, 2),
+            (ql, qr, [1, BIG, 3], c, kp, 2),
+            (ql, qr, [1, 2, BIG], c, kp, 2),
+        ];
+        for (i, (ql, qr, shape, c, kp, p)) in cases.into_iter().enumerate() {
+            assert!(
+                attention_mla(ql, qr, shape, c, kp, p, &o).is_empty(),
+                "case {i}"
+            );
+        }
     }
 }

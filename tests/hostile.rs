@@ -1,0 +1,1926 @@
+//! Hostile input for the whole public API: indices of `usize::MAX`, empty and zero-sized shapes,
+//! products that overflow, offsets and strides that overflow, non-finite options, buffers too small or
+//! without the usage they need, the destination slot as its own source. Every call must return `Ok` or
+//! a typed [`Error`] of the expected variant, never panic; every refusal must leave the ledger and every
+//! GPU word as they were. wgpu's default error handler panics on any validation error, and every
+//! recorded case is submitted, so a case that lets one reach wgpu fails too.
+//!
+//! Each sweep collects its failures (panics included) and reports them all at once, with the input.
+//! Inputs that still panic because of a defect outside this file are kept out of the sweeps and live
+//! in the `known_defect_*` tests at the end, marked `#[ignore]` with the input and the panic message:
+//! run them with `cargo test --test hostile -- --ignored`; each passes once its defect is fixed.
+#![cfg(not(target_arch = "wasm32"))]
+
+mod common;
+
+use std::fmt::Debug;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use common::*;
+use kvgpu::reference::{self, CpuCache};
+use kvgpu::*;
+use wgpu::BufferUsages as U;
+use wgpu::util::DeviceExt;
+
+const MAX: usize = usize::MAX;
+
+const USAGE: U = U::STORAGE.union(U::COPY_SRC).union(U::COPY_DST);
+
+/// One test at a time: on OpenGL every thread shares one context lock (see tests/attention.rs).
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A second device of the same adapter and instance, where wgpu can tell buffers apart by device.
+fn other_device() -> &'static (wgpu::Device, wgpu::Queue) {
+    static OTHER: std::sync::OnceLock<(wgpu::Device, wgpu::Queue)> = std::sync::OnceLock::new();
+    OTHER.get_or_init(|| {
+        pollster::block_on(gpu().adapter.request_device(&Default::default())).unwrap()
+    })
+}
+
+fn buffer_on(device: &wgpu::Device, words: &[u32], usage: U) -> wgpu::Buffer {
+    device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: Some("hostile source"),
+        contents: bytemuck::cast_slice(words),
+        usage,
+    })
+}
+
+fn buffer(words: &[u32], usage: U) -> wgpu::Buffer {
+    buffer_on(&gpu().device, words, usage)
+}
+
+/// A buffer of `size` bytes (any size, 0 included) that is not mapped.
+fn sized(size: u64, usage: U) -> wgpu::Buffer {
+    gpu().device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("hostile sized"),
+        size,
+        usage,
+        mapped_at_creation: false,
+    })
+}
+
+fn f32_buffer(data: &[f32], usage: U) -> wgpu::Buffer {
+    buffer(bytemuck::cast_slice(data), usage)
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// What a case must return.
+#[derive(Clone, Copy)]
+enum Expect {
+    Ok,
+    /// Refused with an error this names and matches.
+    Refused(&'static str, fn(&Error) -> bool),
+    /// Accepted, or refused with an error this names and matches.
+    OkOr(&'static str, fn(&Error) -> bool),
+    /// Either accepted or refused with any typed error: both are reasonable.
+    Either,
+}
+
+macro_rules! ok_or {
+    ($($variant:ident)|+) => {
+        Expect::OkOr(
+            stringify!($($variant)|+),
+            |e| matches!(e, $(Error::$variant { .. })|+),
+        )
+    };
+}
+
+macro_rules! refused {
+    ($($variant:ident)|+) => {
+        Expect::Refused(
+            stringify!($($variant)|+),
+            |e| matches!(e, $(Error::$variant { .. })|+),
+        )
+    };
+}
+
+/// The failures of one sweep, reported together.
+struct Sweep {
+    name: &'static str,
+    cases: usize,
+    failures: Vec<String>,
+}
+
+impl Sweep {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            cases: 0,
+            failures: Vec::new(),
+        }
+    }
+
+    fn fail(&mut self, what: &str, why: String) {
+        self.failures.push(format!("{what}: {why}"));
+    }
+
+    /// Runs one call that touches no cache.
+    fn call<T: Debug>(
+        &mut self,
+        what: &str,
+        expect: Expect,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Option<T> {
+        self.cases += 1;
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Err(p) => {
+                self.fail(what, format!("PANICKED: {}", panic_message(p)));
+                None
+            }
+            Ok(r) => self.judge(what, expect, r),
+        }
+    }
+
+    fn judge<T: Debug>(&mut self, what: &str, expect: Expect, r: Result<T>) -> Option<T> {
+        match (expect, r) {
+            (Expect::Ok | Expect::OkOr(..) | Expect::Either, Ok(v)) => Some(v),
+            (Expect::Refused(_, is) | Expect::OkOr(_, is), Err(e)) if is(&e) => None,
+            (Expect::Either, Err(_)) => None,
+            (Expect::Ok, Err(e)) => {
+                self.fail(what, format!("refused ({e:?}), expected Ok"));
+                None
+            }
+            (Expect::Refused(name, _) | Expect::OkOr(name, _), r) => {
+                self.fail(what, format!("got {r:?}, expected {name}"));
+                None
+            }
+        }
+    }
+
+    /// Runs one operation on `cache`; a refusal must leave its ledger and GPU words unchanged.
+    fn on_cache<T: Debug>(
+        &mut self,
+        cache: &mut KvCache,
+        what: &str,
+        expect: Expect,
+        op: impl FnOnce(&mut KvCache) -> Result<T>,
+    ) -> Option<T> {
+        let (ledger, words) = (cache.ledger().clone(), snapshot(cache));
+        self.cases += 1;
+        let r = match catch_unwind(AssertUnwindSafe(|| op(cache))) {
+            Err(p) => {
+                self.fail(what, format!("PANICKED: {}", panic_message(p)));
+                return None;
+            }
+            Ok(r) => r,
+        };
+        if let Err(e) = &r {
+            if cache.ledger() != &ledger {
+                self.fail(what, format!("the refusal ({e}) changed the ledger"));
+            }
+            match catch_unwind(AssertUnwindSafe(|| snapshot(cache))) {
+                Ok(after) if after == words => {}
+                Ok(_) => self.fail(what, format!("the refusal ({e}) changed GPU words")),
+                Err(p) => self.fail(what, format!("readback PANICKED: {}", panic_message(p))),
+            }
+        }
+        self.judge(what, expect, r)
+    }
+
+    fn finish(self) {
+        eprintln!("{}: {} cases", self.name, self.cases);
+        assert!(
+            self.failures.is_empty(),
+            "{}: {} of {} cases failed:\n{}",
+            self.name,
+            self.failures.len(),
+            self.cases,
+            self.failures.join("\n")
+        );
+    }
+}
+
+/// Element products beyond `u64::MAX / 4` (f32) or `/ 2` (16-bit) still panic inside
+/// `CacheSpec::new`: see [`known_defect_spec_with_a_row_of_more_than_2_62_elements`].
+fn in_row_bytes_defect(trailing: &[usize], dtype: DType) -> bool {
+    trailing
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .is_some_and(|e| (e as u64).checked_mul(dtype.size() as u64).is_none())
+}
+
+const NO_LIMITS: DeviceLimits = DeviceLimits {
+    max_storage_buffer_binding_size: 0,
+    max_buffer_size: 0,
+};
+
+/// Every getter of a spec that was accepted, with hostile indices and limits.
+fn probe_spec(s: &mut Sweep, spec: &CacheSpec, what: &str) {
+    let n = spec.n_layers();
+    s.call(&format!("{what}: getters"), Expect::Ok, || {
+        let per_token = spec.bytes_per_token();
+        let mut sum = 0u64;
+        for l in 0..n {
+            sum += spec.layer_bytes_per_token(l)?;
+            for slot in 0..spec.layers()[l].slots.len() {
+                let (row, bytes) = (spec.row_bytes(l, slot)?, spec.slot_bytes(l, slot)?);
+                assert!(
+                    row >= 4 && row.is_multiple_of(4) && bytes >= row,
+                    "{row} {bytes}"
+                );
+                spec.slot(l, slot)?;
+            }
+        }
+        assert_eq!(sum, per_token);
+        // `total_bytes` overflows on its own when the slots together pass u64::MAX bytes; see
+        // known_defect_total_bytes_of_a_spec_past_u64.
+        if per_token.checked_mul(spec.max_seq_len() as u64).is_some() {
+            assert_eq!(spec.total_bytes(), per_token * spec.max_seq_len() as u64);
+        }
+        Ok(())
+    });
+    for (layer, slot) in [(n, 0), (MAX, 0), (MAX, MAX)] {
+        let w = format!("{what}: slot({layer}, {slot})");
+        s.call(&w, refused!(LayerOutOfRange), || spec.slot(layer, slot));
+        s.call(&w, refused!(LayerOutOfRange), || {
+            spec.row_bytes(layer, slot)
+        });
+        s.call(&w, refused!(LayerOutOfRange), || {
+            spec.slot_bytes(layer, slot)
+        });
+        s.call(&w, refused!(LayerOutOfRange), || {
+            spec.layer_bytes_per_token(layer)
+        });
+    }
+    let w = format!("{what}: slot(0, MAX)");
+    s.call(&w, refused!(SlotOutOfRange), || spec.slot(0, MAX));
+    let device = gpu().limits();
+    for limits in [NO_LIMITS, DeviceLimits::WEBGPU_DEFAULT, device] {
+        let w = format!("{what}: limits {limits:?}");
+        let fits = spec.check_limits(&limits).is_ok();
+        let cap = spec.max_capacity_for(&limits);
+        s.call(&w, ok_or!(SlotTooLarge), || spec.check_limits(&limits));
+        if fits != (cap >= spec.max_seq_len()) {
+            s.fail(
+                &w,
+                format!("check_limits says fits={fits} but max_capacity_for is {cap}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn specs_presets_and_names_refuse_hostile_descriptions() {
+    let _serial = serial();
+    let mut s = Sweep::new("specs");
+    let dims = [0, 1, 3, 1 << 20, 1 << 32, MAX];
+    let mut trailings: Vec<Vec<usize>> = vec![vec![]];
+    for rank in 1..=3 {
+        let mut next = Vec::new();
+        for t in trailings.iter().filter(|t| t.len() == rank - 1) {
+            for &d in &dims {
+                next.push([&t[..], &[d]].concat());
+            }
+        }
+        trailings.extend(next);
+    }
+    let mut skipped = 0;
+    for dtype in DType::ALL {
+        for trailing in &trailings {
+            if in_row_bytes_defect(trailing, dtype) {
+                skipped += 1;
+                continue;
+            }
+            for cap in [0, 1, 4, 1 << 40, MAX] {
+                let what = format!("{dtype} {trailing:?} x {cap}");
+                let elems = trailing.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+                let bytes = elems
+                    .and_then(|e| (e as u64 * dtype.size() as u64).checked_next_multiple_of(4))
+                    .and_then(|b| b.checked_mul(cap as u64));
+                let valid = cap > 0
+                    && !trailing.contains(&0)
+                    && elems.is_some_and(|e| e <= u32::MAX as usize)
+                    && bytes.is_some_and(|b| b <= u64::MAX / 4);
+                let expect = if valid {
+                    Expect::Ok
+                } else {
+                    refused!(InvalidSpec)
+                };
+                let layers = vec![
+                    LayerSpec::empty(),
+                    LayerSpec::new(vec![SlotSpec::new("x", trailing)]),
+                ];
+                if let Some(spec) = s.call(&what, expect, || CacheSpec::new(layers, dtype, cap)) {
+                    probe_spec(&mut s, &spec, &what);
+                }
+            }
+        }
+        // Layer lists that say nothing, and names no one would choose.
+        for (what, layers) in [
+            ("no layers", vec![]),
+            ("only empty layers", vec![LayerSpec::empty(); 3]),
+            (
+                "a zero dimension in the last layer",
+                vec![LayerSpec::kv(1, 1, 1), LayerSpec::mla(0, 1)],
+            ),
+            ("kv(0, 0, 0)", vec![LayerSpec::kv(0, 0, 0)]),
+        ] {
+            s.call(what, refused!(InvalidSpec), || {
+                CacheSpec::new(layers, dtype, 4)
+            });
+        }
+        for name in ["", "\0", "x\u{0}y", &"ß".repeat(4096)] {
+            let layers = vec![LayerSpec::new(vec![SlotSpec::new(name, &[2])])];
+            if let Some(spec) = s.call("odd slot name", Expect::Ok, || {
+                CacheSpec::new(layers, dtype, 2)
+            }) {
+                probe_spec(&mut s, &spec, "odd slot name");
+            }
+        }
+        for n in [0, 1, 3] {
+            let expect = if n == 0 {
+                refused!(InvalidSpec)
+            } else {
+                Expect::Ok
+            };
+            s.call(&format!("uniform({n})"), expect, || {
+                CacheSpec::uniform(n, LayerSpec::mla(4, 2), dtype, 2)
+            });
+        }
+        let presets = ["llama3-8b", "qwen3-0.6b", "deepseek-v2-lite", "hybrid"];
+        for name in
+            presets
+                .iter()
+                .copied()
+                .chain(["", "LLAMA3-8B", "hybrid ", "\0", "deepseek-v2-lite\0"])
+        {
+            for cap in [0, 1, 1 << 30, MAX] {
+                let known = presets.contains(&name);
+                let expect = if known && cap > 0 && cap < MAX {
+                    Expect::Ok
+                } else {
+                    refused!(InvalidSpec)
+                };
+                let what = format!("preset {name:?} x {cap}");
+                if let Some(spec) = s.call(&what, expect, || CacheSpec::preset(name, dtype, cap)) {
+                    probe_spec(&mut s, &spec, &what);
+                }
+            }
+        }
+    }
+    for (text, want) in [
+        ("f32", Some(DType::F32)),
+        ("F16", Some(DType::F16)),
+        ("bF16", Some(DType::BF16)),
+        ("", None),
+        (" f32", None),
+        ("f32\0", None),
+        ("f64", None),
+        ("ｆ32", None),
+        ("İ", None),
+    ] {
+        s.call(&format!("DType::parse({text:?})"), Expect::Ok, || {
+            assert_eq!(DType::parse(text), want);
+            Ok(())
+        });
+    }
+    s.call("DType::parse(long)", Expect::Ok, || {
+        Ok(DType::parse(&"f".repeat(1 << 16)))
+    });
+    eprintln!(
+        "{skipped} trailing shapes skipped: known_defect_spec_with_a_row_of_more_than_2_62_elements"
+    );
+    s.finish();
+}
+
+#[test]
+fn gpu_open_takes_any_adapter_name() {
+    let _serial = serial();
+    let mut s = Sweep::new("Gpu::open");
+    let backend: wgpu::Backends = gpu().adapter.get_info().backend.into();
+    let long = "ß".repeat(10_000);
+    for name in ["\0", "no such adapter ✗", "%s%n", &long] {
+        let short: String = name.chars().take(20).collect();
+        s.call(
+            &format!("open({short:?})"),
+            refused!(AdapterNotFound),
+            || pollster::block_on(Gpu::open(backend, Some(name))),
+        );
+    }
+    for name in [None, Some("llvmpipe")] {
+        s.call(
+            &format!("open(no backends, {name:?})"),
+            refused!(AdapterNotFound),
+            || pollster::block_on(Gpu::open(wgpu::Backends::empty(), name)),
+        );
+    }
+    // The empty name matches every adapter.
+    s.call("open(\"\")", Expect::Ok, || {
+        pollster::block_on(Gpu::open(backend, Some(""))).map(|g| g.describe())
+    });
+    s.finish();
+}
+
+/// Layers that cover every kind of slot: GQA with odd widths, no slots, MLA, rank 0 and nine trailing
+/// axes (more than a strided GPU source may keep unmerged).
+fn hostile_layers() -> Vec<LayerSpec> {
+    vec![
+        LayerSpec::kv(2, 3, 5),
+        LayerSpec::empty(),
+        LayerSpec::mla(4, 2),
+        LayerSpec::new(vec![SlotSpec::new("scalar", &[])]),
+        LayerSpec::new(vec![SlotSpec::new("deep", &[2; 9])]),
+    ]
+}
+
+const CAPACITY: usize = 4;
+const COMMITTED: usize = 2;
+
+/// A cache with `COMMITTED` rows in every layer, and the host data of those rows per layer and slot.
+fn filled(dtype: DType) -> (KvCache, Vec<Vec<Vec<f32>>>) {
+    let mut c = cache(CacheSpec::new(hostile_layers(), dtype, CAPACITY).unwrap());
+    let data = (0..c.spec().n_layers())
+        .map(|l| append_random(&mut c, l, COMMITTED, 7 + l as u64))
+        .collect();
+    c.advance(COMMITTED).unwrap();
+    (c, data)
+}
+
+/// The committed rows still hold the data of `filled` (as stored).
+fn assert_committed_rows_intact(s: &mut Sweep, c: &KvCache, data: &[Vec<Vec<f32>>]) {
+    let dtype = c.spec().dtype();
+    for (l, slots) in data.iter().enumerate() {
+        for (slot, d) in slots.iter().enumerate() {
+            let got = c.read_f32(l, slot).unwrap();
+            let want: Vec<f32> = d.iter().map(|&x| reference::round_trip(x, dtype)).collect();
+            let rows = want.len();
+            if got.get(..rows) != Some(&want[..]) {
+                s.fail(
+                    &format!("{dtype} layer {l} slot {slot}"),
+                    "the committed rows changed".into(),
+                );
+            }
+        }
+    }
+}
+
+/// `[n, ...trailing]` of every slot of `layer`.
+fn shapes(c: &KvCache, layer: usize, n: usize) -> Vec<Vec<usize>> {
+    c.spec().layers()[layer]
+        .slots
+        .iter()
+        .map(|s| [&[n][..], &s.trailing].concat())
+        .collect()
+}
+
+/// f32 host slabs of these shapes and data.
+fn f32_slabs<'a>(shapes: &'a [Vec<usize>], data: &'a [Vec<f32>]) -> Vec<HostSlab<'a>> {
+    shapes
+        .iter()
+        .zip(data)
+        .map(|(sh, d)| HostSlab::f32(d, sh))
+        .collect()
+}
+
+/// Host data of another element type than f32, in the storage type or not.
+fn typed_slab<'a>(
+    dtype: DType,
+    shape: &'a [usize],
+    f16s: &'a [half::f16],
+    bf16s: &'a [half::bf16],
+) -> HostSlab<'a> {
+    match dtype {
+        DType::BF16 => HostSlab::bf16(bf16s, shape),
+        _ => HostSlab::f16(f16s, shape),
+    }
+}
+
+#[test]
+fn host_appends_and_ledger_operations_refuse_hostile_values() {
+    let _serial = serial();
+    let mut s = Sweep::new("host appends");
+    let g = gpu();
+    // Specs that are valid but larger than one storage binding: refused before allocating.
+    for (rows, cap) in [(1 << 20, 1 << 20), (1, (1 << 59) - 1), (64, 1 << 26)] {
+        let spec = CacheSpec::uniform(2, LayerSpec::mla(rows, 1), DType::F32, cap).unwrap();
+        let what = format!("KvCache::new of [{rows}] x {cap}");
+        s.call(&what, refused!(SlotTooLarge), || {
+            KvCache::new(&g.device, &g.queue, spec.clone()).map(drop)
+        });
+        s.call(
+            &format!("{what}, shared kernels"),
+            refused!(SlotTooLarge),
+            || KvCache::with_kernels(Kernels::new(&g.device, &g.queue), spec).map(drop),
+        );
+    }
+    for dtype in DType::ALL {
+        let (mut c, data) = filled(dtype);
+        let n_layers = c.spec().n_layers();
+        let remaining = CAPACITY - COMMITTED;
+        for layer in 0..n_layers {
+            let n_slots = c.spec().layers()[layer].slots.len();
+            let w = |case: &str| format!("{dtype} append({layer}): {case}");
+            // Row counts, valid and not.
+            for n_new in [
+                0,
+                1,
+                remaining,
+                remaining + 1,
+                CAPACITY,
+                MAX,
+                MAX / 2 + 1,
+                1 << 40,
+            ] {
+                let sh = shapes(&c, layer, n_new);
+                let allocatable = n_new <= CAPACITY;
+                let vals: Vec<Vec<f32>> = sh
+                    .iter()
+                    .map(|sh| values(3, if allocatable { sh.iter().product() } else { 0 }))
+                    .collect();
+                let slabs = f32_slabs(&sh, &vals);
+                let expect = match (n_slots, n_new <= remaining, allocatable) {
+                    (0, ..) | (_, true, _) => Expect::Ok,
+                    (_, false, true) => refused!(CapacityExceeded),
+                    (_, false, false) => refused!(CapacityExceeded | SourceSize),
+                };
+                s.on_cache(&mut c, &w(&format!("n_new {n_new}")), expect, |c| {
+                    c.append(layer, &slabs)
+                });
+                c.truncate(COMMITTED).unwrap();
+            }
+            let sh = shapes(&c, layer, 1);
+            let vals: Vec<Vec<f32>> = sh.iter().map(|sh| values(5, sh.iter().product())).collect();
+            let base = f32_slabs(&sh, &vals);
+            // Slab counts.
+            let mut more = base.clone();
+            more.push(HostSlab::f32(&[], &[0]));
+            for (case, slabs) in [
+                ("no slabs", &base[..0]),
+                ("one slab fewer", &base[..n_slots.saturating_sub(1)]),
+                ("one slab more", &more[..]),
+            ] {
+                let expect = if slabs.len() == n_slots {
+                    Expect::Ok
+                } else {
+                    refused!(SlotCount)
+                };
+                s.on_cache(&mut c, &w(case), expect, |c| c.append(layer, slabs));
+                c.truncate(COMMITTED).unwrap();
+            }
+            // One thing wrong with one slab at a time.
+            for slot in 0..n_slots {
+                let trailing = &c.spec().layers()[layer].slots[slot].trailing.clone();
+                let elems: usize = trailing.iter().product();
+                let mut bad_shapes: Vec<(String, Vec<usize>)> = vec![
+                    ("shape []".into(), vec![]),
+                    ("no row axis".into(), trailing.clone()),
+                    ("an extra axis".into(), [&[1][..], trailing, &[1]].concat()),
+                ];
+                for k in 0..trailing.len() {
+                    let mut t = trailing.clone();
+                    t[k] = MAX;
+                    bad_shapes.push((format!("trailing[{k}] = MAX"), [&[1][..], &t].concat()));
+                    t[k] = trailing[k] + 1;
+                    bad_shapes.push((format!("trailing[{k}] + 1"), [&[1][..], &t].concat()));
+                }
+                for (case, shape) in &bad_shapes {
+                    let mut slabs = base.clone();
+                    slabs[slot].shape = shape;
+                    let case = format!("slot {slot}: {case}");
+                    s.on_cache(&mut c, &w(&case), refused!(SlabShape), |c| {
+                        c.append(layer, &slabs)
+                    });
+                }
+                if n_slots > 1 {
+                    let two = [&[2][..], trailing].concat();
+                    let two_vals = values(9, 2 * elems);
+                    let mut slabs = base.clone();
+                    slabs[slot] = HostSlab::f32(&two_vals, &two);
+                    let expect = refused!(RowCountMismatch);
+                    s.on_cache(&mut c, &w(&format!("slot {slot}: 2 rows")), expect, |c| {
+                        c.append(layer, &slabs)
+                    });
+                }
+                let long = values(11, elems + 1);
+                for (case, d) in [
+                    ("one element short", &long[..elems - 1]),
+                    ("one element long", &long[..]),
+                ] {
+                    let mut slabs = base.clone();
+                    slabs[slot] = HostSlab::f32(d, &sh[slot]);
+                    let case = format!("slot {slot}: {case}");
+                    s.on_cache(&mut c, &w(&case), refused!(SourceSize), |c| {
+                        c.append(layer, &slabs)
+                    });
+                }
+                // Data of a 16-bit type: stored as is when it is the storage type, refused otherwise.
+                let f16s = vec![half::f16::from_f32(0.5); elems];
+                let bf16s = vec![half::bf16::from_f32(0.5); elems];
+                for held in [DType::F16, DType::BF16] {
+                    let mut slabs = base.clone();
+                    slabs[slot] = typed_slab(held, &sh[slot], &f16s, &bf16s);
+                    let expect = if held == dtype {
+                        Expect::Ok
+                    } else {
+                        refused!(SourceDType)
+                    };
+                    let case = format!("slot {slot}: {held} data");
+                    s.on_cache(&mut c, &w(&case), expect, |c| c.append(layer, &slabs));
+                    c.truncate(COMMITTED).unwrap();
+                }
+            }
+        }
+        for layer in [n_layers, MAX] {
+            let sh = shapes(&c, 0, 1);
+            let vals: Vec<Vec<f32>> = sh.iter().map(|sh| values(5, sh.iter().product())).collect();
+            let slabs = f32_slabs(&sh, &vals);
+            for slabs in [&slabs[..], &[]] {
+                let what = format!("{dtype} append({layer}) with {} slabs", slabs.len());
+                s.on_cache(&mut c, &what, refused!(LayerOutOfRange), |c| {
+                    c.append(layer, slabs)
+                });
+            }
+        }
+
+        // Advance, truncate and scrub with nothing or one layer pending.
+        let w = |case: &str| format!("{dtype}: {case}");
+        s.on_cache(
+            &mut c,
+            &w("advance(0) with nothing pending"),
+            Expect::Ok,
+            |c| c.advance(0),
+        );
+        for n in [1, MAX] {
+            let what = w(&format!("advance({n}) with nothing pending"));
+            s.on_cache(&mut c, &what, refused!(UnevenAdvance), |c| c.advance(n));
+        }
+        append_random(&mut c, 0, 1, 3);
+        for n in [0, 1, 2, MAX] {
+            let what = w(&format!("advance({n}) with layer 0 pending"));
+            s.on_cache(&mut c, &what, refused!(UnevenAdvance), |c| c.advance(n));
+        }
+        for new_len in [COMMITTED + 1, CAPACITY, MAX] {
+            let what = w(&format!("truncate({new_len})"));
+            let beyond = refused!(TruncateBeyondLength);
+            s.on_cache(&mut c, &what, beyond, |c| c.truncate(new_len));
+            s.on_cache(&mut c, &format!("{what} and scrub"), beyond, |c| {
+                c.truncate_and_scrub(new_len)
+            });
+            s.on_cache(&mut c, &format!("{what} recorded"), beyond, |c| {
+                let g = gpu();
+                let mut encoder = g.device.create_command_encoder(&Default::default());
+                let r = c.record_truncate_and_scrub(&mut encoder, new_len);
+                g.queue.submit([encoder.finish()]);
+                r
+            });
+        }
+        // Reads, views and ledger questions about layers and slots that do not exist.
+        for (layer, slot) in [
+            (1, 0),
+            (n_layers, 0),
+            (MAX, 0),
+            (0, 2),
+            (0, MAX),
+            (3, 1),
+            (MAX, MAX),
+        ] {
+            let expect = refused!(LayerOutOfRange | SlotOutOfRange);
+            let what = format!("{dtype} ({layer}, {slot})");
+            s.on_cache(&mut c, &format!("{what} view"), expect, |c| {
+                c.view(layer, slot).map(|v| v.rows)
+            });
+            s.on_cache(&mut c, &format!("{what} full_view"), expect, |c| {
+                c.full_view(layer, slot).map(|v| v.rows)
+            });
+            s.on_cache(&mut c, &format!("{what} read_f32"), expect, |c| {
+                c.read_f32(layer, slot)
+            });
+            s.on_cache(&mut c, &format!("{what} read_words"), expect, |c| {
+                c.read_words(layer, slot)
+            });
+            s.on_cache(&mut c, &format!("{what} read_full_words"), expect, |c| {
+                c.read_full_words(layer, slot)
+            });
+        }
+        for layer in [n_layers, MAX] {
+            let what = format!("{dtype} layer {layer}");
+            let out = refused!(LayerOutOfRange);
+            s.on_cache(&mut c, &format!("{what} visible"), out, |c| {
+                c.visible(layer)
+            });
+            s.on_cache(&mut c, &format!("{what} pending"), out, |c| {
+                c.ledger().pending(layer)
+            });
+            s.on_cache(&mut c, &format!("{what} ledger visible"), out, |c| {
+                c.ledger().visible(layer)
+            });
+            s.on_cache(&mut c, &format!("{what} slot_shapes"), out, |c| {
+                c.ledger().slot_shapes(layer).map(<[_]>::len)
+            });
+            s.on_cache(&mut c, &format!("{what} plan_append"), out, |c| {
+                c.ledger().plan_append(layer, &[])
+            });
+        }
+        let what = format!("{dtype} plan_append of MAX rows");
+        s.on_cache(&mut c, &what, refused!(CapacityExceeded), |c| {
+            c.ledger().plan_append(0, &[&[MAX, 2, 3], &[MAX, 2, 5]])
+        });
+        // The pending row is visible to layer 0 only; the empty layer sees the committed rows.
+        s.on_cache(&mut c, &w("views of visible rows"), Expect::Ok, |c| {
+            let v = c.view(0, 0)?;
+            assert_eq!(
+                (v.rows, v.size),
+                (COMMITTED + 1, (COMMITTED + 1) as u64 * v.row_bytes)
+            );
+            assert_eq!(c.visible(1)?, COMMITTED);
+            assert_eq!(c.full_view(4, 0)?.rows, CAPACITY);
+            Ok(())
+        });
+        s.on_cache(
+            &mut c,
+            &w("truncate to the length drops the pending row"),
+            Expect::Ok,
+            |c| c.truncate(COMMITTED),
+        );
+        assert_committed_rows_intact(&mut s, &c, &data);
+
+        // From empty: nothing to view, nothing to truncate to.
+        c.reset_fast();
+        s.on_cache(&mut c, &w("empty view"), Expect::Ok, |c| {
+            assert!(c.view(0, 0)?.binding().is_none());
+            assert!(c.read_f32(2, 1)?.is_empty());
+            Ok(())
+        });
+        let beyond = refused!(TruncateBeyondLength);
+        s.on_cache(&mut c, &w("truncate(1) when empty"), beyond, |c| {
+            c.truncate(1)
+        });
+        s.on_cache(&mut c, &w("truncate(0) when empty"), Expect::Ok, |c| {
+            c.truncate_and_scrub(0)
+        });
+        // Full: one more row is refused, no row is fine.
+        for layer in (0..n_layers).filter(|&l| l != 1) {
+            append_random(&mut c, layer, CAPACITY, 13);
+        }
+        s.on_cache(&mut c, &w("advance(CAPACITY)"), Expect::Ok, |c| {
+            c.advance(CAPACITY)
+        });
+        for layer in [0, 2, 3, 4] {
+            let (one, none) = (shapes(&c, layer, 1), shapes(&c, layer, 0));
+            let vals: Vec<Vec<f32>> = one
+                .iter()
+                .map(|sh| values(1, sh.iter().product()))
+                .collect();
+            let full = f32_slabs(&one, &vals);
+            let empty: Vec<HostSlab> = none.iter().map(|sh| HostSlab::f32(&[], sh)).collect();
+            let what = format!("{dtype} layer {layer} full");
+            s.on_cache(&mut c, &what, refused!(CapacityExceeded), |c| {
+                c.append(layer, &full)
+            });
+            s.on_cache(&mut c, &format!("{what}, 0 rows"), Expect::Ok, |c| {
+                c.append(layer, &empty)
+            });
+        }
+        s.on_cache(&mut c, &w("advance(0) when full"), Expect::Ok, |c| {
+            c.advance(0)
+        });
+        s.on_cache(
+            &mut c,
+            &w("advance(1) when full"),
+            refused!(UnevenAdvance),
+            |c| c.advance(1),
+        );
+        s.on_cache(&mut c, &w("reset"), Expect::Ok, |c| {
+            c.reset();
+            Ok(c.is_empty() && c.remaining() == CAPACITY && !c.is_full())
+        });
+        if snapshot(&c).iter().flatten().flatten().any(|&w| w != 0) {
+            s.fail(&w("reset"), "left a non-zero word".into());
+        }
+    }
+    s.finish();
+}
+
+#[test]
+fn gpu_appends_refuse_hostile_sources() {
+    let _serial = serial();
+    let mut s = Sweep::new("GPU appends");
+    let (foreign_device, _) = other_device();
+    // Enough f32 words for any source below: 2 rows of the deep slot with strides of 3^k.
+    let words: Vec<u32> = values(17, 20_000).iter().map(|x| x.to_bits()).collect();
+    let big = buffer(&words, USAGE);
+    let storage_only = buffer(&words, U::STORAGE);
+    let copy_only = buffer(&words, U::COPY_SRC);
+    let neither = buffer(&words, U::COPY_DST | U::UNIFORM);
+    let mappable = sized(4096, U::MAP_READ | U::COPY_DST);
+    let empty = sized(0, USAGE);
+    let two_bytes = sized(2, USAGE);
+    let foreign = buffer_on(foreign_device, &words, USAGE);
+    let mut parity = 0usize;
+    for dtype in DType::ALL {
+        let (mut c, data) = filled(dtype);
+        let other = cache(c.spec().clone());
+        for layer in [0, 2, 3, 4] {
+            let trailing = c.spec().layers()[layer].slots[0].trailing.clone();
+            let rank = trailing.len() + 1;
+            let elems: usize = trailing.iter().product();
+            let sh = shapes(&c, layer, 1);
+            let sh2 = shapes(&c, layer, 2);
+            let dest = c.full_view(layer, 0).unwrap().buffer.clone();
+            let sibling =
+                (layer == 0 || layer == 2).then(|| c.full_view(layer, 1).unwrap().buffer.clone());
+            let other_slot = other.full_view(layer, 0).unwrap().buffer.clone();
+            let base = |buffer| GpuSlab {
+                buffer,
+                dtype: DType::F32,
+                offset: 0,
+                shape: &sh[0],
+                strides: None,
+            };
+            let base_slabs: Vec<GpuSlab> = sh
+                .iter()
+                .map(|shape| GpuSlab {
+                    shape,
+                    ..base(&big)
+                })
+                .collect();
+            let contiguous: Vec<usize> =
+                (0..rank).map(|k| sh[0][k + 1..].iter().product()).collect();
+            let (fewer, more) = (vec![1; rank - 1], vec![1; rank + 1]);
+            let huge_strides = vec![MAX; rank];
+            let zero_strides = vec![0; rank];
+            let mut max_seq = contiguous.clone();
+            max_seq[0] = MAX;
+            // Nine unmergeable trailing axes (strides 3^k): one more than the kernel walks.
+            let spread: Vec<usize> = (0..rank).rev().map(|k| 3usize.pow(k as u32)).collect();
+            let copyable = dtype == DType::F32;
+            let oob = refused!(SourceOutOfBounds);
+            let layout = refused!(SourceLayout);
+            let b = base(&big);
+            let on = |buffer| GpuSlab { buffer, ..b };
+            let at = |offset| GpuSlab { offset, ..b };
+            let strided = |strides| GpuSlab {
+                strides: Some(strides),
+                ..b
+            };
+            let held = |dtype, buffer| GpuSlab { dtype, buffer, ..b };
+            let two_rows = GpuSlab {
+                shape: &sh2[0],
+                ..strided(&max_seq)
+            };
+            let zero_rows = [&[0][..], &trailing].concat();
+            let no_rows = |buffer| GpuSlab {
+                shape: &zero_rows,
+                ..on(buffer)
+            };
+            let word_tail = if elems == 1 {
+                refused!(SourceWordTail)
+            } else {
+                oob
+            };
+            let mut cases: Vec<(&str, GpuSlab, Expect)> = vec![
+                ("valid", b, Expect::Ok),
+                ("STORAGE only", on(&storage_only), Expect::Ok),
+                (
+                    "COPY_SRC only",
+                    on(&copy_only),
+                    if copyable { Expect::Ok } else { layout },
+                ),
+                ("COPY_DST | UNIFORM", on(&neither), layout),
+                ("MAP_READ | COPY_DST", on(&mappable), layout),
+                ("empty buffer", on(&empty), oob),
+                ("foreign device", on(&foreign), refused!(ForeignDevice)),
+                ("the destination slot", on(&dest), layout),
+                (
+                    "a slot of another cache",
+                    held(dtype, &other_slot),
+                    Expect::Ok,
+                ),
+                ("offset past the end", at(20_001 - elems as u64), oob),
+                ("offset u64::MAX", at(u64::MAX), oob),
+                ("offset u64::MAX / 4", at(u64::MAX / 4), oob),
+                ("one stride fewer", strided(&fewer), layout),
+                ("one stride more", strided(&more), layout),
+                (
+                    "strides MAX",
+                    strided(&huge_strides),
+                    if elems == 1 { Expect::Ok } else { oob },
+                ),
+                (
+                    "strides 0 (every element the same)",
+                    strided(&zero_strides),
+                    Expect::Ok,
+                ),
+                (
+                    "sequence stride MAX, one row",
+                    strided(&max_seq),
+                    Expect::Ok,
+                ),
+                ("sequence stride MAX, two rows", two_rows, oob),
+                (
+                    "strides 3^k",
+                    strided(&spread),
+                    if rank > 9 { layout } else { Expect::Ok },
+                ),
+                ("f16 source", held(DType::F16, &big), Expect::Ok),
+                ("bf16 source", held(DType::BF16, &big), Expect::Ok),
+                // Two bytes hold one 16-bit element, but its word reaches byte 4.
+                ("f16 in 2 bytes", held(DType::F16, &two_bytes), word_tail),
+                ("bf16 in 2 bytes", held(DType::BF16, &two_bytes), word_tail),
+                (
+                    "0 rows from an empty buffer",
+                    no_rows(&empty),
+                    Expect::Either,
+                ),
+                (
+                    "0 rows from a foreign buffer",
+                    no_rows(&foreign),
+                    Expect::Either,
+                ),
+                (
+                    "0 rows from a COPY_DST | UNIFORM buffer",
+                    no_rows(&neither),
+                    Expect::Either,
+                ),
+            ];
+            if let Some(sibling) = &sibling {
+                cases.push((
+                    "the other slot of the layer",
+                    held(dtype, sibling),
+                    Expect::Ok,
+                ));
+            }
+            for (case, slab, expect) in cases {
+                // The other slabs are valid, with as many rows as the case's.
+                let rows = shapes(&c, layer, slab.shape.first().copied().unwrap_or(1));
+                let mut slabs: Vec<GpuSlab> = rows
+                    .iter()
+                    .map(|shape| GpuSlab {
+                        shape,
+                        ..base(&big)
+                    })
+                    .collect();
+                slabs[0] = slab;
+                let what = format!("{dtype} layer {layer}: {case}");
+                parity += 1;
+                let recorded = parity.is_multiple_of(2);
+                s.on_cache(&mut c, &what, expect, |c| {
+                    if recorded {
+                        let g = gpu();
+                        let mut encoder = g.device.create_command_encoder(&Default::default());
+                        let r = c.record_append_gpu(&mut encoder, layer, &slabs);
+                        g.queue.submit([encoder.finish()]);
+                        r
+                    } else {
+                        c.append_gpu(layer, &slabs)
+                    }
+                });
+                c.truncate(COMMITTED).unwrap();
+            }
+            // Shapes and counts are the ledger's: the same answers as from the host.
+            let mut wrong = base_slabs.clone();
+            let bad_trailing = [&[1][..], &vec![MAX; trailing.len()]].concat();
+            wrong[0].shape = if trailing.is_empty() {
+                &[]
+            } else {
+                &bad_trailing
+            };
+            let what = format!("{dtype} layer {layer}: slab shape");
+            s.on_cache(&mut c, &what, refused!(SlabShape), |c| {
+                c.append_gpu(layer, &wrong)
+            });
+            let what = format!("{dtype} layer {layer}: no slabs");
+            s.on_cache(&mut c, &what, refused!(SlotCount), |c| {
+                c.append_gpu(layer, &[])
+            });
+            let what = format!("{dtype} layer {layer}: MAX rows");
+            let huge = shapes(&c, layer, MAX);
+            let all_huge: Vec<GpuSlab> = huge
+                .iter()
+                .map(|shape| GpuSlab {
+                    shape,
+                    ..base(&big)
+                })
+                .collect();
+            s.on_cache(&mut c, &what, refused!(CapacityExceeded), |c| {
+                c.append_gpu(layer, &all_huge)
+            });
+        }
+        let what = format!("{dtype} append_gpu(MAX)");
+        s.on_cache(&mut c, &what, refused!(LayerOutOfRange), |c| {
+            c.append_gpu(MAX, &[])
+        });
+        let what = format!("{dtype} append_gpu(1) of one slab");
+        let one = [GpuSlab {
+            buffer: &big,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &[1, 1],
+            strides: None,
+        }];
+        s.on_cache(&mut c, &what, refused!(SlotCount), |c| {
+            c.append_gpu(1, &one)
+        });
+        assert_committed_rows_intact(&mut s, &c, &data);
+    }
+    s.finish();
+}
+
+/// Attention outputs may differ from the CPU twin by `TOL · (1 + |cpu|)` (the tolerance of
+/// tests/attention.rs: the GPU accumulates in f32).
+const TOL: f32 = 1e-5;
+
+fn read_f32s(b: &wgpu::Buffer, n: usize) -> Vec<f32> {
+    let g = gpu();
+    let bytes = read_buffer(&g.device, &g.queue, b, 0, 4 * n as u64).unwrap();
+    bytemuck::pod_collect_to_vec(&bytes)
+}
+
+/// `None` when every element is within the tolerance of the twin (or the twin is not finite).
+fn mismatch(got: &[f32], want: &[f32]) -> Option<String> {
+    if want.iter().any(|w| !w.is_finite()) {
+        return None;
+    }
+    if got.len() != want.len() {
+        return Some(format!(
+            "{} outputs, the twin has {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    got.iter()
+        .zip(want)
+        .position(|(g, w)| {
+            let err = (g - w).abs();
+            err.is_nan() || err > TOL * (1.0 + w.abs())
+        })
+        .map(|i| format!("output {i}: gpu {} vs cpu {}", got[i], want[i]))
+}
+
+/// One attention call and what it must give; `twin` says the output must match the CPU twin.
+struct Call<'a> {
+    what: String,
+    layer: usize,
+    q: Queries<'a>,
+    rope: Option<Queries<'a>>,
+    out: &'a wgpu::Buffer,
+    options: AttentionOptions,
+    expect: Expect,
+    twin: bool,
+}
+
+#[test]
+fn attention_refuses_hostile_requests() {
+    let _serial = serial();
+    let g = gpu();
+    let (foreign_device, foreign_queue) = other_device();
+    let mut s = Sweep::new("attention");
+    let q_data = values(21, 64);
+    let q = f32_buffer(&q_data, USAGE);
+    let tiny = sized(4, USAGE);
+    let empty = sized(0, USAGE);
+    let no_storage = f32_buffer(&q_data, U::COPY_SRC | U::COPY_DST);
+    let uniform = f32_buffer(&q_data, U::UNIFORM | U::COPY_DST);
+    let foreign = buffer_on(foreign_device, bytemuck::cast_slice(&q_data), USAGE);
+    let out = f32_buffer(&[-7.0; 64], USAGE);
+    let mut parity = 0usize;
+    for dtype in DType::ALL {
+        let (mut c, _) = filled(dtype);
+        let mut att = Attention::for_cache(&c);
+        let q_copy = f32_buffer(&q_data, USAGE);
+        let visible = COMMITTED;
+        let slot = |l: usize, s: usize| c.full_view(l, s).unwrap().buffer.clone();
+        let (k, v, c_kv, k_pe) = (slot(0, 0), slot(0, 1), slot(2, 0), slot(2, 1));
+        let dflt = AttentionOptions::default();
+        let gqa = |what: &str, shape: [usize; 3], expect: Expect| Call {
+            what: what.into(),
+            layer: 0,
+            q: Queries { buffer: &q, shape },
+            rope: None,
+            out: &out,
+            options: dflt,
+            expect,
+            twin: matches!(expect, Expect::Ok),
+        };
+        let mla = |what: &str, latent: [usize; 3], rope: [usize; 3], expect: Expect| Call {
+            what: what.into(),
+            layer: 2,
+            q: Queries {
+                buffer: &q,
+                shape: latent,
+            },
+            rope: Some(Queries {
+                buffer: &q,
+                shape: rope,
+            }),
+            out: &out,
+            options: dflt,
+            expect,
+            twin: matches!(expect, Expect::Ok),
+        };
+        let rows = refused!(QueryRows);
+        let heads = refused!(HeadGroups);
+        let qshape = refused!(QueryShape);
+        let small = refused!(BufferTooSmall);
+        let unusable = refused!(AttentionBuffer);
+        let request = refused!(AttentionRequest);
+        let not_attention = refused!(NotAttentionLayer);
+        let mut calls = vec![
+            gqa("valid", [1, 4, 3], Expect::Ok),
+            gqa("every visible row a query", [visible, 4, 3], Expect::Ok),
+            gqa("MHA-like group of 1", [1, 2, 3], Expect::Ok),
+            gqa("no queries", [0, 4, 3], rows),
+            gqa("one query more than visible", [visible + 1, 4, 3], rows),
+            gqa("MAX queries", [MAX, 4, 3], rows),
+            gqa("no heads", [1, 0, 3], heads),
+            gqa("3 heads over 2 KV heads", [1, 3, 3], heads),
+            gqa("MAX heads", [1, MAX, 3], heads),
+            gqa("MAX - 1 heads", [1, MAX - 1, 3], small),
+            gqa("d_k 2", [1, 4, 2], qshape),
+            gqa("d_k 0", [1, 4, 0], qshape),
+            gqa("d_k MAX", [1, 4, MAX], qshape),
+            gqa("all MAX", [MAX, MAX, MAX], Expect::Either),
+        ];
+        for (layer, expect) in [
+            (1, not_attention),
+            (2, not_attention),
+            (3, not_attention),
+            (4, not_attention),
+            (5, refused!(LayerOutOfRange)),
+            (MAX, refused!(LayerOutOfRange)),
+        ] {
+            calls.push(Call {
+                layer,
+                ..gqa(&format!("GQA of layer {layer}"), [1, 4, 3], expect)
+            });
+        }
+        for (what, buffer, expect) in [
+            ("4-byte", &tiny, small),
+            ("0-byte", &empty, small),
+            ("non-STORAGE", &no_storage, unusable),
+            ("UNIFORM", &uniform, unusable),
+            ("foreign", &foreign, refused!(ForeignDevice)),
+            ("K slot", &k, Expect::Ok),
+        ] {
+            calls.push(Call {
+                q: Queries {
+                    buffer,
+                    shape: [1, 4, 3],
+                },
+                twin: false,
+                ..gqa(&format!("{what} queries"), [1, 4, 3], expect)
+            });
+            if what != "K slot" {
+                calls.push(Call {
+                    out: buffer,
+                    ..gqa(&format!("{what} output"), [1, 4, 3], expect)
+                });
+            }
+        }
+        for (what, buffer) in [("K", &k), ("V", &v)] {
+            calls.push(Call {
+                out: buffer,
+                ..gqa(
+                    &format!("output into the {what} slot"),
+                    [1, 4, 3],
+                    refused!(AttentionBuffer | BufferTooSmall),
+                )
+            });
+        }
+        calls.push(Call {
+            q: Queries {
+                buffer: &q_copy,
+                shape: [1, 4, 3],
+            },
+            out: &q_copy,
+            ..gqa("output over its own queries", [1, 4, 3], Expect::Ok)
+        });
+        // Writing into another layer's slot corrupts the cache behind the ledger; not refused today.
+        calls.push(Call {
+            out: &c_kv,
+            twin: false,
+            ..gqa(
+                "output into another layer's slot",
+                [1, 4, 3],
+                Expect::Either,
+            )
+        });
+        let scale = |x| AttentionOptions {
+            scale: Some(x),
+            ..dflt
+        };
+        let cap = |x| AttentionOptions {
+            soft_cap: Some(x),
+            ..dflt
+        };
+        let window = |w| AttentionOptions {
+            window: Some(w),
+            ..dflt
+        };
+        let options = [
+            ("scale NaN", scale(f32::NAN), request),
+            ("scale inf", scale(f32::INFINITY), request),
+            ("scale -inf", scale(f32::NEG_INFINITY), request),
+            ("scale -1", scale(-1.0), Expect::Ok),
+            ("scale 0", scale(0.0), Expect::Ok),
+            ("scale -0", scale(-0.0), Expect::Ok),
+            ("scale 1e-45", scale(1e-45), Expect::Ok),
+            ("scale 100", scale(100.0), Expect::Ok),
+            ("soft-cap NaN", cap(f32::NAN), request),
+            ("soft-cap -1", cap(-1.0), request),
+            ("soft-cap 0", cap(0.0), request),
+            ("soft-cap -0", cap(-0.0), request),
+            ("soft-cap inf", cap(f32::INFINITY), request),
+            ("soft-cap MIN_POSITIVE", cap(f32::MIN_POSITIVE), Expect::Ok),
+            ("soft-cap 100", cap(100.0), Expect::Ok),
+            ("window 0", window(0), request),
+            ("window 1", window(1), Expect::Ok),
+            ("window MAX", window(MAX), Expect::Ok),
+            (
+                "window 0, scale NaN",
+                AttentionOptions {
+                    window: Some(0),
+                    ..scale(f32::NAN)
+                },
+                request,
+            ),
+        ];
+        for (what, options, expect) in options {
+            calls.push(Call {
+                options,
+                ..gqa(&format!("GQA {what}"), [visible, 4, 3], expect)
+            });
+            calls.push(Call {
+                options,
+                ..mla(&format!("MLA {what}"), [1, 2, 4], [1, 2, 2], expect)
+            });
+        }
+        calls.extend([
+            mla("valid MLA", [visible, 2, 4], [visible, 2, 2], Expect::Ok),
+            mla("rope with another n_q", [1, 2, 4], [2, 2, 2], qshape),
+            mla("rope with other heads", [1, 2, 4], [1, 3, 2], qshape),
+            mla("rope of 3", [1, 2, 4], [1, 2, 3], qshape),
+            mla("rope of MAX", [1, 2, 4], [1, 2, MAX], qshape),
+            mla("latent of 3", [1, 2, 3], [1, 2, 2], qshape),
+            mla("no heads", [1, 0, 4], [1, 0, 2], heads),
+            mla("no queries", [0, 2, 4], [0, 2, 2], rows),
+            mla("MAX queries", [MAX, 2, 4], [MAX, 2, 2], rows),
+            mla("MAX heads", [1, MAX, 4], [1, MAX, 2], small),
+            Call {
+                layer: 0,
+                ..mla("MLA of a GQA layer", [1, 2, 4], [1, 2, 2], not_attention)
+            },
+            Call {
+                layer: MAX,
+                ..mla(
+                    "MLA of layer MAX",
+                    [1, 2, 4],
+                    [1, 2, 2],
+                    refused!(LayerOutOfRange),
+                )
+            },
+            Call {
+                out: &c_kv,
+                ..mla(
+                    "output into c_kv",
+                    [1, 2, 4],
+                    [1, 2, 2],
+                    refused!(AttentionBuffer | BufferTooSmall),
+                )
+            },
+            Call {
+                out: &k_pe,
+                ..mla(
+                    "output into k_pe",
+                    [1, 2, 4],
+                    [1, 2, 2],
+                    refused!(AttentionBuffer | BufferTooSmall),
+                )
+            },
+        ]);
+        for (what, buffer, expect) in [
+            ("4-byte", &tiny, small),
+            ("non-STORAGE", &no_storage, unusable),
+            ("foreign", &foreign, refused!(ForeignDevice)),
+        ] {
+            calls.push(Call {
+                rope: Some(Queries {
+                    buffer,
+                    shape: [1, 2, 2],
+                }),
+                ..mla(&format!("{what} rope"), [1, 2, 4], [1, 2, 2], expect)
+            });
+        }
+        for call in calls {
+            let what = format!("{dtype} {}", call.what);
+            parity += 1;
+            let recorded = parity.is_multiple_of(2);
+            // The output's bytes, read on its own device, where it can be read.
+            let foreign_pair = (foreign_device, foreign_queue);
+            let read_out = || {
+                let (d, q) = if call.out == &foreign {
+                    foreign_pair
+                } else {
+                    (&g.device, &g.queue)
+                };
+                let readable = call.out.usage().contains(U::COPY_SRC);
+                readable.then(|| read_buffer(d, q, call.out, 0, call.out.size()).unwrap())
+            };
+            let before = read_out();
+            let r = s.on_cache(&mut c, &what, call.expect, |c| {
+                let mut encoder = g.device.create_command_encoder(&Default::default());
+                let r = match (call.rope, recorded) {
+                    (None, true) => {
+                        att.record_gqa(&mut encoder, c, call.layer, call.q, call.out, &call.options)
+                    }
+                    (None, false) => att.gqa(c, call.layer, call.q, call.out, &call.options),
+                    (Some(rope), true) => {
+                        let q = MlaQueries {
+                            latent: call.q,
+                            rope,
+                        };
+                        att.record_mla(&mut encoder, c, call.layer, q, call.out, &call.options)
+                    }
+                    (Some(rope), false) => {
+                        let q = MlaQueries {
+                            latent: call.q,
+                            rope,
+                        };
+                        att.mla(c, call.layer, q, call.out, &call.options)
+                    }
+                };
+                g.queue.submit([encoder.finish()]);
+                if r.is_err() {
+                    assert!(read_out() == before, "a refused call wrote its output");
+                }
+                r
+            });
+            if r.is_some() && call.twin {
+                let [n_q, n_heads, _] = call.q.shape;
+                let want = match call.rope {
+                    None => reference::attention_gqa(
+                        &q_data,
+                        call.q.shape,
+                        &c.read_f32(0, 0).unwrap(),
+                        &c.read_f32(0, 1).unwrap(),
+                        2,
+                        5,
+                        &call.options,
+                    ),
+                    Some(rope) => reference::attention_mla(
+                        &q_data,
+                        &q_data,
+                        call.q.shape,
+                        &c.read_f32(2, 0).unwrap(),
+                        &c.read_f32(2, 1).unwrap(),
+                        rope.shape[2],
+                        &call.options,
+                    ),
+                };
+                let got = read_f32s(call.out, want.len().max(n_q * n_heads));
+                if let Some(why) = mismatch(&got, &want) {
+                    s.fail(&what, why);
+                }
+            }
+        }
+        // An Attention of another device, with this cache.
+        let mut elsewhere = Attention::new(foreign_device, foreign_queue);
+        let what = format!("{dtype} Attention of another device");
+        s.on_cache(&mut c, &what, refused!(ForeignDevice), |c| {
+            elsewhere.gqa(c, 0, Queries::new(&foreign, 1, 4, 3), &foreign, &dflt)
+        });
+    }
+    s.finish();
+}
+
+#[test]
+fn read_buffer_refuses_ranges_outside_and_buffers_without_copy_src() {
+    let _serial = serial();
+    let g = gpu();
+    let mut s = Sweep::new("read_buffer");
+    let words: [u32; 4] = [1, 2, 3, 4];
+    let b = buffer(&words, USAGE);
+    let device = refused!(Device);
+    for (offset, size, expect) in [
+        (0, 16, Expect::Ok),
+        (4, 8, Expect::Ok),
+        (0, 0, Expect::Ok),
+        (16, 0, Expect::Ok),
+        (20, 0, device),
+        (12, 8, device),
+        (u64::MAX - 3, 4, device),
+        (4, u64::MAX - 3, device),
+        (u64::MAX, u64::MAX, device),
+        (1, 4, device),
+        (0, 3, device),
+        (2, 2, device),
+    ] {
+        let what = format!("read_buffer({offset}, {size})");
+        let got = s.call(&what, expect, || {
+            read_buffer(&g.device, &g.queue, &b, offset, size)
+        });
+        let got_async = s.call(&format!("{what} async"), expect, || {
+            pollster::block_on(read_buffer_async(&g.device, &g.queue, &b, offset, size))
+        });
+        if let Some(bytes) = got {
+            let want = &bytemuck::cast_slice::<u32, u8>(&words)[offset as usize..][..size as usize];
+            if bytes != want || got_async.as_deref() != Some(want) {
+                s.fail(&what, format!("read {bytes:?}, the buffer holds {want:?}"));
+            }
+        }
+    }
+    for (what, usage) in [
+        ("STORAGE", U::STORAGE),
+        ("MAP_READ | COPY_DST", U::MAP_READ | U::COPY_DST),
+        ("UNIFORM", U::UNIFORM),
+    ] {
+        let b = sized(16, usage);
+        s.call(what, device, || read_buffer(&g.device, &g.queue, &b, 0, 4));
+        s.call(&format!("{what}, 0 bytes"), device, || {
+            read_buffer(&g.device, &g.queue, &b, 0, 0)
+        });
+    }
+    let nothing = sized(0, USAGE);
+    s.call("a 0-byte buffer", Expect::Ok, || {
+        read_buffer(&g.device, &g.queue, &nothing, 0, 0)
+    });
+    s.call("past a 0-byte buffer", device, || {
+        read_buffer(&g.device, &g.queue, &nothing, 0, 4)
+    });
+    s.finish();
+}
+
+#[test]
+fn codec_and_reference_functions_take_any_input() {
+    let mut s = Sweep::new("codec and reference");
+    let specials = [
+        0.0,
+        -0.0,
+        1.0,
+        f32::NAN,
+        -f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        f32::MIN,
+        f32::MIN_POSITIVE,
+        1e-45,
+        65504.0,
+        65520.0,
+    ];
+    let odd_bits = [
+        0,
+        1,
+        0xffff,
+        0x1_0000,
+        0x7fc0_0000,
+        0xffff_ffff,
+        0x8000_0001,
+    ];
+    for dtype in DType::ALL {
+        for from in DType::ALL {
+            s.call(&format!("{from} -> {dtype}"), Expect::Ok, || {
+                for &x in &specials {
+                    let r = reference::round_trip(x, dtype);
+                    assert_eq!(r.is_nan(), x.is_nan(), "{x} -> {r}");
+                    let b = reference::f32_to_bits(x, dtype);
+                    assert_eq!(reference::bits_to_f32(b, dtype).to_bits(), r.to_bits());
+                }
+                for &b in &odd_bits {
+                    let y = reference::convert_bits(b, from, dtype);
+                    let _ = reference::bits_to_f32(y, dtype);
+                }
+                let h = reference::host_bits(HostData::F32(&specials), dtype);
+                assert_eq!(h.len(), specials.len());
+                assert!(reference::host_bits(HostData::F16(&[]), dtype).is_empty());
+                Ok(())
+            });
+        }
+        for row_elems in [0, 1, 2, 3, 5, MAX / 2, MAX] {
+            for n in [0, 1, 5, 6, 7] {
+                let bits: Vec<u32> = odd_bits.iter().cycle().take(n).copied().collect();
+                let what = format!("{dtype}: {n} elements in rows of {row_elems}");
+                s.call(&what, Expect::Ok, || {
+                    let packed = reference::pack_rows(&bits, dtype, row_elems);
+                    let back = reference::unpack_rows(&packed, dtype, row_elems);
+                    let _ = reference::decode_rows(&packed, dtype, row_elems);
+                    let _ = reference::unpack_rows(&bits, dtype, row_elems);
+                    if dtype == DType::F32 {
+                        assert_eq!(back, bits);
+                    } else {
+                        let whole = bits.len().checked_div(row_elems).unwrap_or(0) * row_elems;
+                        let want: Vec<u32> = bits[..whole].iter().map(|b| b & 0xffff).collect();
+                        assert_eq!(back, want);
+                    }
+                    Ok(())
+                });
+            }
+        }
+    }
+    // The twins: elements outside read 0, inconsistent shapes give nothing, writes outside drop.
+    let src: Vec<u32> = (1..=8).collect();
+    let huge = [MAX, MAX, MAX];
+    for (offset, shape, strides) in [
+        (0, &[2usize, 2][..], &[4usize, 1][..]),
+        (MAX, &[2, 2], &[4, 1]),
+        (0, &[2, 2], &huge[..2]),
+        (0, &[MAX, 2], &[1, 1]),
+        (0, &[2, 2, 2], &[1, 1]),
+        (0, &[], &[]),
+        (0, &[0, MAX], &[MAX, MAX]),
+    ] {
+        let what = format!("gather_strided({offset}, {shape:?}, {strides:?})");
+        s.call(&what, Expect::Ok, || {
+            let g = reference::gather_strided(&src, offset, shape, strides);
+            for dtype in DType::ALL {
+                let _ = reference::slab_write(&src, DType::F16, offset, shape, strides, dtype);
+            }
+            Ok(g)
+        });
+    }
+    s.call("zero", Expect::Ok, || {
+        let mut w = vec![1u32; 4];
+        reference::zero(&mut w, MAX, MAX);
+        reference::zero(&mut w, 3, MAX);
+        Ok(w)
+    });
+    s.call("CpuCache at its edges", Expect::Ok, || {
+        let spec = CacheSpec::new(hostile_layers(), DType::F16, 2)?;
+        let mut m = CpuCache::new(&spec);
+        for (layer, slot) in [(0, 0), (1, 0), (4, 0), (MAX, 0), (0, MAX)] {
+            m.write_rows(layer, slot, 1, &[1; 2048]);
+            m.write_rows(layer, slot, MAX, &[1; 7]);
+            m.zero_rows(layer, MAX, 0);
+            m.zero_rows(layer, 1, MAX);
+            let _ = m.read_f32(layer, slot, MAX);
+            let _ = m.row_words(layer, slot);
+        }
+        m.row_elems[0][0] = MAX;
+        m.words.pop();
+        m.write_rows(0, 0, 0, &[1; 6]);
+        m.write_rows(4, 0, 0, &[1; 6]);
+        Ok(m.read_f32(0, 0, 2))
+    });
+    s.call("attention twins with hostile shapes", Expect::Ok, || {
+        let x = values(1, 32);
+        let o = AttentionOptions::default();
+        for shape in [[MAX, 1, 1], [1, MAX, 1], [1, 1, MAX], [0, 0, 0], [2, 3, 4]] {
+            for n_kv in [0, 1, 3, MAX] {
+                let _ = reference::attention_gqa(&x, shape, &x, &x, n_kv, MAX, &o);
+                let _ = reference::attention_gqa(&x, shape, &x, &x, n_kv, 0, &o);
+                let _ = reference::attention_mla(&x, &x, shape, &x, &x, n_kv, &o);
+            }
+        }
+        Ok(())
+    });
+    s.finish();
+}
+
+/// The sweeps' own checks can fail: a refusal that changed the cache, a panic and a wrong variant are
+/// each reported.
+#[test]
+fn the_sweep_reports_a_refusal_that_changed_something() {
+    let _serial = serial();
+    let mut s = Sweep::new("self-check");
+    let (mut c, _) = filled(DType::F32);
+    let expect = refused!(TruncateBeyondLength);
+    s.on_cache(&mut c, "append, then refuse", expect, |c| {
+        append_random(c, 0, 1, 1);
+        c.truncate(MAX)
+    });
+    s.on_cache(&mut c, "panic", Expect::Ok, |_| -> Result<()> {
+        panic!("boom")
+    });
+    s.call("wrong variant", refused!(SlotCount), || c.visible(MAX));
+    let f = &s.failures;
+    assert_eq!(f.len(), 4, "{f:#?}");
+    assert!(f[0].contains("changed the ledger") && f[1].contains("changed GPU words"));
+    assert!(f[2].contains("PANICKED: boom") && f[3].contains("expected SlotCount"));
+}
+
+// Known defects outside this file. Each test states the behaviour the contract asks for and fails
+// today with the panic quoted in its comment; run them with `cargo test --test hostile -- --ignored`.
+
+/// `CacheSpec::new` with a slot of more than 2^62 elements (f32) or 2^63 (16-bit), e.g.
+/// `CacheSpec::new(vec![LayerSpec::new(vec![SlotSpec::new("x", &[usize::MAX])])], DType::F32, 1)`,
+/// panics with "attempt to multiply with overflow" at src/codec.rs:69 (`padded_row_bytes`, called from
+/// `CacheSpec::new`) in debug builds, instead of returning `InvalidSpec`.
+#[test]
+#[ignore = "known defect in src/spec.rs + src/codec.rs: row bytes overflow u64 in CacheSpec::new"]
+fn known_defect_spec_with_a_row_of_more_than_2_62_elements() {
+    for (trailing, dtype) in [
+        (&[MAX][..], DType::F32),
+        (&[1 << 62], DType::F32),
+        (&[1 << 63], DType::F16),
+        (&[(1 << 32) - 1, (1 << 32) - 1], DType::BF16),
+    ] {
+        let layers = vec![LayerSpec::new(vec![SlotSpec::new("x", trailing)])];
+        let e = CacheSpec::new(layers, dtype, 1).unwrap_err();
+        assert!(matches!(e, Error::InvalidSpec { .. }), "{trailing:?}: {e}");
+    }
+}
+
+/// `CacheSpec::uniform(usize::MAX, LayerSpec::empty(), DType::F32, 1)` panics with "capacity
+/// overflow" (`vec![layer; n_layers]`) instead of returning `InvalidSpec`.
+#[test]
+#[ignore = "known defect in src/spec.rs: CacheSpec::uniform allocates n_layers before checking"]
+fn known_defect_uniform_with_usize_max_layers() {
+    for layer in [LayerSpec::empty(), LayerSpec::kv(1, 1, 1)] {
+        let e = CacheSpec::uniform(MAX, layer, DType::F32, 1).unwrap_err();
+        assert!(matches!(e, Error::InvalidSpec { .. }), "{e}");
+    }
+}
+
+/// A spec whose slots each fit (`<= u64::MAX / 4` bytes) but together pass `u64::MAX` bytes:
+/// `CacheSpec::uniform(8, LayerSpec::new(vec![SlotSpec::new("x", &[1])]), DType::F32, 1 << 59)` is
+/// accepted, and its `total_bytes()` panics with "attempt to multiply with overflow" at
+/// src/spec.rs:263 in debug builds (and wraps to 0 in release). So does
+/// `CacheSpec::llama3_8b(DType::F32, 1 << 49)`. Either the spec is refused or the total saturates.
+#[test]
+#[ignore = "known defect in src/spec.rs: total_bytes overflows u64"]
+fn known_defect_total_bytes_of_a_spec_past_u64() {
+    let one = LayerSpec::new(vec![SlotSpec::new("x", &[1])]);
+    for spec in [
+        CacheSpec::uniform(8, one, DType::F32, 1 << 59),
+        CacheSpec::llama3_8b(DType::F32, 1 << 49),
+    ] {
+        let Ok(spec) = spec else { continue };
+        let total = spec.total_bytes();
+        assert!(
+            total >= spec.slot_bytes(0, 0).unwrap(),
+            "total_bytes {total}"
+        );
+    }
+}
+
+/// `KvCache::new(&device, &queue_of_another_device, spec)` is accepted; the next `append` panics
+/// inside wgpu: "In Queue::write_buffer: Device with '' label of Queue with '' label doesn't match
+/// Device with 'kvgpu' label of Buffer with 'kvgpu layer 0 compressed_kv' label". The same holds for
+/// `Kernels::new` + `KvCache::with_kernels`. The pair should be refused (or each operation refused).
+#[test]
+#[ignore = "known defect in src/cache/mod.rs + src/kernels/mod.rs: a queue of another device is accepted"]
+fn known_defect_cache_with_the_queue_of_another_device() {
+    let _serial = serial();
+    let g = gpu();
+    let (_, other_queue) = other_device();
+    let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap();
+    let Ok(mut c) = KvCache::new(&g.device, other_queue, spec) else {
+        return;
+    };
+    let (x, y) = (values(1, 4), values(2, 2));
+    if c.append(0, &[HostSlab::f32(&x, &[1, 4]), HostSlab::f32(&y, &[1, 2])])
+        .is_ok()
+    {
+        assert_eq!(c.read_f32(0, 0).unwrap(), x);
+        c.reset();
+    }
+}
+
+/// `Attention::new(&device, &queue_of_another_device)` is accepted; `gqa` then panics inside wgpu:
+/// "In Queue::write_buffer: Device with '' label of Queue with '' label doesn't match Device with
+/// 'kvgpu' label of Buffer with 'kvgpu params' label".
+#[test]
+#[ignore = "known defect in src/attention/mod.rs: a queue of another device is accepted"]
+fn known_defect_attention_with_the_queue_of_another_device() {
+    let _serial = serial();
+    let g = gpu();
+    let (_, other_queue) = other_device();
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
+    append_random(&mut c, 0, 2, 1);
+    let q = f32_buffer(&values(3, 8), USAGE);
+    let out = f32_buffer(&[0.0; 8], USAGE);
+    let mut att = Attention::new(&g.device, other_queue);
+    let _ = att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &Default::default());
+}
+
+/// A destroyed source buffer: `append_gpu` of an f32 source into an f32 cache (the copy path)
+/// returns `Ok`, and the submission panics inside wgpu: "In Queue::submit: Buffer with 'hostile
+/// source' label has been destroyed". The same when the buffer was used once (its bind group cached) and destroyed
+/// after. (On the kernel path of a fresh buffer it is refused, but as `ForeignDevice`, "belongs to
+/// another device", which misnames the cause.)
+#[test]
+#[ignore = "known defect in src/cache/gpu_append.rs: destroyed source buffers reach the queue"]
+fn known_defect_destroyed_gpu_source() {
+    let _serial = serial();
+    for dtype in [DType::F32, DType::F16] {
+        let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], dtype, 4).unwrap());
+        let b = f32_buffer(&values(1, 8), USAGE);
+        let slabs = |shape: &'static [usize], offset| GpuSlab {
+            buffer: &b,
+            dtype: DType::F32,
+            offset,
+            shape,
+            strides: None,
+        };
+        c.append_gpu(0, &[slabs(&[1, 4], 0), slabs(&[1, 2], 4)])
+            .unwrap();
+        c.advance(1).unwrap();
+        b.destroy();
+        let ledger = c.ledger().clone();
+        let words = snapshot(&c);
+        assert!(
+            c.append_gpu(0, &[slabs(&[1, 4], 0), slabs(&[1, 2], 4)])
+                .is_err()
+        );
+        assert_eq!((c.ledger(), snapshot(&c)), (&ledger, words));
+    }
+}
+
+/// A source still mapped (`mapped_at_creation: true`, never unmapped): `append_gpu` returns `Ok` and
+/// the submission panics inside wgpu: "In Queue::submit: Buffer with 'mapped' label is still mapped"
+/// (copy and kernel paths alike). `Buffer::map_state()` tells.
+#[test]
+#[ignore = "known defect in src/cache/gpu_append.rs: mapped source buffers reach the queue"]
+fn known_defect_mapped_gpu_source() {
+    let _serial = serial();
+    for dtype in [DType::F32, DType::F16] {
+        let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], dtype, 4).unwrap());
+        let b = gpu().device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("mapped"),
+            size: 32,
+            usage: USAGE,
+            mapped_at_creation: true,
+        });
+        let slab = |shape: &'static [usize]| GpuSlab {
+            buffer: &b,
+            dtype: DType::F32,
+            offset: 0,
+            shape,
+            strides: None,
+        };
+        let ledger = c.ledger().clone();
+        assert!(c.append_gpu(0, &[slab(&[1, 4]), slab(&[1, 2])]).is_err());
+        assert_eq!(c.ledger(), &ledger);
+    }
+}
+
+/// `read_buffer(&device, &queue, &buffer_of_another_device, 0, 4)` panics inside wgpu: "In a
+/// CommandEncoder, label = 'kvgpu readback': Device with '' label of Buffer with 'hostile source'
+/// label doesn't match Device with 'kvgpu' label".
+#[test]
+#[ignore = "known defect in src/device.rs: read_buffer records a copy of a foreign buffer"]
+fn known_defect_read_buffer_of_a_foreign_buffer() {
+    let _serial = serial();
+    let g = gpu();
+    let foreign = buffer_on(&other_device().0, &[1, 2, 3, 4], USAGE);
+    let e = read_buffer(&g.device, &g.queue, &foreign, 0, 4).unwrap_err();
+    assert!(
+        matches!(e, Error::Device { .. } | Error::ForeignDevice { .. }),
+        "{e}"
+    );
+}
+
+/// `read_buffer(&device, &queue_of_another_device, &buffer, 0, 4)` panics inside wgpu: "In
+/// Queue::submit: Device with 'kvgpu' label of CommandBuffer with '' label doesn't match Device with ''
+/// label of Queue with '' label".
+#[test]
+#[ignore = "known defect in src/device.rs: read_buffer submits to a queue of another device"]
+fn known_defect_read_buffer_with_the_queue_of_another_device() {
+    let _serial = serial();
+    let g = gpu();
+    let b = buffer(&[1, 2, 3, 4], USAGE);
+    assert!(read_buffer(&g.device, &other_device().1, &b, 0, 4).is_err());
+}
+
+/// `read_buffer` of a buffer still mapped (`mapped_at_creation: true`) panics inside wgpu: "In
+/// Queue::submit: Buffer with 'mapped' label is still mapped".
+#[test]
+#[ignore = "known defect in src/device.rs: read_buffer of a mapped buffer"]
+fn known_defect_read_buffer_of_a_mapped_buffer() {
+    let _serial = serial();
+    let g = gpu();
+    let b = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("mapped"),
+        size: 16,
+        usage: USAGE,
+        mapped_at_creation: true,
+    });
+    assert!(read_buffer(&g.device, &g.queue, &b, 0, 4).is_err());
+}
+
+/// `read_buffer` of a destroyed buffer panics inside wgpu: "In Queue::submit: Buffer with 'hostile
+/// source' label has been destroyed".
+#[test]
+#[ignore = "known defect in src/device.rs: read_buffer of a destroyed buffer"]
+fn known_defect_read_buffer_of_a_destroyed_buffer() {
+    let _serial = serial();
+    let g = gpu();
+    let b = buffer(&[1, 2, 3, 4], USAGE);
+    b.destroy();
+    assert!(read_buffer(&g.device, &g.queue, &b, 0, 4).is_err());
+}
+
+/// A query buffer destroyed after one call (its bind group cached): the next `gqa` returns `Ok` and
+/// the submission panics inside wgpu: "In Queue::submit: In a dispatch command, indirect:false: Buffer
+/// with 'hostile source' label has been destroyed".
+#[test]
+#[ignore = "known defect in src/attention/record.rs: destroyed query buffers reach the queue"]
+fn known_defect_attention_with_a_destroyed_query_buffer() {
+    let _serial = serial();
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
+    append_random(&mut c, 0, 2, 1);
+    let mut att = Attention::for_cache(&c);
+    let q = f32_buffer(&values(3, 8), USAGE);
+    let out = f32_buffer(&[0.0; 8], USAGE);
+    let o = AttentionOptions::default();
+    att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o).unwrap();
+    q.destroy();
+    assert!(att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o).is_err());
+}
+
+/// An output buffer still mapped (`mapped_at_creation: true`): `gqa` returns `Ok` and the submission
+/// panics inside wgpu: "In Queue::submit: Buffer with 'mapped' label is still mapped".
+#[test]
+#[ignore = "known defect in src/attention/record.rs: mapped output buffers reach the queue"]
+fn known_defect_attention_with_a_mapped_output() {
+    let _serial = serial();
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
+    append_random(&mut c, 0, 2, 1);
+    let mut att = Attention::for_cache(&c);
+    let q = f32_buffer(&values(3, 8), USAGE);
+    let out = gpu().device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("mapped"),
+        size: 16,
+        usage: USAGE,
+        mapped_at_creation: true,
+    });
+    let o = AttentionOptions::default();
+    assert!(att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o).is_err());
+}
+
+/// One GQA call over two rows whose scores are -4 and -2 before scaling, against the twin.
+fn gqa_against_twin(options: AttentionOptions) -> (Vec<f32>, Vec<f32>) {
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
+    let (k, v) = ([-1.0f32; 4], values(5, 4));
+    let (k2, v2) = ([-0.5f32; 4], values(6, 4));
+    for (k, v) in [(&k, &v), (&k2, &v2)] {
+        c.append(
+            0,
+            &[HostSlab::f32(k, &[1, 1, 4]), HostSlab::f32(v, &[1, 1, 4])],
+        )
+        .unwrap();
+    }
+    let q_data = [1.0f32; 4];
+    let q = f32_buffer(&q_data, USAGE);
+    let out = f32_buffer(&[-7.0; 4], USAGE);
+    let mut att = Attention::for_cache(&c);
+    att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &options)
+        .unwrap();
+    let want = reference::attention_gqa(
+        &q_data,
+        [1, 1, 4],
+        &c.read_f32(0, 0).unwrap(),
+        &c.read_f32(0, 1).unwrap(),
+        1,
+        4,
+        &options,
+    );
+    (read_f32s(&out, 4), want)
+}
+
+/// A finite scale large enough that every scaled score of a query is below -1e30 is accepted, and the
+/// output is 0 instead of softmax · V: the kernels start their running max at `NEG = -1e30`
+/// (shaders/attention_partial.wgsl, attention_reduce.wgsl), so no row ever beats it. Scores -4 and -2
+/// with `scale: Some(1e30)`: GPU `[0, 0, 0, 0]`, twin V of row 1. The scale should be refused or the
+/// sentinel be -inf.
+#[test]
+#[ignore = "known defect in shaders/attention_*.wgsl: scores below -1e30 are dropped"]
+fn known_defect_attention_scale_that_pushes_scores_below_minus_1e30() {
+    let _serial = serial();
+    let (got, want) = gqa_against_twin(AttentionOptions {
+        scale: Some(1e30),
+        ..Default::default()
+    });
+    assert_eq!(mismatch(&got, &want), None, "gpu {got:?}, twin {want:?}");
+}
+
+/// A large finite soft-cap is accepted but the scores collapse to 0 (uniform attention):
+/// `tanh_safe(x) = (1 - e^-2|x|) / (1 + e^-2|x|)` (shaders/attention_partial.wgsl) is 0 for
+/// `|x| < ~6e-8`, where `tanh(x) ≈ x`. `soft_cap: Some(1e30)`, scores -2 and -1 after the default
+/// scale of 1/2: GPU the mean of the two V rows, twin softmax weights 0.27 / 0.73.
+#[test]
+#[ignore = "known defect in shaders/attention_partial.wgsl: tanh_safe underflows for small arguments"]
+fn known_defect_attention_soft_cap_so_large_that_tanh_underflows() {
+    let _serial = serial();
+    let (got, want) = gqa_against_twin(AttentionOptions {
+        soft_cap: Some(1e30),
+        ..Default::default()
+    });
+    assert_eq!(mismatch(&got, &want), None, "gpu {got:?}, twin {want:?}");
+}
+
+/// `SlotView::buffer` is a `&wgpu::Buffer`, and `wgpu::Buffer::destroy` takes `&self`: after
+/// `cache.full_view(0, 0)?.buffer.destroy()`, `cache.reset()` panics inside wgpu: "In Queue::submit:
+/// In a dispatch command, indirect:false: Buffer with 'kvgpu layer 0 k' label has been destroyed".
+/// (`reset` returns `()`, so it cannot refuse; the view may need to hand out less than the buffer.)
+#[test]
+#[ignore = "known defect in src/cache/slabs.rs: a view hands out the slot buffer, which the app can destroy"]
+fn known_defect_destroyed_slot_buffer() {
+    let _serial = serial();
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
+    append_random(&mut c, 0, 2, 1);
+    c.full_view(0, 0).unwrap().buffer.destroy();
+    let _ = c.truncate_and_scrub(0);
+    c.reset();
+    let _ = c.read_f32(0, 1);
+}
