@@ -181,7 +181,7 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         layers.push(l);
     }
     let mut run = Run {
-        attention: Attention::new(&gpu.device, &gpu.queue),
+        attention: Attention::new(&gpu.device, &gpu.queue)?,
         gpu,
         cache,
         layers,

@@ -23,8 +23,9 @@ override RPL: u32 = 2u;
 // Invocations per workgroup (TILE * RPL rows per tile) and most query heads per workgroup (HB <= HEADS).
 const TILE: u32 = 64u;
 const HEADS: u32 = 16u;
-// Running max before the first row: far below any finite score, and exp(NEG - m) is 0.
-const NEG: f32 = -1.0e30;
+// Running max before the first row: the lowest finite f32, at or below every finite score, and
+// exp(NEG - m) is 0 for any score m above it.
+const NEG: f32 = -3.40282347e38;
 
 
 // Group 0: the layer's slots (a bind group the cache owns); group 1: queries and scratch; group 2: the
@@ -197,11 +198,12 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
     }
 }
 
-// tanh that cannot overflow for large |x|.
+// tanh that cannot overflow for large |x| and keeps its precision for small |x| (where
+// (1 - t) / (1 + t) would round to 0, tanh(x) = x to within x^3 / 3).
 fn tanh_safe(x: f32) -> f32 {
     let t = exp(-2.0 * abs(x));
     let r = (1.0 - t) / (1.0 + t);
-    return select(r, -r, x < 0.0);
+    return select(select(r, -r, x < 0.0), x, abs(x) < 1.0e-4);
 }
 
 // Elements per stored word.
@@ -263,7 +265,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             for (var k = 0u; k < RPL; k++) {
                 rows[k] = t0 + min(lid + k * TILE, n - 1u);
             }
-            var acc: array<f32, 32>;
+            // Explicitly zeroed: Chromium 156 (Tint) keeps an uninitialised loop-local value from the
+            // previous iteration.
+            var acc = array<f32, 32>();
             dot_a(rows, kv * p.d_a, qa0, &acc);
             if p.d_b > 0u {
                 dot_b(rows, kv * p.d_b, qb0, &acc);
@@ -306,7 +310,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         }
         // Each invocation owns 4 consecutive output dims, so one score load feeds 4 multiply-adds.
         for (var d = 4u * lid; d < p.d_v; d += 4u * TILE) {
-            var acc: array<vec4<f32>, 16>;
+            var acc = array<vec4<f32>, 16>();
             let e = kv * p.d_v + d;
             let m = min(4u, p.d_v - d);
             for (var t = 0u; t < n; t++) {

@@ -1,7 +1,8 @@
 // Attention, pass 2 of 2: merges the per-chunk partials of attention_partial.wgsl into the output.
 // One workgroup per (head, query); chunks that saw no row of the query (sum 0) are skipped.
 
-const NEG: f32 = -1.0e30;
+// The lowest finite f32, as in attention_partial.wgsl.
+const NEG: f32 = -3.40282347e38;
 
 @group(0) @binding(0) var<storage, read> stats: array<f32>;
 @group(0) @binding(1) var<storage, read> part: array<f32>;

@@ -66,7 +66,10 @@ pub(crate) fn row_elems(trailing: &[usize]) -> Option<usize> {
 
 /// Bytes of one stored row: elements times element size, padded up to a 4-byte word.
 pub(crate) fn padded_row_bytes(elems: usize, dtype: DType) -> u64 {
-    (elems as u64 * dtype.size() as u64).div_ceil(4) * 4
+    (elems as u64)
+        .saturating_mul(dtype.size() as u64)
+        .div_ceil(4)
+        .saturating_mul(4)
 }
 
 /// Host data for one slab: f32 (converted to the storage type) or data already in the storage type.

@@ -212,6 +212,14 @@ pub async fn read_buffer_async(
             buffer.size()
         ));
     }
+    if crate::kernels::is_mapped(buffer) {
+        return refuse(
+            "cannot read back a buffer that is mapped for the host; unmap it first".into(),
+        );
+    }
+    if !crate::kernels::queue_belongs_to(device, queue) {
+        return Err(Error::QueueMismatch);
+    }
     read_range(device, queue, buffer, offset, size)
         .await
         .map_err(|reason| Error::Device { reason })
@@ -246,11 +254,19 @@ pub(crate) async fn read_range(
         usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
-    let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-        label: Some("kvgpu readback"),
+    // Recorded in an error scope, so a buffer of another device is an error here, not a wgpu panic
+    // (or a silent zero read inside an error scope of the app's).
+    let (commands, error) = crate::kernels::scoped(device, || {
+        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("kvgpu readback"),
+        });
+        encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
+        encoder.finish()
     });
-    encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
-    queue.submit([encoder.finish()]);
+    if let Some(e) = error {
+        return Err(format!("wgpu refused the copy: {e}"));
+    }
+    queue.submit([commands]);
     let (tx, rx) = oneshot();
     staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
     #[cfg(not(target_arch = "wasm32"))]

@@ -176,6 +176,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// A queue handed in with a device belongs to another device.
+    #[error("the queue belongs to another device than the one it was given with")]
+    QueueMismatch,
+
     /// The device failed an operation that is not about one slot: a readback of an app's buffer, a
     /// lost device, a poll that timed out.
     #[error("device error: {reason}")]
@@ -268,6 +272,9 @@ pub enum SourceProblem {
         usage: wgpu::BufferUsages,
         why: CopyBlocker,
     },
+    /// The buffer is mapped (or being mapped) for the host; the GPU cannot use it until it is unmapped.
+    #[error("the buffer is mapped for the host; unmap it first")]
+    Mapped,
     /// More non-contiguous trailing axes than the slab-write kernel walks.
     #[error("{axes} non-contiguous trailing axes; at most {max} are supported")]
     TooManyAxes { axes: usize, max: usize },
@@ -326,6 +333,10 @@ pub enum SpecProblem {
         trailing: Vec<usize>,
         max_seq_len: usize,
     },
+    #[error("the {n_layers} layers x {max_seq_len} rows come to more bytes than kvgpu can count")]
+    TotalTooLarge { n_layers: usize, max_seq_len: usize },
+    #[error("{n_layers} layers; at most {max} are supported")]
+    TooManyLayers { n_layers: usize, max: usize },
     #[error("unknown preset {name:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid")]
     UnknownPreset { name: String },
 }
@@ -345,8 +356,10 @@ pub enum BufferProblem {
         bytes: u64,
         limit: u64,
     },
-    #[error("it is one of the layer's own slot buffers")]
+    #[error("it is one of the cache's own slot buffers")]
     IsSlot,
+    #[error("it is mapped for the host; unmap it first")]
+    Mapped,
 }
 
 /// Why an attention call is refused ([`Error::AttentionRequest`]).

@@ -569,8 +569,8 @@ mod tests {
     #[test]
     #[cfg(target_pointer_width = "64")]
     fn a_model_too_large_to_allocate_has_no_words() {
-        // 2^59 rows of one f32: a valid spec (2^61 bytes), far beyond any address space.
-        let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1, 1)], DType::F32, 1 << 59).unwrap();
+        // 2^58 rows of two one-f32 slots: a valid spec (2^61 bytes), far beyond any address space.
+        let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1, 1)], DType::F32, 1 << 58).unwrap();
         let mut m = CpuCache::new(&spec);
         assert_eq!(m.words[0].len(), 2);
         assert!(m.words[0].iter().all(Vec::is_empty));

@@ -94,6 +94,9 @@ pub struct CacheSpec {
     max_seq_len: usize,
 }
 
+/// Most layers [`CacheSpec::uniform`] builds (real models have at most a few hundred).
+pub const MAX_LAYERS: usize = 1 << 16;
+
 impl CacheSpec {
     /// Checks the description and builds it: at least one layer, one slot somewhere, non-zero capacity,
     /// no zero-sized trailing dimension, and byte sizes that fit in `u64`.
@@ -120,10 +123,12 @@ impl CacheSpec {
                         trailing: slot.trailing.clone(),
                     });
                 }
+                // Rows of at most u32::MAX elements, so that row bytes fit u64 before anything multiplies.
                 let too_large = row_elems(&slot.trailing)
+                    .filter(|&e| e <= u32::MAX as usize)
                     .and_then(|e| padded_row_bytes(e, dtype).checked_mul(max_seq_len as u64))
                     .is_none_or(|bytes| bytes > u64::MAX / 4);
-                if too_large || row_elems(&slot.trailing).is_none_or(|e| e > u32::MAX as usize) {
+                if too_large {
                     return invalid(SpecProblem::TooLarge {
                         layer: l,
                         slot: s,
@@ -133,6 +138,18 @@ impl CacheSpec {
                     });
                 }
             }
+        }
+        let total = layers
+            .iter()
+            .flat_map(|l| &l.slots)
+            .try_fold(0u64, |acc, s| {
+                acc.checked_add(padded_row_bytes(s.row_elems(), dtype) * max_seq_len as u64)
+            });
+        if total.is_none_or(|t| t > u64::MAX / 4) {
+            return invalid(SpecProblem::TotalTooLarge {
+                n_layers: layers.len(),
+                max_seq_len,
+            });
         }
         Ok(Self {
             layers,
@@ -148,6 +165,14 @@ impl CacheSpec {
         dtype: DType,
         max_seq_len: usize,
     ) -> Result<Self> {
+        if n_layers > MAX_LAYERS {
+            return Err(Error::InvalidSpec {
+                problem: SpecProblem::TooManyLayers {
+                    n_layers,
+                    max: MAX_LAYERS,
+                },
+            });
+        }
         Self::new(vec![layer; n_layers], dtype, max_seq_len)
     }
 

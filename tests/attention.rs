@@ -8,13 +8,15 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
+#[path = "common/shared.rs"]
+mod shared;
 
 use common::*;
 use kvgpu::reference;
 use kvgpu::*;
 use wgpu::util::DeviceExt;
 
-const TOL: f32 = 1e-5;
+use shared::TOL;
 
 /// Runs the tests of this file one at a time: on OpenGL every thread shares one context lock, which
 /// wgpu gives up on after 6 s, and a loaded software adapter can hold it that long for another thread.
@@ -128,7 +130,7 @@ fn check_gqa(att: &mut Attention, case: Gqa, dtype: DType, seed: u64) -> f32 {
 fn gqa_matches_the_reference_for_every_dtype() {
     let _serial = serial();
     let g = gpu();
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     #[rustfmt::skip]
     let cases = [
         // MHA, a single visible row.
@@ -162,7 +164,7 @@ fn gqa_matches_the_reference_for_every_dtype() {
 fn attention_over_4096_rows_splits_the_sequence() {
     let _serial = serial();
     let g = gpu();
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     #[rustfmt::skip]
     let cases = [
         Gqa { n_kv: 1, group: 8, d_k: 128, d_v: 128, visible: 4096, n_q: 1, window: None, soft_cap: None },
@@ -231,7 +233,7 @@ fn check_mla(att: &mut Attention, case: Mla, dtype: DType, seed: u64) -> f32 {
 fn mla_matches_the_reference_for_every_dtype() {
     let _serial = serial();
     let g = gpu();
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     #[rustfmt::skip]
     let cases = [
         Mla { n_heads: 16, visible: 1, n_q: 1, window: None, soft_cap: None },
@@ -251,7 +253,7 @@ fn many_queries_over_2048_rows_of_deepseek_v2_lite_mla() {
     // 16 queries over 2,048 rows with DeepSeek-V2-Lite's shapes: off by 0.099 on lavapipe while one
     // workgroup walked the whole context past Mesa's loop limit.
     let _serial = serial();
-    let mut att = Attention::new(&gpu().device, &gpu().queue);
+    let mut att = Attention::new(&gpu().device, &gpu().queue).unwrap();
     let case = Mla {
         n_heads: 16,
         visible: 2048,
@@ -281,7 +283,7 @@ fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
     let _serial = serial();
     let g = gpu();
     let (n_kv, group, d, n_q) = (1, 4, 64, 16);
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     for dtype in [DType::F32, DType::BF16] {
         let row_bytes = (n_kv * d * dtype.size()) as u64;
         let visible = (g.limits().max_slot_bytes() / row_bytes) as usize;
@@ -339,7 +341,7 @@ fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
 fn attention_sees_the_rows_left_by_truncate_and_reset() {
     let _serial = serial();
     let g = gpu();
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     for_each_dtype(|dtype| {
         let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(2, 64, 64)], dtype, 256).unwrap());
         let (n_q, n_heads) = (3, 4);
@@ -383,7 +385,7 @@ fn attention_sees_the_rows_left_by_truncate_and_reset() {
 fn many_calls_with_different_parameters_share_one_encoder() {
     let _serial = serial();
     let g = gpu();
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     let layers = vec![
         LayerSpec::kv(2, 64, 64),
         LayerSpec::empty(),
@@ -452,7 +454,7 @@ fn many_calls_with_different_parameters_share_one_encoder() {
 fn bad_requests_are_refused_and_change_nothing() {
     let _serial = serial();
     let g = gpu();
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     let layers = vec![
         LayerSpec::kv(2, 8, 8),
         LayerSpec::empty(),
@@ -696,7 +698,7 @@ fn buffers_and_caches_of_another_device_are_refused() {
         });
     let q = storage(&d);
     let out = output(8);
-    let mut att = Attention::new(&g.device, &g.queue);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     let e = att
         .gqa(
             &c,
@@ -717,7 +719,7 @@ fn buffers_and_caches_of_another_device_are_refused() {
         )
         .unwrap_err();
     assert!(matches!(e, Error::ForeignDevice { layer: 0, .. }), "{e}");
-    let mut elsewhere = Attention::new(&other.device, &other.queue);
+    let mut elsewhere = Attention::new(&other.device, &other.queue).unwrap();
     let e = elsewhere
         .gqa(
             &c,

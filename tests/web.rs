@@ -385,7 +385,7 @@ async fn slot_beyond_the_device_limit_is_refused() {
     ] {
         let fit = (limits.max_slot_bytes() / row_bytes) as usize;
         let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, fit + 1).unwrap();
-        let err = KvCache::with_kernels(Kernels::new(device, queue), spec.clone())
+        let err = KvCache::with_kernels(Kernels::new(device, queue).unwrap(), spec.clone())
             .expect_err("a slot larger than one binding is refused");
         assert!(
             matches!(err, Error::SlotTooLarge { max_capacity, .. } if max_capacity == fit),

@@ -115,10 +115,11 @@ impl std::fmt::Debug for Attention {
 }
 
 impl Attention {
-    /// Attention on `device`, whose commands go through `queue` (the pair `request_device` returned),
-    /// with a kernel registry of its own. Prefer [`Attention::for_cache`], which shares the cache's.
-    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Self {
-        Self::with_kernels(Kernels::new(device, queue))
+    /// Attention on `device`, whose commands go through `queue` (the pair `request_device` returned;
+    /// a queue of another device is refused with [`Error::QueueMismatch`]), with a kernel registry of
+    /// its own. Prefer [`Attention::for_cache`], which shares the cache's.
+    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Result<Self> {
+        Ok(Self::with_kernels(Kernels::new(device, queue)?))
     }
 
     /// Attention on the cache's own device, sharing its kernel registry.

@@ -146,6 +146,13 @@ impl Attention {
                 .try_fold(4u64, |acc, &d| acc.checked_mul(d as u64))
                 .unwrap_or(u64::MAX);
             let usage = buffer.usage();
+            if crate::kernels::is_mapped(buffer) {
+                return Err(Error::AttentionBuffer {
+                    layer,
+                    which,
+                    problem: BufferProblem::Mapped,
+                });
+            }
             if !usage.contains(wgpu::BufferUsages::STORAGE) {
                 return Err(Error::AttentionBuffer {
                     layer,
@@ -184,7 +191,7 @@ impl Attention {
             check("q_rope", q.buffer, q.shape)?;
         }
         check("output", out, [n_q, n_heads, job.d_v])?;
-        if [slot_a.buffer, slot_b.buffer, slot_v.buffer].contains(&out) {
+        if cache.owns_buffer(out) {
             return Err(Error::AttentionBuffer {
                 layer,
                 which: "output",

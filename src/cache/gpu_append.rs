@@ -28,6 +28,7 @@ impl KvCache {
                     buffer_size: slab.buffer.size(),
                     usage: slab.buffer.usage(),
                     is_destination: slab.buffer == &sb.buffer,
+                    mapped: crate::kernels::is_mapped(slab.buffer),
                     dtype: slab.dtype,
                     offset: slab.offset,
                     shape: slab.shape,

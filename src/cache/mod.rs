@@ -84,7 +84,7 @@ impl KvCache {
     /// Allocates a zeroed cache for `spec` on `device`, whose commands go through `queue` (the pair
     /// `request_device` returned), after checking every slot against the device's limits.
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue, spec: CacheSpec) -> Result<Self> {
-        Self::with_kernels(Kernels::new(device, queue), spec)
+        Self::with_kernels(Kernels::new(device, queue)?, spec)
     }
 
     /// [`KvCache::new`] with the kernel registry of its device (`other.kernels().clone()`, or
@@ -187,6 +187,11 @@ impl KvCache {
     /// [`crate::Attention`] of the same device.
     pub fn kernels(&self) -> &Arc<Kernels> {
         &self.kernels
+    }
+
+    /// Whether `buffer` is one of this cache's slot buffers (of any layer).
+    pub(crate) fn owns_buffer(&self, buffer: &wgpu::Buffer) -> bool {
+        self.slots.iter().flatten().any(|sb| &sb.buffer == buffer)
     }
 
     /// The bind group of `layer`'s slots that attention of `kind` reads (group 0 of

@@ -14,6 +14,8 @@ pub(crate) struct Source<'a> {
     pub usage: wgpu::BufferUsages,
     /// The source buffer is the destination slot's own buffer.
     pub is_destination: bool,
+    /// The source buffer is mapped (or being mapped) for the host.
+    pub mapped: bool,
     pub dtype: DType,
     pub offset: u64,
     pub shape: &'a [usize],
@@ -103,6 +105,9 @@ pub(crate) fn plan_source(
     }
     if src.is_destination {
         return Err(layout_err(SourceProblem::IsDestination));
+    }
+    if src.mapped {
+        return Err(layout_err(SourceProblem::Mapped));
     }
     if n_new == 0 || src.shape.contains(&0) {
         return Ok(SourceJob::Nothing);
@@ -246,6 +251,7 @@ mod tests {
             buffer_size: size,
             usage: BOTH,
             is_destination: false,
+            mapped: false,
             dtype,
             offset,
             shape,

@@ -10,6 +10,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::codec::DType;
+use crate::error::{Error, Result};
 
 pub(crate) use groups::GroupCache;
 pub(crate) use params::{
@@ -166,8 +167,12 @@ impl fmt::Debug for Kernels {
 
 impl Kernels {
     /// The registry of `device`, whose commands go through `queue` (its own queue: the pair that
-    /// `request_device` returned). Compiles the zeroing kernel now, every other variant on first use.
-    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Arc<Kernels> {
+    /// `request_device` returned; a queue of another device is refused with [`Error::QueueMismatch`]).
+    /// Compiles the zeroing kernel now, every other variant on first use.
+    pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Result<Arc<Kernels>> {
+        if !queue_belongs_to(device, queue) {
+            return Err(Error::QueueMismatch);
+        }
         let params_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("kvgpu params"),
             entries: &[wgpu::BindGroupLayoutEntry {
@@ -196,7 +201,7 @@ impl Kernels {
             wgsl::SLAB_WRITE,
             &[&write_layout, &params_layout],
         );
-        Arc::new(Self {
+        Ok(Arc::new(Self {
             device: device.clone(),
             queue: queue.clone(),
             cpu: device.adapter_info().device_type == wgpu::DeviceType::Cpu,
@@ -214,7 +219,7 @@ impl Kernels {
             write,
             write_pipelines: Mutex::new(HashMap::new()),
             attention: OnceLock::new(),
-        })
+        }))
     }
 
     /// The device these pipelines belong to.
@@ -335,6 +340,29 @@ impl Kernels {
     pub(crate) fn attention_reduce(&self) -> &wgpu::ComputePipeline {
         &self.attention().reduce
     }
+}
+
+/// Whether `queue` is `device`'s own queue. wgpu offers no way to ask, and a command of one device on the
+/// queue of another is a validation error of the queue's device, which no error scope of `device` can
+/// catch. So: a work-done callback registered on the queue runs when its own device is polled, and
+/// polling `device` until idle runs it only if the queue is `device`'s. (In the browser there is no
+/// poll; the pair is taken as given.)
+pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bool {
+    if cfg!(target_arch = "wasm32") {
+        return true;
+    }
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = done.clone();
+    queue.on_submitted_work_done(move || flag.store(true, std::sync::atomic::Ordering::Release));
+    // A poll that fails (a lost device) leaves the flag unset: the pair is refused.
+    let _ = device.poll(wgpu::PollType::wait_indefinitely());
+    done.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Whether `buffer` is mapped for the host (wgpu 30 has no `map_state`: a read view of the whole
+/// buffer can be made only while it is mapped). A mapping still pending is not seen.
+pub(crate) fn is_mapped(buffer: &wgpu::Buffer) -> bool {
+    buffer.size().is_multiple_of(4) && buffer.size() > 0 && buffer.get_mapped_range(..).is_ok()
 }
 
 /// Runs `f` inside a validation error scope of `device` and returns what it made, with the error wgpu

@@ -170,7 +170,7 @@ fn one_slot(kernels: &std::sync::Arc<Kernels>, row: usize, dtype: DType, cap: us
 /// is refused with `SourceWordTail` before anything is recorded, changing nothing, while a valid append
 /// to another cache recorded earlier in the same encoder survives.
 pub async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording(g: &Gpu) {
-    let kernels = Kernels::new(&g.device, &g.queue);
+    let kernels = Kernels::new(&g.device, &g.queue).unwrap();
     for dtype in [DType::F16, DType::BF16] {
         let mut bad_cache = one_slot(&kernels, 3, dtype, 4);
         let mut good_cache = one_slot(&kernels, 3, dtype, 4);
@@ -244,7 +244,7 @@ pub async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording(g:
 /// with, word for word against the CPU model.
 pub async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(g: &Gpu) {
     let n = 4100;
-    let kernels = Kernels::new(&g.device, &g.queue);
+    let kernels = Kernels::new(&g.device, &g.queue).unwrap();
     let mut c = one_slot(&kernels, 3, DType::F16, n);
     let mut m = CpuCache::new(c.spec());
     let src: Vec<u32> = values(9, 64).iter().map(|x| x.to_bits()).collect();
@@ -276,7 +276,7 @@ pub async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_paramet
 /// 16-byte boundaries (row stride 8): the path that moves whole 16-byte vectors must leave the padding
 /// half of every row zero. The whole buffer is compared with the CPU twin.
 pub async fn the_16_byte_path_leaves_the_padding_half_zero(g: &Gpu) {
-    let kernels = Kernels::new(&g.device, &g.queue);
+    let kernels = Kernels::new(&g.device, &g.queue).unwrap();
     for dtype in [DType::F16, DType::BF16] {
         let n = 5;
         let mut c = one_slot(&kernels, 7, dtype, 8);
