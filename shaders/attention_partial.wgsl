@@ -109,7 +109,28 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         base[k] = rows[k] * p.row_words_a;
     }
     if DTYPE == F32 {
-        for (var e = 0u; e < d; e++) {
+        // Four elements per step (so a step's loop iterations serve four elements), then the rest.
+        let d4 = d & ~3u;
+        for (var e = 0u; e < d4; e += 4u) {
+            var x: array<vec4<f32>, 8>;
+            for (var k = 0u; k < RPL; k++) {
+                let at = base[k] + e0 + e;
+                x[k] = vec4<f32>(
+                    bitcast<f32>(slot_a[at]),
+                    bitcast<f32>(slot_a[at + 1u]),
+                    bitcast<f32>(slot_a[at + 2u]),
+                    bitcast<f32>(slot_a[at + 3u]),
+                );
+            }
+            for (var h = 0u; h < HB; h++) {
+                let at = q0 + h * d + e;
+                let q = vec4<f32>(q_a[at], q_a[at + 1u], q_a[at + 2u], q_a[at + 3u]);
+                for (var k = 0u; k < RPL; k++) {
+                    (*acc)[k * HB + h] += dot(q, x[k]);
+                }
+            }
+        }
+        for (var e = d4; e < d; e++) {
             var x: array<f32, 8>;
             for (var k = 0u; k < RPL; k++) {
                 x[k] = bitcast<f32>(slot_a[base[k] + e0 + e]);
@@ -123,8 +144,25 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
+    // Packed words, two per step (four elements), then a last single word.
     let w_end = (e0 + d + 1u) >> 1u;
-    for (var w = e0 >> 1u; w < w_end; w++) {
+    var w = e0 >> 1u;
+    for (; w + 1u < w_end; w += 2u) {
+        var x: array<vec4<f32>, 8>;
+        for (var k = 0u; k < RPL; k++) {
+            let w0 = slot_a[base[k] + w];
+            let w1 = slot_a[base[k] + w + 1u];
+            x[k] = vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
+        }
+        for (var h = 0u; h < HB; h++) {
+            let q = vec4<f32>(q_elem_a(q0 + h * d, e0, d, 2u * w), q_elem_a(q0 + h * d, e0, d, 2u * w + 1u),
+                q_elem_a(q0 + h * d, e0, d, 2u * w + 2u), q_elem_a(q0 + h * d, e0, d, 2u * w + 3u));
+            for (var k = 0u; k < RPL; k++) {
+                (*acc)[k * HB + h] += dot(q, x[k]);
+            }
+        }
+    }
+    if w < w_end {
         var lo: array<f32, 8>;
         var hi: array<f32, 8>;
         for (var k = 0u; k < RPL; k++) {
@@ -132,22 +170,23 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             lo[k] = half_at(word, false);
             hi[k] = half_at(word, true);
         }
-        let i = 2u * w;
         for (var h = 0u; h < HB; h++) {
-            // The query elements of the low and high halves (0 outside [e0, e0 + d)).
-            var ql = 0.0;
-            var qh = 0.0;
-            if i >= e0 {
-                ql = q_a[q0 + h * d + i - e0];
-            }
-            if i + 1u < e0 + d {
-                qh = q_a[q0 + h * d + i + 1u - e0];
-            }
+            let ql = q_elem_a(q0 + h * d, e0, d, 2u * w);
+            let qh = q_elem_a(q0 + h * d, e0, d, 2u * w + 1u);
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
             }
         }
     }
+}
+
+// The query element for stored element `i` of a row whose slice starts at element e0 (0 outside
+// [e0, e0 + d)).
+fn q_elem_a(q: u32, e0: u32, d: u32, i: u32) -> f32 {
+    if i >= e0 && i < e0 + d {
+        return q_a[q + i - e0];
+    }
+    return 0.0;
 }
 
 // As dot_a, for q_b and slot b.
@@ -158,7 +197,28 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         base[k] = rows[k] * p.row_words_b;
     }
     if DTYPE == F32 {
-        for (var e = 0u; e < d; e++) {
+        // Four elements per step (so a step's loop iterations serve four elements), then the rest.
+        let d4 = d & ~3u;
+        for (var e = 0u; e < d4; e += 4u) {
+            var x: array<vec4<f32>, 8>;
+            for (var k = 0u; k < RPL; k++) {
+                let at = base[k] + e0 + e;
+                x[k] = vec4<f32>(
+                    bitcast<f32>(slot_b[at]),
+                    bitcast<f32>(slot_b[at + 1u]),
+                    bitcast<f32>(slot_b[at + 2u]),
+                    bitcast<f32>(slot_b[at + 3u]),
+                );
+            }
+            for (var h = 0u; h < HB; h++) {
+                let at = q0 + h * d + e;
+                let q = vec4<f32>(q_b[at], q_b[at + 1u], q_b[at + 2u], q_b[at + 3u]);
+                for (var k = 0u; k < RPL; k++) {
+                    (*acc)[k * HB + h] += dot(q, x[k]);
+                }
+            }
+        }
+        for (var e = d4; e < d; e++) {
             var x: array<f32, 8>;
             for (var k = 0u; k < RPL; k++) {
                 x[k] = bitcast<f32>(slot_b[base[k] + e0 + e]);
@@ -172,8 +232,25 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
+    // Packed words, two per step (four elements), then a last single word.
     let w_end = (e0 + d + 1u) >> 1u;
-    for (var w = e0 >> 1u; w < w_end; w++) {
+    var w = e0 >> 1u;
+    for (; w + 1u < w_end; w += 2u) {
+        var x: array<vec4<f32>, 8>;
+        for (var k = 0u; k < RPL; k++) {
+            let w0 = slot_b[base[k] + w];
+            let w1 = slot_b[base[k] + w + 1u];
+            x[k] = vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
+        }
+        for (var h = 0u; h < HB; h++) {
+            let q = vec4<f32>(q_elem_b(q0 + h * d, e0, d, 2u * w), q_elem_b(q0 + h * d, e0, d, 2u * w + 1u),
+                q_elem_b(q0 + h * d, e0, d, 2u * w + 2u), q_elem_b(q0 + h * d, e0, d, 2u * w + 3u));
+            for (var k = 0u; k < RPL; k++) {
+                (*acc)[k * HB + h] += dot(q, x[k]);
+            }
+        }
+    }
+    if w < w_end {
         var lo: array<f32, 8>;
         var hi: array<f32, 8>;
         for (var k = 0u; k < RPL; k++) {
@@ -181,21 +258,23 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             lo[k] = half_at(word, false);
             hi[k] = half_at(word, true);
         }
-        let i = 2u * w;
         for (var h = 0u; h < HB; h++) {
-            var ql = 0.0;
-            var qh = 0.0;
-            if i >= e0 {
-                ql = q_b[q0 + h * d + i - e0];
-            }
-            if i + 1u < e0 + d {
-                qh = q_b[q0 + h * d + i + 1u - e0];
-            }
+            let ql = q_elem_b(q0 + h * d, e0, d, 2u * w);
+            let qh = q_elem_b(q0 + h * d, e0, d, 2u * w + 1u);
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
             }
         }
     }
+}
+
+// The query element for stored element `i` of a row whose slice starts at element e0 (0 outside
+// [e0, e0 + d)).
+fn q_elem_b(q: u32, e0: u32, d: u32, i: u32) -> f32 {
+    if i >= e0 && i < e0 + d {
+        return q_b[q + i - e0];
+    }
+    return 0.0;
 }
 
 // tanh that cannot overflow for large |x| and keeps its precision for small |x| (where

@@ -102,9 +102,14 @@ pub(crate) fn pass1_iterations_per_tile(
             return 0;
         }
         let steps = match dtype {
-            DType::F32 => d,
-            // Packed words, one more when the slice starts on an odd element.
-            _ => d.div_ceil(2) + 1,
+            // Four elements per step, then one per step.
+            DType::F32 => d / 4 + d % 4,
+            // Packed words (one more when the slice starts on an odd element), two per step, then
+            // one.
+            _ => {
+                let words = d.div_ceil(2) + 1;
+                words / 2 + words % 2
+            }
         };
         rpl + steps * step
     };
