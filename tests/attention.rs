@@ -8,15 +8,11 @@
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
-#[path = "common/shared.rs"]
-mod shared;
 
 use common::*;
 use kvgpu::reference;
 use kvgpu::*;
 use wgpu::util::DeviceExt;
-
-use shared::TOL;
 
 /// Runs the tests of this file one at a time: on OpenGL every thread shares one context lock, which
 /// wgpu gives up on after 6 s, and a loaded software adapter can hold it that long for another thread.
@@ -47,21 +43,6 @@ fn read(buffer: &wgpu::Buffer) -> Vec<f32> {
     let g = gpu();
     let bytes = kvgpu::read_buffer(&g.device, &g.queue, buffer, 0, buffer.size()).unwrap();
     bytemuck::pod_collect_to_vec(&bytes)
-}
-
-/// Largest `|got - want| / (1 + |want|)`, after checking it is within the tolerance.
-fn assert_close(got: &[f32], want: &[f32], what: &str) -> f32 {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let mut worst = 0f32;
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let err = (g - w).abs() / (1.0 + w.abs());
-        assert!(
-            err <= TOL,
-            "{what}: element {i}: gpu {g} vs cpu {w} (scaled error {err:e} > {TOL:e})"
-        );
-        worst = worst.max(err);
-    }
-    worst
 }
 
 /// A one-layer cache with `visible` rows: `visible - n_q` committed, then `n_q` appended this step.
@@ -253,87 +234,28 @@ fn many_queries_over_2048_rows_of_deepseek_v2_lite_mla() {
     // 16 queries over 2,048 rows with DeepSeek-V2-Lite's shapes: off by 0.099 on lavapipe while one
     // workgroup walked the whole context past Mesa's loop limit.
     let _serial = serial();
-    let mut att = Attention::new(&gpu().device, &gpu().queue).unwrap();
-    let case = Mla {
-        n_heads: 16,
-        visible: 2048,
-        n_q: 16,
-        window: None,
-        soft_cap: None,
-    };
     for_each_dtype(|dtype| {
-        check_mla(&mut att, case, dtype, 80);
+        pollster::block_on(shared::deepseek_v2_lite_mla_matches_the_reference(
+            gpu(),
+            dtype,
+            2048,
+            16,
+        ));
     });
-}
-
-/// Rows `r` of `[0, n)` whose bit `e` is set.
-fn ones_below(n: usize, e: usize) -> usize {
-    if e >= 40 {
-        return 0;
-    }
-    let period = 2usize << e;
-    n / period * (period / 2) + (n % period).saturating_sub(period / 2)
 }
 
 #[test]
 fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
-    // The worst case for the loop limit: 16 queries over as many rows as one 128 MiB slot holds
-    // (K = 0 so every visible row weighs the same; V's element e is bit e of the row index, so the
-    // output is the share of a query's rows with that bit set, and every dropped tile shows).
+    // The worst case for the loop limit: 16 queries over as many rows as one slot of the device's
+    // binding limit holds (128 MiB on llvmpipe and lavapipe), K = 0 and V's element e bit e of the row
+    // index, so every dropped tile shows (see the shared body).
     let _serial = serial();
     let g = gpu();
-    let (n_kv, group, d, n_q) = (1, 4, 64, 16);
-    let mut att = Attention::new(&g.device, &g.queue).unwrap();
     for dtype in [DType::F32, DType::BF16] {
-        let row_bytes = (n_kv * d * dtype.size()) as u64;
-        let visible = (g.limits().max_slot_bytes() / row_bytes) as usize;
-        let spec = CacheSpec::new(vec![LayerSpec::kv(n_kv, d, d)], dtype, visible).unwrap();
-        let mut c = cache(spec);
-        let zeros = vec![0f32; 16_384 * d];
-        let mut v = vec![0f32; 16_384 * d];
-        let mut row = 0;
-        while row < visible {
-            let n = 16_384.min(visible - row);
-            for (i, x) in v[..n * d].iter_mut().enumerate() {
-                *x = ((row + i / d) >> (i % d) & 1) as f32;
-            }
-            let shape = [n, n_kv, d];
-            c.append(
-                0,
-                &[
-                    HostSlab::f32(&zeros[..n * d], &shape),
-                    HostSlab::f32(&v[..n * d], &shape),
-                ],
-            )
-            .unwrap();
-            c.advance(n).unwrap();
-            row += n;
-        }
-        let n_heads = n_kv * group;
-        let qb = storage(&values(5, n_q * n_heads * d));
-        let out = output(n_q * n_heads * d);
-        att.gqa(
-            &c,
-            0,
-            Queries::new(&qb, n_q, n_heads, d),
-            &out,
-            &Default::default(),
-        )
-        .unwrap();
-        let got = read(&out);
-        for qi in 0..n_q {
-            let seen = visible - n_q + qi + 1;
-            for h in 0..n_heads {
-                for e in 0..d {
-                    let want = ones_below(seen, e) as f64 / seen as f64;
-                    let g = got[(qi * n_heads + h) * d + e] as f64;
-                    assert!(
-                        (g - want).abs() <= 1e-5 * (1.0 + want),
-                        "{dtype}, {visible} rows: query {qi} head {h} element {e}: {g} vs {want}"
-                    );
-                }
-            }
-        }
+        let visible = (g.limits().max_slot_bytes() / (64 * dtype.size()) as u64) as usize;
+        pollster::block_on(shared::many_queries_over_a_long_context_see_every_row(
+            g, dtype, visible,
+        ));
     }
 }
 

@@ -65,3 +65,43 @@ fn caches_of_two_instances_and_caches_sharing_pipelines() {
         assert_eq!(c.read_f32(0, 0).unwrap(), vec![i as f32 + 1.0; 4]);
     }
 }
+
+#[test]
+fn caches_made_on_many_threads_at_once_are_never_refused_their_own_queue() {
+    use kvgpu::{CacheSpec, DType, HostSlab, KvCache, LayerSpec};
+    // Each new registry checks that the queue is the device's own by polling the device; other
+    // threads polling and submitting at the same time must not make that check fail.
+    let gpu = Gpu::from_env_blocking().unwrap();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 8).unwrap();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        // A thread of the app polling the device all the while.
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = gpu.device.poll(wgpu::PollType::Poll);
+            }
+        });
+        let makers: Vec<_> = (0..4)
+            .map(|t| {
+                let (gpu, spec) = (&gpu, spec.clone());
+                s.spawn(move || {
+                    for i in 0..10 {
+                        let mut c = KvCache::new(&gpu.device, &gpu.queue, spec.clone())
+                            .unwrap_or_else(|e| panic!("thread {t}, cache {i}: {e}"));
+                        let x = vec![t as f32; 4];
+                        c.append(
+                            0,
+                            &[HostSlab::f32(&x, &[1, 1, 4]), HostSlab::f32(&x, &[1, 1, 4])],
+                        )
+                        .unwrap();
+                        c.reset();
+                    }
+                })
+            })
+            .collect();
+        for m in makers {
+            m.join().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+}

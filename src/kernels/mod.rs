@@ -351,12 +351,22 @@ pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bo
     if cfg!(target_arch = "wasm32") {
         return true;
     }
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let done = Arc::new(AtomicBool::new(false));
     let flag = done.clone();
-    queue.on_submitted_work_done(move || flag.store(true, std::sync::atomic::Ordering::Release));
-    // A poll that fails (a lost device) leaves the flag unset: the pair is refused.
-    let _ = device.poll(wgpu::PollType::wait_indefinitely());
-    done.load(std::sync::atomic::Ordering::Acquire)
+    queue.on_submitted_work_done(move || flag.store(true, Ordering::Release));
+    // Another thread polling the same device may have taken the callback and not yet run it when our
+    // poll returns: look a few more times before refusing (only a mismatched pair waits them out). A
+    // poll that fails (a lost device) leaves the flag unset: the pair is refused.
+    for attempt in 0..50 {
+        let _ = device.poll(wgpu::PollType::wait_indefinitely());
+        if done.load(Ordering::Acquire) {
+            return true;
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        std::thread::sleep(std::time::Duration::from_millis(attempt.min(4)));
+    }
+    false
 }
 
 /// Whether `buffer` is mapped for the host (wgpu 30 has no `map_state`: a read view of the whole

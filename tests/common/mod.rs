@@ -4,7 +4,10 @@
 
 use std::sync::OnceLock;
 
-use kvgpu::{CacheSpec, DType, Gpu, HostSlab, KvCache};
+#[path = "shared.rs"]
+pub mod shared;
+
+use kvgpu::{CacheSpec, DType, Gpu, KvCache};
 
 pub fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
@@ -25,46 +28,12 @@ pub fn cache(spec: CacheSpec) -> KvCache {
     KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device")
 }
 
-/// Deterministic pseudo-random values in [-2, 2).
-pub fn values(seed: u64, n: usize) -> Vec<f32> {
-    kvgpu::reference::pseudo_random(seed, n, 2.0)
-}
-
-/// Appends `n` rows of pseudo-random f32 data to every slot of `layer` from the host and returns the
-/// data, slot by slot (`[n, ...trailing]` row-major).
-pub fn append_random(cache: &mut KvCache, layer: usize, n: usize, seed: u64) -> Vec<Vec<f32>> {
-    let shapes: Vec<Vec<usize>> = cache.spec().layers()[layer]
-        .slots
-        .iter()
-        .map(|s| [&[n][..], &s.trailing].concat())
-        .collect();
-    let data: Vec<Vec<f32>> = shapes
-        .iter()
-        .enumerate()
-        .map(|(s, sh)| values(seed * 31 + s as u64, sh.iter().product()))
-        .collect();
-    let slabs: Vec<HostSlab> = data
-        .iter()
-        .zip(&shapes)
-        .map(|(d, sh)| HostSlab::f32(d, sh))
-        .collect();
-    cache.append(layer, &slabs).expect("a valid append");
-    data
-}
+#[allow(unused_imports)]
+pub use shared::{TOL, append_random, assert_close, values};
 
 /// Every word of every slot buffer, read back from the GPU.
 pub fn snapshot(cache: &KvCache) -> Vec<Vec<Vec<u32>>> {
-    cache
-        .spec()
-        .layers()
-        .iter()
-        .enumerate()
-        .map(|(l, layer)| {
-            (0..layer.slots.len())
-                .map(|s| cache.read_full_words(l, s).unwrap())
-                .collect()
-        })
-        .collect()
+    pollster::block_on(shared::snapshot(cache))
 }
 
 pub fn for_each_dtype(mut f: impl FnMut(DType)) {
