@@ -548,3 +548,66 @@ fn parameters_move_on_to_fresh_buffers_inside_one_batch() {
     c.truncate(0).unwrap();
     assert_matches(&c, &m);
 }
+
+#[test]
+fn a_sequence_moves_between_caches() {
+    // Copy into another cache from the source's views (the README's recipe), and save / restore
+    // through read_f32 + append: every word arrives, 16-bit rows of odd width included.
+    for_each_dtype(|dtype| {
+        let spec = CacheSpec::new(
+            vec![LayerSpec::new(vec![
+                SlotSpec::new("even", &[2, 4]),
+                SlotSpec::new("odd", &[5]),
+            ])],
+            dtype,
+            16,
+        )
+        .unwrap();
+        let mut src = cache(spec.clone());
+        append_random(&mut src, 0, 7, 3);
+        src.advance(7).unwrap();
+        let mut copy = cache(spec.clone());
+        let views: Vec<SlotView> = (0..2).map(|s| src.view(0, s).unwrap()).collect();
+        let shapes = [vec![7, 2, 4], vec![7, 5]];
+        let strides: Vec<Vec<usize>> = views
+            .iter()
+            .zip(&shapes)
+            .map(|(v, sh)| {
+                let per_row = v.row_bytes as usize / dtype.size();
+                let mut st = vec![per_row];
+                st.extend(sh[1..].iter().rev().scan(1, |acc, &d| {
+                    let s = *acc;
+                    *acc *= d;
+                    Some(s)
+                }));
+                st[1..].reverse();
+                st
+            })
+            .collect();
+        let slabs: Vec<GpuSlab> = (0..2)
+            .map(|s| GpuSlab {
+                buffer: views[s].buffer,
+                dtype,
+                offset: 0,
+                shape: &shapes[s],
+                strides: Some(&strides[s]),
+            })
+            .collect();
+        copy.append_gpu(0, &slabs).unwrap();
+        copy.advance(7).unwrap();
+        assert_eq!(snapshot(&copy), snapshot(&src), "{dtype}: copied");
+        let mut restored = cache(spec);
+        let saved: Vec<Vec<f32>> = (0..2).map(|s| src.read_f32(0, s).unwrap()).collect();
+        restored
+            .append(
+                0,
+                &[
+                    HostSlab::f32(&saved[0], &shapes[0]),
+                    HostSlab::f32(&saved[1], &shapes[1]),
+                ],
+            )
+            .unwrap();
+        restored.advance(7).unwrap();
+        assert_eq!(snapshot(&restored), snapshot(&src), "{dtype}: restored");
+    });
+}
