@@ -160,23 +160,14 @@ impl Attention {
         out: &wgpu::Buffer,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let slots = &cache
-            .spec()
-            .layers()
-            .get(layer)
-            .ok_or(Error::LayerOutOfRange {
-                layer,
-                n_layers: cache.spec().n_layers(),
-            })?
-            .slots;
-        let shapes: Vec<&[usize]> = slots.iter().map(|s| s.trailing.as_slice()).collect();
-        let (n_kv, d_k, d_v) = match shapes.as_slice() {
-            [[hk, dk], [hv, dv]] if hk == hv => (*hk, *dk, *dv),
+        let shapes = cache.ledger().slot_shapes(layer)?;
+        let (n_kv, d_k, d_v) = match shapes {
+            [k, v] if k.len() == 2 && v.len() == 2 && k[0] == v[0] => (k[0], k[1], v[1]),
             _ => {
                 return Err(Error::NotAttentionLayer {
                     layer,
                     kind: "GQA",
-                    shapes: shapes.iter().map(|s| s.to_vec()).collect(),
+                    shapes: shapes.to_vec(),
                 });
             }
         };
@@ -225,23 +216,14 @@ impl Attention {
             latent: q_latent,
             rope: q_rope,
         } = q;
-        let slots = &cache
-            .spec()
-            .layers()
-            .get(layer)
-            .ok_or(Error::LayerOutOfRange {
-                layer,
-                n_layers: cache.spec().n_layers(),
-            })?
-            .slots;
-        let shapes: Vec<&[usize]> = slots.iter().map(|s| s.trailing.as_slice()).collect();
-        let (r, p) = match shapes.as_slice() {
-            [[r], [p]] => (*r, *p),
+        let shapes = cache.ledger().slot_shapes(layer)?;
+        let (r, p) = match shapes {
+            [a, b] if a.len() == 1 && b.len() == 1 => (a[0], b[0]),
             _ => {
                 return Err(Error::NotAttentionLayer {
                     layer,
                     kind: "MLA",
-                    shapes: shapes.iter().map(|s| s.to_vec()).collect(),
+                    shapes: shapes.to_vec(),
                 });
             }
         };
