@@ -23,9 +23,10 @@ override RPL: u32 = 2u;
 // Invocations per workgroup (TILE * RPL rows per tile) and most query heads per workgroup (HB <= HEADS).
 const TILE: u32 = 64u;
 const HEADS: u32 = 16u;
-// Running max before the first row: the lowest finite f32, at or below every finite score, and
+// Running max before the first row: the lowest finite f32 (written so that every WGSL compiler reads
+// it as finite: Tint refuses a literal that rounds past f32::MAX), at or below every finite score, and
 // exp(NEG - m) is 0 for any score m above it.
-const NEG: f32 = -3.40282347e38;
+const NEG: f32 = -3.4028234e38;
 
 
 // Group 0: the layer's slots (a bind group the cache owns); group 1: queries and scratch; group 2: the

@@ -2,7 +2,7 @@
 // One workgroup per (head, query); chunks that saw no row of the query (sum 0) are skipped.
 
 // The lowest finite f32, as in attention_partial.wgsl.
-const NEG: f32 = -3.40282347e38;
+const NEG: f32 = -3.4028234e38;
 
 @group(0) @binding(0) var<storage, read> stats: array<f32>;
 @group(0) @binding(1) var<storage, read> part: array<f32>;
