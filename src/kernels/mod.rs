@@ -345,12 +345,9 @@ impl Kernels {
 /// Whether `queue` is `device`'s own queue. wgpu offers no way to ask, and a command of one device on the
 /// queue of another is a validation error of the queue's device, which no error scope of `device` can
 /// catch. So: a work-done callback registered on the queue runs when its own device is polled, and
-/// polling `device` until idle runs it only if the queue is `device`'s. (In the browser there is no
-/// poll; the pair is taken as given.)
+/// polling `device` until idle runs it only if the queue is `device`'s.
+#[cfg(not(target_arch = "wasm32"))]
 pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bool {
-    if cfg!(target_arch = "wasm32") {
-        return true;
-    }
     use std::sync::atomic::{AtomicBool, Ordering};
     let done = Arc::new(AtomicBool::new(false));
     let flag = done.clone();
@@ -363,10 +360,15 @@ pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bo
         if done.load(Ordering::Acquire) {
             return true;
         }
-        #[cfg(not(target_arch = "wasm32"))]
         std::thread::sleep(std::time::Duration::from_millis(attempt.min(4)));
     }
     false
+}
+
+/// In the browser there is no poll: the pair is taken as given.
+#[cfg(target_arch = "wasm32")]
+pub(crate) fn queue_belongs_to(_device: &wgpu::Device, _queue: &wgpu::Queue) -> bool {
+    true
 }
 
 /// Whether `buffer` is mapped for the host (wgpu 30 has no `map_state`: a read view of the whole
