@@ -2,8 +2,7 @@
 //! steps. Each step, every attention layer appends deterministic pseudo-random K/V (or MLA latents) and
 //! runs attention on the GPU over the visible rows; a sample of steps is checked against the CPU twins.
 //!
-//! `cargo run --release --example decode -- [--model llama3-8b|qwen3-0.6b|deepseek-v2-lite|hybrid]
-//! [--tokens N] [--dtype f32|f16|bf16] [--prompt P]`
+//! `cargo run --release --example decode -- --help` lists the flags and their defaults.
 //!
 //! The last line is `verified: <steps> steps, max abs error <e>`; the exit status is non-zero when an
 //! output differs from the reference by more than `1e-4 · (1 + |reference|)`.
@@ -15,6 +14,7 @@ use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use clap::{Parser, ValueEnum};
 use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, MlaQueries, Queries,
     reference,
@@ -23,60 +23,109 @@ use kvgpu::{
 /// Outputs may differ from the f64 CPU reference by this much, scaled by `1 + |reference|`.
 const TOLERANCE: f32 = 1e-4;
 
+/// The largest `--prompt`: the CPU check of the prefill grows with its square (every prompt token
+/// attends to every earlier one, in every layer).
+const MAX_PROMPT: usize = 4096;
+/// The largest `--tokens` (decode steps).
+const MAX_TOKENS: usize = 4096;
+
+/// A count from 1 to `max`; anything else (negative, zero, too large, not a number) is refused with
+/// the bounds, never wrapped.
+fn count(s: &str, max: usize) -> Result<usize, String> {
+    match s.trim().parse::<i128>() {
+        Ok(n) if n >= 1 && n <= max as i128 => Ok(n as usize),
+        _ => Err(format!("expected a whole number from 1 to {max}")),
+    }
+}
+
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(seed: u64, n: usize) -> Vec<f32> {
     kvgpu::reference::pseudo_random(seed, n, 1.0)
 }
 
+/// Simulates LLM decoding with a real model's KV-cache shapes on the default GPU adapter: a prompt
+/// prefill, then one decode step per token, each appending K/V (or MLA latents) to every attention
+/// layer and running attention on the GPU. A sample of steps is checked against the CPU reference.
+/// No model weights run: the times and tokens/s it reports are the cache's and attention's alone, not
+/// a model's throughput.
+///
+/// The adapter is chosen with WGPU_BACKEND (vulkan, gl, metal, dx12).
+#[derive(Parser, Debug)]
+#[command(
+    name = "decode",
+    allow_negative_numbers = true,
+    after_help = "The last line is `verified: <steps> steps, max abs error <e>`; the exit status is \
+                  non-zero when an output differs from the CPU reference by more than \
+                  1e-4 * (1 + |reference|)."
+)]
 struct Args {
-    model: String,
+    /// Model whose cache shapes and query heads to use
+    #[arg(long, value_enum, default_value_t = Model::Llama3_8b)]
+    model: Model,
+    /// Decode steps (one token each) after the prompt, 1 to 4096
+    #[arg(long, default_value_t = 64, value_parser = |s: &str| count(s, MAX_TOKENS))]
     tokens: usize,
+    /// Prompt tokens written and attended in the prefill, 1 to 4096 (the CPU check of the prefill grows
+    /// with its square)
+    #[arg(long, default_value_t = 64, value_parser = |s: &str| count(s, MAX_PROMPT))]
     prompt: usize,
-    dtype: DType,
+    /// Element type the cache stores (attention computes in f32)
+    #[arg(long, value_enum, default_value_t = Storage::F16)]
+    dtype: Storage,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        model: "llama3-8b".into(),
-        tokens: 64,
-        prompt: 64,
-        dtype: DType::F16,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--model" => args.model = value()?,
-            "--tokens" => args.tokens = value()?.parse().map_err(|e| format!("--tokens: {e}"))?,
-            "--prompt" => args.prompt = value()?.parse().map_err(|e| format!("--prompt: {e}"))?,
-            "--dtype" => {
-                let v = value()?;
-                args.dtype =
-                    DType::parse(&v).ok_or(format!("--dtype {v}: use f32, f16 or bf16"))?;
-            }
-            "-h" | "--help" => {
-                return Err(
-                    "usage: decode [--model llama3-8b|qwen3-0.6b|deepseek-v2-lite|hybrid] \
-                            [--tokens N] [--dtype f32|f16|bf16] [--prompt P]"
-                        .into(),
-                );
-            }
-            other => return Err(format!("unknown argument {other:?} (try --help)")),
+/// The model presets of [`CacheSpec::preset`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Model {
+    /// 32 layers, GQA: 32 query heads over 8 KV heads of 128
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// 28 layers, GQA: 16 query heads over 8 KV heads of 128
+    #[value(name = "qwen3-0.6b")]
+    Qwen3_0_6b,
+    /// 27 layers, MLA: 16 heads over latents of 512 + rope 64
+    #[value(name = "deepseek-v2-lite")]
+    DeepseekV2Lite,
+    /// 24 layers, every fourth with GQA (16 query heads over 2 KV heads of 256), the rest cache-free
+    #[value(name = "hybrid")]
+    Hybrid,
+}
+
+impl Model {
+    fn name(self) -> &'static str {
+        match self {
+            Model::Llama3_8b => "llama3-8b",
+            Model::Qwen3_0_6b => "qwen3-0.6b",
+            Model::DeepseekV2Lite => "deepseek-v2-lite",
+            Model::Hybrid => "hybrid",
         }
     }
-    if args.prompt == 0 {
-        return Err("--prompt must be at least 1".into());
+}
+
+/// The cache's element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Storage {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<Storage> for DType {
+    fn from(s: Storage) -> Self {
+        match s {
+            Storage::F32 => DType::F32,
+            Storage::F16 => DType::F16,
+            Storage::Bf16 => DType::BF16,
+        }
     }
-    Ok(args)
 }
 
 /// Query heads per layer of each preset, and MLA's softmax scale (DeepSeek-V2-Lite: 1/sqrt(128 + 64)).
-fn query_heads(model: &str) -> (usize, Option<f32>) {
+fn query_heads(model: Model) -> (usize, Option<f32>) {
     match model {
-        "llama3-8b" => (32, None),
-        "qwen3-0.6b" => (16, None),
-        "deepseek-v2-lite" => (16, Some(1.0 / 192f32.sqrt())),
-        _ => (16, None),
+        Model::Llama3_8b => (32, None),
+        Model::Qwen3_0_6b | Model::Hybrid => (16, None),
+        Model::DeepseekV2Lite => (16, Some(1.0 / 192f32.sqrt())),
     }
 }
 
@@ -122,13 +171,8 @@ struct Run {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("{e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    // Clap prints --help, or the refused value and what is allowed, and exits before any adapter opens.
+    let args = Args::parse();
     match run(&args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -139,12 +183,26 @@ fn main() -> ExitCode {
     }
 }
 
+/// Where the run's time went; `summary` names the rest "other".
+#[derive(Default)]
+struct Times {
+    setup: Duration,
+    prefill: Duration,
+    append: Duration,
+    attend: Duration,
+    verify: Duration,
+}
+
 fn run(args: &Args) -> kvgpu::Result<bool> {
+    let start = Instant::now();
+    let (prompt, tokens) = (args.prompt, args.tokens);
+    let dtype = DType::from(args.dtype);
+    let mut times = Times::default();
     let gpu = Gpu::from_env_blocking()?;
-    let capacity = args.prompt + args.tokens;
-    let spec = CacheSpec::preset(&args.model, args.dtype, capacity)?;
+    let capacity = prompt + tokens;
+    let spec = CacheSpec::preset(args.model.name(), dtype, capacity)?;
     let cache = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
-    let (n_heads, scale) = query_heads(&args.model);
+    let (n_heads, scale) = query_heads(args.model);
     let storage = |bytes: usize| {
         gpu.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("decode"),
@@ -175,13 +233,13 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
             out: storage(0),
             q_host: Vec::new(),
         };
-        let rows = args.prompt * n_heads;
+        let rows = prompt * n_heads;
         l.q = l.q_dims().iter().map(|d| storage(rows * d * 4)).collect();
         l.out = storage(rows * l.d_out() * 4);
         layers.push(l);
     }
     let mut run = Run {
-        attention: Attention::new(&gpu.device, &gpu.queue)?,
+        attention: Attention::for_cache(&cache),
         gpu,
         cache,
         layers,
@@ -201,29 +259,35 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         Kind::Mla { r, p } => format!("MLA, {n_heads} heads over latents r {r} + rope {p}"),
     };
     println!(
-        "model: {} ({} layers, {} with attention: {shape}), {} storage",
-        args.model,
+        "model: {} ({} layers, {} with attention: {shape}), {dtype} storage",
+        args.model.name(),
         spec.n_layers(),
         run.layers.len(),
-        args.dtype
     );
     println!(
         "cache: {:.1} MiB ({capacity} tokens x {:.1} KiB/token)",
         spec.total_bytes() as f64 / (1 << 20) as f64,
         spec.bytes_per_token() as f64 / 1024.0
     );
+    times.setup = start.elapsed();
 
     // Steps checked against the CPU twins: the prefill, the first, last and a few decode steps between.
     let checked = |step: usize| {
-        step == 0
-            || step == 1
-            || step == args.tokens
-            || step.is_multiple_of((args.tokens / 4).max(1))
+        step == 0 || step == 1 || step == tokens || step.is_multiple_of((tokens / 4).max(1))
     };
     let (mut verified, mut max_err, mut ok) = (0usize, 0f32, true);
-    let mut check = |run: &Run, step: usize| -> kvgpu::Result<()> {
+    let mut check = |run: &Run, step: usize, times: &mut Times| -> kvgpu::Result<()> {
         if checked(step) {
-            let (err, good) = verify(run, if step == 0 { args.prompt } else { 1 })?;
+            let t = Instant::now();
+            let progress = (step == 0).then(|| {
+                Progress::new(
+                    "checking the prefill on the CPU",
+                    run.layers.len(),
+                    "layers",
+                )
+            });
+            let (err, good) = verify(run, if step == 0 { prompt } else { 1 }, progress)?;
+            times.verify += t.elapsed();
             verified += 1;
             max_err = max_err.max(err);
             if !good {
@@ -234,45 +298,67 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         Ok(())
     };
 
+    // The first attention call builds (compiles) the pipelines: seconds on a software adapter.
+    eprintln!("building attention pipelines for {shape}…");
     let t = Instant::now();
-    let (a, b) = step(&mut run, 0, args.prompt)?;
-    check(&run, 0)?;
-    run.cache.advance(args.prompt)?;
+    let progress = Progress::new(
+        &format!("prefill of {prompt} tokens"),
+        run.layers.len(),
+        "layers",
+    );
+    let (a, b) = step(&mut run, 0, prompt, Some(progress))?;
+    times.prefill = t.elapsed();
     println!(
-        "prefill: {} tokens in {:.1} ms (append {:.1} ms, attention {:.1} ms)",
-        args.prompt,
-        t.elapsed().as_secs_f64() * 1e3,
+        "prefill: {prompt} tokens in {:.1} ms (append {:.1} ms, attention {:.1} ms, which includes \
+         building the pipelines)",
+        ms(times.prefill),
         ms(a),
         ms(b)
     );
+    check(&run, 0, &mut times)?;
+    run.cache.advance(prompt)?;
 
-    let progress = Progress::new(args.tokens);
-    let (mut append, mut attend) = (Duration::ZERO, Duration::ZERO);
-    for s in 1..=args.tokens {
-        let (a, b) = step(&mut run, s, 1)?;
-        append += a;
-        attend += b;
-        check(&run, s)?;
+    let progress = Progress::new("decode", tokens, "steps");
+    for s in 1..=tokens {
+        let (a, b) = step(&mut run, s, 1, None)?;
+        times.append += a;
+        times.attend += b;
+        check(&run, s, &mut times)?;
         run.cache.advance(1)?;
-        progress.update(s, append + attend);
+        progress.update(s);
     }
     progress.finish();
-    let n = args.tokens.max(1) as f64;
-    let total = (append + attend).as_secs_f64();
+    let n = tokens as f64;
+    let total = (times.append + times.attend).as_secs_f64();
     println!(
-        "decode: {} steps, per step {:.2} ms = append {:.2} ms + attention {:.2} ms; {:.1} tokens/s",
-        args.tokens,
+        "decode: {tokens} steps, per step {:.2} ms = append {:.2} ms + attention {:.2} ms; {:.1} tokens/s \
+         (cache appends + attention only; no model weights run, so not a model's throughput)",
         total * 1e3 / n,
-        ms(append) / n,
-        ms(attend) / n,
-        if total > 0.0 {
-            args.tokens as f64 / total
-        } else {
-            0.0
-        }
+        ms(times.append) / n,
+        ms(times.attend) / n,
+        if total > 0.0 { n / total } else { 0.0 }
     );
+    println!("{}", summary(&times, start.elapsed()));
     println!("verified: {verified} steps, max abs error {max_err:e}");
     Ok(ok)
+}
+
+/// One line accounting for the whole run: its parts and the rest ("other": advancing the cache,
+/// progress output, dropping buffers).
+fn summary(t: &Times, total: Duration) -> String {
+    let parts = [
+        ("setup (adapter, cache, buffers)", t.setup),
+        ("prefill", t.prefill),
+        ("decode appends", t.append),
+        ("decode attention", t.attend),
+        ("CPU verification", t.verify),
+    ];
+    let known: Duration = parts.iter().map(|(_, d)| *d).sum();
+    let mut line = format!("time: {:.2} s =", total.as_secs_f64());
+    for (name, d) in parts {
+        line += &format!(" {name} {:.2} s +", d.as_secs_f64());
+    }
+    line + &format!(" other {:.2} s", total.saturating_sub(known).as_secs_f64())
 }
 
 fn ms(d: Duration) -> f64 {
@@ -289,8 +375,14 @@ fn wait(gpu: &Gpu) -> kvgpu::Result<()> {
 }
 
 /// One step of `n` tokens: every attention layer appends its rows (timed up to their arrival on the
-/// GPU), then attention of all layers runs in one submission (timed until it finishes).
-fn step(run: &mut Run, step: usize, n: usize) -> kvgpu::Result<(Duration, Duration)> {
+/// GPU), then attention of all layers runs (timed until it finishes). Without `progress` all layers go
+/// in one submission; with it (the prefill) each layer is submitted and waited for, and counted.
+fn step(
+    run: &mut Run,
+    step: usize,
+    n: usize,
+    progress: Option<Progress>,
+) -> kvgpu::Result<(Duration, Duration)> {
     let t0 = Instant::now();
     for l in &run.layers {
         let seed = (step as u64) << 20 | (l.index as u64) << 4;
@@ -315,14 +407,15 @@ fn step(run: &mut Run, step: usize, n: usize) -> kvgpu::Result<(Duration, Durati
     wait(&run.gpu)?;
     let t1 = Instant::now();
 
-    let mut encoder = run
-        .gpu
-        .device
-        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("decode step"),
-        });
+    let encoder = |gpu: &Gpu| {
+        gpu.device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("decode step"),
+            })
+    };
+    let mut e = encoder(&run.gpu);
     let h = run.n_heads;
-    for l in &mut run.layers {
+    for (done, l) in run.layers.iter_mut().enumerate() {
         let seed = (step as u64) << 20 | (l.index as u64) << 4 | 8;
         l.q_host = l
             .q_dims()
@@ -337,7 +430,7 @@ fn step(run: &mut Run, step: usize, n: usize) -> kvgpu::Result<(Duration, Durati
         }
         match l.kind {
             Kind::Gqa { d_k, .. } => run.attention.record_gqa(
-                &mut encoder,
+                &mut e,
                 &run.cache,
                 l.index,
                 Queries::new(&l.q[0], n, h, d_k),
@@ -345,7 +438,7 @@ fn step(run: &mut Run, step: usize, n: usize) -> kvgpu::Result<(Duration, Durati
                 &run.options,
             )?,
             Kind::Mla { r, p } => run.attention.record_mla(
-                &mut encoder,
+                &mut e,
                 &run.cache,
                 l.index,
                 MlaQueries {
@@ -356,18 +449,27 @@ fn step(run: &mut Run, step: usize, n: usize) -> kvgpu::Result<(Duration, Durati
                 &run.options,
             )?,
         }
+        if let Some(progress) = &progress {
+            let full = std::mem::replace(&mut e, encoder(&run.gpu));
+            run.gpu.queue.submit([full.finish()]);
+            wait(&run.gpu)?;
+            progress.update(done + 1);
+        }
     }
-    run.gpu.queue.submit([encoder.finish()]);
+    run.gpu.queue.submit([e.finish()]);
     wait(&run.gpu)?;
+    if let Some(progress) = progress {
+        progress.finish();
+    }
     Ok((t1 - t0, t1.elapsed()))
 }
 
 /// Compares this step's outputs of every attention layer with the CPU twins over the rows the cache
 /// stores; returns the largest absolute error and whether every output is within the tolerance.
-fn verify(run: &Run, n_q: usize) -> kvgpu::Result<(f32, bool)> {
+fn verify(run: &Run, n_q: usize, progress: Option<Progress>) -> kvgpu::Result<(f32, bool)> {
     let (mut worst, mut good) = (0f32, true);
     let h = run.n_heads;
-    for l in &run.layers {
+    for (done, l) in run.layers.iter().enumerate() {
         let a = run.cache.read_f32(l.index, 0)?;
         let b = run.cache.read_f32(l.index, 1)?;
         let want = match l.kind {
@@ -396,6 +498,12 @@ fn verify(run: &Run, n_q: usize) -> kvgpu::Result<(f32, bool)> {
             worst = worst.max(err);
             good &= err <= TOLERANCE * (1.0 + w.abs());
         }
+        if let Some(progress) = &progress {
+            progress.update(done + 1);
+        }
+    }
+    if let Some(progress) = progress {
+        progress.finish();
     }
     Ok((worst, good))
 }
@@ -405,40 +513,195 @@ fn read_buffer(gpu: &Gpu, buffer: &wgpu::Buffer, n: usize) -> kvgpu::Result<Vec<
     Ok(bytemuck::pod_collect_to_vec(&bytes))
 }
 
-/// A progress bar on stderr: redrawn in place on a terminal, a line per quarter otherwise.
+/// Progress on stderr with a rate and an ETA: a bar redrawn in place on a terminal; otherwise a line at
+/// each quarter of a long run, and nothing for a short one.
 struct Progress {
+    label: String,
     total: usize,
+    unit: &'static str,
+    start: Instant,
     tty: bool,
 }
 
 impl Progress {
-    fn new(total: usize) -> Self {
+    fn new(label: &str, total: usize, unit: &'static str) -> Self {
         Self {
+            label: label.into(),
             total,
+            unit,
+            start: Instant::now(),
             tty: std::io::stderr().is_terminal(),
         }
     }
 
-    fn update(&self, done: usize, elapsed: Duration) {
-        let rate = done as f64 / elapsed.as_secs_f64().max(1e-9);
+    fn update(&self, done: usize) {
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let rate = done as f64 / elapsed.max(1e-9);
+        let eta = self.total.saturating_sub(done) as f64 / rate;
+        let (label, total, unit) = (&self.label, self.total, self.unit);
+        let status = format!("{done}/{total} {unit}, {rate:.1} {unit}/s, ETA {eta:.0} s");
         let mut err = std::io::stderr();
         if self.tty {
-            let filled = done * 30 / self.total.max(1);
+            let filled = done * 30 / total.max(1);
             let _ = write!(
                 err,
-                "\r[{}{}] {done}/{} steps, {rate:.1} tokens/s ",
+                "\r{label}: [{}{}] {status} ",
                 "#".repeat(filled),
                 "-".repeat(30 - filled),
-                self.total
             );
-        } else if self.total >= 64 && done.is_multiple_of(self.total / 4) {
-            let _ = writeln!(err, "{done}/{} steps, {rate:.1} tokens/s", self.total);
+        } else if total >= 8 && done < total && done.is_multiple_of(total / 4) {
+            let _ = writeln!(err, "{label}: {status}");
         }
     }
 
+    /// Ends the bar's line on a terminal; elsewhere says the total time.
     fn finish(&self) {
+        let secs = self.start.elapsed().as_secs_f64();
+        let mut err = std::io::stderr();
         if self.tty {
-            let _ = writeln!(std::io::stderr());
+            let _ = writeln!(err);
+        } else {
+            let _ = writeln!(
+                err,
+                "{}: {} {} in {secs:.1} s",
+                self.label, self.total, self.unit
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+    use clap::error::ErrorKind;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("decode").chain(args.iter().copied()))
+    }
+
+    /// The message clap would print for a refused command line.
+    fn refusal(args: &[&str]) -> (ErrorKind, String) {
+        let e = parse(args).expect_err("refused");
+        (e.kind(), e.to_string())
+    }
+
+    #[test]
+    fn command_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(
+            (a.model, a.tokens, a.prompt, a.dtype),
+            (Model::Llama3_8b, 64, 64, Storage::F16)
+        );
+    }
+
+    #[test]
+    fn help_states_purpose_every_flag_default_and_bound() {
+        let (kind, help) = refusal(&["--help"]);
+        assert_eq!(kind, ErrorKind::DisplayHelp);
+        for want in [
+            "Simulates LLM decoding",
+            "not a model's throughput",
+            "--model <MODEL>",
+            "[default: llama3-8b]",
+            "--tokens <TOKENS>",
+            &format!("1 to {MAX_TOKENS}"),
+            "--prompt <PROMPT>",
+            &format!("1 to {MAX_PROMPT}"),
+            "[default: 64]",
+            "--dtype <DTYPE>",
+            "[default: f16]",
+            "qwen3-0.6b",
+            "deepseek-v2-lite",
+            "hybrid",
+            "bf16",
+            "verified:",
+        ] {
+            assert!(help.contains(want), "--help lacks {want:?}:\n{help}");
+        }
+        assert_eq!(help.matches("[default: 64]").count(), 2, "{help}");
+    }
+
+    #[test]
+    fn equals_and_space_forms_agree() {
+        for model in Model::value_variants() {
+            let name = model.name();
+            let a = parse(&[&format!("--model={name}"), "--tokens=3", "--dtype=bf16"]).unwrap();
+            let b = parse(&["--model", name, "--tokens", "3", "--dtype", "bf16"]).unwrap();
+            assert_eq!((a.model, a.tokens, a.dtype), (*model, 3, Storage::Bf16));
+            assert_eq!((b.model, b.tokens, b.dtype), (*model, 3, Storage::Bf16));
+        }
+        assert_eq!(parse(&["--prompt=1"]).unwrap().prompt, 1);
+        assert_eq!(parse(&["--prompt", "4096"]).unwrap().prompt, MAX_PROMPT);
+        assert_eq!(parse(&["--tokens", "4096"]).unwrap().tokens, MAX_TOKENS);
+    }
+
+    #[test]
+    fn counts_out_of_bounds_are_refused_with_the_bounds() {
+        for (flag, value) in [
+            ("--tokens", "-5"),
+            ("--tokens", "0"),
+            ("--tokens", "4097"),
+            ("--tokens", "18446744073709551615"),
+            ("--tokens", "18446744073709551616"),
+            ("--tokens", "1e3"),
+            ("--tokens", ""),
+            ("--prompt", "0"),
+            ("--prompt", "-1"),
+            ("--prompt", "4097"),
+            ("--prompt", "99999999999999999999999999999999999999999"),
+        ] {
+            let (kind, msg) = refusal(&[flag, value]);
+            assert_eq!(kind, ErrorKind::ValueValidation, "{flag} {value}: {msg}");
+            assert!(
+                msg.contains("expected a whole number from 1 to 4096"),
+                "{flag} {value}: {msg}"
+            );
+            let (kind, _) = refusal(&[&format!("{flag}={value}")]);
+            assert_eq!(kind, ErrorKind::ValueValidation, "{flag}={value}");
+        }
+    }
+
+    #[test]
+    fn unknown_model_lists_the_presets() {
+        let (kind, msg) = refusal(&["--model", "gpt2"]);
+        assert_eq!(kind, ErrorKind::InvalidValue);
+        assert!(
+            msg.contains("[possible values: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid]"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn unknown_dtype_lists_the_types() {
+        let (kind, msg) = refusal(&["--dtype", "f8"]);
+        assert_eq!(kind, ErrorKind::InvalidValue);
+        assert!(msg.contains("[possible values: f32, f16, bf16]"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_flag_and_missing_value_are_refused() {
+        assert_eq!(refusal(&["--steps", "3"]).0, ErrorKind::UnknownArgument);
+        assert!(parse(&["--tokens"]).is_err());
+    }
+
+    #[test]
+    fn every_model_is_a_library_preset_at_the_largest_capacity() {
+        // The names clap accepts are the ones CacheSpec::preset knows, and the bounds make a valid spec
+        // (planning only; no adapter).
+        for model in Model::value_variants() {
+            let value = model.to_possible_value().unwrap();
+            assert_eq!(value.get_name(), model.name());
+            for dtype in [Storage::F32, Storage::F16, Storage::Bf16] {
+                let spec = CacheSpec::preset(model.name(), dtype.into(), MAX_PROMPT + MAX_TOKENS);
+                assert!(spec.is_ok(), "{}: {spec:?}", model.name());
+            }
         }
     }
 }

@@ -2,7 +2,7 @@
 //! and from GPU buffers (K/V taken straight out of a fused QKV output), then checks every slot against
 //! the plain-Rust model.
 //!
-//! `cargo run --release --example fill`
+//! `cargo run --release --example fill -- --help` lists the flags and their defaults.
 
 // Native only: it uses the blocking helpers. The browser demo is examples/web.
 #![cfg_attr(target_arch = "wasm32", no_main)]
@@ -10,6 +10,7 @@
 
 use std::process::ExitCode;
 
+use clap::Parser;
 use kvgpu::reference::{self, CpuCache};
 use kvgpu::{CacheSpec, DType, Gpu, GpuSlab, HostSlab, KvCache};
 use wgpu::util::DeviceExt;
@@ -19,8 +20,44 @@ fn values(seed: u64, n: usize) -> Vec<f32> {
     kvgpu::reference::pseudo_random(seed, n, 1.0)
 }
 
+/// The largest `--prompt` and `--steps`.
+const MAX_TOKENS: usize = 1024;
+
+/// A count from `min` to `max`; anything else (negative, too large, not a number) is refused with the
+/// bounds, never wrapped.
+fn count(s: &str, min: usize, max: usize) -> Result<usize, String> {
+    match s.trim().parse::<i128>() {
+        Ok(n) if n >= min as i128 && n <= max as i128 => Ok(n as usize),
+        _ => Err(format!("expected a whole number from {min} to {max}")),
+    }
+}
+
+/// Fills two KV caches on the default GPU adapter and checks every slot against the plain-Rust model:
+/// a DeepSeek-V2-Lite MLA cache (bf16) from host appends, and a Llama-3-8B GQA cache (f16) whose K and
+/// V are copied and converted on the GPU straight out of a fused QKV projection buffer. Each gets a
+/// prompt, then single-token decode steps; the caches hold exactly that many tokens.
+///
+/// The adapter is chosen with WGPU_BACKEND (vulkan, gl, metal, dx12).
+#[derive(Parser, Debug)]
+#[command(
+    name = "fill",
+    allow_negative_numbers = true,
+    after_help = "The last line is `verified: all slots match the CPU model` (exit status 0) or \
+                  `verified: MISMATCH` (exit status 1)."
+)]
+struct Args {
+    /// Prompt tokens appended in one go, 1 to 1024
+    #[arg(long, default_value_t = 48, value_parser = |s: &str| count(s, 1, MAX_TOKENS))]
+    prompt: usize,
+    /// Single-token appends after the prompt, 0 to 1024
+    #[arg(long, default_value_t = 16, value_parser = |s: &str| count(s, 0, MAX_TOKENS))]
+    steps: usize,
+}
+
 fn main() -> ExitCode {
-    match run() {
+    // Clap prints --help, or the refused value and what is allowed, and exits before any adapter opens.
+    let args = Args::parse();
+    match run(&args) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
@@ -30,14 +67,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn run() -> kvgpu::Result<bool> {
+fn run(args: &Args) -> kvgpu::Result<bool> {
     let gpu = Gpu::from_env_blocking()?;
     println!("adapter: {}", gpu.describe());
-    let (prompt, steps) = (48, 16);
+    let (prompt, steps) = (args.prompt, args.steps);
+    let capacity = prompt + steps;
     let mut ok = true;
 
     // MLA: host appends, prompt then decode steps.
-    let spec = CacheSpec::deepseek_v2_lite(DType::BF16, 256)?;
+    let spec = CacheSpec::deepseek_v2_lite(DType::BF16, capacity)?;
     let mut mla = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
     let mut model = CpuCache::new(&spec);
     for (step, n) in std::iter::once(prompt)
@@ -70,7 +108,7 @@ fn run() -> kvgpu::Result<bool> {
     ok &= report("deepseek-v2-lite (MLA, bf16, host appends)", &mla, &model)?;
 
     // GQA: K and V copied and converted on the GPU out of a fused QKV projection [n, q_dim + 2·kv_dim] f32.
-    let spec = CacheSpec::llama3_8b(DType::F16, 256)?;
+    let spec = CacheSpec::llama3_8b(DType::F16, capacity)?;
     let mut gqa = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
     let mut model = CpuCache::new(&spec);
     let (q_dim, kv_dim) = (32 * 128, 8 * 128);
@@ -152,4 +190,72 @@ fn report(name: &str, cache: &KvCache, model: &CpuCache) -> kvgpu::Result<bool> 
         mismatched
     );
     Ok(mismatched == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+    use clap::error::ErrorKind;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("fill").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn command_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_and_both_value_forms() {
+        let a = parse(&[]).unwrap();
+        assert_eq!((a.prompt, a.steps), (48, 16));
+        let a = parse(&["--prompt=3", "--steps", "0"]).unwrap();
+        assert_eq!((a.prompt, a.steps), (3, 0));
+        let a = parse(&["--prompt", "1024", "--steps=1024"]).unwrap();
+        assert_eq!((a.prompt, a.steps), (MAX_TOKENS, MAX_TOKENS));
+    }
+
+    #[test]
+    fn help_is_printed_instead_of_running() {
+        // `fill --help` is a DisplayHelp "error": clap prints it and exits 0 before run() opens an adapter.
+        let e = parse(&["--help"]).expect_err("help");
+        assert_eq!(e.kind(), ErrorKind::DisplayHelp);
+        let help = e.to_string();
+        for want in [
+            "Fills two KV caches",
+            "--prompt <PROMPT>",
+            "[default: 48]",
+            &format!("1 to {MAX_TOKENS}"),
+            "--steps <STEPS>",
+            "[default: 16]",
+            &format!("0 to {MAX_TOKENS}"),
+            "verified: all slots match the CPU model",
+        ] {
+            assert!(help.contains(want), "--help lacks {want:?}:\n{help}");
+        }
+        assert_eq!(parse(&["-h"]).unwrap_err().kind(), ErrorKind::DisplayHelp);
+    }
+
+    #[test]
+    fn out_of_bounds_counts_are_refused_with_the_bounds() {
+        for (args, bounds) in [
+            (["--prompt", "0"], "from 1 to 1024"),
+            (["--prompt", "-5"], "from 1 to 1024"),
+            (["--prompt", "1025"], "from 1 to 1024"),
+            (["--steps", "-1"], "from 0 to 1024"),
+            (["--steps", "18446744073709551615"], "from 0 to 1024"),
+            (["--steps", "ten"], "from 0 to 1024"),
+        ] {
+            let e = parse(&args).expect_err("refused");
+            assert_eq!(e.kind(), ErrorKind::ValueValidation, "{args:?}");
+            assert!(e.to_string().contains(bounds), "{args:?}: {e}");
+        }
+        assert_eq!(
+            parse(&["--model", "llama3-8b"]).unwrap_err().kind(),
+            ErrorKind::UnknownArgument
+        );
+    }
 }
