@@ -5,9 +5,21 @@ use crate::error::{Error, Result};
 use crate::placement::Run;
 use crate::spec::CacheSpec;
 
-/// Rows `[start_row, start_row + n_new)` of every slot of `layer` receive an append.
+/// A sequence of a cache. A [`crate::KvCache`] holds one, [`SeqId::FIRST`]; a paged pool will hold
+/// many, and plans already name the sequence they place rows for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub(crate) u32);
+
+impl SeqId {
+    /// The one sequence of a single-sequence cache.
+    pub const FIRST: SeqId = SeqId(0);
+}
+
+/// Rows `[start_row, start_row + n_new)` of sequence `seq` in every slot of `layer` receive an
+/// append; [`AppendPlan::runs`] says where they lie in storage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AppendPlan {
+    pub seq: SeqId,
     pub layer: usize,
     pub start_row: usize,
     pub n_new: usize,
@@ -182,6 +194,7 @@ impl Ledger {
             });
         }
         Ok(AppendPlan {
+            seq: SeqId::FIRST,
             layer,
             start_row,
             n_new,
@@ -279,6 +292,7 @@ mod tests {
         assert_eq!(
             l.append(0, &[&[2, 4], &[2, 2]]).unwrap(),
             AppendPlan {
+                seq: SeqId::FIRST,
                 layer: 0,
                 start_row: 0,
                 n_new: 2

@@ -84,6 +84,6 @@ pub use error::{
     AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SourceProblem, SpecProblem,
 };
 pub use kernels::Kernels;
-pub use ledger::{AppendPlan, Ledger};
+pub use ledger::{AppendPlan, Ledger, SeqId};
 pub use placement::Run;
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
