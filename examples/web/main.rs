@@ -15,7 +15,12 @@ fn main() {
     wasm_bindgen_futures::spawn_local(async {
         let result = match demo::run().await {
             Ok(line) => line,
-            Err(e) => format!("error: {e}"),
+            Err(e) => {
+                // The log box would otherwise keep saying "loading…".
+                let line = format!("error: {e}");
+                demo::show("log", &line);
+                line
+            }
         };
         demo::show("result", &result);
     });
