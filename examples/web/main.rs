@@ -15,12 +15,7 @@ fn main() {
     wasm_bindgen_futures::spawn_local(async {
         let result = match demo::run().await {
             Ok(line) => line,
-            Err(e) => {
-                // The log box would otherwise keep saying "loading…".
-                let line = format!("error: {e}");
-                demo::show("log", &line);
-                line
-            }
+            Err(e) => format!("error: {e}"),
         };
         demo::show("result", &result);
     });
