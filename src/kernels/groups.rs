@@ -39,28 +39,26 @@ impl<K: Hash + Eq, V: Clone> GroupCache<K, V> {
             return Ok(group.clone());
         }
         let group = make()?;
-        let new_bytes = |pinned: &HashSet<wgpu::Buffer>| -> u64 {
-            let mut seen: Vec<&wgpu::Buffer> = Vec::new();
-            pins.iter()
-                .filter(|b| {
-                    !pinned.contains(**b) && !seen.contains(b) && {
-                        seen.push(b);
-                        true
-                    }
-                })
-                .map(|b| b.size())
-                .sum()
-        };
-        if new_bytes(&HashSet::new()) > self.max_bytes {
+        // The distinct outside buffers the group binds: all their bytes, and those not pinned yet.
+        let mut distinct: Vec<&wgpu::Buffer> = Vec::with_capacity(pins.len());
+        for b in pins {
+            if !distinct.contains(b) {
+                distinct.push(b);
+            }
+        }
+        if distinct.iter().map(|b| b.size()).sum::<u64>() > self.max_bytes {
             return Ok(group);
         }
-        if self.entries.len() >= self.max_entries
-            || self.pinned_bytes + new_bytes(&self.pinned) > self.max_bytes
-        {
+        let added: u64 = distinct
+            .iter()
+            .filter(|b| !self.pinned.contains(**b))
+            .map(|b| b.size())
+            .sum();
+        if self.entries.len() >= self.max_entries || self.pinned_bytes + added > self.max_bytes {
             self.clear();
         }
-        for b in pins {
-            if self.pinned.insert((*b).clone()) {
+        for b in distinct {
+            if self.pinned.insert(b.clone()) {
                 self.pinned_bytes += b.size();
             }
         }
