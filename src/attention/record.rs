@@ -3,7 +3,7 @@
 
 use super::plan::{self, CallShape, Dispatch};
 use super::{Attention, AttentionOptions, Job, Queries, Scratch};
-use crate::cache::{AttentionKind, KvCache};
+use crate::cache::KvCache;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
 
@@ -134,10 +134,7 @@ impl Attention {
             Some(0) => return request(AttentionProblem::EmptyWindow),
             Some(w) => w.min(visible),
         };
-        let (a, b, v) = match job.kind {
-            AttentionKind::Gqa => (0, 0, 1),
-            AttentionKind::Mla => (0, 1, 0),
-        };
+        let (a, b, v) = job.kind.slots();
         let view = |slot: usize| cache.full_view(layer, slot);
         let (slot_a, slot_b, slot_v) = (view(a)?, view(b)?, view(v)?);
         let check = |which: &'static str, buffer: &wgpu::Buffer, shape: [usize; 3]| {

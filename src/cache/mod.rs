@@ -40,6 +40,16 @@ pub(crate) enum AttentionKind {
     Mla = 1,
 }
 
+impl AttentionKind {
+    /// The slots bound as a (scores), b (second score term) and v (values).
+    pub(crate) fn slots(self) -> (usize, usize, usize) {
+        match self {
+            AttentionKind::Gqa => (0, 0, 1),
+            AttentionKind::Mla => (0, 1, 0),
+        }
+    }
+}
+
 /// A KV / latent cache on the GPU. See the crate docs for the contract.
 pub struct KvCache {
     device: wgpu::Device,
@@ -197,10 +207,7 @@ impl KvCache {
     /// The bind group of `layer`'s slots that attention of `kind` reads (group 0 of
     /// `attention_partial.wgsl`), made on first use. The layer has the slots `kind` needs.
     pub(crate) fn attention_group(&self, layer: usize, kind: AttentionKind) -> &wgpu::BindGroup {
-        let (a, b, v) = match kind {
-            AttentionKind::Gqa => (0, 0, 1),
-            AttentionKind::Mla => (0, 1, 0),
-        };
+        let (a, b, v) = kind.slots();
         self.attention_groups[layer][kind as usize].get_or_init(|| {
             let slot = |s: usize| self.slots[layer][s].buffer.as_entire_binding();
             self.device.create_bind_group(&wgpu::BindGroupDescriptor {
