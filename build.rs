@@ -57,6 +57,13 @@ fn main() {
         )
         .expect("writing to a String");
     }
+    writeln!(
+        table,
+        "/// The shared prelude alone, for kernels generated at run time.\n\
+         pub(crate) const PRELUDE: &str = include_str!({:?});",
+        prelude_path.display().to_string()
+    )
+    .expect("writing to a String");
     if !failures.is_empty() {
         for report in &failures {
             eprintln!("{report}");

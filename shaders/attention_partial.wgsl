@@ -278,14 +278,6 @@ fn q_elem_b(q: u32, e0: u32, d: u32, i: u32) -> f32 {
     return 0.0;
 }
 
-// tanh that cannot overflow for large |x| and keeps its precision for small |x| (where
-// (1 - t) / (1 + t) would round to 0, tanh(x) = x to within x^3 / 3).
-fn tanh_safe(x: f32) -> f32 {
-    let t = exp(-2.0 * abs(x));
-    let r = (1.0 - t) / (1.0 + t);
-    return select(select(r, -r, x < 0.0), x, abs(x) < 1.0e-4);
-}
-
 // Elements per stored word.
 fn per_word() -> u32 {
     return select(2u, 1u, DTYPE == F32);

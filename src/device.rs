@@ -63,7 +63,9 @@ impl Gpu {
                     reason: format!("backends {backends:?}: {e}; {INSTALL_HINT}"),
                 })?,
         };
-        let wanted = wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY;
+        // Subgroups let attention sum a row's dot products with `subgroupAdd`.
+        let wanted =
+            wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::SUBGROUP;
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("kvgpu"),

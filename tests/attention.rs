@@ -57,6 +57,68 @@ fn filled(layer: LayerSpec, dtype: DType, visible: usize, n_q: usize, seed: u64)
     c
 }
 
+/// Every pass-1 kernel this adapter can run: the tiled and the streaming kernel everywhere, the
+/// streaming kernel with `subgroupAdd` where the device has subgroups of one size. Lavapipe has them
+/// (subgroups of 8), so the Vulkan run of CI always tests all three; OpenGL has none, which is said.
+fn kernels() -> Vec<KernelChoice> {
+    let g = gpu();
+    let info = g.adapter.get_info();
+    let subgroups = g.device.features().contains(wgpu::Features::SUBGROUP)
+        && info.subgroup_min_size == info.subgroup_max_size;
+    if info.backend == wgpu::Backend::Vulkan && info.name.contains("llvmpipe") {
+        assert!(subgroups, "lavapipe offers subgroups of 8: {info:?}");
+    }
+    let mut all = vec![KernelChoice::Tiled, KernelChoice::StreamShared];
+    if subgroups {
+        all.push(KernelChoice::StreamSubgroup);
+    } else {
+        eprintln!(
+            "skipped here: KernelChoice::StreamSubgroup ({:?} has no subgroups of one size); \
+             its refusal is tested instead",
+            info.backend
+        );
+    }
+    all
+}
+
+/// Whether the streaming kernels take these head dimensions (whole 16-byte vectors).
+fn streamable(dtype: DType, dims: &[usize]) -> bool {
+    let per_vec = if dtype == DType::F32 { 4 } else { 8 };
+    dims.iter().all(|d| d % per_vec == 0)
+}
+
+/// The result of one call under `att`'s kernel: `Some` when it ran; `None` when a forced streaming
+/// kernel refused a shape it cannot take (asserted to be that refusal, with nothing written).
+fn ran(
+    result: Result<()>,
+    att: &Attention,
+    dtype: DType,
+    dims: &[usize],
+    out: &wgpu::Buffer,
+) -> bool {
+    let forced_stream = matches!(
+        att.kernel(),
+        KernelChoice::StreamShared | KernelChoice::StreamSubgroup
+    );
+    if forced_stream && !streamable(dtype, dims) {
+        let e = result.unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::AttentionRequest {
+                    problem: AttentionProblem::DeviceLimit { .. },
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(read(out).iter().all(|&x| x == -7.0), "a refused call wrote");
+        return false;
+    }
+    result.unwrap();
+    true
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Gqa {
     n_kv: usize,
@@ -87,14 +149,16 @@ fn check_gqa(att: &mut Attention, case: Gqa, dtype: DType, seed: u64) -> f32 {
         soft_cap: case.soft_cap,
         scale: None,
     };
-    att.gqa(
+    let result = att.gqa(
         &c,
         0,
         Queries::new(&qb, case.n_q, n_heads, case.d_k),
         &out,
         &options,
-    )
-    .unwrap();
+    );
+    if !ran(result, att, dtype, &[case.d_k, case.d_v], &out) {
+        return 0.0;
+    }
     let want = reference::attention_gqa(
         &q,
         [case.n_q, n_heads, case.d_k],
@@ -104,7 +168,8 @@ fn check_gqa(att: &mut Attention, case: Gqa, dtype: DType, seed: u64) -> f32 {
         case.d_v,
         &options,
     );
-    assert_close(&read(&out), &want, &format!("{dtype} {case:?}"))
+    let what = format!("{dtype} {case:?} {:?}", att.kernel());
+    assert_close(&read(&out), &want, &what)
 }
 
 #[test]
@@ -131,14 +196,17 @@ fn gqa_matches_the_reference_for_every_dtype() {
         Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 32, visible: 600, n_q: 2, window: Some(550), soft_cap: None },
         Gqa { n_kv: 8, group: 2, d_k: 33, d_v: 17, visible: 700, n_q: 3, window: None, soft_cap: Some(30.0) },
     ];
-    for_each_dtype(|dtype| {
-        let worst = cases
-            .iter()
-            .enumerate()
-            .map(|(i, &case)| check_gqa(&mut att, case, dtype, 10 + i as u64))
-            .fold(0f32, f32::max);
-        eprintln!("{dtype}: worst scaled error {worst:e}");
-    });
+    for kernel in kernels() {
+        att.set_kernel(kernel);
+        for_each_dtype(|dtype| {
+            let worst = cases
+                .iter()
+                .enumerate()
+                .map(|(i, &case)| check_gqa(&mut att, case, dtype, 10 + i as u64))
+                .fold(0f32, f32::max);
+            eprintln!("{dtype} {kernel:?}: worst scaled error {worst:e}");
+        });
+    }
 }
 
 #[test]
@@ -158,12 +226,15 @@ fn attention_over_4096_rows_splits_the_sequence() {
         window: None,
         soft_cap: None,
     };
-    for_each_dtype(|dtype| {
-        for (i, &case) in cases.iter().enumerate() {
-            check_gqa(&mut att, case, dtype, 40 + i as u64);
-        }
-        check_mla(&mut att, mla, dtype, 50);
-    });
+    for kernel in kernels() {
+        att.set_kernel(kernel);
+        for_each_dtype(|dtype| {
+            for (i, &case) in cases.iter().enumerate() {
+                check_gqa(&mut att, case, dtype, 40 + i as u64);
+            }
+            check_mla(&mut att, mla, dtype, 50);
+        });
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -187,7 +258,7 @@ fn check_mla(att: &mut Attention, case: Mla, dtype: DType, seed: u64) -> f32 {
         soft_cap: case.soft_cap,
         scale: Some(0.07),
     };
-    att.mla(
+    let result = att.mla(
         &c,
         0,
         MlaQueries {
@@ -196,8 +267,8 @@ fn check_mla(att: &mut Attention, case: Mla, dtype: DType, seed: u64) -> f32 {
         },
         &out,
         &options,
-    )
-    .unwrap();
+    );
+    assert!(ran(result, att, dtype, &[r, p], &out));
     let want = reference::attention_mla(
         &ql,
         &qr,
@@ -207,7 +278,8 @@ fn check_mla(att: &mut Attention, case: Mla, dtype: DType, seed: u64) -> f32 {
         p,
         &options,
     );
-    assert_close(&read(&out), &want, &format!("{dtype} MLA {case:?}"))
+    let what = format!("{dtype} MLA {case:?} {:?}", att.kernel());
+    assert_close(&read(&out), &want, &what)
 }
 
 #[test]
@@ -222,11 +294,14 @@ fn mla_matches_the_reference_for_every_dtype() {
         Mla { n_heads: 20, visible: 130, n_q: 2, window: None, soft_cap: None },
         Mla { n_heads: 16, visible: 1000, n_q: 1, window: None, soft_cap: Some(50.0) },
     ];
-    for_each_dtype(|dtype| {
-        for (i, &case) in cases.iter().enumerate() {
-            check_mla(&mut att, case, dtype, 60 + i as u64);
-        }
-    });
+    for kernel in kernels() {
+        att.set_kernel(kernel);
+        for_each_dtype(|dtype| {
+            for (i, &case) in cases.iter().enumerate() {
+                check_mla(&mut att, case, dtype, 60 + i as u64);
+            }
+        });
+    }
 }
 
 #[test]
@@ -660,4 +735,37 @@ fn buffers_and_caches_of_another_device_are_refused() {
         .unwrap();
     let want = reference::attention_gqa(&d, [1, 1, 8], &d, &d, 1, 8, &Default::default());
     assert_close(&read(&out), &want, "after refusals");
+}
+
+#[test]
+fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups() {
+    let _serial = serial();
+    let g = gpu();
+    if kernels().contains(&KernelChoice::StreamSubgroup) {
+        eprintln!("this adapter has subgroups: the kernel itself is checked by the tests above");
+        return;
+    }
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    att.set_kernel(KernelChoice::StreamSubgroup);
+    let c = filled(LayerSpec::kv(2, 64, 64), DType::F32, 40, 1, 5);
+    let q = storage(&values(6, 8 * 64));
+    let out = output(8 * 64);
+    let e = att
+        .gqa(
+            &c,
+            0,
+            Queries::new(&q, 1, 8, 64),
+            &out,
+            &AttentionOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::AttentionRequest { problem: AttentionProblem::DeviceLimit { detail }, .. }
+            if detail.contains("SUBGROUP")),
+        "{e}"
+    );
+    assert!(
+        read(&out).iter().all(|&x| x == -7.0),
+        "a refused call wrote"
+    );
 }

@@ -6,8 +6,8 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use kvgpu::{
-    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, LayerSpec, MlaQueries,
-    Queries,
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KernelChoice, KvCache, LayerSpec,
+    MlaQueries, Queries,
 };
 
 use crate::Config;
@@ -56,6 +56,24 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Te
     let s = (q.matmul(&k.t()?)? * scale)?;
     let p = candle_nn::ops::softmax_last_dim(&s)?;
     Ok(p.matmul(v)?)
+}
+
+/// The pass-1 kernel to measure: `KVGPU_BENCH_KERNEL=auto|tiled|shared|subgroup` (default auto).
+fn kernel_choice() -> Result<KernelChoice> {
+    Ok(
+        match std::env::var("KVGPU_BENCH_KERNEL")
+            .as_deref()
+            .unwrap_or("auto")
+        {
+            "auto" => KernelChoice::Auto,
+            "tiled" => KernelChoice::Tiled,
+            "shared" => KernelChoice::StreamShared,
+            "subgroup" => KernelChoice::StreamSubgroup,
+            other => {
+                anyhow::bail!("KVGPU_BENCH_KERNEL={other:?}: use auto, tiled, shared or subgroup")
+            }
+        },
+    )
 }
 
 enum Kind {
@@ -116,6 +134,7 @@ fn one(
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     fill(&mut cache, max)?;
     let mut attn = Attention::for_cache(&cache);
+    attn.set_kernel(kernel_choice()?);
     let q = storage(&gpu.device, (heads * dk * 4) as u64, "bench q");
     let q_rope = storage(&gpu.device, (heads * dr.max(1) * 4) as u64, "bench q_rope");
     let out = storage(&gpu.device, (heads * dv * 4) as u64, "bench attention out");

@@ -37,3 +37,11 @@ struct AttnParams {
     q_first: u32,
     q_count: u32,
 }
+
+// tanh that cannot overflow for large |x| and keeps its precision for small |x| (where
+// (1 - t) / (1 + t) would round to 0, tanh(x) = x to within x^3 / 3).
+fn tanh_safe(x: f32) -> f32 {
+    let t = exp(-2.0 * abs(x));
+    let r = (1.0 - t) / (1.0 + t);
+    return select(select(r, -r, x < 0.0), x, abs(x) < 1.0e-4);
+}

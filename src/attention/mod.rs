@@ -1,7 +1,15 @@
 //! Attention over the visible rows of one cache layer: GQA / MHA over K and V slots, and DeepSeek's
 //! absorbed MLA over `compressed_kv` and `k_pe`. Flash-decoding: chunks of the sequence go to separate
-//! workgroups (`shaders/attention_partial.wgsl`), then a reduce pass merges them
-//! (`shaders/attention_reduce.wgsl`); both are recorded into the caller's encoder.
+//! workgroups, then a reduce pass merges them (`shaders/attention_reduce.wgsl`); both are recorded
+//! into the caller's encoder.
+//!
+//! Pass 1 has two kernels ([`KernelChoice`]). The *streaming* kernel (`stream.rs`, WGSL generated and
+//! compiled once per shape) gives each KV head and chunk a team of lanes that split every row in
+//! 16-byte loads and keep their share of the queries and outputs in registers; it sums a row's dot
+//! products with `subgroupAdd` where the device has subgroups of one size (request
+//! `wgpu::Features::SUBGROUP` when the adapter offers it: [`crate::Gpu`] does), else through
+//! workgroup memory. The *tiled* kernel (`shaders/attention_partial.wgsl`) takes every other shape
+//! (head dimensions that are not whole 16-byte vectors).
 //!
 //! Work is proportional to the visible rows (or the window), never to the capacity. Pipelines are
 //! compiled once per [`Attention`] (make one per device and keep it); bind groups are cached by the buffers they bind; per-call parameters go
@@ -49,6 +57,7 @@
 mod plan;
 mod record;
 mod request;
+mod stream;
 
 use std::sync::Arc;
 
@@ -56,7 +65,9 @@ use crate::cache::{AttentionKind, KvCache};
 use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing};
 use plan::DeviceFacts;
+pub use plan::KernelChoice;
 pub use request::{AttentionOptions, MlaQueries, Queries};
+pub(crate) use stream::{StreamKey, source as stream_source};
 
 /// Partial results of pass 1, grown (never shrunk) when a call first needs more.
 struct Scratch {
@@ -141,10 +152,23 @@ impl Attention {
                 max_workgroups: limits.max_compute_workgroups_per_dimension as usize,
                 max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
                 cpu: kernels.is_cpu(),
+                subgroup: kernels.subgroup_size(),
+                choice: KernelChoice::Auto,
             },
             device,
             kernels,
         }
+    }
+
+    /// Picks the pass-1 kernel of later calls (see [`KernelChoice`]; the default is
+    /// [`KernelChoice::Auto`]).
+    pub fn set_kernel(&mut self, choice: KernelChoice) {
+        self.facts.choice = choice;
+    }
+
+    /// The pass-1 kernel choice in force.
+    pub fn kernel(&self) -> KernelChoice {
+        self.facts.choice
     }
 
     /// Records GQA / MHA attention of `layer` (slots K `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`)

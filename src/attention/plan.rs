@@ -8,6 +8,7 @@
 //! before any unrolling) and cuts the context into chunks short enough to stay within
 //! [`LOOP_BUDGET`], on every adapter.
 
+use super::stream::{self, StreamKey, TeamSum};
 use crate::codec::DType;
 use crate::kernels::{AttnParams, HEAD_BATCHES, ROWS_PER_INVOCATION};
 
@@ -20,6 +21,17 @@ const TARGET_WORKGROUPS: usize = 1024;
 /// On CPU adapters (llvmpipe, lavapipe, WARP) each workgroup has a fixed cost that outweighs the
 /// parallelism of more chunks; a few per core suffice there.
 const TARGET_WORKGROUPS_CPU: usize = 16;
+/// The streaming kernel on CPU adapters: workgroups per call (each is one team of a few lanes).
+const STREAM_WORKGROUPS_CPU: usize = 32;
+/// Most f32 registers one lane of a streaming team may hold (queries, accumulators, one row's
+/// elements); shapes that need more use the tiled kernel.
+pub(crate) const LANE_FLOATS: usize = 320;
+/// Most rows of one streaming chunk: one loop iteration per row, within the loop budget.
+const STREAM_MAX_ROWS: usize = LOOP_BUDGET - 1;
+/// Lanes of a streaming team summed through workgroup memory: on CPU adapters 8 (one SIMD vector of
+/// llvmpipe), elsewhere 32.
+const SHARED_LANES_CPU: u32 = 8;
+const SHARED_LANES_GPU: u32 = 32;
 
 /// What the planner needs to know of the device.
 #[derive(Clone, Copy, Debug)]
@@ -27,6 +39,42 @@ pub(crate) struct DeviceFacts {
     pub max_workgroups: usize,
     pub max_binding: u64,
     pub cpu: bool,
+    /// The subgroup size, when the device has subgroups and every subgroup has this size.
+    pub subgroup: Option<u32>,
+    /// Which pass-1 kernel the app asked for.
+    pub choice: KernelChoice,
+}
+
+/// Which pass-1 kernel attention uses. [`KernelChoice::Auto`] (the default) picks the streaming
+/// kernel wherever the shape allows it (every dimension a multiple of four f32 or eight 16-bit
+/// elements, rows of whole 16-byte vectors), with `subgroupAdd` when the device has subgroups of one
+/// fixed size, and the tiled kernel otherwise. The others force one kernel, for comparisons and
+/// tests; a call the forced kernel cannot run is refused with
+/// [`AttentionProblem::DeviceLimit`](crate::AttentionProblem::DeviceLimit).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum KernelChoice {
+    #[default]
+    Auto,
+    /// One workgroup per KV head and chunk, tiles of rows scored one row per invocation
+    /// (`shaders/attention_partial.wgsl`): every shape, every adapter.
+    Tiled,
+    /// The generated streaming kernel, its lanes summing through workgroup memory.
+    StreamShared,
+    /// The generated streaming kernel with `subgroupAdd` (needs `wgpu::Features::SUBGROUP` and one
+    /// subgroup size).
+    StreamSubgroup,
+}
+
+/// The pass-1 kernel of a planned call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Pass1 {
+    /// `attention_partial.wgsl` with (`HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index).
+    Tiled {
+        batch: usize,
+        rpl: usize,
+    },
+    Stream(StreamKey),
 }
 
 /// The shapes of one call, already checked against each other and the layer.
@@ -46,6 +94,8 @@ pub(crate) struct CallShape {
     pub scale: f32,
     /// `0`: no soft-cap.
     pub soft_cap: f32,
+    /// Values are slot a's elements (MLA's latent): slot v is slot a and `d_v == d_a`.
+    pub v_from_a: bool,
 }
 
 /// The dispatches of one call: pairs of (pass 1, reduce), each for `q_per_pair` of the queries (the
@@ -54,10 +104,7 @@ pub(crate) struct CallShape {
 pub(crate) struct Dispatch {
     /// The parameters of the first pair; [`Dispatch::pairs`] gives every pair's.
     pub params: AttnParams,
-    /// Index into `HEAD_BATCHES`.
-    pub batch: usize,
-    /// Index into `ROWS_PER_INVOCATION`.
-    pub rpl: usize,
+    pub kernel: Pass1,
     /// Workgroups of pass 1 (chunks, KV heads x head batches) and of the reduce (heads); the third
     /// dimension of both is the pair's query count.
     pub pass1: (u32, u32),
@@ -126,6 +173,114 @@ pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize) -> usize {
 
 /// Plans one call, or says why the device cannot run it.
 pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
+    for (what, n) in [("queries", s.n_q), ("query heads", s.n_heads)] {
+        if n > dev.max_workgroups {
+            return Err(format!(
+                "{n} {what} exceed the device's {} workgroups per dispatch dimension",
+                dev.max_workgroups
+            ));
+        }
+    }
+    let refused = |why: &str| Err(format!("the {:?} attention kernel {why}", dev.choice));
+    match dev.choice {
+        KernelChoice::Auto => match stream_key(s, dev, dev.subgroup.is_some()) {
+            Some(key) => plan_stream(s, dev, key),
+            None => plan_tiled(s, dev),
+        },
+        KernelChoice::Tiled => plan_tiled(s, dev),
+        KernelChoice::StreamShared => match stream_key(s, dev, false) {
+            Some(key) => plan_stream(s, dev, key),
+            None => refused(STREAM_SHAPES),
+        },
+        KernelChoice::StreamSubgroup if dev.subgroup.is_none() => {
+            refused("needs subgroups of one fixed size (wgpu::Features::SUBGROUP)")
+        }
+        KernelChoice::StreamSubgroup => match stream_key(s, dev, true) {
+            Some(key) => plan_stream(s, dev, key),
+            None => refused(STREAM_SHAPES),
+        },
+    }
+}
+
+const STREAM_SHAPES: &str = "needs every head dimension a multiple of one 16-byte vector (4 f32 or 8 \
+                             16-bit elements), rows of whole vectors, and few enough elements per lane";
+
+/// The streaming kernel for this call, when its shape allows one: every slice a whole number of
+/// 16-byte vectors, and the lane's registers within [`LANE_FLOATS`] for at least one head per team.
+pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> Option<StreamKey> {
+    let u = stream::per_vec(s.dtype);
+    if s.d_a == 0
+        || [s.d_a, s.d_b, s.d_v].iter().any(|d| d % u != 0)
+        || s.row_words.iter().any(|w| w % 4 != 0)
+    {
+        return None;
+    }
+    let (lanes, sum) = match (subgroups, dev.subgroup) {
+        (true, Some(n)) => (n, TeamSum::Subgroup),
+        (true, None) => return None,
+        (false, _) if dev.cpu => (SHARED_LANES_CPU, TeamSum::Shared),
+        (false, _) => (SHARED_LANES_GPU, TeamSum::Shared),
+    };
+    let group = s.n_heads / s.n_kv;
+    let heads = HEAD_BATCHES.into_iter().find(|&h| {
+        group.is_multiple_of(h)
+            && stream::lane_floats(s.dtype, lanes as usize, h, s.d_a, s.d_b, s.d_v, s.v_from_a)
+                <= LANE_FLOATS
+    })?;
+    Some(StreamKey {
+        dtype: s.dtype,
+        lanes,
+        heads: heads as u32,
+        d_a: s.d_a as u32,
+        d_b: s.d_b as u32,
+        d_v: s.d_v as u32,
+        v_from_a: s.v_from_a,
+        sum,
+    })
+}
+
+/// The first row any query can see, and how many rows the queries see from there.
+fn seen_rows(s: &CallShape) -> (usize, usize) {
+    let lo = match s.window {
+        0 => 0,
+        w => (s.visible - s.n_q + 1).saturating_sub(w),
+    };
+    (lo, s.visible - lo)
+}
+
+fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispatch, String> {
+    let group = s.n_heads / s.n_kv;
+    let n_batches = group / key.heads as usize;
+    let teams = s.n_kv * n_batches;
+    if teams > dev.max_workgroups {
+        return Err(format!(
+            "{teams} KV heads x head batches exceed the device's {} workgroups per dispatch dimension",
+            dev.max_workgroups
+        ));
+    }
+    let target = if dev.cpu {
+        STREAM_WORKGROUPS_CPU
+    } else {
+        TARGET_WORKGROUPS
+    };
+    let (lo, rows) = seen_rows(s);
+    // One loop iteration per row, and one per block of `SYNC_ROWS` between barriers: chunks stay
+    // within the loop budget, and are at least 16 rows.
+    let want = target.div_ceil(teams * s.n_q).min(rows.div_ceil(16)).max(1);
+    let chunk_len = rows.div_ceil(want).min(STREAM_MAX_ROWS);
+    finish(
+        s,
+        dev,
+        group,
+        n_batches,
+        chunk_len,
+        lo,
+        rows,
+        Pass1::Stream(key),
+    )
+}
+
+fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let group = s.n_heads / s.n_kv;
     let batch = HEAD_BATCHES
         .iter()
@@ -134,29 +289,19 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     let hb = HEAD_BATCHES[batch];
     let n_batches = group / hb;
     let per_chunk = s.n_kv * n_batches * s.n_q;
-    for (what, n) in [
-        ("queries", s.n_q),
-        ("query heads", s.n_heads),
-        ("KV heads x head batches", s.n_kv * n_batches),
-    ] {
-        if n > dev.max_workgroups {
-            return Err(format!(
-                "{n} {what} exceed the device's {} workgroups per dispatch dimension",
-                dev.max_workgroups
-            ));
-        }
+    if s.n_kv * n_batches > dev.max_workgroups {
+        return Err(format!(
+            "{} KV heads x head batches exceed the device's {} workgroups per dispatch dimension",
+            s.n_kv * n_batches,
+            dev.max_workgroups
+        ));
     }
     let target = if dev.cpu {
         TARGET_WORKGROUPS_CPU
     } else {
         TARGET_WORKGROUPS
     };
-    // The rows any query can see.
-    let lo = match s.window {
-        0 => 0,
-        w => (s.visible - s.n_q + 1).saturating_sub(w),
-    };
-    let rows = s.visible - lo;
+    let (lo, rows) = seen_rows(s);
     // Rows per invocation: as many as the heads allow, unless a chunk of 64-row tiles would be
     // shorter than one tile of them (short contexts keep their parallelism), and never so many that
     // one tile alone runs past the loop budget.
@@ -180,10 +325,8 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     };
     let tile = TILE * ROWS_PER_INVOCATION[rpl];
     let tiles = rows.div_ceil(tile);
-    let out_bytes = (s.n_q * s.n_heads * s.d_v * 4) as u64;
     // Partial results of one query in one chunk: the unnormalised output and (max, sum) per head.
-    let query_chunk_bytes = (s.n_heads * s.d_v.max(2) * 4) as u64;
-    let by_binding = usize::try_from(dev.max_binding / query_chunk_bytes).unwrap_or(usize::MAX);
+    let by_binding = usize::try_from(dev.max_binding / query_chunk_bytes(s)).unwrap_or(usize::MAX);
     let want = target
         .div_ceil(per_chunk)
         .min(tiles)
@@ -192,8 +335,39 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
         .max(1);
     let max_tiles = ((LOOP_BUDGET - 1) / per_tile(rpl)).max(1);
     let tiles_per_chunk = tiles.div_ceil(want).min(max_tiles);
-    let n_chunks = tiles.div_ceil(tiles_per_chunk);
-    let q_per_pair = usize::try_from(dev.max_binding / (n_chunks as u64 * query_chunk_bytes))
+    let kernel = Pass1::Tiled { batch, rpl };
+    finish(
+        s,
+        dev,
+        group,
+        n_batches,
+        tiles_per_chunk * tile,
+        lo,
+        rows,
+        kernel,
+    )
+}
+
+/// Scratch bytes of one query in one chunk: the unnormalised output and (max, sum) per head.
+fn query_chunk_bytes(s: &CallShape) -> u64 {
+    (s.n_heads * s.d_v.max(2) * 4) as u64
+}
+
+/// The dispatch of `kernel` over chunks of `chunk_len` rows from `lo`, split into pairs whose
+/// partial results fit one binding.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    s: &CallShape,
+    dev: &DeviceFacts,
+    group: usize,
+    n_batches: usize,
+    chunk_len: usize,
+    lo: usize,
+    rows: usize,
+    kernel: Pass1,
+) -> Result<Dispatch, String> {
+    let n_chunks = rows.div_ceil(chunk_len);
+    let q_per_pair = usize::try_from(dev.max_binding / (n_chunks as u64 * query_chunk_bytes(s)))
         .unwrap_or(usize::MAX)
         .min(s.n_q);
     if n_chunks > dev.max_workgroups
@@ -201,11 +375,9 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
         || reduce_iterations(n_chunks, s.d_v) >= LOOP_BUDGET
     {
         return Err(format!(
-            "{rows} rows need {n_chunks} chunks of at most {} rows to stay within the loop budget, \
-             more than this device can merge for one query of {} heads x {}",
-            tiles_per_chunk * tile,
-            s.n_heads,
-            s.d_v,
+            "{rows} rows need {n_chunks} chunks of at most {chunk_len} rows to stay within the loop \
+             budget, more than this device can merge for one query of {} heads x {}",
+            s.n_heads, s.d_v,
         ));
     }
     let stats_bytes = (n_chunks * q_per_pair * s.n_heads * 2 * 4) as u64;
@@ -224,7 +396,7 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
         row_words_v: s.row_words[2] as u32,
         window: s.window as u32,
         lo: lo as u32,
-        chunk_len: (tiles_per_chunk * tile) as u32,
+        chunk_len: chunk_len as u32,
         n_chunks: n_chunks as u32,
         n_kv: s.n_kv as u32,
         scale: s.scale,
@@ -234,14 +406,13 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     };
     Ok(Dispatch {
         params,
-        batch,
-        rpl,
+        kernel,
         pass1: (n_chunks as u32, (s.n_kv * n_batches) as u32),
         pass2: s.n_heads as u32,
         q_per_pair,
         stats_bytes,
         part_bytes,
-        out_bytes,
+        out_bytes: (s.n_q * s.n_heads * s.d_v * 4) as u64,
     })
 }
 
@@ -253,12 +424,32 @@ mod tests {
         max_workgroups: 65535,
         max_binding: 128 << 20,
         cpu: true,
+        subgroup: Some(8),
+        choice: KernelChoice::Auto,
     };
     const GPU: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
         max_binding: 2 << 30,
         cpu: false,
+        subgroup: Some(32),
+        choice: KernelChoice::Auto,
     };
+
+    /// Both devices with each kernel forced, and on their own choice.
+    fn devices() -> Vec<DeviceFacts> {
+        let mut all = Vec::new();
+        for dev in [LAVAPIPE, GPU] {
+            for choice in [
+                KernelChoice::Auto,
+                KernelChoice::Tiled,
+                KernelChoice::StreamShared,
+                KernelChoice::StreamSubgroup,
+            ] {
+                all.push(DeviceFacts { choice, ..dev });
+            }
+        }
+        all
+    }
 
     fn gqa(
         dtype: DType,
@@ -283,6 +474,7 @@ mod tests {
             window: 0,
             scale: 1.0,
             soft_cap: 0.0,
+            v_from_a: false,
         }
     }
 
@@ -295,17 +487,31 @@ mod tests {
             n_kv: 1,
             n_heads: 16,
             row_words: [512 / per_word, 64 / per_word, 512 / per_word],
+            v_from_a: true,
             ..gqa(dtype, n_q, 16, 1, 512, visible)
         }
     }
 
     /// The most loop iterations one invocation of either pass runs.
     fn worst_iterations(s: &CallShape, d: &Dispatch) -> usize {
-        let rpl = ROWS_PER_INVOCATION[d.rpl];
-        let tiles = d.params.chunk_len as usize / (TILE * rpl);
-        let per_tile =
-            pass1_iterations_per_tile(s.dtype, s.d_a, s.d_b, s.d_v, HEAD_BATCHES[d.batch], rpl);
-        (tiles * per_tile).max(reduce_iterations(d.n_chunks(), s.d_v))
+        let pass1 = match d.kernel {
+            Pass1::Tiled { batch, rpl } => {
+                let rpl = ROWS_PER_INVOCATION[rpl];
+                let tiles = d.params.chunk_len as usize / (TILE * rpl);
+                tiles
+                    * pass1_iterations_per_tile(
+                        s.dtype,
+                        s.d_a,
+                        s.d_b,
+                        s.d_v,
+                        HEAD_BATCHES[batch],
+                        rpl,
+                    )
+            }
+            // The row loop is the streaming kernel's only loop.
+            Pass1::Stream(_) => d.params.chunk_len as usize,
+        };
+        pass1.max(reduce_iterations(d.n_chunks(), s.d_v))
     }
 
     impl Dispatch {
@@ -341,7 +547,7 @@ mod tests {
                         if n_q > visible {
                             continue;
                         }
-                        for dev in [LAVAPIPE, GPU] {
+                        for dev in devices() {
                             let s = gqa(dtype, n_q, n_heads, n_kv, d, visible);
                             let Ok(p) = plan(&s, &dev) else { continue };
                             let worst = worst_iterations(&s, &p);
@@ -354,37 +560,89 @@ mod tests {
             }
             for &n_q in &[1, 16, 64] {
                 for &visible in &[2048, 16_384, 131_072] {
-                    let s = mla(dtype, n_q, visible);
-                    let p = plan(&s, &LAVAPIPE).unwrap();
-                    assert!(worst_iterations(&s, &p) < LOOP_BUDGET, "{s:?}");
-                    checked += 1;
+                    for dev in devices() {
+                        let s = mla(dtype, n_q, visible);
+                        let p = plan(&s, &dev).unwrap();
+                        assert!(worst_iterations(&s, &p) < LOOP_BUDGET, "{s:?}");
+                        checked += 1;
+                    }
                 }
             }
         }
-        assert!(checked > 300, "{checked} plans checked");
+        assert!(checked > 1500, "{checked} plans checked");
     }
 
     #[test]
     fn the_reported_failures_are_now_planned_within_the_budget() {
         // 16 queries over 16,384 rows (one workgroup used to walk it all) and MLA with 16 queries over
         // 2,048 rows, DeepSeek-V2-Lite shapes.
-        let s = gqa(DType::F32, 16, 32, 8, 128, 16_384);
-        let p = plan(&s, &LAVAPIPE).unwrap();
-        assert!(p.n_chunks() > 1);
-        assert!(worst_iterations(&s, &p) < LOOP_BUDGET);
-        let s = mla(DType::F16, 16, 2048);
-        let p = plan(&s, &LAVAPIPE).unwrap();
-        assert!(worst_iterations(&s, &p) < LOOP_BUDGET);
+        for dev in devices() {
+            let s = gqa(DType::F32, 16, 32, 8, 128, 16_384);
+            let p = plan(&s, &dev).unwrap();
+            // The tiled kernel loops many times per row; the streaming one once.
+            if let Pass1::Tiled { .. } = p.kernel {
+                assert!(p.n_chunks() > 1);
+            }
+            assert!(worst_iterations(&s, &p) < LOOP_BUDGET);
+            let s = mla(DType::F16, 16, 2048);
+            let p = plan(&s, &dev).unwrap();
+            assert!(worst_iterations(&s, &p) < LOOP_BUDGET);
+        }
+    }
+
+    #[test]
+    fn the_kernel_follows_the_shape_and_the_choice() {
+        let llama = gqa(DType::F16, 1, 32, 8, 128, 4096);
+        let stream = |d: Dispatch| match d.kernel {
+            Pass1::Stream(key) => Some(key),
+            Pass1::Tiled { .. } => None,
+        };
+        // Auto: subgroups where the device has them, one team per KV head with its whole group.
+        let key = stream(plan(&llama, &LAVAPIPE).unwrap()).unwrap();
+        assert_eq!((key.sum, key.lanes, key.heads), (TeamSum::Subgroup, 8, 4));
+        let no_subgroups = DeviceFacts {
+            subgroup: None,
+            ..LAVAPIPE
+        };
+        let key = stream(plan(&llama, &no_subgroups).unwrap()).unwrap();
+        assert_eq!((key.sum, key.lanes), (TeamSum::Shared, 8));
+        // MLA takes its values from the latent it scores.
+        let key = stream(plan(&mla(DType::BF16, 1, 4096), &LAVAPIPE).unwrap()).unwrap();
+        assert!(key.v_from_a && key.d_b == 64);
+        // A head of 6 elements is not a whole number of vectors: the tiled kernel, or a refusal
+        // when a streaming kernel is forced.
+        let odd = gqa(DType::F32, 1, 4, 2, 6, 100);
+        assert!(stream(plan(&odd, &LAVAPIPE).unwrap()).is_none());
+        for choice in [KernelChoice::StreamShared, KernelChoice::StreamSubgroup] {
+            let forced = DeviceFacts { choice, ..LAVAPIPE };
+            assert!(plan(&odd, &forced).unwrap_err().contains("16-byte vector"));
+        }
+        let forced = DeviceFacts {
+            choice: KernelChoice::StreamSubgroup,
+            ..no_subgroups
+        };
+        assert!(plan(&llama, &forced).unwrap_err().contains("SUBGROUP"));
+        let tiled = DeviceFacts {
+            choice: KernelChoice::Tiled,
+            ..LAVAPIPE
+        };
+        assert!(stream(plan(&llama, &tiled).unwrap()).is_none());
     }
 
     #[test]
     fn queries_whose_partials_overflow_one_binding_are_split_into_pairs() {
         // 4096 queries of 32 heads x 128 over 512k rows, and MLA chunked prefill at 128k.
-        for s in [
-            gqa(DType::F32, 4096, 32, 8, 128, 524_288),
-            mla(DType::F32, 64, 131_072),
+        // (The streaming kernel's longer chunks keep that MLA call in one pair.)
+        let tiled = DeviceFacts {
+            choice: KernelChoice::Tiled,
+            ..LAVAPIPE
+        };
+        for (s, dev) in [
+            (gqa(DType::F32, 4096, 32, 8, 128, 524_288), LAVAPIPE),
+            (gqa(DType::F32, 4096, 32, 8, 128, 524_288), tiled),
+            (mla(DType::F32, 64, 131_072), tiled),
         ] {
-            let d = plan(&s, &LAVAPIPE).unwrap();
+            let d = plan(&s, &dev).unwrap();
             assert!(d.part_bytes <= LAVAPIPE.max_binding && d.stats_bytes <= LAVAPIPE.max_binding);
             let pairs: Vec<_> = d.pairs().collect();
             assert!(pairs.len() > 1, "{d:?}");

@@ -1,7 +1,7 @@
 //! Turning one checked attention call into commands: the call's checks and plan, its bind groups
 //! (the slots' from the cache, queries and output from bounded caches) and both passes.
 
-use super::plan::{self, CallShape, Dispatch};
+use super::plan::{self, CallShape, Dispatch, Pass1};
 use super::{Attention, AttentionOptions, Job, Queries, Scratch};
 use crate::cache::KvCache;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
@@ -71,8 +71,18 @@ impl Attention {
                     error.map_or(Ok(group), |e| Err(refused("output")(e)))
                 })?;
         let partial =
-            self.kernels
-                .attention_partial(cache.spec().dtype(), dispatch.batch, dispatch.rpl);
+            match dispatch.kernel {
+                Pass1::Tiled { batch, rpl } => {
+                    self.kernels
+                        .attention_partial(cache.spec().dtype(), batch, rpl)
+                }
+                Pass1::Stream(key) => self.kernels.attention_stream(&key).map_err(|detail| {
+                    Error::AttentionRequest {
+                        layer,
+                        problem: AttentionProblem::DeviceLimit { detail },
+                    }
+                })?,
+            };
         let pairs: Vec<_> = dispatch.pairs().collect();
         let params = self.ring.push_all(&self.queue, &pairs);
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
@@ -212,6 +222,7 @@ impl Attention {
             window,
             scale,
             soft_cap,
+            v_from_a: a == v && d_a == job.d_v,
         };
         let dispatch =
             plan::plan(&shape, &self.facts).map_err(|detail| Error::AttentionRequest {

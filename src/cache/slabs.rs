@@ -47,8 +47,8 @@ pub struct GpuSlab<'a> {
     pub strides: Option<&'a [usize]>,
 }
 
-/// A range of a slot buffer: the visible rows ([`KvCache::view`]) or the whole capacity
-/// ([`KvCache::full_view`]).
+/// A range of a slot buffer: the visible rows ([`crate::KvCache::view`]) or the whole capacity
+/// (`KvCache::full_view`).
 #[derive(Clone, Copy, Debug)]
 pub struct SlotView<'a> {
     pub buffer: &'a wgpu::Buffer,

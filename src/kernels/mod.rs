@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use crate::attention::StreamKey;
 use crate::codec::DType;
 use crate::error::{Error, Result};
 
@@ -129,6 +130,8 @@ struct AttentionKernels {
     /// Pass-1 pipelines by (storage type, `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index).
     partial_pipelines: Mutex<HashMap<(DType, usize, usize), wgpu::ComputePipeline>>,
     reduce: wgpu::ComputePipeline,
+    /// Generated streaming pass-1 pipelines by shape.
+    stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
 }
 
 /// The pipelines and layouts of one device, with the queue they go with. Make one with
@@ -308,6 +311,7 @@ impl Kernels {
                 partial,
                 partial_pipelines: Mutex::new(HashMap::new()),
                 reduce,
+                stream_pipelines: Mutex::new(HashMap::new()),
             }
         })
     }
@@ -335,6 +339,57 @@ impl Kernels {
                 kernels.partial.pipeline(&self.device, "main", &constants)
             })
             .clone()
+    }
+
+    /// The generated streaming pass-1 pipeline of `key` (`src/attention/stream.rs`). Its source is
+    /// made and compiled inside an error scope, so a kernel the device refuses is reported here rather
+    /// than as a wgpu error later.
+    pub(crate) fn attention_stream(
+        &self,
+        key: &StreamKey,
+    ) -> std::result::Result<wgpu::ComputePipeline, String> {
+        let kernels = self.attention();
+        let mut map = kernels
+            .stream_pipelines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(pipeline) = map.get(key) {
+            return Ok(pipeline.clone());
+        }
+        let device = &self.device;
+        let source = crate::attention::stream_source(key, wgsl::PRELUDE);
+        let (pipeline, error) = scoped(device, || {
+            Kernel::new(
+                device,
+                "kvgpu attention_stream",
+                &source,
+                &[
+                    &self.attn_slots_layout,
+                    &self.attn_io_layout,
+                    &self.params_layout,
+                ],
+            )
+            .pipeline(device, "main", &[])
+        });
+        if let Some(e) = error {
+            return Err(format!(
+                "the streaming attention kernel for {key:?} was refused: {e}"
+            ));
+        }
+        map.insert(*key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// The size of every subgroup, when the device has subgroups (`wgpu::Features::SUBGROUP`) of one
+    /// size between 4 and 64.
+    pub(crate) fn subgroup_size(&self) -> Option<u32> {
+        let info = self.device.adapter_info();
+        let n = info.subgroup_min_size;
+        (self.device.features().contains(wgpu::Features::SUBGROUP)
+            && n == info.subgroup_max_size
+            && n.is_power_of_two()
+            && (4..=64).contains(&n))
+        .then_some(n)
     }
 
     pub(crate) fn attention_reduce(&self) -> &wgpu::ComputePipeline {
