@@ -2,10 +2,12 @@
 //! adapter. `--quick` takes about a minute on a software adapter; the default is the full run.
 //!
 //! Writes `bench-results.json` and `bench-plot.svg` (override with `--json PATH` / `--plot PATH`).
+//! `--plot-from JSON` redraws the plot from a recorded run without measuring (or opening an adapter).
 
 mod attn;
 mod decode;
 mod plot;
+mod recorded;
 mod refs;
 mod report;
 mod slab;
@@ -67,12 +69,16 @@ fn main() -> Result<()> {
     let mut json_path = "bench-results.json".to_string();
     let mut plot_path = "bench-plot.svg".to_string();
     let mut only: Option<String> = None;
+    let mut plot_from: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--quick" => quick = true,
             "--json" => json_path = args.next().context("--json needs a path")?,
             "--plot" => plot_path = args.next().context("--plot needs a path")?,
+            "--plot-from" => {
+                plot_from = Some(args.next().context("--plot-from needs a JSON path")?)
+            }
             "--only" => {
                 only = Some(
                     args.next()
@@ -81,12 +87,21 @@ fn main() -> Result<()> {
             }
             "-h" | "--help" => {
                 println!(
-                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention]\n  adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME"
+                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention]\n  \
+                     adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME\n\
+                     kvgpu-bench --plot-from JSON [--plot PATH]\n  \
+                     redraws the plot from a recorded run (a JSON written by --json) without measuring"
                 );
                 return Ok(());
             }
             other => bail!("unknown argument {other:?} (try --help)"),
         }
+    }
+    if let Some(json) = plot_from {
+        let run = recorded::load(&json)?;
+        plot::write(&plot_path, &run.title, &run.steps, &run.attention)?;
+        eprintln!("wrote {plot_path} from {json}");
+        return Ok(());
     }
     let cfg = Config::new(quick);
     let started = std::time::Instant::now();
@@ -134,6 +149,7 @@ fn main() -> Result<()> {
         "mode": if quick { "quick" } else { "full" },
         "seconds": started.elapsed().as_secs_f64(),
         "results": rows.iter().map(report::Row::json).collect::<Vec<_>>(),
+        "series": recorded::series_json(&steps, &attention),
     });
     std::fs::write(&json_path, serde_json::to_string_pretty(&doc)?)
         .with_context(|| format!("writing {json_path}"))?;

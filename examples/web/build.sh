@@ -9,10 +9,10 @@ cd "$(dirname "$0")/../.."
 target=$(cargo metadata --format-version 1 --no-deps |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 out="$target/web-demo"
-cargo build --example web --target wasm32-unknown-unknown
+cargo build --release --example web --target wasm32-unknown-unknown
 rm -rf "$out"
 mkdir -p "$out"
 wasm-bindgen --target web --no-typescript --out-dir "$out/pkg" \
-  "$target/wasm32-unknown-unknown/debug/examples/web.wasm"
+  "$target/wasm32-unknown-unknown/release/examples/web.wasm"
 cp examples/web/index.html "$out/"
 echo "built $out"

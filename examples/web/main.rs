@@ -1,7 +1,9 @@
-//! The browser demo: a decode-like simulation of a DeepSeek-V2-Lite MLA cache over WebGPU. It prefills
-//! some tokens, appends one token per step to every layer, reads the cache back and checks every stored
-//! word against the CPU model, showing the adapter, the cache size, per-step timings and the result in
-//! the page. Build and serve it with `bash examples/web/build.sh` (see README).
+//! The browser demo: pick a model shape, a storage type and a context length, press Run, and a
+//! prefill plus decode steps run on WebGPU through kvgpu's public API — every step appends K/V (or MLA
+//! latents) to every layer of a `KvCache` and runs `Attention` over the visible rows — checked against
+//! the CPU twins of `kvgpu::reference`. The page shows the adapter, the timings, a `verified: ...`
+//! line and a chart of the time per step and the cache's memory. Build and serve it with
+//! `bash examples/web/build.sh` (see README).
 
 #[cfg(not(target_arch = "wasm32"))]
 fn main() {
@@ -11,38 +13,67 @@ fn main() {
 }
 
 #[cfg(target_arch = "wasm32")]
+mod chart;
+#[cfg(target_arch = "wasm32")]
+mod run;
+
+#[cfg(target_arch = "wasm32")]
 fn main() {
     wasm_bindgen_futures::spawn_local(async {
-        let result = match demo::run().await {
-            Ok(line) => line,
-            Err(e) => format!("error: {e}"),
-        };
-        demo::show("result", &result);
+        if let Err(e) = page::start().await {
+            page::Log::open().line(&format!("error: {e}"));
+            page::show("result", &format!("error: {e}"));
+        }
     });
 }
 
 #[cfg(target_arch = "wasm32")]
-mod demo {
-    use kvgpu::reference::{CpuCache, host_bits};
-    use kvgpu::{CacheSpec, DType, Gpu, HostData, HostSlab, KvCache};
+mod page {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    use std::sync::Arc;
 
-    const PREFILL: usize = 16;
-    const DECODE_STEPS: usize = 16;
+    use kvgpu::{DType, Gpu, Kernels};
+    use wasm_bindgen::JsCast;
+    use wasm_bindgen::closure::Closure;
+
+    use crate::{chart, run};
+
+    /// The adapter and its kernel registry, opened once and shared by every run.
+    struct Session {
+        gpu: Gpu,
+        kernels: Arc<Kernels>,
+        adapter: String,
+    }
+
+    fn document() -> Option<web_sys::Document> {
+        web_sys::window().and_then(|w| w.document())
+    }
+
+    fn element(id: &str) -> Option<web_sys::Element> {
+        document().and_then(|d| d.get_element_by_id(id))
+    }
 
     /// Sets the text of the element `id`.
     pub fn show(id: &str, text: &str) {
-        if let Some(el) = web_sys::window()
-            .and_then(|w| w.document())
-            .and_then(|d| d.get_element_by_id(id))
-        {
+        if let Some(el) = element(id) {
             el.set_text_content(Some(text));
         }
     }
 
-    fn log(lines: &mut String, line: &str) {
-        lines.push_str(line);
-        lines.push('\n');
-        show("log", lines);
+    fn select(id: &str) -> String {
+        element(id)
+            .and_then(|e| e.dyn_into::<web_sys::HtmlSelectElement>().ok())
+            .map(|s| s.value())
+            .unwrap_or_default()
+    }
+
+    fn set_busy(busy: bool) {
+        if let Some(b) =
+            element("run").and_then(|e| e.dyn_into::<web_sys::HtmlButtonElement>().ok())
+        {
+            b.set_disabled(busy);
+        }
     }
 
     fn now_ms() -> f64 {
@@ -51,42 +82,41 @@ mod demo {
             .map_or(0.0, |p| p.now())
     }
 
-    /// Deterministic pseudo-random values in [-2, 2).
-    fn values(seed: u64, n: usize) -> Vec<f32> {
-        kvgpu::reference::pseudo_random(seed, n, 2.0)
-    }
+    /// The log box: lines added to what it shows (unless it still says "loading…"), so a message the
+    /// page wrote itself, such as a missing WebGPU, stays.
+    pub struct Log(String);
 
-    /// Appends `n` rows to every slot of every layer, on the GPU and in the CPU model.
-    fn step(c: &mut KvCache, cpu: &mut CpuCache, seed: u64, n: usize) -> kvgpu::Result<()> {
-        let spec = c.spec().clone();
-        for (l, layer) in spec.layers().iter().enumerate() {
-            let row = c.visible(l)?;
-            let data: Vec<Vec<f32>> = layer
-                .slots
-                .iter()
-                .enumerate()
-                .map(|(s, slot)| values(seed * 1000 + (l * 4 + s) as u64, n * slot.row_elems()))
-                .collect();
-            let shapes: Vec<Vec<usize>> = layer
-                .slots
-                .iter()
-                .map(|slot| [&[n][..], &slot.trailing].concat())
-                .collect();
-            let slabs: Vec<HostSlab<'_>> = data
-                .iter()
-                .zip(&shapes)
-                .map(|(d, sh)| HostSlab::f32(d, sh))
-                .collect();
-            c.append(l, &slabs)?;
-            for (s, d) in data.iter().enumerate() {
-                cpu.write_rows(l, s, row, &host_bits(HostData::F32(d), spec.dtype()));
-            }
+    impl Log {
+        pub fn open() -> Self {
+            let text = element("log")
+                .and_then(|e| e.text_content())
+                .unwrap_or_default();
+            Log(if text.starts_with("loading") {
+                String::new()
+            } else {
+                text
+            })
         }
-        c.advance(n)
+
+        /// A log box that shows `first` and what is added after it.
+        fn starting_with(first: &str) -> Self {
+            let mut log = Log(String::new());
+            log.line(first);
+            log
+        }
+
+        pub fn line(&mut self, line: &str) {
+            if !self.0.is_empty() && !self.0.ends_with('\n') {
+                self.0.push('\n');
+            }
+            self.0.push_str(line);
+            self.0.push('\n');
+            show("log", &self.0);
+        }
     }
 
-    pub async fn run() -> Result<String, String> {
-        let mut lines = String::new();
+    /// Opens the adapter and its pipelines' registry, then wires the Run button.
+    pub async fn start() -> Result<(), String> {
         let gpu = Gpu::from_env().await.map_err(|e| e.to_string())?;
         let info = gpu.adapter.get_info();
         let name = if info.name.is_empty() {
@@ -94,111 +124,105 @@ mod demo {
         } else {
             info.name.clone()
         };
-        log(
-            &mut lines,
-            &format!(
-                "adapter: {name} ({:?}, {:?}), max storage binding {} bytes",
-                info.backend,
-                info.device_type,
-                gpu.limits().max_storage_buffer_binding_size
-            ),
+        let adapter = format!(
+            "adapter: {name} ({:?}, {:?}), max storage binding {} bytes",
+            info.backend,
+            info.device_type,
+            gpu.limits().max_storage_buffer_binding_size
         );
-        let dtype = DType::F16;
-        let spec = CacheSpec::deepseek_v2_lite(dtype, PREFILL + DECODE_STEPS)
-            .map_err(|e| e.to_string())?;
-        log(
-            &mut lines,
-            &format!(
-                "cache: DeepSeek-V2-Lite MLA, {} layers, {dtype}, {} tokens, {} bytes/token, {} bytes",
-                spec.n_layers(),
-                spec.max_seq_len(),
-                spec.bytes_per_token(),
-                spec.total_bytes()
-            ),
+        Log::open().line(&adapter);
+        let kernels = Kernels::new(&gpu.device, &gpu.queue).map_err(|e| e.to_string())?;
+        let session = Rc::new(Session {
+            gpu,
+            kernels,
+            adapter,
+        });
+        let busy = Rc::new(RefCell::new(false));
+        let on_click = Closure::<dyn FnMut()>::new(move || {
+            if busy.replace(true) {
+                return;
+            }
+            let (session, busy) = (session.clone(), busy.clone());
+            set_busy(true);
+            wasm_bindgen_futures::spawn_local(async move {
+                click(&session).await;
+                busy.replace(false);
+                set_busy(false);
+            });
+        });
+        let button = element("run").ok_or("the page has no Run button")?;
+        button
+            .add_event_listener_with_callback("click", on_click.as_ref().unchecked_ref())
+            .map_err(|e| format!("cannot listen to the Run button: {e:?}"))?;
+        on_click.forget();
+        set_busy(false);
+        show(
+            "result",
+            "ready: pick a model shape, a storage type and a context length, then press Run",
         );
-        let mut c =
-            KvCache::new(&gpu.device, &gpu.queue, spec.clone()).map_err(|e| e.to_string())?;
-        let mut cpu = CpuCache::new(&spec);
+        Ok(())
+    }
 
-        // Each timed step: host appends to all layers, advance, and a readback of the last layer's
-        // k_pe rows, which waits for the GPU to finish the step.
-        let last = spec.n_layers() - 1;
-        log(
-            &mut lines,
-            "timed step = host appends to every layer + advance + readback of the last layer's k_pe \
-             (waits for the GPU)",
-        );
-        let mut times = Vec::new();
-        for s in 0..=DECODE_STEPS {
-            let n = if s == 0 { PREFILL } else { 1 };
-            let t0 = now_ms();
-            step(&mut c, &mut cpu, s as u64 + 1, n).map_err(|e| e.to_string())?;
-            let rows = c
-                .read_words_async(last, 1)
-                .await
-                .map_err(|e| e.to_string())?;
-            let ms = now_ms() - t0;
-            let what = if s == 0 { "prefill" } else { "decode" };
-            log(
-                &mut lines,
-                &format!(
-                    "step {s:2} {what:7} +{n:2} rows -> len {:2}: {ms:.2} ms ({} words read)",
-                    c.len(),
-                    rows.len()
-                ),
-            );
-            times.push(ms);
-        }
-        let decode = &times[1..];
-        log(
-            &mut lines,
-            &format!(
-                "decode steps: mean {:.2} ms, min {:.2} ms, max {:.2} ms",
-                decode.iter().sum::<f64>() / decode.len() as f64,
-                decode.iter().copied().fold(f64::INFINITY, f64::min),
-                decode.iter().copied().fold(0.0, f64::max)
-            ),
-        );
-
-        // Read every slot back and compare with the CPU model.
-        let mut max_err = 0.0f32;
-        let mut words_checked = 0usize;
-        for (l, layer) in spec.layers().iter().enumerate() {
-            for s in 0..layer.slots.len() {
-                let got = c.read_f32_async(l, s).await.map_err(|e| e.to_string())?;
-                let want = cpu.read_f32(l, s, c.len());
-                if got.len() != want.len() {
-                    return Err(format!(
-                        "layer {l} slot {s}: {} values read, {} expected",
-                        got.len(),
-                        want.len()
-                    ));
+    /// Reads the controls, runs, and shows the log lines, the verification line and the chart.
+    async fn click(session: &Session) {
+        show("result", "running…");
+        show("chart", "");
+        let mut log = Log::starting_with(&session.adapter);
+        let choice = match choice() {
+            Ok(c) => c,
+            Err(e) => {
+                log.line(&format!("error: {e}"));
+                show("result", &format!("error: {e}"));
+                return;
+            }
+        };
+        log.line(&format!(
+            "run: {} storage, context {}",
+            choice.dtype, choice.context
+        ));
+        let mut sink = |line: &str| log.line(line);
+        let outcome = run::run(&session.gpu, &session.kernels, &choice, &mut sink, &now_ms).await;
+        match outcome {
+            Ok(o) => {
+                if let Some(el) = element("chart") {
+                    el.set_inner_html(&chart::svg(o.prefill, &o.steps, o.allocated));
                 }
-                for (g, w) in got.iter().zip(&want) {
-                    max_err = max_err.max((g - w).abs());
-                }
-                let words = c
-                    .read_full_words_async(l, s)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if words != cpu.words[l][s] {
-                    return Err(format!(
-                        "layer {l} slot {s}: stored words differ from the CPU model"
-                    ));
-                }
-                words_checked += words.len();
+                show(
+                    "result",
+                    &format!(
+                        "verified: {} steps, max abs error {:e} ({}, {}, context {}; prefill {:.1} ms)",
+                        o.checked_steps,
+                        o.max_err,
+                        choice.preset.key,
+                        choice.dtype,
+                        choice.context,
+                        o.prefill_ms
+                    ),
+                );
+            }
+            Err(e) => {
+                log.line(&format!("error: {e}"));
+                show("result", &format!("error: {e}"));
             }
         }
-        log(
-            &mut lines,
-            &format!("{words_checked} stored words equal the CPU model"),
-        );
-        if max_err > 0.0 {
-            return Err(format!("max abs error {max_err} against the CPU model"));
-        }
-        Ok(format!(
-            "verified: {} steps, max abs error {max_err}",
-            DECODE_STEPS + 1
-        ))
+    }
+
+    fn choice() -> Result<run::Choice, String> {
+        let key = select("preset");
+        let preset = run::preset(&key).ok_or(format!("unknown preset {key:?}"))?;
+        let dtype = match select("dtype").as_str() {
+            "f32" => DType::F32,
+            "f16" => DType::F16,
+            "bf16" => DType::BF16,
+            other => return Err(format!("unknown storage type {other:?}")),
+        };
+        let context = select("context")
+            .parse::<usize>()
+            .map_err(|_| format!("context {:?} is not a number", select("context")))?;
+        Ok(run::Choice {
+            preset,
+            dtype,
+            context,
+        })
     }
 }
