@@ -30,6 +30,14 @@ macro_rules! note {
 #[allow(unused_imports)]
 pub(crate) use note;
 
+// The scenario bodies, one file per subject (this file keeps the helpers and the defect checks).
+#[path = "attention_bodies.rs"]
+pub mod attention_bodies;
+#[path = "cache_bodies.rs"]
+pub mod cache_bodies;
+#[path = "source_bodies.rs"]
+pub mod source_bodies;
+
 /// Wall-clock seconds since it was started: `performance.now()` in the browser, where
 /// `std::time::Instant` panics.
 pub struct Stopwatch(f64);
@@ -59,6 +67,42 @@ fn now_ms() -> f64 {
         .elapsed()
         .as_secs_f64()
         * 1e3
+}
+
+/// A cache of `spec` on `g`'s device.
+pub fn cache_on(g: &Gpu, spec: CacheSpec) -> KvCache {
+    KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device")
+}
+
+/// A second device with WebGPU's default limits (what a page gets when it asks for nothing: 128 MiB
+/// per storage binding, 256 MiB per buffer). Natively it comes from `g`'s adapter; a browser adapter
+/// makes one device, so there it gets an adapter of its own.
+pub async fn default_limits_gpu(g: &Gpu) -> Gpu {
+    #[cfg(target_arch = "wasm32")]
+    let adapter = {
+        let _ = g;
+        wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::BROWSER_WEBGPU,
+            ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
+        })
+        .request_adapter(&Default::default())
+        .await
+        .expect("a second WebGPU adapter")
+    };
+    #[cfg(not(target_arch = "wasm32"))]
+    let adapter = g.adapter.clone();
+    let (device, queue) = adapter
+        .request_device(&wgpu::DeviceDescriptor {
+            required_limits: wgpu::Limits::default(),
+            ..Default::default()
+        })
+        .await
+        .expect("a device with WebGPU's default limits");
+    Gpu {
+        adapter,
+        device,
+        queue,
+    }
 }
 
 /// Largest `|got - want| / (1 + |want|)`, after checking every element is within [`TOL`].
@@ -155,6 +199,27 @@ pub fn append_random(cache: &mut KvCache, layer: usize, n: usize, seed: u64) -> 
     data
 }
 
+/// Appends `n` rows of pseudo-random f32 data to every slot of `layer`, on the GPU and in the model.
+pub fn append_both(c: &mut KvCache, m: &mut CpuCache, layer: usize, n: usize, seed: u64) {
+    let start = c.visible(layer).unwrap();
+    for (s, d) in append_random(c, layer, n, seed).iter().enumerate() {
+        let bits: Vec<u32> = d
+            .iter()
+            .map(|&x| reference::f32_to_bits(x, m.dtype))
+            .collect();
+        m.write_rows(layer, s, start, &bits);
+    }
+}
+
+/// Every slot buffer on the GPU equals the model, word for word, at full capacity.
+pub async fn assert_matches(c: &KvCache, m: &CpuCache) {
+    assert_eq!(
+        snapshot(c).await,
+        m.words,
+        "GPU buffers differ from the CPU model"
+    );
+}
+
 /// A cache of one layer with one slot of `row` elements.
 fn one_slot(kernels: &std::sync::Arc<Kernels>, row: usize, dtype: DType, cap: usize) -> KvCache {
     let spec = CacheSpec::new(
@@ -237,6 +302,65 @@ pub async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording(g:
             "{dtype}: the refused cache's memory"
         );
         note!("{dtype}: refused as expected: {e}");
+    }
+}
+
+/// A GPU source in a buffer of another device is refused as `ForeignDevice` before anything is
+/// recorded, on the copy path (same type, contiguous) and on the kernel path (f32 into 16-bit
+/// storage), for every dtype; the ledger and GPU memory stay as they were, and the cache still takes
+/// sources of its own device.
+pub async fn gpu_sources_of_another_device_are_refused(g: &Gpu) {
+    let other = default_limits_gpu(g).await;
+    for dtype in DType::ALL {
+        let spec = CacheSpec::new(vec![LayerSpec::kv(2, 4, 4)], dtype, 4).unwrap();
+        let mut c = cache_on(g, spec.clone());
+        let bits: Vec<u32> = values(3, 16)
+            .iter()
+            .map(|&x| reference::f32_to_bits(x, dtype))
+            .collect();
+        let words = reference::pack_rows(&bits, dtype, 8);
+        // Same type and contiguous: the copy path; f32 into 16-bit storage: the kernel path.
+        let same = buffer_with(&other.device, &words, USAGE);
+        let f32_words: Vec<u32> = values(4, 16).iter().map(|x| x.to_bits()).collect();
+        let converted = buffer_with(&other.device, &f32_words, USAGE);
+        let shape = [2, 2, 4];
+        let copy = GpuSlab {
+            buffer: &same,
+            dtype,
+            offset: 0,
+            shape: &shape,
+            strides: None,
+        };
+        let kernel = GpuSlab {
+            buffer: &converted,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &shape,
+            strides: Some(&[8, 4, 1]),
+        };
+        let before = snapshot(&c).await;
+        let ledger = c.ledger().clone();
+        for slabs in [[copy, copy], [kernel, kernel], [copy, kernel]] {
+            let e = c.append_gpu(0, &slabs).unwrap_err();
+            assert!(
+                matches!(&e, Error::ForeignDevice { layer: 0, what } if what.contains("source")),
+                "{dtype}: {e}"
+            );
+            assert_eq!(
+                c.ledger(),
+                &ledger,
+                "{dtype}: the refusal changed the ledger"
+            );
+        }
+        assert_eq!(snapshot(&c).await, before);
+        // The cache still takes its own device's sources.
+        let own = buffer_with(&g.device, &f32_words, USAGE);
+        let slab = GpuSlab {
+            buffer: &own,
+            ..kernel
+        };
+        c.append_gpu(0, &[slab, slab]).unwrap();
+        assert_eq!(c.visible(0).unwrap(), 2);
     }
 }
 
