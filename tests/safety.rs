@@ -20,6 +20,11 @@ fn gpu_sources_of_another_device_are_refused() {
 }
 
 #[test]
+fn a_queue_of_another_device_is_refused() {
+    pollster::block_on(shared::a_queue_of_another_device_is_refused(gpu()));
+}
+
+#[test]
 fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters() {
     pollster::block_on(
         shared::thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(gpu()),

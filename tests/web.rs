@@ -130,6 +130,11 @@ async fn the_16_byte_path_leaves_the_padding_half_zero() {
 }
 
 #[wasm_bindgen_test]
+async fn a_queue_of_another_device_is_refused() {
+    shared::a_queue_of_another_device_is_refused(&gpu().await).await;
+}
+
+#[wasm_bindgen_test]
 async fn many_queries_over_2048_rows_of_deepseek_v2_lite_mla() {
     let g = gpu().await;
     for dtype in DType::ALL {

@@ -364,6 +364,49 @@ pub async fn gpu_sources_of_another_device_are_refused(g: &Gpu) {
     }
 }
 
+/// A device handed the queue of another device is refused as `QueueMismatch` everywhere a queue
+/// comes in: a cache, a kernel registry (so `KvCache::with_kernels` cannot get the pair either), an
+/// `Attention` and a readback. Each pair of its own works, and a cache made from it writes and reads.
+pub async fn a_queue_of_another_device_is_refused(g: &Gpu) {
+    let other = default_limits_gpu(g).await;
+    let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F16, 4).unwrap();
+    for (device, queue) in [(&g.device, &other.queue), (&other.device, &g.queue)] {
+        let e = KvCache::new(device, queue, spec.clone()).unwrap_err();
+        assert_eq!(e, Error::QueueMismatch);
+        assert_eq!(
+            Kernels::new(device, queue).unwrap_err(),
+            Error::QueueMismatch
+        );
+        assert_eq!(
+            Attention::new(device, queue).unwrap_err(),
+            Error::QueueMismatch
+        );
+        let b = f32_buffer(device, &[1.0; 4]);
+        assert_eq!(
+            kvgpu::read_buffer_async(device, queue, &b, 0, 16)
+                .await
+                .unwrap_err(),
+            Error::QueueMismatch
+        );
+        note!("refused as expected: {e}");
+    }
+    for gpu in [g, &other] {
+        let kernels = Kernels::new(&gpu.device, &gpu.queue).unwrap();
+        let mut c = KvCache::with_kernels(kernels, spec.clone()).unwrap();
+        assert_eq!(c.queue(), &gpu.queue);
+        let (x, y) = (values(1, 4), values(2, 2));
+        c.append(0, &[HostSlab::f32(&x, &[1, 4]), HostSlab::f32(&y, &[1, 2])])
+            .unwrap();
+        c.advance(1).unwrap();
+        let want: Vec<f32> = x
+            .iter()
+            .map(|&v| reference::round_trip(v, DType::F16))
+            .collect();
+        assert_eq!(c.read_f32_async(0, 0).await.unwrap(), want);
+        Attention::new(&gpu.device, &gpu.queue).unwrap();
+    }
+}
+
 /// 4,100 kernel appends recorded before one submission: each reads the parameters it was recorded
 /// with, word for word against the CPU model.
 pub async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(g: &Gpu) {
