@@ -111,6 +111,9 @@ browser_tests!(attention_bodies:
     bad_requests_are_refused_and_change_nothing,
 );
 
+// tests/model.rs: fixed pseudo-random operation sequences instead of proptest's.
+browser_tests!(model_bodies: pseudo_random_operations_match_the_model);
+
 // The defects of tests/safety.rs and tests/attention.rs.
 
 #[wasm_bindgen_test]

@@ -35,6 +35,8 @@ pub(crate) use note;
 pub mod attention_bodies;
 #[path = "cache_bodies.rs"]
 pub mod cache_bodies;
+#[path = "model_bodies.rs"]
+pub mod model_bodies;
 #[path = "source_bodies.rs"]
 pub mod source_bodies;
 
