@@ -30,6 +30,7 @@ async fn gpu() -> Gpu {
         "the browser suite must run on the browser's WebGPU, not {}",
         gpu.describe()
     );
+    shared::keep_for_the_suite(&gpu);
     gpu
 }
 
@@ -113,6 +114,12 @@ browser_tests!(attention_bodies:
 
 // tests/model.rs: fixed pseudo-random operation sequences instead of proptest's.
 browser_tests!(model_bodies: pseudo_random_operations_match_the_model);
+
+// tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.
+browser_tests!(memory_bodies:
+    one_attention_serving_many_dropped_caches_keeps_none_of_them,
+    a_cache_appending_from_many_dropped_sources_keeps_few_of_them,
+);
 
 // The defects of tests/safety.rs and tests/attention.rs.
 

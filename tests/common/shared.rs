@@ -35,6 +35,8 @@ pub(crate) use note;
 pub mod attention_bodies;
 #[path = "cache_bodies.rs"]
 pub mod cache_bodies;
+#[path = "memory_bodies.rs"]
+pub mod memory_bodies;
 #[path = "model_bodies.rs"]
 pub mod model_bodies;
 #[path = "source_bodies.rs"]
@@ -100,11 +102,26 @@ pub async fn default_limits_gpu(g: &Gpu) -> Gpu {
         })
         .await
         .expect("a device with WebGPU's default limits");
-    Gpu {
+    let gpu = Gpu {
         adapter,
         device,
         queue,
+    };
+    keep_for_the_suite(&gpu);
+    gpu
+}
+
+/// In the browser every device a test opens lives until the suite ends: a full garbage collection
+/// (the memory tests call `gc()`) that collected a dropped `GPUDevice` stalled Chromium's renderer
+/// for minutes (Chromium 156, SwiftShader). Natively nothing is kept.
+pub fn keep_for_the_suite(gpu: &Gpu) {
+    #[cfg(target_arch = "wasm32")]
+    {
+        thread_local!(static KEPT: std::cell::RefCell<Vec<Gpu>> = Default::default());
+        KEPT.with(|kept| kept.borrow_mut().push(gpu.clone()));
     }
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = gpu;
 }
 
 /// Largest `|got - want| / (1 + |want|)`, after checking every element is within [`TOL`].
