@@ -5,43 +5,11 @@
 
 mod common;
 
+use common::shared::cache_bodies::one_k_slot;
 use common::*;
 use kvgpu::*;
 
-fn one_k_slot(capacity: usize) -> CacheSpec {
-    CacheSpec::new(
-        vec![LayerSpec::new(vec![SlotSpec::new("k", &[8, 128])])],
-        DType::F32,
-        capacity,
-    )
-    .unwrap()
-}
-
-#[test]
-fn slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits() {
-    let g = gpu();
-    let limit = g.limits().max_slot_bytes();
-    let fits = (limit / 4096) as usize;
-    let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let err = KvCache::new(&g.device, &g.queue, one_k_slot(fits + 1)).expect_err("refused");
-    assert!(
-        pollster::block_on(scope.pop()).is_none(),
-        "a refused cache must not reach wgpu"
-    );
-    assert_eq!(
-        err,
-        Error::SlotTooLarge {
-            layer: 0,
-            slot: 0,
-            bytes: 4096 * (fits as u64 + 1),
-            row_bytes: 4096,
-            capacity: fits + 1,
-            limit,
-            max_capacity: fits,
-        }
-    );
-    eprintln!("{err}");
-}
+common::shared_tests!(cache_bodies: slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits);
 
 #[test]
 fn slot_of_exactly_the_limit_works() {

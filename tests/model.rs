@@ -1,42 +1,18 @@
 //! Property test: random sequences of valid and invalid operations, applied to the GPU cache and to a
 //! plain-Rust model written independently of the ledger. After every step the ledger and every word of
-//! GPU memory equal the model.
+//! GPU memory equal the model. The body lives in `common/model_bodies.rs`; the browser suite runs it
+//! over fixed pseudo-random sequences.
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
 
+use common::shared::model_bodies::{
+    Op, random_operations_match_the_model as random_operations_match_the_model_body,
+};
 use common::*;
-use kvgpu::reference::{self, CpuCache};
 use kvgpu::*;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
-use wgpu::util::DeviceExt;
-
-const CAPACITY: usize = 10;
-
-#[derive(Clone, Debug)]
-enum Op {
-    /// Host append to `layer` of `n` rows; `bad` 1 breaks slot 1's row count, 2 its trailing shape.
-    Host {
-        layer: usize,
-        n: usize,
-        seed: u64,
-        bad: u8,
-    },
-    /// Strided GPU append (every other source row) of `n` rows.
-    Gpu {
-        layer: usize,
-        n: usize,
-        seed: u64,
-    },
-    Advance(usize),
-    Truncate {
-        new_len: usize,
-        scrub: bool,
-    },
-    Reset,
-    ResetFast,
-}
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
@@ -48,191 +24,6 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Reset),
         1 => Just(Op::ResetFast),
     ]
-}
-
-/// Model of positions, written from the contract, not from the ledger's code.
-struct Model {
-    len: usize,
-    pending: Vec<usize>,
-    words: CpuCache,
-    slotted: Vec<bool>,
-}
-
-fn spec(dtype: DType) -> CacheSpec {
-    CacheSpec::new(
-        vec![
-            LayerSpec::mla(5, 3),
-            LayerSpec::empty(),
-            LayerSpec::kv(2, 3, 1),
-        ],
-        dtype,
-        CAPACITY,
-    )
-    .unwrap()
-}
-
-fn run(dtype: DType, ops: &[Op]) -> Result<(), TestCaseError> {
-    let spec = spec(dtype);
-    let mut c = cache(spec.clone());
-    let mut m = Model {
-        len: 0,
-        pending: vec![0; 3],
-        words: CpuCache::new(&spec),
-        slotted: spec.layers().iter().map(|l| !l.slots.is_empty()).collect(),
-    };
-    for op in ops {
-        match *op {
-            Op::Host {
-                layer,
-                n,
-                seed,
-                bad,
-            } => {
-                let trailing: Vec<Vec<usize>> = spec
-                    .layers()
-                    .get(layer)
-                    .map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect())
-                    .unwrap_or_default();
-                let mut shapes: Vec<Vec<usize>> =
-                    trailing.iter().map(|t| [&[n][..], t].concat()).collect();
-                if let Some(s1) = shapes.get_mut(1) {
-                    match bad {
-                        1 => s1[0] += 1,
-                        2 => s1.push(1),
-                        _ => {}
-                    }
-                }
-                let data: Vec<Vec<f32>> = shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| values(seed ^ i as u64, s.iter().product()))
-                    .collect();
-                let slabs: Vec<HostSlab> = data
-                    .iter()
-                    .zip(&shapes)
-                    .map(|(d, s)| HostSlab::f32(d, s))
-                    .collect();
-                let valid = layer < 3
-                    && (bad == 0 || trailing.len() < 2)
-                    && (!m.slotted[layer] || m.len + m.pending[layer] + n <= CAPACITY);
-                let got = c.append(layer, &slabs);
-                prop_assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
-                if valid {
-                    for (slot, d) in data.iter().enumerate() {
-                        let bits: Vec<u32> = d
-                            .iter()
-                            .map(|&x| reference::f32_to_bits(x, dtype))
-                            .collect();
-                        m.words
-                            .write_rows(layer, slot, m.len + m.pending[layer], &bits);
-                    }
-                    // A layer without slots takes no slabs, so no rows.
-                    m.pending[layer] += if m.slotted[layer] { n } else { 0 };
-                }
-            }
-            Op::Gpu { layer, n, seed } => {
-                let trailing: Vec<Vec<usize>> = spec.layers()[layer]
-                    .slots
-                    .iter()
-                    .map(|s| s.trailing.clone())
-                    .collect();
-                let src: Vec<u32> = values(seed, 64).into_iter().map(f32::to_bits).collect();
-                let buf = gpu()
-                    .device
-                    .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                        label: None,
-                        contents: bytemuck::cast_slice(&src),
-                        usage: wgpu::BufferUsages::STORAGE,
-                    });
-                let shapes: Vec<Vec<usize>> =
-                    trailing.iter().map(|t| [&[n][..], t].concat()).collect();
-                let strides: Vec<Vec<usize>> = shapes
-                    .iter()
-                    .map(|s| {
-                        let row: usize = s[1..].iter().product();
-                        let mut st = vec![2 * row];
-                        st.extend((1..s.len()).map(|k| s[k + 1..].iter().product::<usize>()));
-                        st
-                    })
-                    .collect();
-                let slabs: Vec<GpuSlab> = shapes
-                    .iter()
-                    .zip(&strides)
-                    .map(|(s, st)| GpuSlab {
-                        buffer: &buf,
-                        dtype: DType::F32,
-                        offset: 1,
-                        shape: s,
-                        strides: Some(st),
-                    })
-                    .collect();
-                let valid = !m.slotted[layer] || m.len + m.pending[layer] + n <= CAPACITY;
-                let got = c.append_gpu(layer, &slabs);
-                prop_assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
-                if valid {
-                    for (slot, (s, st)) in shapes.iter().zip(&strides).enumerate() {
-                        let bits: Vec<u32> = reference::gather_strided(&src, 1, s, st)
-                            .into_iter()
-                            .map(|b| reference::convert_bits(b, DType::F32, dtype))
-                            .collect();
-                        m.words
-                            .write_rows(layer, slot, m.len + m.pending[layer], &bits);
-                    }
-                    m.pending[layer] += if m.slotted[layer] { n } else { 0 };
-                }
-            }
-            Op::Advance(n) => {
-                let valid = (0..3).all(|l| !m.slotted[l] || m.pending[l] == n);
-                let got = c.advance(n);
-                prop_assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
-                if valid {
-                    m.len += n;
-                    m.pending = vec![0; 3];
-                }
-            }
-            Op::Truncate { new_len, scrub } => {
-                let valid = new_len <= m.len;
-                let got = if scrub {
-                    c.truncate_and_scrub(new_len)
-                } else {
-                    c.truncate(new_len)
-                };
-                prop_assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
-                if valid {
-                    if scrub {
-                        for l in (0..3).filter(|&l| m.slotted[l]) {
-                            m.words.zero_rows(l, new_len, m.len + m.pending[l]);
-                        }
-                    }
-                    m.len = new_len;
-                    m.pending = vec![0; 3];
-                }
-            }
-            Op::Reset => {
-                c.reset();
-                m.words.zero_all();
-                m.len = 0;
-                m.pending = vec![0; 3];
-            }
-            Op::ResetFast => {
-                c.reset_fast();
-                m.len = 0;
-                m.pending = vec![0; 3];
-            }
-        }
-        prop_assert_eq!(c.len(), m.len);
-        for l in 0..3 {
-            prop_assert_eq!(c.ledger().pending(l).unwrap(), m.pending[l]);
-            prop_assert_eq!(c.visible(l).unwrap(), m.len + m.pending[l]);
-        }
-        prop_assert_eq!(c.remaining(), CAPACITY - m.len);
-        prop_assert!(
-            snapshot(&c) == m.words.words,
-            "GPU memory differs from the model after {:?}",
-            op
-        );
-    }
-    Ok(())
 }
 
 proptest! {
@@ -247,6 +38,11 @@ proptest! {
         dtype in prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)],
         ops in prop::collection::vec(op(), 1..16),
     ) {
-        run(dtype, &ops)?;
+        pollster::block_on(random_operations_match_the_model_body(gpu(), dtype, &ops));
     }
+}
+
+#[test]
+fn pseudo_random_operations_match_the_model() {
+    pollster::block_on(shared::model_bodies::pseudo_random_operations_match_the_model(gpu()));
 }

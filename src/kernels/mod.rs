@@ -420,10 +420,15 @@ pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bo
     false
 }
 
-/// In the browser there is no poll: the pair is taken as given.
+/// In the browser WebGPU answers directly: `GPUDevice.queue` is the device's one queue, the same
+/// object on every read, so the pair belongs together when it is that object. A device without a
+/// WebGPU handle (wgpu's WebGL backend) is taken as given.
 #[cfg(target_arch = "wasm32")]
-pub(crate) fn queue_belongs_to(_device: &wgpu::Device, _queue: &wgpu::Queue) -> bool {
-    true
+pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bool {
+    match (device.as_webgpu(), queue.as_webgpu()) {
+        (Some(device), Some(queue)) => device.queue() == *queue,
+        _ => true,
+    }
 }
 
 /// Whether `buffer` is mapped for the host (wgpu 30 has no `map_state`: a read view of the whole

@@ -36,6 +36,31 @@ pub fn snapshot(cache: &KvCache) -> Vec<Vec<Vec<u32>>> {
     pollster::block_on(shared::snapshot(cache))
 }
 
+/// Native `#[test]`s that run shared async bodies of `module` on the device of [`gpu`], one test per
+/// body, named after it; `serial: lock` first takes the guard `lock()` returns.
+#[allow(unused_macros)]
+macro_rules! shared_tests {
+    ($module:ident: $($name:ident),+ $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                pollster::block_on($crate::common::shared::$module::$name($crate::common::gpu()));
+            }
+        )+
+    };
+    ($module:ident, serial: $lock:path; $($name:ident),+ $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                let _serial = $lock();
+                pollster::block_on($crate::common::shared::$module::$name($crate::common::gpu()));
+            }
+        )+
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use shared_tests;
+
 pub fn for_each_dtype(mut f: impl FnMut(DType)) {
     for dtype in DType::ALL {
         eprintln!("-- {dtype}");

@@ -30,6 +30,18 @@ macro_rules! note {
 #[allow(unused_imports)]
 pub(crate) use note;
 
+// The scenario bodies, one file per subject (this file keeps the helpers and the defect checks).
+#[path = "attention_bodies.rs"]
+pub mod attention_bodies;
+#[path = "cache_bodies.rs"]
+pub mod cache_bodies;
+#[path = "memory_bodies.rs"]
+pub mod memory_bodies;
+#[path = "model_bodies.rs"]
+pub mod model_bodies;
+#[path = "source_bodies.rs"]
+pub mod source_bodies;
+
 /// Wall-clock seconds since it was started: `performance.now()` in the browser, where
 /// `std::time::Instant` panics.
 pub struct Stopwatch(f64);
@@ -59,6 +71,57 @@ fn now_ms() -> f64 {
         .elapsed()
         .as_secs_f64()
         * 1e3
+}
+
+/// A cache of `spec` on `g`'s device.
+pub fn cache_on(g: &Gpu, spec: CacheSpec) -> KvCache {
+    KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device")
+}
+
+/// A second device with WebGPU's default limits (what a page gets when it asks for nothing: 128 MiB
+/// per storage binding, 256 MiB per buffer). Natively it comes from `g`'s adapter; a browser adapter
+/// makes one device, so there it gets an adapter of its own.
+pub async fn default_limits_gpu(g: &Gpu) -> Gpu {
+    #[cfg(target_arch = "wasm32")]
+    let adapter = {
+        let _ = g;
+        wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends: wgpu::Backends::BROWSER_WEBGPU,
+            ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
+        })
+        .request_adapter(&Default::default())
+        .await
+        .expect("a second WebGPU adapter")
+    };
+    #[cfg(not(target_arch = "wasm32"))]
+    let adapter = g.adapter.clone();
+    let (device, queue) = adapter
+        .request_device(&wgpu::DeviceDescriptor {
+            required_limits: wgpu::Limits::default(),
+            ..Default::default()
+        })
+        .await
+        .expect("a device with WebGPU's default limits");
+    let gpu = Gpu {
+        adapter,
+        device,
+        queue,
+    };
+    keep_for_the_suite(&gpu);
+    gpu
+}
+
+/// In the browser every device a test opens lives until the suite ends: a full garbage collection
+/// (the memory tests call `gc()`) that collected a dropped `GPUDevice` stalled Chromium's renderer
+/// for minutes (Chromium 156, SwiftShader). Natively nothing is kept.
+pub fn keep_for_the_suite(gpu: &Gpu) {
+    #[cfg(target_arch = "wasm32")]
+    {
+        thread_local!(static KEPT: std::cell::RefCell<Vec<Gpu>> = Default::default());
+        KEPT.with(|kept| kept.borrow_mut().push(gpu.clone()));
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = gpu;
 }
 
 /// Largest `|got - want| / (1 + |want|)`, after checking every element is within [`TOL`].
@@ -155,6 +218,27 @@ pub fn append_random(cache: &mut KvCache, layer: usize, n: usize, seed: u64) -> 
     data
 }
 
+/// Appends `n` rows of pseudo-random f32 data to every slot of `layer`, on the GPU and in the model.
+pub fn append_both(c: &mut KvCache, m: &mut CpuCache, layer: usize, n: usize, seed: u64) {
+    let start = c.visible(layer).unwrap();
+    for (s, d) in append_random(c, layer, n, seed).iter().enumerate() {
+        let bits: Vec<u32> = d
+            .iter()
+            .map(|&x| reference::f32_to_bits(x, m.dtype))
+            .collect();
+        m.write_rows(layer, s, start, &bits);
+    }
+}
+
+/// Every slot buffer on the GPU equals the model, word for word, at full capacity.
+pub async fn assert_matches(c: &KvCache, m: &CpuCache) {
+    assert_eq!(
+        snapshot(c).await,
+        m.words,
+        "GPU buffers differ from the CPU model"
+    );
+}
+
 /// A cache of one layer with one slot of `row` elements.
 fn one_slot(kernels: &std::sync::Arc<Kernels>, row: usize, dtype: DType, cap: usize) -> KvCache {
     let spec = CacheSpec::new(
@@ -237,6 +321,108 @@ pub async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording(g:
             "{dtype}: the refused cache's memory"
         );
         note!("{dtype}: refused as expected: {e}");
+    }
+}
+
+/// A GPU source in a buffer of another device is refused as `ForeignDevice` before anything is
+/// recorded, on the copy path (same type, contiguous) and on the kernel path (f32 into 16-bit
+/// storage), for every dtype; the ledger and GPU memory stay as they were, and the cache still takes
+/// sources of its own device.
+pub async fn gpu_sources_of_another_device_are_refused(g: &Gpu) {
+    let other = default_limits_gpu(g).await;
+    for dtype in DType::ALL {
+        let spec = CacheSpec::new(vec![LayerSpec::kv(2, 4, 4)], dtype, 4).unwrap();
+        let mut c = cache_on(g, spec.clone());
+        let bits: Vec<u32> = values(3, 16)
+            .iter()
+            .map(|&x| reference::f32_to_bits(x, dtype))
+            .collect();
+        let words = reference::pack_rows(&bits, dtype, 8);
+        // Same type and contiguous: the copy path; f32 into 16-bit storage: the kernel path.
+        let same = buffer_with(&other.device, &words, USAGE);
+        let f32_words: Vec<u32> = values(4, 16).iter().map(|x| x.to_bits()).collect();
+        let converted = buffer_with(&other.device, &f32_words, USAGE);
+        let shape = [2, 2, 4];
+        let copy = GpuSlab {
+            buffer: &same,
+            dtype,
+            offset: 0,
+            shape: &shape,
+            strides: None,
+        };
+        let kernel = GpuSlab {
+            buffer: &converted,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &shape,
+            strides: Some(&[8, 4, 1]),
+        };
+        let before = snapshot(&c).await;
+        let ledger = c.ledger().clone();
+        for slabs in [[copy, copy], [kernel, kernel], [copy, kernel]] {
+            let e = c.append_gpu(0, &slabs).unwrap_err();
+            assert!(
+                matches!(&e, Error::ForeignDevice { layer: 0, what } if what.contains("source")),
+                "{dtype}: {e}"
+            );
+            assert_eq!(
+                c.ledger(),
+                &ledger,
+                "{dtype}: the refusal changed the ledger"
+            );
+        }
+        assert_eq!(snapshot(&c).await, before);
+        // The cache still takes its own device's sources.
+        let own = buffer_with(&g.device, &f32_words, USAGE);
+        let slab = GpuSlab {
+            buffer: &own,
+            ..kernel
+        };
+        c.append_gpu(0, &[slab, slab]).unwrap();
+        assert_eq!(c.visible(0).unwrap(), 2);
+    }
+}
+
+/// A device handed the queue of another device is refused as `QueueMismatch` everywhere a queue
+/// comes in: a cache, a kernel registry (so `KvCache::with_kernels` cannot get the pair either), an
+/// `Attention` and a readback. Each pair of its own works, and a cache made from it writes and reads.
+pub async fn a_queue_of_another_device_is_refused(g: &Gpu) {
+    let other = default_limits_gpu(g).await;
+    let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F16, 4).unwrap();
+    for (device, queue) in [(&g.device, &other.queue), (&other.device, &g.queue)] {
+        let e = KvCache::new(device, queue, spec.clone()).unwrap_err();
+        assert_eq!(e, Error::QueueMismatch);
+        assert_eq!(
+            Kernels::new(device, queue).unwrap_err(),
+            Error::QueueMismatch
+        );
+        assert_eq!(
+            Attention::new(device, queue).unwrap_err(),
+            Error::QueueMismatch
+        );
+        let b = f32_buffer(device, &[1.0; 4]);
+        assert_eq!(
+            kvgpu::read_buffer_async(device, queue, &b, 0, 16)
+                .await
+                .unwrap_err(),
+            Error::QueueMismatch
+        );
+        note!("refused as expected: {e}");
+    }
+    for gpu in [g, &other] {
+        let kernels = Kernels::new(&gpu.device, &gpu.queue).unwrap();
+        let mut c = KvCache::with_kernels(kernels, spec.clone()).unwrap();
+        assert_eq!(c.queue(), &gpu.queue);
+        let (x, y) = (values(1, 4), values(2, 2));
+        c.append(0, &[HostSlab::f32(&x, &[1, 4]), HostSlab::f32(&y, &[1, 2])])
+            .unwrap();
+        c.advance(1).unwrap();
+        let want: Vec<f32> = x
+            .iter()
+            .map(|&v| reference::round_trip(v, DType::F16))
+            .collect();
+        assert_eq!(c.read_f32_async(0, 0).await.unwrap(), want);
+        Attention::new(&gpu.device, &gpu.queue).unwrap();
     }
 }
 

@@ -1,0 +1,775 @@
+//! GQA / MHA and MLA attention on the GPU against the plain-Rust twins in `kvgpu::reference`, for
+//! every storage type: one async body per scenario, run natively by `tests/attention.rs` and in the
+//! browser by `tests/web.rs`. Outputs are held to [`TOL`](super::TOL): the twins read back the values
+//! the cache actually stores (or an independent CPU model of them), so 16-bit storage is compared
+//! exactly like f32.
+
+use super::{
+    append_both, append_random, assert_close, cache_on, f32_buffer, output, read_f32, values,
+};
+use kvgpu::reference::{self, CpuCache};
+use kvgpu::wgpu;
+use kvgpu::*;
+
+/// A one-layer cache with `visible` rows: `visible - n_q` committed, then `n_q` appended this step.
+fn filled(
+    g: &Gpu,
+    layer: LayerSpec,
+    dtype: DType,
+    visible: usize,
+    n_q: usize,
+    seed: u64,
+) -> KvCache {
+    let mut c = cache_on(
+        g,
+        CacheSpec::new(vec![layer], dtype, visible.max(8)).unwrap(),
+    );
+    if visible > n_q {
+        append_random(&mut c, 0, visible - n_q, seed);
+        c.advance(visible - n_q).unwrap();
+    }
+    append_random(&mut c, 0, n_q, seed + 1);
+    assert_eq!(c.visible(0).unwrap(), visible);
+    c
+}
+
+/// Every pass-1 kernel this adapter can run: the tiled and the streaming kernel everywhere, the
+/// streaming kernel with `subgroupAdd` where the device has subgroups of one size. Lavapipe has them
+/// (subgroups of 8), so the Vulkan run of CI always tests all three; OpenGL and the browser (wgpu's
+/// WebGPU backend does not offer subgroups) have none, which is said, and the refusal is tested.
+pub fn kernels(g: &Gpu) -> Vec<KernelChoice> {
+    let info = g.adapter.get_info();
+    let subgroups = g.device.features().contains(wgpu::Features::SUBGROUP)
+        && info.subgroup_min_size == info.subgroup_max_size;
+    if info.backend == wgpu::Backend::Vulkan && info.name.contains("llvmpipe") {
+        assert!(subgroups, "lavapipe offers subgroups of 8: {info:?}");
+    }
+    let mut all = vec![KernelChoice::Tiled, KernelChoice::StreamShared];
+    if subgroups {
+        all.push(KernelChoice::StreamSubgroup);
+    } else {
+        note!(
+            "skipped here: KernelChoice::StreamSubgroup ({:?} has no subgroups of one size); its \
+             refusal is tested instead",
+            info.backend
+        );
+    }
+    all
+}
+
+/// Whether the streaming kernels take these head dimensions (whole 16-byte vectors).
+fn streamable(dtype: DType, dims: &[usize]) -> bool {
+    let per_vec = if dtype == DType::F32 { 4 } else { 8 };
+    dims.iter().all(|d| d % per_vec == 0)
+}
+
+/// Whether one call under `att`'s kernel ran: a forced streaming kernel refuses a shape it cannot
+/// take, which is asserted to be that refusal, with nothing written.
+async fn ran(
+    g: &Gpu,
+    result: Result<()>,
+    att: &Attention,
+    dtype: DType,
+    dims: &[usize],
+    out: &wgpu::Buffer,
+) -> bool {
+    let forced_stream = matches!(
+        att.kernel(),
+        KernelChoice::StreamShared | KernelChoice::StreamSubgroup
+    );
+    if forced_stream && !streamable(dtype, dims) {
+        let e = result.unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::AttentionRequest {
+                    problem: AttentionProblem::DeviceLimit { .. },
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let untouched = read_f32(g, out).await.iter().all(|&x| x == -7.0);
+        assert!(untouched, "a refused call wrote");
+        return false;
+    }
+    result.unwrap();
+    true
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Gqa {
+    n_kv: usize,
+    group: usize,
+    d_k: usize,
+    d_v: usize,
+    visible: usize,
+    n_q: usize,
+    window: Option<usize>,
+    soft_cap: Option<f32>,
+}
+
+/// Runs one GQA case on the GPU and against the twin; returns the worst scaled error.
+async fn check_gqa(g: &Gpu, att: &mut Attention, case: Gqa, dtype: DType, seed: u64) -> f32 {
+    let c = filled(
+        g,
+        LayerSpec::kv(case.n_kv, case.d_k, case.d_v),
+        dtype,
+        case.visible,
+        case.n_q,
+        seed,
+    );
+    let n_heads = case.n_kv * case.group;
+    let q = values(seed + 99, case.n_q * n_heads * case.d_k);
+    let qb = f32_buffer(&g.device, &q);
+    let out = output(&g.device, case.n_q * n_heads * case.d_v);
+    let options = AttentionOptions {
+        window: case.window,
+        soft_cap: case.soft_cap,
+        scale: None,
+    };
+    let result = att.gqa(
+        &c,
+        0,
+        Queries::new(&qb, case.n_q, n_heads, case.d_k),
+        &out,
+        &options,
+    );
+    if !ran(g, result, att, dtype, &[case.d_k, case.d_v], &out).await {
+        return 0.0;
+    }
+    let want = reference::attention_gqa(
+        &q,
+        [case.n_q, n_heads, case.d_k],
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        case.n_kv,
+        case.d_v,
+        &options,
+    );
+    assert_close(
+        &read_f32(g, &out).await,
+        &want,
+        &format!("{dtype} {case:?} {:?}", att.kernel()),
+    )
+}
+
+pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    #[rustfmt::skip]
+    let cases = [
+        // MHA, a single visible row.
+        Gqa { n_kv: 2, group: 1, d_k: 64, d_v: 64, visible: 1, n_q: 1, window: None, soft_cap: None },
+        // d_v differs from d_k.
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 64, visible: 2, n_q: 1, window: None, soft_cap: None },
+        Gqa { n_kv: 1, group: 8, d_k: 64, d_v: 64, visible: 63, n_q: 7, window: None, soft_cap: Some(30.0) },
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 64, n_q: 1, window: Some(16), soft_cap: None },
+        Gqa { n_kv: 4, group: 1, d_k: 64, d_v: 64, visible: 65, n_q: 7, window: Some(32), soft_cap: Some(20.0) },
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 7, window: None, soft_cap: None },
+        // A group wider than one workgroup's 16 heads.
+        Gqa { n_kv: 1, group: 20, d_k: 64, d_v: 64, visible: 100, n_q: 2, window: None, soft_cap: Some(5.0) },
+        // Odd head dims: 16-bit heads that start in the middle of a word.
+        Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 70, n_q: 3, window: Some(9), soft_cap: None },
+        // Enough workgroups per chunk that one chunk holds tiles of 8 rows per invocation, the last tile
+        // partial (on CPU adapters), with a window and with odd 16-bit dims.
+        Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 32, visible: 600, n_q: 2, window: Some(550), soft_cap: None },
+        Gqa { n_kv: 8, group: 2, d_k: 33, d_v: 17, visible: 700, n_q: 3, window: None, soft_cap: Some(30.0) },
+    ];
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for dtype in DType::ALL {
+            let mut worst = 0f32;
+            for (i, &case) in cases.iter().enumerate() {
+                worst = worst.max(check_gqa(g, &mut att, case, dtype, 10 + i as u64).await);
+            }
+            note!("{dtype} {kernel:?}: worst scaled error {worst:e}");
+        }
+    }
+    gqa_prefill_and_decode_match_an_independent_model(g).await;
+}
+
+/// Two layers, a prefill of 9 tokens (queries of the last 9 rows, causal) then 3 decode steps of one
+/// token, attention on every layer at every step against the twin over an independent CPU model of
+/// the cache (not its read-back), so what the cache stores is checked too.
+async fn gqa_prefill_and_decode_match_an_independent_model(g: &Gpu) {
+    let (n_heads, n_kv, d_k, d_v) = (4usize, 2usize, 8usize, 6usize);
+    for dtype in DType::ALL {
+        let spec = CacheSpec::uniform(2, LayerSpec::kv(n_kv, d_k, d_v), dtype, 32).unwrap();
+        let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
+        let mut att = Attention::for_cache(&c);
+        let mut worst = 0.0f32;
+        for (step, n_q) in [9usize, 1, 1, 1].into_iter().enumerate() {
+            for l in 0..2 {
+                append_both(&mut c, &mut m, l, n_q, 40 + (step * 2 + l) as u64);
+            }
+            for l in 0..2 {
+                let q = values(90 + (step * 2 + l) as u64, n_q * n_heads * d_k);
+                let q_buf = f32_buffer(&g.device, &q);
+                let out = output(&g.device, n_q * n_heads * d_v);
+                let options = AttentionOptions::default();
+                att.gqa(
+                    &c,
+                    l,
+                    Queries::new(&q_buf, n_q, n_heads, d_k),
+                    &out,
+                    &options,
+                )
+                .unwrap();
+                let visible = c.visible(l).unwrap();
+                let (k, v) = (m.read_f32(l, 0, visible), m.read_f32(l, 1, visible));
+                let want =
+                    reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, n_kv, d_v, &options);
+                let what = format!("{dtype} step {step} layer {l}");
+                worst = worst.max(assert_close(&read_f32(g, &out).await, &want, &what));
+            }
+            c.advance(n_q).unwrap();
+        }
+        note!("{dtype}: GQA prefill and decode, worst scaled error {worst:e}");
+    }
+}
+
+pub async fn attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    #[rustfmt::skip]
+    let cases = [
+        Gqa { n_kv: 1, group: 8, d_k: 128, d_v: 128, visible: 4096, n_q: 1, window: None, soft_cap: None },
+        Gqa { n_kv: 2, group: 4, d_k: 64, d_v: 64, visible: 4096, n_q: 7, window: Some(1000), soft_cap: Some(50.0) },
+    ];
+    let mla = Mla {
+        n_heads: 16,
+        visible: 4096,
+        n_q: 1,
+        window: None,
+        soft_cap: None,
+    };
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for dtype in DType::ALL {
+            note!("-- {dtype} {kernel:?}");
+            for (i, &case) in cases.iter().enumerate() {
+                check_gqa(g, &mut att, case, dtype, 40 + i as u64).await;
+            }
+            check_mla(g, &mut att, mla, dtype, 50).await;
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Mla {
+    n_heads: usize,
+    visible: usize,
+    n_q: usize,
+    window: Option<usize>,
+    soft_cap: Option<f32>,
+}
+
+async fn check_mla(g: &Gpu, att: &mut Attention, case: Mla, dtype: DType, seed: u64) -> f32 {
+    let (r, p) = (512, 64);
+    let c = filled(g, LayerSpec::mla(r, p), dtype, case.visible, case.n_q, seed);
+    let ql = values(seed + 77, case.n_q * case.n_heads * r);
+    let qr = values(seed + 78, case.n_q * case.n_heads * p);
+    let (qlb, qrb) = (f32_buffer(&g.device, &ql), f32_buffer(&g.device, &qr));
+    let out = output(&g.device, case.n_q * case.n_heads * r);
+    let options = AttentionOptions {
+        window: case.window,
+        soft_cap: case.soft_cap,
+        scale: Some(0.07),
+    };
+    let result = att.mla(
+        &c,
+        0,
+        MlaQueries {
+            latent: Queries::new(&qlb, case.n_q, case.n_heads, r),
+            rope: Queries::new(&qrb, case.n_q, case.n_heads, p),
+        },
+        &out,
+        &options,
+    );
+    assert!(ran(g, result, att, dtype, &[r, p], &out).await);
+    let want = reference::attention_mla(
+        &ql,
+        &qr,
+        [case.n_q, case.n_heads, r],
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        p,
+        &options,
+    );
+    assert_close(
+        &read_f32(g, &out).await,
+        &want,
+        &format!("{dtype} MLA {case:?} {:?}", att.kernel()),
+    )
+}
+
+pub async fn mla_matches_the_reference_for_every_dtype(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    #[rustfmt::skip]
+    let cases = [
+        Mla { n_heads: 16, visible: 1, n_q: 1, window: None, soft_cap: None },
+        Mla { n_heads: 4, visible: 65, n_q: 7, window: Some(20), soft_cap: Some(30.0) },
+        Mla { n_heads: 20, visible: 130, n_q: 2, window: None, soft_cap: None },
+        Mla { n_heads: 16, visible: 1000, n_q: 1, window: None, soft_cap: Some(50.0) },
+    ];
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for dtype in DType::ALL {
+            note!("-- {dtype} {kernel:?}");
+            for (i, &case) in cases.iter().enumerate() {
+                check_mla(g, &mut att, case, dtype, 60 + i as u64).await;
+            }
+        }
+    }
+    mla_decode_matches_an_independent_model(g).await;
+}
+
+/// A prefill of 6 tokens, then 4 decode steps of one token, MLA after every append against the twin
+/// over an independent CPU model of the cache.
+async fn mla_decode_matches_an_independent_model(g: &Gpu) {
+    let (n_heads, r, p) = (4usize, 16usize, 4usize);
+    for dtype in DType::ALL {
+        let spec = CacheSpec::new(vec![LayerSpec::mla(r, p)], dtype, 24).unwrap();
+        let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
+        let mut att = Attention::for_cache(&c);
+        let options = AttentionOptions {
+            scale: Some(0.2),
+            ..Default::default()
+        };
+        let mut worst = 0.0f32;
+        for (step, n_q) in [6usize, 1, 1, 1, 1].into_iter().enumerate() {
+            append_both(&mut c, &mut m, 0, n_q, 60 + step as u64);
+            let q_latent = values(70 + step as u64, n_q * n_heads * r);
+            let q_rope = values(80 + step as u64, n_q * n_heads * p);
+            let ql = f32_buffer(&g.device, &q_latent);
+            let qr = f32_buffer(&g.device, &q_rope);
+            let out = output(&g.device, n_q * n_heads * r);
+            att.mla(
+                &c,
+                0,
+                MlaQueries {
+                    latent: Queries::new(&ql, n_q, n_heads, r),
+                    rope: Queries::new(&qr, n_q, n_heads, p),
+                },
+                &out,
+                &options,
+            )
+            .unwrap();
+            let visible = c.visible(0).unwrap();
+            let want = reference::attention_mla(
+                &q_latent,
+                &q_rope,
+                [n_q, n_heads, r],
+                &m.read_f32(0, 0, visible),
+                &m.read_f32(0, 1, visible),
+                p,
+                &options,
+            );
+            let what = format!("{dtype} step {step}");
+            worst = worst.max(assert_close(&read_f32(g, &out).await, &want, &what));
+            c.advance(n_q).unwrap();
+        }
+        note!("{dtype}: MLA prefill and decode, worst scaled error {worst:e}");
+    }
+}
+
+/// GQA of 3 queries x 4 heads (d = 64) over layer 0 of `c`, against the twin over its read-back.
+async fn check_gqa_3x4(
+    g: &Gpu,
+    att: &mut Attention,
+    c: &KvCache,
+    q: &[f32],
+    qb: &wgpu::Buffer,
+    out: &wgpu::Buffer,
+    what: &str,
+) {
+    let (n_q, n_heads) = (3, 4);
+    let options = AttentionOptions::default();
+    att.gqa(c, 0, Queries::new(qb, n_q, n_heads, 64), out, &options)
+        .unwrap();
+    let want = reference::attention_gqa(
+        q,
+        [n_q, n_heads, 64],
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        2,
+        64,
+        &options,
+    );
+    assert_close(&read_f32(g, out).await, &want, what);
+}
+
+pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    for dtype in DType::ALL {
+        note!("-- {dtype}");
+        let mut c = cache_on(
+            g,
+            CacheSpec::new(vec![LayerSpec::kv(2, 64, 64)], dtype, 256).unwrap(),
+        );
+        let (n_q, n_heads) = (3, 4);
+        let q = values(5, n_q * n_heads * 64);
+        let qb = f32_buffer(&g.device, &q);
+        let out = output(&g.device, n_q * n_heads * 64);
+        append_random(&mut c, 0, 200, 1);
+        c.advance(200).unwrap();
+        // Speculative rollback: the 3 new rows follow row 39, and rows 43.. of the old run are unseen.
+        c.truncate(40).unwrap();
+        append_random(&mut c, 0, n_q, 2);
+        assert_eq!(c.visible(0).unwrap(), 43);
+        check_gqa_3x4(
+            g,
+            &mut att,
+            &c,
+            &q,
+            &qb,
+            &out,
+            &format!("{dtype} after truncate"),
+        )
+        .await;
+        c.advance(n_q).unwrap();
+        c.reset();
+        append_random(&mut c, 0, n_q, 3);
+        check_gqa_3x4(
+            g,
+            &mut att,
+            &c,
+            &q,
+            &qb,
+            &out,
+            &format!("{dtype} after reset"),
+        )
+        .await;
+        c.advance(n_q).unwrap();
+        c.reset_fast();
+        append_random(&mut c, 0, n_q + 1, 4);
+        check_gqa_3x4(
+            g,
+            &mut att,
+            &c,
+            &q,
+            &qb,
+            &out,
+            &format!("{dtype} after reset_fast"),
+        )
+        .await;
+    }
+}
+
+pub async fn many_calls_with_different_parameters_share_one_encoder(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    let layers = vec![
+        LayerSpec::kv(2, 64, 64),
+        LayerSpec::empty(),
+        LayerSpec::kv(1, 128, 32),
+    ];
+    let mut c = cache_on(g, CacheSpec::new(layers, DType::F16, 300).unwrap());
+    for layer in [0, 2] {
+        append_random(&mut c, layer, 300, layer as u64 + 1);
+    }
+    let q0 = values(1, 6 * 64);
+    let q2 = values(2, 4 * 128);
+    let (q0b, q2b) = (f32_buffer(&g.device, &q0), f32_buffer(&g.device, &q2));
+    let (out0, out2) = (output(&g.device, 6 * 64), output(&g.device, 4 * 32));
+    let o0 = AttentionOptions {
+        window: Some(50),
+        ..Default::default()
+    };
+    let o2 = AttentionOptions {
+        scale: Some(0.3),
+        soft_cap: Some(4.0),
+        ..Default::default()
+    };
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    att.record_gqa(
+        &mut encoder,
+        &c,
+        0,
+        Queries::new(&q0b, 1, 6, 64),
+        &out0,
+        &o0,
+    )
+    .unwrap();
+    att.record_gqa(
+        &mut encoder,
+        &c,
+        2,
+        Queries::new(&q2b, 1, 4, 128),
+        &out2,
+        &o2,
+    )
+    .unwrap();
+    g.queue.submit([encoder.finish()]);
+    let want0 = reference::attention_gqa(
+        &q0,
+        [1, 6, 64],
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        2,
+        64,
+        &o0,
+    );
+    let want2 = reference::attention_gqa(
+        &q2,
+        [1, 4, 128],
+        &c.read_f32_async(2, 0).await.unwrap(),
+        &c.read_f32_async(2, 1).await.unwrap(),
+        1,
+        32,
+        &o2,
+    );
+    assert_close(&read_f32(g, &out0).await, &want0, "layer 0");
+    assert_close(&read_f32(g, &out2).await, &want2, "layer 2");
+}
+
+pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    let layers = vec![
+        LayerSpec::kv(2, 8, 8),
+        LayerSpec::empty(),
+        LayerSpec::mla(16, 4),
+        LayerSpec::new(vec![SlotSpec::new("qkv", &[3, 8])]),
+    ];
+    let mut c = cache_on(g, CacheSpec::new(layers, DType::F32, 16).unwrap());
+    for layer in [0, 2, 3] {
+        let shapes: Vec<Vec<usize>> = c.spec().layers()[layer]
+            .slots
+            .iter()
+            .map(|s| [&[4][..], &s.trailing].concat())
+            .collect();
+        let data: Vec<Vec<f32>> = shapes
+            .iter()
+            .map(|sh| values(3, sh.iter().product()))
+            .collect();
+        let slabs: Vec<HostSlab> = data
+            .iter()
+            .zip(&shapes)
+            .map(|(d, sh)| HostSlab::f32(d, sh))
+            .collect();
+        c.append(layer, &slabs).unwrap();
+    }
+    let q = f32_buffer(&g.device, &values(4, 64));
+    let out = output(&g.device, 64);
+    let before = read_f32(g, &out).await;
+    let dflt = AttentionOptions::default();
+    let mut gqa = |layer: usize, q: Queries<'_>, out: &wgpu::Buffer, o: &AttentionOptions| {
+        att.gqa(&c, layer, q, out, o).unwrap_err()
+    };
+
+    let e = gqa(0, Queries::new(&q, 1, 4, 7), &out, &dflt);
+    assert!(matches!(e, Error::QueryShape { layer: 0, .. }), "{e}");
+    assert!(e.to_string().contains("[1, 4, 8]"), "{e}");
+    let e = gqa(0, Queries::new(&q, 1, 3, 8), &out, &dflt);
+    assert_eq!(
+        e,
+        Error::HeadGroups {
+            layer: 0,
+            n_heads: 3,
+            n_kv_heads: 2
+        }
+    );
+    let e = gqa(0, Queries::new(&q, 5, 2, 8), &out, &dflt);
+    assert_eq!(
+        e,
+        Error::QueryRows {
+            layer: 0,
+            n_q: 5,
+            visible: 4
+        }
+    );
+    let e = gqa(0, Queries::new(&q, 0, 2, 8), &out, &dflt);
+    assert!(matches!(e, Error::QueryRows { n_q: 0, .. }), "{e}");
+    let e = gqa(1, Queries::new(&q, 1, 2, 8), &out, &dflt);
+    assert!(
+        matches!(e, Error::NotAttentionLayer { layer: 1, .. }),
+        "{e}"
+    );
+    let e = gqa(2, Queries::new(&q, 1, 2, 16), &out, &dflt);
+    assert!(
+        matches!(
+            e,
+            Error::NotAttentionLayer {
+                layer: 2,
+                kind: "GQA",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = gqa(3, Queries::new(&q, 1, 3, 8), &out, &dflt);
+    assert!(
+        matches!(e, Error::NotAttentionLayer { layer: 3, .. }),
+        "{e}"
+    );
+    let e = gqa(9, Queries::new(&q, 1, 2, 8), &out, &dflt);
+    assert!(matches!(e, Error::LayerOutOfRange { layer: 9, .. }), "{e}");
+    let small = output(&g.device, 15);
+    let e = gqa(0, Queries::new(&q, 1, 2, 8), &small, &dflt);
+    assert_eq!(
+        e,
+        Error::BufferTooSmall {
+            layer: 0,
+            which: "output",
+            shape: vec![1, 2, 8],
+            needed: 64,
+            size: 60
+        }
+    );
+    let big_q = f32_buffer(&g.device, &values(7, 128));
+    let e = gqa(0, Queries::new(&big_q, 4, 4, 8), &out, &dflt);
+    assert!(
+        matches!(
+            e,
+            Error::BufferTooSmall {
+                which: "output",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = gqa(
+        0,
+        Queries::new(&q, 4, 4, 8),
+        &output(&g.device, 1024),
+        &dflt,
+    );
+    assert!(
+        matches!(
+            e,
+            Error::BufferTooSmall {
+                which: "q",
+                needed: 512,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let uniform = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: None,
+        size: 256,
+        usage: wgpu::BufferUsages::UNIFORM,
+        mapped_at_creation: false,
+    });
+    let e = gqa(0, Queries::new(&uniform, 1, 2, 8), &out, &dflt);
+    assert!(
+        matches!(
+            e,
+            Error::AttentionBuffer {
+                which: "q",
+                problem: BufferProblem::NoStorage { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = gqa(
+        0,
+        Queries::new(&q, 1, 2, 8),
+        c.view(0, 1).unwrap().buffer,
+        &dflt,
+    );
+    assert!(
+        matches!(
+            e,
+            Error::AttentionBuffer {
+                which: "output",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    for bad in [
+        AttentionOptions {
+            window: Some(0),
+            ..dflt
+        },
+        AttentionOptions {
+            soft_cap: Some(0.0),
+            ..dflt
+        },
+        AttentionOptions {
+            soft_cap: Some(f32::NAN),
+            ..dflt
+        },
+        AttentionOptions {
+            scale: Some(f32::INFINITY),
+            ..dflt
+        },
+    ] {
+        let e = gqa(0, Queries::new(&q, 1, 2, 8), &out, &bad);
+        assert!(matches!(e, Error::AttentionRequest { layer: 0, .. }), "{e}");
+    }
+
+    let ql = f32_buffer(&g.device, &values(5, 64));
+    let qr = f32_buffer(&g.device, &values(6, 16));
+    let mut mla = |layer: usize, a: Queries<'_>, b: Queries<'_>| {
+        att.mla(&c, layer, MlaQueries { latent: a, rope: b }, &out, &dflt)
+            .unwrap_err()
+    };
+    let e = mla(2, Queries::new(&ql, 1, 2, 16), Queries::new(&qr, 1, 2, 5));
+    assert_eq!(
+        e,
+        Error::QueryShape {
+            layer: 2,
+            which: "q_rope",
+            expected: vec![1, 2, 4],
+            got: vec![1, 2, 5]
+        }
+    );
+    let e = mla(2, Queries::new(&ql, 1, 2, 15), Queries::new(&qr, 1, 2, 4));
+    assert!(
+        matches!(
+            e,
+            Error::QueryShape {
+                which: "q_latent",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = mla(0, Queries::new(&ql, 1, 2, 8), Queries::new(&qr, 1, 2, 8));
+    assert!(
+        matches!(
+            e,
+            Error::NotAttentionLayer {
+                layer: 0,
+                kind: "MLA",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        read_f32(g, &out).await,
+        before,
+        "a refused call wrote the output"
+    );
+    assert_eq!(c.visible(0).unwrap(), 4);
+}
+
+pub async fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups(g: &Gpu) {
+    if kernels(g).contains(&KernelChoice::StreamSubgroup) {
+        note!("this adapter has subgroups: the kernel itself is checked by the reference tests");
+        return;
+    }
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    att.set_kernel(KernelChoice::StreamSubgroup);
+    let c = filled(g, LayerSpec::kv(2, 64, 64), DType::F32, 40, 1, 5);
+    let q = f32_buffer(&g.device, &values(6, 8 * 64));
+    let out = output(&g.device, 8 * 64);
+    let e = att
+        .gqa(
+            &c,
+            0,
+            Queries::new(&q, 1, 8, 64),
+            &out,
+            &AttentionOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::AttentionRequest { problem: AttentionProblem::DeviceLimit { detail }, .. }
+            if detail.contains("SUBGROUP")),
+        "{e}"
+    );
+    let untouched = read_f32(g, &out).await.iter().all(|&x| x == -7.0);
+    assert!(untouched, "a refused call wrote");
+}

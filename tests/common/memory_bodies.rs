@@ -1,0 +1,180 @@
+//! Dropped caches and dropped source buffers release their memory, however long the `Attention` or
+//! the cache that used them lives, over many cycles: run natively by `tests/memory.rs` and in the
+//! browser by `tests/web.rs`, each counting live buffers its own way (see [`Residency`]).
+
+use super::{append_random, values};
+use kvgpu::wgpu::{self, util::DeviceExt};
+use kvgpu::*;
+
+/// Counts the buffers that are still alive, after whatever nothing references has been freed.
+/// Natively: wgpu's live-buffer counter of the device (every buffer of it; the `counters` feature),
+/// after a poll that frees what nothing references. In the browser WebGPU has no such counter, and a
+/// buffer's memory goes when its `GPUBuffer` object is garbage collected (nothing kvgpu calls frees it
+/// sooner), so: the followed buffers whose `GPUBuffer` survives a full collection (Chromium's `gc()`,
+/// exposed by `--js-flags=--expose-gc` in `webdriver.json`). kvgpu keeps a buffer only through a
+/// `wgpu::Buffer` handle (its bind-group caches pin the buffers they bind), which holds the object.
+pub struct Residency {
+    device: wgpu::Device,
+    #[cfg(target_arch = "wasm32")]
+    followed: Vec<js_sys::WeakRef>,
+}
+
+impl Residency {
+    pub fn new(g: &Gpu) -> Self {
+        Self {
+            device: g.device.clone(),
+            #[cfg(target_arch = "wasm32")]
+            followed: Vec::new(),
+        }
+    }
+
+    /// Counts `buffer` from now on (natively every buffer of the device counts already).
+    pub fn follow(&mut self, buffer: &wgpu::Buffer) {
+        #[cfg(target_arch = "wasm32")]
+        {
+            let object: &js_sys::Object = buffer
+                .as_webgpu()
+                .expect("a buffer of the browser's WebGPU")
+                .as_ref();
+            self.followed.push(js_sys::WeakRef::new(object));
+        }
+        #[cfg(not(target_arch = "wasm32"))]
+        let _ = buffer;
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    pub async fn live(&self) -> isize {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .unwrap();
+        self.device.get_internal_counters().hal.buffers.read()
+    }
+
+    #[cfg(target_arch = "wasm32")]
+    pub async fn live(&self) -> isize {
+        use wasm_bindgen::{JsCast, JsValue};
+        // A WeakRef keeps its target alive until the task that made or read it ends: collect in a
+        // later task.
+        next_task().await;
+        let gc = js_sys::Reflect::get(&js_sys::global(), &JsValue::from_str("gc"))
+            .ok()
+            .and_then(|f| f.dyn_into::<js_sys::Function>().ok())
+            .expect(
+                "counting live buffers in the browser needs gc(): run Chromium with \
+                 --js-flags=--expose-gc (webdriver.json)",
+            );
+        gc.call0(&JsValue::UNDEFINED).expect("gc() ran");
+        let live = self.followed.iter().filter(|w| w.deref().is_some()).count();
+        let _ = &self.device;
+        live as isize
+    }
+}
+
+/// Resolves in a later task (a `setTimeout` of 0 ms).
+#[cfg(target_arch = "wasm32")]
+async fn next_task() {
+    let promise = js_sys::Promise::new(&mut |resolve, _| {
+        web_sys::window()
+            .expect("a window")
+            .set_timeout_with_callback_and_timeout_and_arguments_0(&resolve, 0)
+            .expect("setTimeout");
+    });
+    wasm_bindgen_futures::JsFuture::from(promise)
+        .await
+        .expect("setTimeout resolved");
+}
+
+/// One `Attention` serving 24 caches of 4 MiB per slot in turn, each dropped after its call: after
+/// the first cycle (which sizes the attention's scratch) the live buffers never grow, so the
+/// attention keeps none of the dropped caches.
+pub async fn one_attention_serving_many_dropped_caches_keeps_none_of_them(g: &Gpu) {
+    let mut residency = Residency::new(g);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], DType::F32, 4096).unwrap();
+    let q = g
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("q"),
+            contents: bytemuck::cast_slice(&values(1, 4 * 64)),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    let out = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("out"),
+        size: 4 * 64 * 4,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let first = KvCache::new(&g.device, &g.queue, spec.clone()).unwrap();
+    let mut attention = Attention::for_cache(&first);
+    drop(first);
+    let mut baseline = None;
+    for i in 0..24 {
+        let mut c = KvCache::new(&g.device, &g.queue, spec.clone()).unwrap();
+        for s in 0..2 {
+            residency.follow(c.full_view(0, s).unwrap().buffer);
+        }
+        append_random(&mut c, 0, 100, i);
+        attention
+            .gqa(&c, 0, Queries::new(&q, 1, 4, 64), &out, &Default::default())
+            .unwrap();
+        drop(c);
+        let live = residency.live().await;
+        // The first cycle sizes the attention's scratch; after it nothing may accumulate.
+        let base = *baseline.get_or_insert(live);
+        assert!(
+            live <= base,
+            "cycle {i}: {live} live buffers, {base} after the first"
+        );
+    }
+}
+
+/// A cache appending from 24 sources of 8 MiB, each used by one strided (kernel-path) append and one
+/// copy-path append, then dropped: the cache keeps at most a few within its pinning bound (32 MiB)
+/// alive, and dropping the cache frees its buffers.
+pub async fn a_cache_appending_from_many_dropped_sources_keeps_few_of_them(g: &Gpu) {
+    let mut residency = Residency::new(g);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], DType::F16, 64).unwrap();
+    let mut c = KvCache::new(&g.device, &g.queue, spec).unwrap();
+    for s in 0..2 {
+        residency.follow(c.full_view(0, s).unwrap().buffer);
+    }
+    let before = residency.live().await;
+    for i in 0..24u64 {
+        let src = g.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("8 MiB source"),
+            size: 8 << 20,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        residency.follow(&src);
+        let shape = [1, 1, 64];
+        let strided = GpuSlab {
+            buffer: &src,
+            dtype: DType::F32,
+            offset: 64 * i,
+            shape: &shape,
+            strides: Some(&[128, 64, 1]),
+        };
+        let copied = GpuSlab {
+            dtype: DType::F16,
+            strides: None,
+            ..strided
+        };
+        c.append_gpu(0, &[strided, copied]).unwrap();
+        c.truncate(0).unwrap();
+        drop(src);
+        let live = residency.live().await;
+        assert!(
+            live - before <= 2 * (32 / 8) + 2,
+            "after {} dropped 8 MiB sources {} more buffers are alive",
+            i + 1,
+            live - before
+        );
+    }
+    drop(c);
+    assert!(
+        residency.live().await < before,
+        "dropping the cache freed its buffers"
+    );
+}
