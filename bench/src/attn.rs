@@ -76,6 +76,41 @@ fn kernel_choice() -> Result<KernelChoice> {
     )
 }
 
+/// Queries per call of the chunked-prefill rows, and the context they are measured at.
+const PREFILL_QUERIES: [usize; 2] = [8, 64];
+const PREFILL_CONTEXT: usize = 4096;
+
+/// candle's inputs for the same shapes: the KV heads as the batch, each query head group (times the
+/// queries) in it.
+#[allow(clippy::too_many_arguments)]
+fn candle_inputs(
+    kind: &Kind,
+    heads: usize,
+    groups: usize,
+    n_q: usize,
+    ctx: usize,
+    dk: usize,
+    dr: usize,
+    dv: usize,
+    cdt: candle_core::DType,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = Device::Cpu;
+    let per = heads / groups * n_q;
+    let qt = Tensor::new(values(heads * n_q * (dk + dr), 11), &dev)?
+        .reshape((groups, per, dk + dr))?
+        .to_dtype(cdt)?;
+    let kt = Tensor::new(values(groups * ctx * (dk + dr), 3), &dev)?
+        .reshape((groups, ctx, dk + dr))?
+        .to_dtype(cdt)?;
+    let vt = match kind {
+        Kind::Gqa => Tensor::new(values(groups * ctx * dv, 5), &dev)?
+            .reshape((groups, ctx, dv))?
+            .to_dtype(cdt)?,
+        Kind::Mla => kt.narrow(2, 0, dv)?.contiguous()?,
+    };
+    Ok((qt, kt, vt))
+}
+
 enum Kind {
     Gqa,
     Mla,
@@ -135,14 +170,27 @@ fn one(
     fill(&mut cache, max)?;
     let mut attn = Attention::for_cache(&cache);
     attn.set_kernel(kernel_choice()?);
-    let q = storage(&gpu.device, (heads * dk * 4) as u64, "bench q");
-    let q_rope = storage(&gpu.device, (heads * dr.max(1) * 4) as u64, "bench q_rope");
-    let out = storage(&gpu.device, (heads * dv * 4) as u64, "bench attention out");
+    // Room for the most queries of a chunked-prefill call.
+    let most = PREFILL_QUERIES[PREFILL_QUERIES.len() - 1];
+    let q = storage(&gpu.device, (most * heads * dk * 4) as u64, "bench q");
+    let q_rope = storage(
+        &gpu.device,
+        (most * heads * dr.max(1) * 4) as u64,
+        "bench q_rope",
+    );
+    let out = storage(
+        &gpu.device,
+        (most * heads * dv * 4) as u64,
+        "bench attention out",
+    );
     gpu.queue
-        .write_buffer(&q, 0, bytemuck::cast_slice(&values(heads * dk, 11)));
+        .write_buffer(&q, 0, bytemuck::cast_slice(&values(most * heads * dk, 11)));
     if dr > 0 {
-        gpu.queue
-            .write_buffer(&q_rope, 0, bytemuck::cast_slice(&values(heads * dr, 13)));
+        gpu.queue.write_buffer(
+            &q_rope,
+            0,
+            bytemuck::cast_slice(&values(most * heads * dr, 13)),
+        );
     }
     let opts = AttentionOptions::default();
     let cdt = if dtype == DType::F16 {
@@ -154,23 +202,74 @@ fn one(
     let mut candle_pts = Vec::new();
     let mut ctxs = cfg.attn_contexts.clone();
     ctxs.sort_unstable_by(|a, b| b.cmp(a));
+    let record_n = |attn: &mut Attention,
+                        cache: &KvCache,
+                        enc: &mut wgpu::CommandEncoder,
+                        n_q: usize|
+     -> Result<()> {
+        match kind {
+            Kind::Gqa => {
+                attn.record_gqa(enc, cache, 0, Queries::new(&q, n_q, heads, dk), &out, &opts)?
+            }
+            Kind::Mla => {
+                let mla = MlaQueries {
+                    latent: Queries::new(&q, n_q, heads, dk),
+                    rope: Queries::new(&q_rope, n_q, heads, dr),
+                };
+                attn.record_mla(enc, cache, 0, mla, &out, &opts)?
+            }
+        }
+        Ok(())
+    };
+    // Chunked prefill / verification: the last `n_q` rows' queries at once, causal, against candle
+    // with the same queries (without the causal mask, which only removes work on its side).
+    if let Some(&ctx) = cfg.attn_contexts.iter().find(|&&c| c == PREFILL_CONTEXT) {
+        cache.truncate(ctx)?;
+        let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(5));
+        for n_q in PREFILL_QUERIES {
+            let mut k_gpu = || -> Result<f64> {
+                let mut res = Ok(());
+                let t = timer.gpu(|enc| res = record_n(&mut attn, &cache, enc, n_q))?;
+                res.map(|_| t)
+            };
+            let [tk] = interleaved(warm, reps, [&mut k_gpu])?;
+            let (qt, kt, vt) = candle_inputs(kind, heads, groups, n_q, ctx, dk, dr, dv, cdt)?;
+            let scale = 1.0 / ((dk + dr) as f64).sqrt();
+            let mut c_cpu = || -> Result<f64> {
+                let t = std::time::Instant::now();
+                std::hint::black_box(candle_attention(&qt, &kt, &vt, scale)?);
+                Ok(t.elapsed().as_secs_f64())
+            };
+            let [tc] = interleaved(warm, reps, [&mut c_cpu])?;
+            rows.push(
+                Row::new(
+                    format!(
+                        "kvgpu / candle CPU attention, {label} {dtype}, {n_q} queries, ctx {ctx}"
+                    ),
+                    tk * 1e6,
+                    "us",
+                    timer.clock(),
+                )
+                .ratio(
+                    tk / tc,
+                    format!(
+                        "candle softmax(q·Kᵀ·scale)·V of the {n_q} queries, {dtype} CPU ({:.1} us)",
+                        tc * 1e6
+                    ),
+                    Goal::Info,
+                ),
+            );
+            eprintln!(
+                "  {label} {dtype} ctx {ctx}, {n_q} queries: kernel {:.1} us, candle {:.1} us",
+                tk * 1e6,
+                tc * 1e6
+            );
+        }
+    }
     for &ctx in &ctxs {
         cache.truncate(ctx)?;
-        let mut record = |enc: &mut wgpu::CommandEncoder| -> Result<()> {
-            match kind {
-                Kind::Gqa => {
-                    attn.record_gqa(enc, &cache, 0, Queries::new(&q, 1, heads, dk), &out, &opts)?
-                }
-                Kind::Mla => {
-                    let mla = MlaQueries {
-                        latent: Queries::new(&q, 1, heads, dk),
-                        rope: Queries::new(&q_rope, 1, heads, dr),
-                    };
-                    attn.record_mla(enc, &cache, 0, mla, &out, &opts)?
-                }
-            }
-            Ok(())
-        };
+        let mut record =
+            |enc: &mut wgpu::CommandEncoder| -> Result<()> { record_n(&mut attn, &cache, enc, 1) };
         let mut k_gpu = || -> Result<f64> {
             let mut res = Ok(());
             let t = timer.gpu(|enc| res = record(enc))?;
@@ -191,21 +290,7 @@ fn one(
                 Ok(())
             })
         };
-        // candle on the CPU, the same shapes: the KV heads as the batch, each query head group in it.
-        let dev = Device::Cpu;
-        let per = heads / groups;
-        let qt = Tensor::new(values(heads * (dk + dr), 11), &dev)?
-            .reshape((groups, per, dk + dr))?
-            .to_dtype(cdt)?;
-        let kt = Tensor::new(values(groups * ctx * (dk + dr), 3), &dev)?
-            .reshape((groups, ctx, dk + dr))?
-            .to_dtype(cdt)?;
-        let vt = match kind {
-            Kind::Gqa => Tensor::new(values(groups * ctx * dv, 5), &dev)?
-                .reshape((groups, ctx, dv))?
-                .to_dtype(cdt)?,
-            Kind::Mla => kt.narrow(2, 0, dv)?.contiguous()?,
-        };
+        let (qt, kt, vt) = candle_inputs(kind, heads, groups, 1, ctx, dk, dr, dv, cdt)?;
         let scale = 1.0 / ((dk + dr) as f64).sqrt();
         let mut c_cpu = || -> Result<f64> {
             let t = std::time::Instant::now();

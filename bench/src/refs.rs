@@ -119,9 +119,15 @@ impl StreamRead {
     pub fn time(&self, timer: &Timer, bytes: u64, warm: usize, reps: usize) -> Result<f64> {
         let n_vec4 = (bytes / 16).max(1) as u32;
         let mut best = f64::INFINITY;
-        // One 16-byte word per invocation, then 4, 16 and 64 per invocation (grid stride).
-        for per in [1u32, 4, 16, 64] {
-            let groups = n_vec4.div_ceil(256 * per).clamp(1, 65535);
+        // One 16-byte word per invocation, then 4, 16 and 64 per invocation (grid stride), and a few
+        // fat workgroups that each stream whole rows (one or a few per core: what a CPU adapter
+        // reads fastest), as long as an invocation stays within the software adapters' loop limit.
+        let per_grids = [1u32, 4, 16, 64].map(|per| n_vec4.div_ceil(256 * per));
+        let few = [2u32, 4, 8]
+            .into_iter()
+            .filter(|&g| n_vec4.div_ceil(g * 256) < 60_000);
+        for groups in per_grids.into_iter().chain(few) {
+            let groups = groups.clamp(1, 65535);
             let stride = groups * 256;
             let params = uniform(&self.device, bytemuck::cast_slice(&[n_vec4, stride, 0, 0]));
             let bind = group(
