@@ -111,6 +111,7 @@ browser_tests!(attention_bodies:
     many_calls_with_different_parameters_share_one_encoder,
     bad_requests_are_refused_and_change_nothing,
     the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups,
+    prepare_builds_the_pipelines_of_every_attention_layer_once,
 );
 
 // tests/model.rs: fixed pseudo-random operation sequences instead of proptest's.

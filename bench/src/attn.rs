@@ -203,9 +203,9 @@ fn one(
     let mut ctxs = cfg.attn_contexts.clone();
     ctxs.sort_unstable_by(|a, b| b.cmp(a));
     let record_n = |attn: &mut Attention,
-                        cache: &KvCache,
-                        enc: &mut wgpu::CommandEncoder,
-                        n_q: usize|
+                    cache: &KvCache,
+                    enc: &mut wgpu::CommandEncoder,
+                    n_q: usize|
      -> Result<()> {
         match kind {
             Kind::Gqa => {

@@ -86,6 +86,14 @@ struct Job<'a> {
     default_scale: f32,
 }
 
+/// One pipeline to run once in [`Attention::prepare`]: a layer, its kind, a decode call's parameters.
+type WarmUp = (
+    usize,
+    AttentionKind,
+    crate::kernels::AttnParams,
+    wgpu::ComputePipeline,
+);
+
 /// Query and scratch bindings of pass 1: q_a (+ bound size), q_b (+ size).
 type IoKey = (wgpu::Buffer, u64, wgpu::Buffer, u64);
 /// Output binding of the reduce pass (+ bound size).
@@ -158,6 +166,169 @@ impl Attention {
             device,
             kernels,
         }
+    }
+
+    /// Compiles, ahead of the first call, the pipelines attention needs for every attention layer of
+    /// `cache` (GQA / MHA layers with slots K `[n_kv, d_k]` and V `[n_kv, d_v]`, MLA layers with
+    /// `compressed_kv [r]` and `k_pe [p]`) with `n_heads` query heads, under the kernel choice in force.
+    /// A software adapter compiles shaders for up to seconds each (more on OpenGL with a cold shader
+    /// cache), and some drivers only when a pipeline first runs: `prepare` builds each pipeline and
+    /// submits one dispatch of it that returns at once, touching no memory, then waits for the device
+    /// (natively; in the browser the submission runs on its own). Call it while loading a model so the
+    /// first token does not wait. Returns how many pass-1 pipelines it built (0 when every one was built
+    /// before). Other layers are skipped; a head count that does not divide into a GQA layer's KV heads
+    /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
+    /// [`Error::AttentionRequest`], both before anything is built.
+    pub fn prepare(&mut self, cache: &KvCache, n_heads: usize) -> Result<usize> {
+        if cache.device() != &self.device {
+            return Err(Error::ForeignDevice {
+                layer: 0,
+                what: "cache (this Attention serves another device)".into(),
+            });
+        }
+        let limit = |layer: usize| {
+            move |detail: String| Error::AttentionRequest {
+                layer,
+                problem: crate::error::AttentionProblem::DeviceLimit { detail },
+            }
+        };
+        // Every layer's kernel first, so a refusal builds nothing.
+        let mut planned = Vec::new();
+        for layer in 0..cache.spec().layers().len() {
+            let shapes = cache.ledger().slot_shapes(layer)?;
+            let (kind, n_kv, d_a, d_b, d_v) = match shapes {
+                [k, v] if k.len() == 2 && v.len() == 2 && k[0] == v[0] => {
+                    (AttentionKind::Gqa, k[0], k[1], 0, v[1])
+                }
+                [a, b] if a.len() == 1 && b.len() == 1 => (AttentionKind::Mla, 1, a[0], b[0], a[0]),
+                _ => continue,
+            };
+            if n_heads == 0 || !n_heads.is_multiple_of(n_kv) {
+                return Err(Error::HeadGroups {
+                    layer,
+                    n_heads,
+                    n_kv_heads: n_kv,
+                });
+            }
+            let (a, b, v) = kind.slots();
+            let words = |slot: usize| -> Result<usize> {
+                Ok((cache.full_view(layer, slot)?.row_bytes / 4) as usize)
+            };
+            let shape = plan::CallShape {
+                dtype: cache.spec().dtype(),
+                n_q: 1,
+                n_heads,
+                n_kv,
+                d_a,
+                d_b,
+                d_v,
+                visible: 1,
+                row_words: [words(a)?, words(b)?, words(v)?],
+                window: 0,
+                scale: 1.0,
+                soft_cap: 0.0,
+                v_from_a: a == v && d_a == d_v,
+            };
+            let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
+            planned.push((layer, kind, dispatch));
+        }
+        let dtype = cache.spec().dtype();
+        let mut built = 0;
+        let mut runs = Vec::new();
+        for &(layer, kind, dispatch) in &planned {
+            let params = dispatch.params;
+            match dispatch.kernel {
+                // Shorter contexts may take fewer rows per invocation: every variant of the batch.
+                plan::Pass1::Tiled { batch, .. } => {
+                    for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
+                        built += usize::from(self.kernels.prepare_partial(dtype, batch, rpl));
+                        runs.push((
+                            layer,
+                            kind,
+                            params,
+                            self.kernels.attention_partial(dtype, batch, rpl),
+                        ));
+                    }
+                }
+                plan::Pass1::Stream(key) => {
+                    built += usize::from(self.kernels.prepare_stream(&key).map_err(limit(layer))?);
+                    runs.push((
+                        layer,
+                        kind,
+                        params,
+                        self.kernels.attention_stream(&key).map_err(limit(layer))?,
+                    ));
+                }
+            }
+        }
+        self.warm_up(cache, &runs);
+        Ok(built)
+    }
+
+    /// Submits one dispatch of each pass-1 pipeline and of the reduce pass, so that drivers that
+    /// compile a pipeline when it first runs do it now. Each gets the parameters of a decode call
+    /// (lavapipe compiles a variant per value of some parameters), but query and output bindings of 16
+    /// bytes, too small for them: every kernel's bounds check fails and it returns before touching
+    /// memory.
+    fn warm_up(&mut self, cache: &KvCache, runs: &[WarmUp]) {
+        self.ensure_scratch(16, 16);
+        let Some(scratch) = &self.scratch else {
+            return;
+        };
+        let dummy = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu attention warm-up"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let group = |layout: &wgpu::BindGroupLayout, buffers: [&wgpu::Buffer; 4], n: usize| {
+            let entries: Vec<_> = buffers[..n]
+                .iter()
+                .enumerate()
+                .map(|(i, b)| wgpu::BindGroupEntry {
+                    binding: i as u32,
+                    resource: b.as_entire_binding(),
+                })
+                .collect();
+            self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("kvgpu attention warm-up"),
+                layout,
+                entries: &entries,
+            })
+        };
+        let io = group(
+            self.kernels.attn_io_layout(),
+            [&dummy, &dummy, &scratch.stats, &scratch.part],
+            4,
+        );
+        let reduce = group(
+            self.kernels.reduce_layout(),
+            [&scratch.stats, &scratch.part, &dummy, &dummy],
+            3,
+        );
+        let all: Vec<_> = runs.iter().map(|r| r.2).collect();
+        let params = self.ring.push_all(&self.queue, &all);
+        let mut encoder = self.encoder();
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("kvgpu attention warm-up"),
+                timestamp_writes: None,
+            });
+            for ((layer, kind, _, pipeline), params) in runs.iter().zip(&params) {
+                pass.set_pipeline(pipeline);
+                pass.set_bind_group(0, cache.attention_group(*layer, *kind), &[]);
+                pass.set_bind_group(1, &io, &[]);
+                pass.set_bind_group(2, &params.group, &[params.offset]);
+                pass.dispatch_workgroups(1, 1, 1);
+                pass.set_pipeline(self.kernels.attention_reduce());
+                pass.set_bind_group(0, &reduce, &[]);
+                pass.set_bind_group(1, &params.group, &[params.offset]);
+                pass.dispatch_workgroups(1, 1, 1);
+            }
+        }
+        self.queue.submit([encoder.finish()]);
+        #[cfg(not(target_arch = "wasm32"))]
+        let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
     }
 
     /// Picks the pass-1 kernel of later calls (see [`KernelChoice`]; the default is

@@ -234,7 +234,7 @@ impl Attention {
 
     /// Grows the scratch buffers when this call needs more than they hold (bind groups that named the
     /// old ones are dropped).
-    fn ensure_scratch(&mut self, stats_bytes: u64, part_bytes: u64) {
+    pub(super) fn ensure_scratch(&mut self, stats_bytes: u64, part_bytes: u64) {
         if let Some(s) = &self.scratch
             && s.stats.size() >= stats_bytes
             && s.part.size() >= part_bytes

@@ -341,6 +341,31 @@ impl Kernels {
             .clone()
     }
 
+    /// Builds the tiled pass-1 pipeline of (`dtype`, `batch`, `rpl`) unless it exists; whether it
+    /// was built now.
+    pub(crate) fn prepare_partial(&self, dtype: DType, batch: usize, rpl: usize) -> bool {
+        let known = self
+            .attention()
+            .partial_pipelines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(&(dtype, batch, rpl));
+        self.attention_partial(dtype, batch, rpl);
+        !known
+    }
+
+    /// Builds the streaming pass-1 pipeline of `key` unless it exists; whether it was built now.
+    pub(crate) fn prepare_stream(&self, key: &StreamKey) -> std::result::Result<bool, String> {
+        let known = self
+            .attention()
+            .stream_pipelines
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(key);
+        self.attention_stream(key)?;
+        Ok(!known)
+    }
+
     /// The generated streaming pass-1 pipeline of `key` (`src/attention/stream.rs`). Its source is
     /// made and compiled inside an error scope, so a kernel the device refuses is reported here rather
     /// than as a wgpu error later.

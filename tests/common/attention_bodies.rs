@@ -773,3 +773,78 @@ pub async fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups
     let untouched = read_f32(g, &out).await.iter().all(|&x| x == -7.0);
     assert!(untouched, "a refused call wrote");
 }
+
+/// `Attention::prepare` builds every pipeline the cache's attention layers need, once: a second call
+/// builds none, the calls that follow run and match the twins, and a head count that does not divide
+/// into a layer's KV heads is refused.
+pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu) {
+    let layers = vec![
+        LayerSpec::kv(2, 64, 64),
+        LayerSpec::empty(),
+        LayerSpec::mla(64, 16),
+        LayerSpec::kv(2, 33, 17),
+    ];
+    for kernel in [KernelChoice::Auto].into_iter().chain(kernels(g)) {
+        for dtype in DType::ALL {
+            let spec = CacheSpec::new(layers.clone(), dtype, 64).unwrap();
+            let mut c = cache_on(g, spec);
+            // A fresh kernel registry, so nothing is built before.
+            let mut att = Attention::new(&g.device, &g.queue).unwrap();
+            att.set_kernel(kernel);
+            let streams = matches!(
+                kernel,
+                KernelChoice::StreamShared | KernelChoice::StreamSubgroup
+            );
+            let e = att.prepare(&c, 3).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::HeadGroups {
+                        layer: 0,
+                        n_heads: 3,
+                        n_kv_heads: 2
+                    }
+                ),
+                "{e}"
+            );
+            if streams {
+                // The odd layer is not a whole number of vectors: the forced kernel refuses it.
+                let e = att.prepare(&c, 4).unwrap_err();
+                assert!(
+                    matches!(&e, Error::AttentionRequest { layer: 3, .. }),
+                    "{e}"
+                );
+                continue;
+            }
+            let built = att.prepare(&c, 4).unwrap();
+            assert!(built >= 3, "{kernel:?} {dtype}: {built} pipelines");
+            assert_eq!(att.prepare(&c, 4).unwrap(), 0, "{kernel:?} {dtype}");
+            for l in [0, 2, 3] {
+                append_random(&mut c, l, 5, 300 + l as u64);
+            }
+            c.advance(5).unwrap();
+            let (q, qb) = {
+                let q = values(310, 4 * 64);
+                let qb = f32_buffer(&g.device, &q);
+                (q, qb)
+            };
+            let out = output(&g.device, 4 * 64);
+            let options = AttentionOptions::default();
+            att.gqa(&c, 0, Queries::new(&qb, 1, 4, 64), &out, &options)
+                .unwrap();
+            let want = reference::attention_gqa(
+                &q,
+                [1, 4, 64],
+                &c.read_f32_async(0, 0).await.unwrap(),
+                &c.read_f32_async(0, 1).await.unwrap(),
+                2,
+                64,
+                &options,
+            );
+            let what = format!("{dtype} {kernel:?} after prepare");
+            assert_close(&read_f32(g, &out).await, &want, &what);
+            // Nothing new was needed for that call.
+            assert_eq!(att.prepare(&c, 4).unwrap(), 0, "{kernel:?} {dtype}");
+        }
+    }
+}
