@@ -74,7 +74,7 @@ mod spec;
 /// match.
 pub use wgpu;
 
-pub use attention::{Attention, AttentionOptions, KernelChoice, MlaQueries, Queries};
+pub use attention::{Attention, AttentionOptions, KernelChoice, MlaQueries, Output, Queries};
 pub use cache::{GpuSlab, HostSlab, KvCache, SlotView};
 pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]

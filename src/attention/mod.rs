@@ -58,6 +58,7 @@ mod plan;
 mod record;
 mod request;
 mod stream;
+mod view;
 
 use std::sync::Arc;
 
@@ -66,7 +67,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing};
 use plan::DeviceFacts;
 pub use plan::KernelChoice;
-pub use request::{AttentionOptions, MlaQueries, Queries};
+pub use request::{AttentionOptions, MlaQueries, Output, Queries};
 pub(crate) use stream::{StreamKey, source as stream_source};
 
 /// Partial results of pass 1, grown (never shrunk) when a call first needs more.
@@ -81,15 +82,16 @@ struct Job<'a> {
     kind: AttentionKind,
     q_a: Queries<'a>,
     q_b: Option<Queries<'a>>,
+    out: Output<'a>,
     n_kv: usize,
     d_v: usize,
     default_scale: f32,
 }
 
-/// Query and scratch bindings of pass 1: q_a (+ bound size), q_b (+ size).
-type IoKey = (wgpu::Buffer, u64, wgpu::Buffer, u64);
-/// Output binding of the reduce pass (+ bound size).
-type OutKey = (wgpu::Buffer, u64);
+/// Query bindings of pass 1: q_a and q_b, each with its bound (offset, size).
+type IoKey = (wgpu::Buffer, (u64, u64), wgpu::Buffer, (u64, u64));
+/// Output binding of the reduce pass, with its bound (offset, size).
+type OutKey = (wgpu::Buffer, (u64, u64));
 
 /// Cached bind groups of queries and outputs: at most this many, keeping at most `PIN_BYTES` of the
 /// app's buffers alive (the slots' bind groups belong to their cache, so a dropped cache is released).
@@ -151,6 +153,7 @@ impl Attention {
             facts: DeviceFacts {
                 max_workgroups: limits.max_compute_workgroups_per_dimension as usize,
                 max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
+                offset_alignment: limits.min_storage_buffer_offset_alignment.into(),
                 cpu: kernels.is_cpu(),
                 subgroup: kernels.subgroup_size(),
                 choice: KernelChoice::Auto,
@@ -175,13 +178,13 @@ impl Attention {
     /// into `encoder`: `q [n_q, n_heads, d_k]` are the queries of the layer's last `n_q` visible rows,
     /// `out [n_q, n_heads, d_v]` (f32) receives the result. Query `i` sees rows
     /// `[0, visible - n_q + i]`, limited by the window.
-    pub fn record_gqa(
+    pub fn record_gqa<'a>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
         cache: &KvCache,
         layer: usize,
-        q: Queries<'_>,
-        out: &wgpu::Buffer,
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let shapes = cache.ledger().slot_shapes(layer)?;
@@ -216,24 +219,25 @@ impl Attention {
             kind: AttentionKind::Gqa,
             q_a: q,
             q_b: None,
+            out: out.into(),
             n_kv,
             d_v,
             default_scale: 1.0 / (d_k as f32).sqrt(),
         };
-        self.record(encoder, cache, job, out, options)
+        self.record(encoder, cache, job, options)
     }
 
     /// Records MLA absorbed attention of `layer` (slots `compressed_kv [r]` and `k_pe [p]`) into
     /// `encoder`: `out [n_q, n_heads, r] = softmax(scale · (q_latent·c_kv + q_rope·k_pe)) · c_kv` with
     /// `q_latent [n_q, n_heads, r]` and `q_rope [n_q, n_heads, p]`, causal as in [`Attention::record_gqa`].
     /// Up to 16 heads share each read of a latent row.
-    pub fn record_mla(
+    pub fn record_mla<'a>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
         cache: &KvCache,
         layer: usize,
-        q: MlaQueries<'_>,
-        out: &wgpu::Buffer,
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let MlaQueries {
@@ -280,20 +284,21 @@ impl Attention {
             kind: AttentionKind::Mla,
             q_a: q_latent,
             q_b: Some(q_rope),
+            out: out.into(),
             n_kv: 1,
             d_v: r,
             default_scale: 1.0 / ((r + p) as f32).sqrt(),
         };
-        self.record(encoder, cache, job, out, options)
+        self.record(encoder, cache, job, options)
     }
 
     /// [`Attention::record_gqa`] in its own submission.
-    pub fn gqa(
+    pub fn gqa<'a>(
         &mut self,
         cache: &KvCache,
         layer: usize,
-        q: Queries<'_>,
-        out: &wgpu::Buffer,
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut encoder = self.encoder();
@@ -303,12 +308,12 @@ impl Attention {
     }
 
     /// [`Attention::record_mla`] in its own submission.
-    pub fn mla(
+    pub fn mla<'a>(
         &mut self,
         cache: &KvCache,
         layer: usize,
-        q: MlaQueries<'_>,
-        out: &wgpu::Buffer,
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut encoder = self.encoder();
