@@ -50,6 +50,16 @@
 //! # fn main() {}
 //! ```
 //!
+//! Queries and the output are f32 views of the app's buffers: [`Queries::new`] and a plain
+//! `&wgpu::Buffer` are row-major from element 0, and [`Queries::at`] / [`Queries::with_strides`]
+//! (likewise [`Output`]) take any element offset and `[query, head, element]` strides, such as the
+//! query part of fused `[q | k | v]` rows. Before anything is recorded every element of every view
+//! must lie inside its buffer (checked arithmetic: a view that overflows is refused), the bytes a view
+//! spans must fit one storage binding, and the output's axes must nest so that no two of its elements
+//! share an address; it may share a buffer with its queries, but not their bytes, and it may not be a
+//! slot of the cache. Any f32 element may start a view: the binding starts at the device's offset
+//! alignment below it and the kernels take the rest of the offset as a parameter.
+//!
 //! Devices and buffers are told apart the way wgpu compares them, by id within one `wgpu::Instance`:
 //! a cache or buffer of another device of the same instance is refused with a typed error; objects
 //! of a different instance cannot be recognised and must not be mixed.
@@ -176,8 +186,8 @@ impl Attention {
 
     /// Records GQA / MHA attention of `layer` (slots K `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`)
     /// into `encoder`: `q [n_q, n_heads, d_k]` are the queries of the layer's last `n_q` visible rows,
-    /// `out [n_q, n_heads, d_v]` (f32) receives the result. Query `i` sees rows
-    /// `[0, visible - n_q + i]`, limited by the window.
+    /// `out [n_q, n_heads, d_v]` (f32; an [`Output`] view, or a buffer written row-major from byte 0)
+    /// receives the result. Query `i` sees rows `[0, visible - n_q + i]`, limited by the window.
     pub fn record_gqa<'a>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
