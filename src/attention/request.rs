@@ -102,7 +102,5 @@ impl<'a> From<&'a wgpu::Buffer> for Output<'a> {
 
 /// Row-major strides of `shape` (saturating: a shape that large is refused before use).
 pub(super) fn contiguous(shape: [usize; 3]) -> [usize; 3] {
-    let e = 1usize;
-    let h = shape[2];
-    [shape[1].saturating_mul(h), h, e]
+    [shape[1].saturating_mul(shape[2]), shape[2], 1]
 }
