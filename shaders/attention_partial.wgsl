@@ -102,13 +102,17 @@ fn v_quad(row: u32, e: u32, m: u32) -> vec4<f32> {
 }
 
 // acc[k * HB + h] += q_a[head h0 + h] · (elements [e0, e0 + d_a) of row rows[k] of slot a), for h < HB
-// and k < RPL: each query element loaded once serves RPL rows.
+// and k < RPL: each query element loaded once serves RPL rows. q0 is element 0 of head h0's query in
+// the view `p.view_a`.
 fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32>>) {
     let d = p.d_a;
     var base: array<u32, 8>;
     for (var k = 0u; k < RPL; k++) {
         base[k] = rows[k] * p.row_words_a;
     }
+    // The query view's head and element strides.
+    let sh = p.view_a.z;
+    let se = p.view_a.w;
     if DTYPE == F32 {
         // Four elements per step (so a step's loop iterations serve four elements), then the rest.
         let d4 = d & ~3u;
@@ -124,8 +128,8 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
                 );
             }
             for (var h = 0u; h < HB; h++) {
-                let at = q0 + h * d + e;
-                let q = vec4<f32>(q_a[at], q_a[at + 1u], q_a[at + 2u], q_a[at + 3u]);
+                let at = q0 + h * sh + e * se;
+                let q = vec4<f32>(q_a[at], q_a[at + se], q_a[at + 2u * se], q_a[at + 3u * se]);
                 for (var k = 0u; k < RPL; k++) {
                     (*acc)[k * HB + h] += dot(q, x[k]);
                 }
@@ -137,7 +141,7 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
                 x[k] = bitcast<f32>(slot_a[base[k] + e0 + e]);
             }
             for (var h = 0u; h < HB; h++) {
-                let q = q_a[q0 + h * d + e];
+                let q = q_a[q0 + h * sh + e * se];
                 for (var k = 0u; k < RPL; k++) {
                     (*acc)[k * HB + h] += q * x[k];
                 }
@@ -156,8 +160,8 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             x[k] = vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
         }
         for (var h = 0u; h < HB; h++) {
-            let q = vec4<f32>(q_elem_a(q0 + h * d, e0, d, 2u * w), q_elem_a(q0 + h * d, e0, d, 2u * w + 1u),
-                q_elem_a(q0 + h * d, e0, d, 2u * w + 2u), q_elem_a(q0 + h * d, e0, d, 2u * w + 3u));
+            let q = vec4<f32>(q_elem_a(q0 + h * sh, e0, d, 2u * w), q_elem_a(q0 + h * sh, e0, d, 2u * w + 1u),
+                q_elem_a(q0 + h * sh, e0, d, 2u * w + 2u), q_elem_a(q0 + h * sh, e0, d, 2u * w + 3u));
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += dot(q, x[k]);
             }
@@ -172,8 +176,8 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             hi[k] = half_at(word, true);
         }
         for (var h = 0u; h < HB; h++) {
-            let ql = q_elem_a(q0 + h * d, e0, d, 2u * w);
-            let qh = q_elem_a(q0 + h * d, e0, d, 2u * w + 1u);
+            let ql = q_elem_a(q0 + h * sh, e0, d, 2u * w);
+            let qh = q_elem_a(q0 + h * sh, e0, d, 2u * w + 1u);
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
             }
@@ -182,10 +186,10 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
 }
 
 // The query element for stored element `i` of a row whose slice starts at element e0 (0 outside
-// [e0, e0 + d)).
+// [e0, e0 + d)); q is the query's element 0 in its view.
 fn q_elem_a(q: u32, e0: u32, d: u32, i: u32) -> f32 {
     if i >= e0 && i < e0 + d {
-        return q_a[q + i - e0];
+        return q_a[q + (i - e0) * p.view_a.w];
     }
     return 0.0;
 }
@@ -197,6 +201,9 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
     for (var k = 0u; k < RPL; k++) {
         base[k] = rows[k] * p.row_words_b;
     }
+    // The query view's head and element strides.
+    let sh = p.view_b.z;
+    let se = p.view_b.w;
     if DTYPE == F32 {
         // Four elements per step (so a step's loop iterations serve four elements), then the rest.
         let d4 = d & ~3u;
@@ -212,8 +219,8 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
                 );
             }
             for (var h = 0u; h < HB; h++) {
-                let at = q0 + h * d + e;
-                let q = vec4<f32>(q_b[at], q_b[at + 1u], q_b[at + 2u], q_b[at + 3u]);
+                let at = q0 + h * sh + e * se;
+                let q = vec4<f32>(q_b[at], q_b[at + se], q_b[at + 2u * se], q_b[at + 3u * se]);
                 for (var k = 0u; k < RPL; k++) {
                     (*acc)[k * HB + h] += dot(q, x[k]);
                 }
@@ -225,7 +232,7 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
                 x[k] = bitcast<f32>(slot_b[base[k] + e0 + e]);
             }
             for (var h = 0u; h < HB; h++) {
-                let q = q_b[q0 + h * d + e];
+                let q = q_b[q0 + h * sh + e * se];
                 for (var k = 0u; k < RPL; k++) {
                     (*acc)[k * HB + h] += q * x[k];
                 }
@@ -244,8 +251,8 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             x[k] = vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
         }
         for (var h = 0u; h < HB; h++) {
-            let q = vec4<f32>(q_elem_b(q0 + h * d, e0, d, 2u * w), q_elem_b(q0 + h * d, e0, d, 2u * w + 1u),
-                q_elem_b(q0 + h * d, e0, d, 2u * w + 2u), q_elem_b(q0 + h * d, e0, d, 2u * w + 3u));
+            let q = vec4<f32>(q_elem_b(q0 + h * sh, e0, d, 2u * w), q_elem_b(q0 + h * sh, e0, d, 2u * w + 1u),
+                q_elem_b(q0 + h * sh, e0, d, 2u * w + 2u), q_elem_b(q0 + h * sh, e0, d, 2u * w + 3u));
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += dot(q, x[k]);
             }
@@ -260,8 +267,8 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             hi[k] = half_at(word, true);
         }
         for (var h = 0u; h < HB; h++) {
-            let ql = q_elem_b(q0 + h * d, e0, d, 2u * w);
-            let qh = q_elem_b(q0 + h * d, e0, d, 2u * w + 1u);
+            let ql = q_elem_b(q0 + h * sh, e0, d, 2u * w);
+            let qh = q_elem_b(q0 + h * sh, e0, d, 2u * w + 1u);
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
             }
@@ -270,10 +277,10 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
 }
 
 // The query element for stored element `i` of a row whose slice starts at element e0 (0 outside
-// [e0, e0 + d)).
+// [e0, e0 + d)); q is the query's element 0 in its view.
 fn q_elem_b(q: u32, e0: u32, d: u32, i: u32) -> f32 {
     if i >= e0 && i < e0 + d {
-        return q_b[q + i - e0];
+        return q_b[q + (i - e0) * p.view_b.w];
     }
     return 0.0;
 }
@@ -285,14 +292,14 @@ fn per_word() -> u32 {
 
 // Every index this dispatch can touch is inside its binding; checked once, up front, on uniform values.
 fn in_bounds() -> bool {
-    let rows = p.n_q * p.n_heads;
     let pw = per_word();
     let parts = p.n_chunks * p.q_count * p.n_heads;
     return HB >= 1u && HB <= HEADS && RPL >= 1u && RPL <= 8u && RPL * HB <= 32u && p.group % HB == 0u && p.n_batches * HB == p.group
         && p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads
         && p.q_count >= 1u && p.q_first < p.n_q && p.q_count <= p.n_q - p.q_first
         && p.chunk_len % (TILE * RPL) == 0u
-        && rows * p.d_a <= arrayLength(&q_a) && rows * p.d_b <= arrayLength(&q_b)
+        && view_fits(p.view_a, p.n_q, p.n_heads, p.d_a, arrayLength(&q_a))
+        && view_fits(p.view_b, p.n_q, p.n_heads, p.d_b, arrayLength(&q_b))
         && p.n_kv * p.d_a <= p.row_words_a * pw && p.visible * p.row_words_a <= arrayLength(&slot_a)
         && p.n_kv * p.d_b <= p.row_words_b * pw && p.visible * p.row_words_b <= arrayLength(&slot_b)
         && p.n_kv * p.d_v <= p.row_words_v * pw && p.visible * p.row_words_v <= arrayLength(&slot_v)
@@ -325,8 +332,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         run_sum[lid] = 0.0;
     }
     let out0 = (chunk * p.q_count + local) * p.n_heads + h0;
-    let qa0 = (qi * p.n_heads + h0) * p.d_a;
-    let qb0 = (qi * p.n_heads + h0) * p.d_b;
+    let qa0 = view_at(p.view_a, qi, h0, 0u);
+    let qb0 = view_at(p.view_b, qi, h0, 0u);
     let span = TILE * RPL;
     for (var t0 = start; t0 < end; t0 += span) {
         let n = min(span, end - t0);

@@ -6,7 +6,7 @@ const NEG: f32 = -3.4028234e38;
 
 @group(0) @binding(0) var<storage, read> stats: array<f32>;
 @group(0) @binding(1) var<storage, read> part: array<f32>;
-// [n_q, n_heads, d_v]
+// [n_q, n_heads, d_v] along p.view_out
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 @group(1) @binding(0) var<uniform> p: AttnParams;
 
@@ -18,7 +18,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     let qi = p.q_first + local;
     let rows = p.q_count * p.n_heads;
     if h >= p.n_heads || local >= p.q_count || p.q_first >= p.n_q || p.q_count > p.n_q - p.q_first
-        || p.n_q * p.n_heads * p.d_v > arrayLength(&out)
+        || !view_fits(p.view_out, p.n_q, p.n_heads, p.d_v, arrayLength(&out))
         || p.n_chunks * rows * 2u > arrayLength(&stats) || p.n_chunks * rows * p.d_v > arrayLength(&part) {
         return;
     }
@@ -46,6 +46,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 o += part[s * p.d_v + d] * exp(stats[2u * s] - m);
             }
         }
-        out[(qi * p.n_heads + h) * p.d_v + d] = o * inv;
+        out[view_at(p.view_out, qi, h, d)] = o * inv;
     }
 }

@@ -224,9 +224,11 @@ pub enum Error {
         visible: usize,
     },
 
-    /// A query or output buffer smaller than the shape it must hold.
+    /// A query or output buffer smaller than the view it must hold (its shape from its offset,
+    /// along its strides).
     #[error(
-        "layer {layer}: {which} buffer holds {size} bytes but shape {shape:?} (f32) needs {needed}"
+        "layer {layer}: {which} buffer holds {size} bytes but shape {shape:?} (f32, from its offset \
+         along its strides) needs {needed}"
     )]
     BufferTooSmall {
         layer: usize,
@@ -236,7 +238,8 @@ pub enum Error {
         size: u64,
     },
 
-    /// A query or output buffer attention cannot use: usage flags, aliasing or binding size.
+    /// A query or output buffer attention cannot use: usage flags, aliasing, its view's layout or
+    /// binding size.
     #[error("layer {layer}: unusable {which} buffer: {problem}")]
     AttentionBuffer {
         layer: usize,
@@ -360,6 +363,33 @@ pub enum BufferProblem {
     IsSlot,
     #[error("it is mapped for the host; unmap it first")]
     Mapped,
+    /// The view's last element lies beyond any index kvgpu can count.
+    #[error(
+        "shape {shape:?} from element {offset} along strides {strides:?} overflows: its last element \
+         lies past any buffer"
+    )]
+    Overflow {
+        shape: Vec<usize>,
+        offset: usize,
+        strides: Vec<usize>,
+    },
+    /// An output view whose strides lead two elements to one address (the axes, from the smallest
+    /// stride up, must each step over everything the smaller ones span).
+    #[error(
+        "strides {strides:?} over shape {shape:?} write some elements to the same address; each axis \
+         must step over everything the axes of smaller stride span"
+    )]
+    Overlapping {
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+    },
+    /// The output's bytes overlap those of a query view in the same buffer.
+    #[error("its bytes {out:?} overlap bytes {queries:?} of {which}, which attention still reads")]
+    AliasesQueries {
+        which: &'static str,
+        out: (u64, u64),
+        queries: (u64, u64),
+    },
 }
 
 /// Why an attention call is refused ([`Error::AttentionRequest`]).

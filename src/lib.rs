@@ -42,6 +42,10 @@
 //!   or converted by the slab-write kernel inside the caller's encoder.
 //! - `advance(n)` commits `n` rows once every layer with slots holds exactly `n` pending rows.
 //! - Views, reads and attention of layer `l` see rows `[0, len + pending[l])`.
+//! - Attention ([`Attention`]) reads its queries and writes its output through f32 views of the app's
+//!   buffers ([`Queries`], [`Output`]: an element offset and strides, so Q can come straight out of a
+//!   fused QKV projection and the output can land inside a larger buffer), checked like [`GpuSlab`]
+//!   before anything is recorded.
 //! - `truncate(new_len)` is O(1); `truncate_and_scrub` also zeroes the dropped rows. `reset()` zeroes the
 //!   whole cache with one zeroing-kernel dispatch per slot buffer; `reset_fast()` only forgets.
 //! - Each slot is one buffer, so a slot must fit one storage binding of the device (128 MiB on WebGPU's
@@ -74,7 +78,7 @@ mod spec;
 /// match.
 pub use wgpu;
 
-pub use attention::{Attention, AttentionOptions, KernelChoice, MlaQueries, Queries};
+pub use attention::{Attention, AttentionOptions, KernelChoice, MlaQueries, Output, Queries};
 pub use cache::{GpuSlab, HostSlab, KvCache, SlotView};
 pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]

@@ -1015,6 +1015,11 @@ fn gpu_appends_refuse_hostile_sources() {
 /// tests/attention.rs: the GPU accumulates in f32).
 const TOL: f32 = 1e-5;
 
+/// Row-major queries of `shape` from the buffer's first element.
+fn queries(buffer: &wgpu::Buffer, shape: [usize; 3]) -> Queries<'_> {
+    Queries::new(buffer, shape[0], shape[1], shape[2])
+}
+
 fn read_f32s(b: &wgpu::Buffer, n: usize) -> Vec<f32> {
     let g = gpu();
     let bytes = read_buffer(&g.device, &g.queue, b, 0, 4 * n as u64).unwrap();
@@ -1048,7 +1053,7 @@ struct Call<'a> {
     layer: usize,
     q: Queries<'a>,
     rope: Option<Queries<'a>>,
-    out: &'a wgpu::Buffer,
+    out: Output<'a>,
     options: AttentionOptions,
     expect: Expect,
     twin: bool,
@@ -1080,9 +1085,9 @@ fn attention_refuses_hostile_requests() {
         let gqa = |what: &str, shape: [usize; 3], expect: Expect| Call {
             what: what.into(),
             layer: 0,
-            q: Queries { buffer: &q, shape },
+            q: queries(&q, shape),
             rope: None,
-            out: &out,
+            out: Output::new(&out),
             options: dflt,
             expect,
             twin: matches!(expect, Expect::Ok),
@@ -1090,15 +1095,9 @@ fn attention_refuses_hostile_requests() {
         let mla = |what: &str, latent: [usize; 3], rope: [usize; 3], expect: Expect| Call {
             what: what.into(),
             layer: 2,
-            q: Queries {
-                buffer: &q,
-                shape: latent,
-            },
-            rope: Some(Queries {
-                buffer: &q,
-                shape: rope,
-            }),
-            out: &out,
+            q: queries(&q, latent),
+            rope: Some(queries(&q, rope)),
+            out: Output::new(&out),
             options: dflt,
             expect,
             twin: matches!(expect, Expect::Ok),
@@ -1120,7 +1119,7 @@ fn attention_refuses_hostile_requests() {
             gqa("no heads", [1, 0, 3], heads),
             gqa("3 heads over 2 KV heads", [1, 3, 3], heads),
             gqa("MAX heads", [1, MAX, 3], heads),
-            gqa("MAX - 1 heads", [1, MAX - 1, 3], small),
+            gqa("MAX - 1 heads", [1, MAX - 1, 3], unusable),
             gqa("d_k 2", [1, 4, 2], qshape),
             gqa("d_k 0", [1, 4, 0], qshape),
             gqa("d_k MAX", [1, 4, MAX], qshape),
@@ -1148,23 +1147,20 @@ fn attention_refuses_hostile_requests() {
             ("K slot", &k, Expect::Ok),
         ] {
             calls.push(Call {
-                q: Queries {
-                    buffer,
-                    shape: [1, 4, 3],
-                },
+                q: queries(buffer, [1, 4, 3]),
                 twin: false,
                 ..gqa(&format!("{what} queries"), [1, 4, 3], expect)
             });
             if what != "K slot" {
                 calls.push(Call {
-                    out: buffer,
+                    out: Output::new(buffer),
                     ..gqa(&format!("{what} output"), [1, 4, 3], expect)
                 });
             }
         }
         for (what, buffer) in [("K", &k), ("V", &v)] {
             calls.push(Call {
-                out: buffer,
+                out: Output::new(buffer),
                 ..gqa(
                     &format!("output into the {what} slot"),
                     [1, 4, 3],
@@ -1173,16 +1169,85 @@ fn attention_refuses_hostile_requests() {
             });
         }
         calls.push(Call {
-            q: Queries {
-                buffer: &q_copy,
-                shape: [1, 4, 3],
-            },
-            out: &q_copy,
-            ..gqa("output over its own queries", [1, 4, 3], Expect::Ok)
+            q: queries(&q_copy, [1, 4, 3]),
+            out: Output::new(&q_copy),
+            ..gqa("output over its own queries", [1, 4, 3], unusable)
         });
+        // Offsets and strides of queries and output: anywhere in the buffer, never past it, never
+        // overflowing, the output never overlapping itself or its queries.
+        let at = |offset: usize| queries(&q, [1, 4, 3]).at(offset);
+        let strided = |strides: [usize; 3]| queries(&q, [1, 4, 3]).with_strides(strides);
+        for (what, view, expect) in [
+            ("at element 1", at(1), Expect::Ok),
+            ("ending on the last element", at(52), Expect::Ok),
+            ("one element past the end", at(53), small),
+            ("at MAX", at(MAX), unusable),
+            ("at MAX / 4", at(MAX / 4), unusable),
+            ("with head stride MAX", strided([0, MAX, 1]), unusable),
+            (
+                "with element stride MAX / 2",
+                strided([0, 3, MAX / 2]),
+                unusable,
+            ),
+            ("with every head the same", strided([0, 0, 1]), Expect::Ok),
+            (
+                "with a query stride MAX over one query",
+                strided([MAX, 3, 1]),
+                Expect::Ok,
+            ),
+        ] {
+            calls.push(Call {
+                q: view,
+                twin: false,
+                ..gqa(&format!("queries {what}"), [1, 4, 3], expect)
+            });
+        }
+        // The output is [1, 4, 5] (d_v = 5) in 64 floats.
+        let out_at = |offset: usize| Output::new(&out).at(offset);
+        let out_strided = |strides: [usize; 3]| Output::new(&out).with_strides(strides);
+        for (what, view, expect) in [
+            ("at element 1", out_at(1), Expect::Ok),
+            ("ending on the last element", out_at(44), Expect::Ok),
+            ("one element past the end", out_at(45), small),
+            ("at MAX", out_at(MAX), unusable),
+            ("at MAX / 4", out_at(MAX / 4), unusable),
+            ("with head stride MAX", out_strided([0, MAX, 1]), unusable),
+            (
+                "with element stride MAX / 2",
+                out_strided([0, 5, MAX / 2]),
+                unusable,
+            ),
+            ("with every head the same", out_strided([0, 0, 1]), unusable),
+            (
+                "with a query stride MAX over one query",
+                out_strided([MAX, 5, 1]),
+                Expect::Ok,
+            ),
+        ] {
+            calls.push(Call {
+                out: view,
+                twin: false,
+                ..gqa(&format!("output {what}"), [1, 4, 3], expect)
+            });
+        }
+        for (what, offset, strides, expect) in [
+            ("one element apart", 12, [20, 1, 1], unusable),
+            ("heads on each other", 12, [20, 4, 1], unusable),
+            ("head-minor", 12, [20, 1, 4], Expect::Ok),
+            ("beside its queries", 12, [20, 5, 1], Expect::Ok),
+            ("one element into its queries", 11, [20, 5, 1], unusable),
+            ("head-major around its queries", 0, [5, 12, 1], unusable),
+        ] {
+            calls.push(Call {
+                q: queries(&q_copy, [1, 4, 3]),
+                out: Output::new(&q_copy).at(offset).with_strides(strides),
+                twin: false,
+                ..gqa(&format!("output {what}"), [1, 4, 3], expect)
+            });
+        }
         // Writing into another layer's slot corrupts the cache behind the ledger; not refused today.
         calls.push(Call {
-            out: &c_kv,
+            out: Output::new(&c_kv),
             twin: false,
             ..gqa(
                 "output into another layer's slot",
@@ -1250,7 +1315,7 @@ fn attention_refuses_hostile_requests() {
             mla("no heads", [1, 0, 4], [1, 0, 2], heads),
             mla("no queries", [0, 2, 4], [0, 2, 2], rows),
             mla("MAX queries", [MAX, 2, 4], [MAX, 2, 2], rows),
-            mla("MAX heads", [1, MAX, 4], [1, MAX, 2], small),
+            mla("MAX heads", [1, MAX, 4], [1, MAX, 2], unusable),
             Call {
                 layer: 0,
                 ..mla("MLA of a GQA layer", [1, 2, 4], [1, 2, 2], not_attention)
@@ -1265,7 +1330,7 @@ fn attention_refuses_hostile_requests() {
                 )
             },
             Call {
-                out: &c_kv,
+                out: Output::new(&c_kv),
                 ..mla(
                     "output into c_kv",
                     [1, 2, 4],
@@ -1274,7 +1339,7 @@ fn attention_refuses_hostile_requests() {
                 )
             },
             Call {
-                out: &k_pe,
+                out: Output::new(&k_pe),
                 ..mla(
                     "output into k_pe",
                     [1, 2, 4],
@@ -1289,10 +1354,7 @@ fn attention_refuses_hostile_requests() {
             ("foreign", &foreign, refused!(ForeignDevice)),
         ] {
             calls.push(Call {
-                rope: Some(Queries {
-                    buffer,
-                    shape: [1, 2, 2],
-                }),
+                rope: Some(queries(buffer, [1, 2, 2])),
                 ..mla(&format!("{what} rope"), [1, 2, 4], [1, 2, 2], expect)
             });
         }
@@ -1303,13 +1365,14 @@ fn attention_refuses_hostile_requests() {
             // The output's bytes, read on its own device, where it can be read.
             let foreign_pair = (foreign_device, foreign_queue);
             let read_out = || {
-                let (d, q) = if call.out == &foreign {
+                let (d, q) = if call.out.buffer == &foreign {
                     foreign_pair
                 } else {
                     (&g.device, &g.queue)
                 };
-                let readable = call.out.usage().contains(U::COPY_SRC);
-                readable.then(|| read_buffer(d, q, call.out, 0, call.out.size()).unwrap())
+                let out = call.out.buffer;
+                let readable = out.usage().contains(U::COPY_SRC);
+                readable.then(|| read_buffer(d, q, out, 0, out.size()).unwrap())
             };
             let before = read_out();
             let r = s.on_cache(&mut c, &what, call.expect, |c| {
@@ -1362,7 +1425,7 @@ fn attention_refuses_hostile_requests() {
                         &call.options,
                     ),
                 };
-                let got = read_f32s(call.out, want.len().max(n_q * n_heads));
+                let got = read_f32s(call.out.buffer, want.len().max(n_q * n_heads));
                 if let Some(why) = mismatch(&got, &want) {
                     s.fail(&what, why);
                 }

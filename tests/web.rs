@@ -112,6 +112,9 @@ browser_tests!(attention_bodies:
     bad_requests_are_refused_and_change_nothing,
     the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups,
     prepare_builds_the_pipelines_of_every_attention_layer_once,
+    gqa_reads_fused_qkv_rows_and_writes_a_strided_output,
+    mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output,
+    views_out_of_range_overflowing_overlapping_or_aliased_are_refused,
 );
 
 // tests/model.rs: fixed pseudo-random operation sequences instead of proptest's.

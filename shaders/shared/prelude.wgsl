@@ -36,6 +36,34 @@ struct AttnParams {
     // results would not fit one binding is split into several pairs).
     q_first: u32,
     q_count: u32,
+    // The f32 views of q_a, q_b and the output: (offset in its binding, query stride, head stride,
+    // element stride), in elements; element (i, h, e) is x + i * y + h * z + e * w.
+    view_a: vec4<u32>,
+    view_b: vec4<u32>,
+    view_out: vec4<u32>,
+}
+
+// Element (i, h, e) of view `v`.
+fn view_at(v: vec4<u32>, i: u32, h: u32, e: u32) -> u32 {
+    return v.x + i * v.y + h * v.z + e * v.w;
+}
+
+// (n - 1) * s < len, without overflow (n, len >= 1).
+fn steps_fit(n: u32, s: u32, len: u32) -> bool {
+    return n - 1u <= (len - 1u) / max(s, 1u);
+}
+
+// Every element of view `v` over [n_q, n_heads, d] lies in a binding of `len` elements (an empty
+// view always does). Each term is checked below len (< 2^30) before the sum, so nothing wraps.
+fn view_fits(v: vec4<u32>, n_q: u32, n_heads: u32, d: u32, len: u32) -> bool {
+    if n_q == 0u || n_heads == 0u || d == 0u {
+        return true;
+    }
+    if len == 0u || v.x >= len || !steps_fit(n_q, v.y, len) || !steps_fit(n_heads, v.z, len)
+        || !steps_fit(d, v.w, len) {
+        return false;
+    }
+    return view_at(v, n_q - 1u, n_heads - 1u, d - 1u) < len;
 }
 
 // tanh that cannot overflow for large |x| and keeps its precision for small |x| (where

@@ -50,6 +50,16 @@
 //! # fn main() {}
 //! ```
 //!
+//! Queries and the output are f32 views of the app's buffers: [`Queries::new`] and a plain
+//! `&wgpu::Buffer` are row-major from element 0, and [`Queries::at`] / [`Queries::with_strides`]
+//! (likewise [`Output`]) take any element offset and `[query, head, element]` strides, such as the
+//! query part of fused `[q | k | v]` rows. Before anything is recorded every element of every view
+//! must lie inside its buffer (checked arithmetic: a view that overflows is refused), the bytes a view
+//! spans must fit one storage binding, and the output's axes must nest so that no two of its elements
+//! share an address; it may share a buffer with its queries, but not their bytes, and it may not be a
+//! slot of the cache. Any f32 element may start a view: the binding starts at the device's offset
+//! alignment below it and the kernels take the rest of the offset as a parameter.
+//!
 //! Devices and buffers are told apart the way wgpu compares them, by id within one `wgpu::Instance`:
 //! a cache or buffer of another device of the same instance is refused with a typed error; objects
 //! of a different instance cannot be recognised and must not be mixed.
@@ -58,6 +68,7 @@ mod plan;
 mod record;
 mod request;
 mod stream;
+mod view;
 
 use std::sync::Arc;
 
@@ -66,7 +77,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing};
 use plan::DeviceFacts;
 pub use plan::KernelChoice;
-pub use request::{AttentionOptions, MlaQueries, Queries};
+pub use request::{AttentionOptions, MlaQueries, Output, Queries};
 pub(crate) use stream::{StreamKey, source as stream_source};
 
 /// Partial results of pass 1, grown (never shrunk) when a call first needs more.
@@ -81,6 +92,7 @@ struct Job<'a> {
     kind: AttentionKind,
     q_a: Queries<'a>,
     q_b: Option<Queries<'a>>,
+    out: Output<'a>,
     n_kv: usize,
     d_v: usize,
     default_scale: f32,
@@ -94,10 +106,10 @@ type WarmUp = (
     wgpu::ComputePipeline,
 );
 
-/// Query and scratch bindings of pass 1: q_a (+ bound size), q_b (+ size).
-type IoKey = (wgpu::Buffer, u64, wgpu::Buffer, u64);
-/// Output binding of the reduce pass (+ bound size).
-type OutKey = (wgpu::Buffer, u64);
+/// Query bindings of pass 1: q_a and q_b, each with its bound (offset, size).
+type IoKey = (wgpu::Buffer, (u64, u64), wgpu::Buffer, (u64, u64));
+/// Output binding of the reduce pass, with its bound (offset, size).
+type OutKey = (wgpu::Buffer, (u64, u64));
 
 /// Cached bind groups of queries and outputs: at most this many, keeping at most `PIN_BYTES` of the
 /// app's buffers alive (the slots' bind groups belong to their cache, so a dropped cache is released).
@@ -159,6 +171,7 @@ impl Attention {
             facts: DeviceFacts {
                 max_workgroups: limits.max_compute_workgroups_per_dimension as usize,
                 max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
+                offset_alignment: limits.min_storage_buffer_offset_alignment.into(),
                 cpu: kernels.is_cpu(),
                 subgroup: kernels.subgroup_size(),
                 choice: KernelChoice::Auto,
@@ -344,15 +357,15 @@ impl Attention {
 
     /// Records GQA / MHA attention of `layer` (slots K `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`)
     /// into `encoder`: `q [n_q, n_heads, d_k]` are the queries of the layer's last `n_q` visible rows,
-    /// `out [n_q, n_heads, d_v]` (f32) receives the result. Query `i` sees rows
-    /// `[0, visible - n_q + i]`, limited by the window.
-    pub fn record_gqa(
+    /// `out [n_q, n_heads, d_v]` (f32; an [`Output`] view, or a buffer written row-major from byte 0)
+    /// receives the result. Query `i` sees rows `[0, visible - n_q + i]`, limited by the window.
+    pub fn record_gqa<'a>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
         cache: &KvCache,
         layer: usize,
-        q: Queries<'_>,
-        out: &wgpu::Buffer,
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let shapes = cache.ledger().slot_shapes(layer)?;
@@ -387,24 +400,25 @@ impl Attention {
             kind: AttentionKind::Gqa,
             q_a: q,
             q_b: None,
+            out: out.into(),
             n_kv,
             d_v,
             default_scale: 1.0 / (d_k as f32).sqrt(),
         };
-        self.record(encoder, cache, job, out, options)
+        self.record(encoder, cache, job, options)
     }
 
     /// Records MLA absorbed attention of `layer` (slots `compressed_kv [r]` and `k_pe [p]`) into
     /// `encoder`: `out [n_q, n_heads, r] = softmax(scale · (q_latent·c_kv + q_rope·k_pe)) · c_kv` with
     /// `q_latent [n_q, n_heads, r]` and `q_rope [n_q, n_heads, p]`, causal as in [`Attention::record_gqa`].
     /// Up to 16 heads share each read of a latent row.
-    pub fn record_mla(
+    pub fn record_mla<'a>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
         cache: &KvCache,
         layer: usize,
-        q: MlaQueries<'_>,
-        out: &wgpu::Buffer,
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let MlaQueries {
@@ -451,20 +465,21 @@ impl Attention {
             kind: AttentionKind::Mla,
             q_a: q_latent,
             q_b: Some(q_rope),
+            out: out.into(),
             n_kv: 1,
             d_v: r,
             default_scale: 1.0 / ((r + p) as f32).sqrt(),
         };
-        self.record(encoder, cache, job, out, options)
+        self.record(encoder, cache, job, options)
     }
 
     /// [`Attention::record_gqa`] in its own submission.
-    pub fn gqa(
+    pub fn gqa<'a>(
         &mut self,
         cache: &KvCache,
         layer: usize,
-        q: Queries<'_>,
-        out: &wgpu::Buffer,
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut encoder = self.encoder();
@@ -474,12 +489,12 @@ impl Attention {
     }
 
     /// [`Attention::record_mla`] in its own submission.
-    pub fn mla(
+    pub fn mla<'a>(
         &mut self,
         cache: &KvCache,
         layer: usize,
-        q: MlaQueries<'_>,
-        out: &wgpu::Buffer,
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut encoder = self.encoder();

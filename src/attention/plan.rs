@@ -41,6 +41,8 @@ const SHARED_LANES_GPU: u32 = 32;
 pub(crate) struct DeviceFacts {
     pub max_workgroups: usize,
     pub max_binding: u64,
+    /// `min_storage_buffer_offset_alignment`: where a query or output binding may start.
+    pub offset_alignment: u64,
     pub cpu: bool,
     /// The subgroup size, when the device has subgroups and every subgroup has this size.
     pub subgroup: Option<u32>,
@@ -116,8 +118,6 @@ pub(crate) struct Dispatch {
     /// Scratch bytes one pair needs.
     pub stats_bytes: u64,
     pub part_bytes: u64,
-    /// Bytes of the output `[n_q, n_heads, d_v]` f32.
-    pub out_bytes: u64,
 }
 
 impl Dispatch {
@@ -406,6 +406,10 @@ fn finish(
         soft_cap: s.soft_cap,
         q_first: 0,
         q_count: q_per_pair as u32,
+        // The views come from the bindings the recorder checks (src/attention/view.rs).
+        view_a: [0; 4],
+        view_b: [0; 4],
+        view_out: [0; 4],
     };
     Ok(Dispatch {
         params,
@@ -415,7 +419,6 @@ fn finish(
         q_per_pair,
         stats_bytes,
         part_bytes,
-        out_bytes: (s.n_q * s.n_heads * s.d_v * 4) as u64,
     })
 }
 
@@ -426,6 +429,7 @@ mod tests {
     const LAVAPIPE: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
         max_binding: 128 << 20,
+        offset_alignment: 256,
         cpu: true,
         subgroup: Some(8),
         choice: KernelChoice::Auto,
@@ -433,6 +437,7 @@ mod tests {
     const GPU: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
         max_binding: 2 << 30,
+        offset_alignment: 256,
         cpu: false,
         subgroup: Some(32),
         choice: KernelChoice::Auto,

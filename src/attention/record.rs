@@ -2,10 +2,19 @@
 //! (the slots' from the cache, queries and output from bounded caches) and both passes.
 
 use super::plan::{self, CallShape, Dispatch, Pass1};
-use super::{Attention, AttentionOptions, Job, Queries, Scratch};
+use super::request::contiguous;
+use super::view::{self, Bound, ViewError};
+use super::{Attention, AttentionOptions, Job, Scratch};
 use crate::cache::KvCache;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
+
+/// The checked views of one call; GQA's q_b is its q_a.
+struct Views {
+    q_a: Bound,
+    q_b: Bound,
+    out: Bound,
+}
 
 impl Attention {
     pub(super) fn record(
@@ -13,15 +22,16 @@ impl Attention {
         encoder: &mut wgpu::CommandEncoder,
         cache: &KvCache,
         job: Job<'_>,
-        out: &wgpu::Buffer,
         options: &AttentionOptions,
     ) -> Result<()> {
         let layer = job.layer;
-        let (dispatch, q_b) = self.plan(cache, &job, out, options)?;
+        let (mut dispatch, views) = self.plan(cache, &job, options)?;
+        dispatch.params.view_a = views.q_a.view;
+        dispatch.params.view_b = views.q_b.view;
+        dispatch.params.view_out = views.out.view;
         let q_a = job.q_a.buffer;
-        let q_a_bytes = job.q_a.bytes();
-        let q_b_buffer = q_b.map_or(q_a, |q| q.buffer);
-        let q_b_bytes = q_b.map_or(q_a_bytes, |q| q.bytes());
+        let q_b = job.q_b.map_or(q_a, |q| q.buffer);
+        let out = job.out.buffer;
         self.ensure_scratch(dispatch.stats_bytes, dispatch.part_bytes);
         let Some(scratch) = &self.scratch else {
             return Err(Error::Device {
@@ -35,17 +45,23 @@ impl Attention {
                 what: format!("{which} buffer (wgpu refused to bind it: {e})"),
             }
         };
+        let (a, b, o) = (views.q_a, views.q_b, views.out);
         let io = self.io_groups.get_or_try_insert(
-            (q_a.clone(), q_a_bytes, q_b_buffer.clone(), q_b_bytes),
-            &[q_a, q_b_buffer],
+            (
+                q_a.clone(),
+                (a.bind_offset, a.bind_size),
+                q_b.clone(),
+                (b.bind_offset, b.bind_size),
+            ),
+            &[q_a, q_b],
             || {
                 let (group, error) = scoped(device, || {
                     device.create_bind_group(&wgpu::BindGroupDescriptor {
                         label: Some("kvgpu attention io"),
                         layout: kernels.attn_io_layout(),
                         entries: &[
-                            entry(0, range(q_a, q_a_bytes)),
-                            entry(1, range(q_b_buffer, q_b_bytes)),
+                            entry(0, range(q_a, &a)),
+                            entry(1, range(q_b, &b)),
                             entry(2, scratch.stats.as_entire_binding()),
                             entry(3, scratch.part.as_entire_binding()),
                         ],
@@ -54,22 +70,24 @@ impl Attention {
                 error.map_or(Ok(group), |e| Err(refused("query")(e)))
             },
         )?;
-        let reduce =
-            self.out_groups
-                .get_or_try_insert((out.clone(), dispatch.out_bytes), &[out], || {
-                    let (group, error) = scoped(device, || {
-                        device.create_bind_group(&wgpu::BindGroupDescriptor {
-                            label: Some("kvgpu attention_reduce"),
-                            layout: kernels.reduce_layout(),
-                            entries: &[
-                                entry(0, scratch.stats.as_entire_binding()),
-                                entry(1, scratch.part.as_entire_binding()),
-                                entry(2, range(out, dispatch.out_bytes)),
-                            ],
-                        })
-                    });
-                    error.map_or(Ok(group), |e| Err(refused("output")(e)))
-                })?;
+        let reduce = self.out_groups.get_or_try_insert(
+            (out.clone(), (o.bind_offset, o.bind_size)),
+            &[out],
+            || {
+                let (group, error) = scoped(device, || {
+                    device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some("kvgpu attention_reduce"),
+                        layout: kernels.reduce_layout(),
+                        entries: &[
+                            entry(0, scratch.stats.as_entire_binding()),
+                            entry(1, scratch.part.as_entire_binding()),
+                            entry(2, range(out, &o)),
+                        ],
+                    })
+                });
+                error.map_or(Ok(group), |e| Err(refused("output")(e)))
+            },
+        )?;
         let partial =
             match dispatch.kernel {
                 Pass1::Tiled { batch, rpl } => {
@@ -104,14 +122,14 @@ impl Attention {
         Ok(())
     }
 
-    /// Checks everything about one call and works out its dispatch; records nothing.
-    fn plan<'a>(
+    /// Checks everything about one call and works out its dispatch and the bindings of its views;
+    /// records nothing.
+    fn plan(
         &self,
         cache: &KvCache,
-        job: &Job<'a>,
-        out: &wgpu::Buffer,
+        job: &Job<'_>,
         options: &AttentionOptions,
-    ) -> Result<(Dispatch, Option<Queries<'a>>)> {
+    ) -> Result<(Dispatch, Views)> {
         let layer = job.layer;
         let request = |problem: AttentionProblem| Err(Error::AttentionRequest { layer, problem });
         if cache.device() != &self.device {
@@ -145,65 +163,95 @@ impl Attention {
             Some(w) => w.min(visible),
         };
         let (a, b, v) = job.kind.slots();
-        let view = |slot: usize| cache.full_view(layer, slot);
-        let (slot_a, slot_b, slot_v) = (view(a)?, view(b)?, view(v)?);
-        let check = |which: &'static str, buffer: &wgpu::Buffer, shape: [usize; 3]| {
-            let needed = shape
-                .iter()
-                .try_fold(4u64, |acc, &d| acc.checked_mul(d as u64))
-                .unwrap_or(u64::MAX);
-            let usage = buffer.usage();
+        let slot_view = |slot: usize| cache.full_view(layer, slot);
+        let (slot_a, slot_b, slot_v) = (slot_view(a)?, slot_view(b)?, slot_view(v)?);
+        let align = self.facts.offset_alignment;
+        let check = |which: &'static str,
+                     buffer: &wgpu::Buffer,
+                     offset: usize,
+                     shape: [usize; 3],
+                     strides: [usize; 3],
+                     written: bool| {
+            let problem = |problem: BufferProblem| Error::AttentionBuffer {
+                layer,
+                which,
+                problem,
+            };
             if crate::kernels::is_mapped(buffer) {
-                return Err(Error::AttentionBuffer {
-                    layer,
-                    which,
-                    problem: BufferProblem::Mapped,
-                });
+                return Err(problem(BufferProblem::Mapped));
             }
+            let usage = buffer.usage();
             if !usage.contains(wgpu::BufferUsages::STORAGE) {
-                return Err(Error::AttentionBuffer {
-                    layer,
-                    which,
-                    problem: BufferProblem::NoStorage { usage },
-                });
+                return Err(problem(BufferProblem::NoStorage { usage }));
             }
-            if needed > buffer.size() {
-                return Err(Error::BufferTooSmall {
-                    layer,
-                    which,
-                    shape: shape.to_vec(),
-                    needed,
-                    size: buffer.size(),
-                });
-            }
-            if needed > self.facts.max_binding {
-                return Err(Error::AttentionBuffer {
-                    layer,
-                    which,
-                    problem: BufferProblem::BindingTooLarge {
+            let limit = self.facts.max_binding;
+            view::bind(buffer.size(), offset, shape, strides, align, limit, written).map_err(|e| {
+                match e {
+                    ViewError::TooSmall { needed } => Error::BufferTooSmall {
+                        layer,
+                        which,
                         shape: shape.to_vec(),
-                        bytes: needed,
-                        limit: self.facts.max_binding,
+                        needed,
+                        size: buffer.size(),
                     },
-                });
-            }
-            Ok(needed)
+                    ViewError::Overflow => problem(BufferProblem::Overflow {
+                        shape: shape.to_vec(),
+                        offset,
+                        strides: strides.to_vec(),
+                    }),
+                    ViewError::TooLarge { bytes } => problem(BufferProblem::BindingTooLarge {
+                        shape: shape.to_vec(),
+                        bytes,
+                        limit,
+                    }),
+                    ViewError::Overlapping => problem(BufferProblem::Overlapping {
+                        shape: shape.to_vec(),
+                        strides: strides.to_vec(),
+                    }),
+                }
+            })
         };
-        check(
-            if job.q_b.is_some() { "q_latent" } else { "q" },
-            job.q_a.buffer,
-            job.q_a.shape,
+        let name_a = if job.q_b.is_some() { "q_latent" } else { "q" };
+        let q = job.q_a;
+        let bound_a = check(name_a, q.buffer, q.offset, q.shape, q.strides, false)?;
+        let bound_b = match job.q_b {
+            Some(q) => check("q_rope", q.buffer, q.offset, q.shape, q.strides, false)?,
+            None => bound_a,
+        };
+        let out_shape = [n_q, n_heads, job.d_v];
+        let out = job.out;
+        let out_strides = out.strides.unwrap_or(contiguous(out_shape));
+        let bound_out = check(
+            "output",
+            out.buffer,
+            out.offset,
+            out_shape,
+            out_strides,
+            true,
         )?;
-        if let Some(q) = job.q_b {
-            check("q_rope", q.buffer, q.shape)?;
-        }
-        check("output", out, [n_q, n_heads, job.d_v])?;
-        if cache.owns_buffer(out) {
+        if cache.owns_buffer(out.buffer) {
             return Err(Error::AttentionBuffer {
                 layer,
                 which: "output",
                 problem: BufferProblem::IsSlot,
             });
+        }
+        let queries = [(name_a, job.q_a.buffer, bound_a)]
+            .into_iter()
+            .chain(job.q_b.map(|q| ("q_rope", q.buffer, bound_b)));
+        for (which, buffer, bound) in queries {
+            let (o, q) = (bound_out.span, bound.span);
+            if buffer == out.buffer && o.0 < q.1 && q.0 < o.1 {
+                return Err(Error::AttentionBuffer {
+                    layer,
+                    which: "output",
+                    problem: BufferProblem::AliasesQueries {
+                        which,
+                        out: o,
+                        queries: q,
+                    },
+                });
+            }
         }
         let shape = CallShape {
             dtype: cache.spec().dtype(),
@@ -229,7 +277,14 @@ impl Attention {
                 layer,
                 problem: AttentionProblem::DeviceLimit { detail },
             })?;
-        Ok((dispatch, job.q_b))
+        Ok((
+            dispatch,
+            Views {
+                q_a: bound_a,
+                q_b: bound_b,
+                out: bound_out,
+            },
+        ))
     }
 
     /// Grows the scratch buffers when this call needs more than they hold (bind groups that named the
@@ -270,12 +325,12 @@ impl Attention {
     }
 }
 
-/// The first `size` bytes of `buffer`.
-fn range(buffer: &wgpu::Buffer, size: u64) -> wgpu::BindingResource<'_> {
+/// The bytes of `buffer` a view is bound to.
+fn range<'a>(buffer: &'a wgpu::Buffer, view: &Bound) -> wgpu::BindingResource<'a> {
     wgpu::BindingResource::Buffer(wgpu::BufferBinding {
         buffer,
-        offset: 0,
-        size: wgpu::BufferSize::new(size),
+        offset: view.bind_offset,
+        size: wgpu::BufferSize::new(view.bind_size),
     })
 }
 

@@ -1,4 +1,5 @@
-//! What an attention call takes: queries in GPU buffers and the options of the call.
+//! What an attention call takes: queries and output as f32 views of GPU buffers, and the options of
+//! the call.
 
 /// Options of one attention call; the default is plain causal attention with the default scale.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -12,12 +13,18 @@ pub struct AttentionOptions {
     pub soft_cap: Option<f32>,
 }
 
-/// Queries in a GPU buffer: f32, row-major `[n_q, n_heads, dim]`, starting at byte 0. The buffer
-/// needs `STORAGE` usage.
+/// Queries in a GPU buffer (which needs `STORAGE` usage): f32 `[n_q, n_heads, dim]`, by default
+/// row-major from element 0. [`Queries::at`] and [`Queries::with_strides`] describe any other layout,
+/// such as the query part of a fused QKV projection: element `(i, h, e)` is
+/// `offset + i·strides[0] + h·strides[1] + e·strides[2]`, counted in f32 elements.
 #[derive(Clone, Copy, Debug)]
 pub struct Queries<'a> {
     pub buffer: &'a wgpu::Buffer,
     pub shape: [usize; 3],
+    /// The f32 element of `(0, 0, 0)`.
+    pub offset: usize,
+    /// Elements between consecutive queries, heads and elements of a head.
+    pub strides: [usize; 3],
 }
 
 /// The absorbed queries of MLA: `latent [n_q, n_heads, r]` and `rope [n_q, n_heads, p]`.
@@ -28,17 +35,72 @@ pub struct MlaQueries<'a> {
 }
 
 impl<'a> Queries<'a> {
+    /// Row-major `[n_q, n_heads, dim]` from the buffer's first element.
     pub fn new(buffer: &'a wgpu::Buffer, n_q: usize, n_heads: usize, dim: usize) -> Self {
         Self {
             buffer,
             shape: [n_q, n_heads, dim],
+            offset: 0,
+            strides: contiguous([n_q, n_heads, dim]),
         }
     }
 
-    /// Bytes the shape covers (f32), saturating; checked against the buffer before use.
-    pub(super) fn bytes(&self) -> u64 {
-        self.shape
-            .iter()
-            .fold(4u64, |acc, &d| acc.saturating_mul(d as u64))
+    /// The same queries starting at f32 element `offset` (any element: no alignment beyond 4 bytes).
+    pub fn at(self, offset: usize) -> Self {
+        Self { offset, ..self }
     }
+
+    /// The same queries with element strides `[query, head, element]` (e.g. `[n_heads·dim + 2·kv_dim,
+    /// dim, 1]` for rows of a fused `[q | k | v]` projection).
+    pub fn with_strides(self, strides: [usize; 3]) -> Self {
+        Self { strides, ..self }
+    }
+}
+
+/// Where attention writes its result `[n_q, n_heads, d_v]` (f32): a buffer with `STORAGE` usage, by
+/// default row-major from element 0 (a `&wgpu::Buffer` converts into that). [`Output::at`] and
+/// [`Output::with_strides`] place it inside a larger buffer; the strides must not let two output
+/// elements share an address, and elements the view does not name are left as they are.
+#[derive(Clone, Copy, Debug)]
+pub struct Output<'a> {
+    pub buffer: &'a wgpu::Buffer,
+    /// The f32 element of `(0, 0, 0)`.
+    pub offset: usize,
+    /// Elements between consecutive queries, heads and elements of a head; `None`: row-major.
+    pub strides: Option<[usize; 3]>,
+}
+
+impl<'a> Output<'a> {
+    /// Row-major from the buffer's first element.
+    pub fn new(buffer: &'a wgpu::Buffer) -> Self {
+        Self {
+            buffer,
+            offset: 0,
+            strides: None,
+        }
+    }
+
+    /// The same output starting at f32 element `offset`.
+    pub fn at(self, offset: usize) -> Self {
+        Self { offset, ..self }
+    }
+
+    /// The same output with element strides `[query, head, element]`.
+    pub fn with_strides(self, strides: [usize; 3]) -> Self {
+        Self {
+            strides: Some(strides),
+            ..self
+        }
+    }
+}
+
+impl<'a> From<&'a wgpu::Buffer> for Output<'a> {
+    fn from(buffer: &'a wgpu::Buffer) -> Self {
+        Self::new(buffer)
+    }
+}
+
+/// Row-major strides of `shape` (saturating: a shape that large is refused before use).
+pub(super) fn contiguous(shape: [usize; 3]) -> [usize; 3] {
+    [shape[1].saturating_mul(shape[2]), shape[2], 1]
 }

@@ -221,11 +221,12 @@ impl Gen {
             if s.vecs == 0 {
                 continue;
             }
-            let d = if q == "q_a" { k.d_a } else { k.d_b };
+            let view = if q == "q_a" { "p.view_a" } else { "p.view_b" };
+            line!(self, "    let {q}_se = {view}.w;");
             for h in 0..k.heads {
                 line!(
                     self,
-                    "    let {q}{h}_base = (qi * p.n_heads + h0 + {h}u) * {d}u;"
+                    "    let {q}{h}_base = view_at({view}, qi, h0 + {h}u, 0u);"
                 );
                 for j in 0..s.steps() {
                     let names = self.parts(&format!("{q}{h}_"), j);
@@ -234,7 +235,10 @@ impl Gen {
                     for (c, name) in names.iter().enumerate() {
                         let e = |i: u32| -> String {
                             let i = if f32s { i } else { 2 * i + c as u32 };
-                            format!("{q}[{q}{h}_base + (lane + {}u) * {u}u + {i}u]", j * k.lanes)
+                            format!(
+                                "{q}[{q}{h}_base + ((lane + {}u) * {u}u + {i}u) * {q}_se]",
+                                j * k.lanes
+                            )
                         };
                         line!(self, "    var {name} = vec4<f32>(0.0);");
                         line!(
@@ -371,7 +375,6 @@ impl Gen {
             "// shape this kernel was generated for; checked once, on uniform values."
         );
         line!(self, "fn in_bounds() -> bool {{");
-        line!(self, "    let rows = p.n_q * p.n_heads;");
         line!(self, "    let parts = p.n_chunks * p.q_count * p.n_heads;");
         line!(
             self,
@@ -390,7 +393,11 @@ impl Gen {
         );
         line!(
             self,
-            "        && rows * p.d_a <= arrayLength(&q_a) && rows * p.d_b <= arrayLength(&q_b)"
+            "        && view_fits(p.view_a, p.n_q, p.n_heads, p.d_a, arrayLength(&q_a))"
+        );
+        line!(
+            self,
+            "        && view_fits(p.view_b, p.n_q, p.n_heads, p.d_b, arrayLength(&q_b))"
         );
         for s in [a, b, v] {
             let rw = format!("p.row_words_{}", s.slot);

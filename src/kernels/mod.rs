@@ -553,6 +553,9 @@ mod tests {
             ("soft_cap", at(&a.soft_cap as *const f32 as *const u32)),
             ("q_first", at(&a.q_first)),
             ("q_count", at(&a.q_count)),
+            ("view_a", at(a.view_a.as_ptr())),
+            ("view_b", at(a.view_b.as_ptr())),
+            ("view_out", at(a.view_out.as_ptr())),
         ];
         assert_eq!(layout_of("AttnParams", size_of::<AttnParams>()), host);
     }

@@ -63,6 +63,11 @@ pub(crate) struct AttnParams {
     pub soft_cap: f32,
     pub q_first: u32,
     pub q_count: u32,
+    /// The f32 views of q_a, q_b and the output: (offset in its binding, query, head and element
+    /// strides), in elements.
+    pub view_a: [u32; 4],
+    pub view_b: [u32; 4],
+    pub view_out: [u32; 4],
 }
 
 /// Bytes of the binding every parameter bind group exposes: the largest parameter struct.

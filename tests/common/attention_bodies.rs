@@ -848,3 +848,378 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
         }
     }
 }
+/// Element `(i, h, e)` of a view at `offset` along `strides`.
+fn view_at(offset: usize, strides: [usize; 3], i: usize, h: usize, e: usize) -> usize {
+    offset + i * strides[0] + h * strides[1] + e * strides[2]
+}
+
+/// The elements of `[n_q, n_heads, d]` at `offset` along `strides`, row-major.
+fn gather(data: &[f32], offset: usize, shape: [usize; 3], strides: [usize; 3]) -> Vec<f32> {
+    let bits: Vec<u32> = data.iter().map(|x| x.to_bits()).collect();
+    reference::gather_strided(&bits, offset, &shape, &strides)
+        .into_iter()
+        .map(f32::from_bits)
+        .collect()
+}
+
+/// A strided output of `shape` in a buffer of sentinels: where it starts, its strides and the
+/// buffer's length (a few sentinels past the last element).
+#[derive(Clone, Copy, Debug)]
+struct OutView {
+    offset: usize,
+    strides: [usize; 3],
+}
+
+impl OutView {
+    fn len(&self, shape: [usize; 3]) -> usize {
+        view_at(
+            self.offset,
+            self.strides,
+            shape[0] - 1,
+            shape[1] - 1,
+            shape[2] - 1,
+        ) + 5
+    }
+}
+
+/// Holds the strided output `got` (the whole buffer) to the row-major `want`, and every element
+/// the view does not name to the sentinel.
+fn assert_view_close(got: &[f32], view: OutView, shape: [usize; 3], want: &[f32], what: &str) {
+    let mut named = vec![false; got.len()];
+    let mut picked = Vec::with_capacity(want.len());
+    for i in 0..shape[0] {
+        for h in 0..shape[1] {
+            for e in 0..shape[2] {
+                let at = view_at(view.offset, view.strides, i, h, e);
+                named[at] = true;
+                picked.push(got[at]);
+            }
+        }
+    }
+    assert_close(&picked, want, what);
+    for (at, (&x, &named)) in got.iter().zip(&named).enumerate() {
+        assert!(
+            named || x == -7.0,
+            "{what}: element {at} outside the output view was written ({x})"
+        );
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct FusedGqa {
+    n_kv: usize,
+    group: usize,
+    d_k: usize,
+    d_v: usize,
+    visible: usize,
+    n_q: usize,
+    /// Elements before the first row of the fused buffer.
+    pad: usize,
+    out: OutView,
+}
+
+/// One GQA step whose queries, keys and values all come out of one fused buffer of rows
+/// `[q | k | v]` (after `pad` elements), with its output written into a larger buffer.
+async fn check_fused_gqa(g: &Gpu, att: &mut Attention, case: FusedGqa, dtype: DType, seed: u64) {
+    let FusedGqa {
+        n_kv,
+        d_k,
+        d_v,
+        n_q,
+        pad,
+        ..
+    } = case;
+    let n_heads = n_kv * case.group;
+    let spec = CacheSpec::new(
+        vec![LayerSpec::kv(n_kv, d_k, d_v)],
+        dtype,
+        case.visible.max(8),
+    )
+    .unwrap();
+    let mut c = cache_on(g, spec);
+    if case.visible > n_q {
+        append_random(&mut c, 0, case.visible - n_q, seed);
+        c.advance(case.visible - n_q).unwrap();
+    }
+    let (q_dim, k_dim) = (n_heads * d_k, n_kv * d_k);
+    let width = q_dim + k_dim + n_kv * d_v;
+    let fused = values(seed + 5, pad + n_q * width);
+    let qkv = f32_buffer(&g.device, &fused);
+    let (k_shape, v_shape) = ([n_q, n_kv, d_k], [n_q, n_kv, d_v]);
+    let (k_strides, v_strides) = ([width, d_k, 1], [width, d_v, 1]);
+    let k = GpuSlab {
+        buffer: &qkv,
+        dtype: DType::F32,
+        offset: (pad + q_dim) as u64,
+        shape: &k_shape,
+        strides: Some(&k_strides),
+    };
+    let v = GpuSlab {
+        offset: (pad + q_dim + k_dim) as u64,
+        shape: &v_shape,
+        strides: Some(&v_strides),
+        ..k
+    };
+    c.append_gpu(0, &[k, v]).unwrap();
+    let q_shape = [n_q, n_heads, d_k];
+    let q_strides = [width, d_k, 1];
+    let out_shape = [n_q, n_heads, d_v];
+    let out = output(&g.device, case.out.len(out_shape));
+    let options = AttentionOptions::default();
+    let result = att.gqa(
+        &c,
+        0,
+        Queries::new(&qkv, n_q, n_heads, d_k)
+            .at(pad)
+            .with_strides(q_strides),
+        Output::new(&out)
+            .at(case.out.offset)
+            .with_strides(case.out.strides),
+        &options,
+    );
+    if !ran(g, result, att, dtype, &[d_k, d_v], &out).await {
+        return;
+    }
+    let want = reference::attention_gqa(
+        &gather(&fused, pad, q_shape, q_strides),
+        q_shape,
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        n_kv,
+        d_v,
+        &options,
+    );
+    let what = format!("{dtype} {case:?} {:?}", att.kernel());
+    assert_view_close(&read_f32(g, &out).await, case.out, out_shape, &want, &what);
+    assert_eq!(
+        read_f32(g, &qkv).await,
+        fused,
+        "{what}: the queries' buffer changed"
+    );
+}
+
+pub async fn gqa_reads_fused_qkv_rows_and_writes_a_strided_output(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    #[rustfmt::skip]
+    let cases = [
+        // Rows with a gap between them, at an element that is no binding offset.
+        FusedGqa { n_kv: 2, group: 2, d_k: 16, d_v: 16, visible: 40, n_q: 3, pad: 3,
+            out: OutView { offset: 5, strides: [4 * 16 + 7, 16, 1] } },
+        // Head-major output, a query stride that is no multiple of 4 elements.
+        FusedGqa { n_kv: 1, group: 4, d_k: 8, d_v: 24, visible: 70, n_q: 2, pad: 1,
+            out: OutView { offset: 2, strides: [24, 2 * 24 + 1, 1] } },
+        // Head dimensions only the tiled kernel takes; every visible row a query.
+        FusedGqa { n_kv: 2, group: 1, d_k: 6, d_v: 5, visible: 4, n_q: 4, pad: 0,
+            out: OutView { offset: 1, strides: [2 * 5 + 1, 5, 1] } },
+        // Head-minor output: element stride = heads.
+        FusedGqa { n_kv: 2, group: 4, d_k: 8, d_v: 8, visible: 300, n_q: 1, pad: 70,
+            out: OutView { offset: 64, strides: [64, 1, 8] } },
+    ];
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for dtype in DType::ALL {
+            note!("-- fused QKV, {dtype} {kernel:?}");
+            for (i, &case) in cases.iter().enumerate() {
+                check_fused_gqa(g, &mut att, case, dtype, 90 + i as u64).await;
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct FusedMla {
+    n_heads: usize,
+    visible: usize,
+    n_q: usize,
+    pad: usize,
+    out: OutView,
+}
+
+pub async fn mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output(g: &Gpu) {
+    let (r, p) = (32, 8);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    #[rustfmt::skip]
+    let cases = [
+        FusedMla { n_heads: 4, visible: 50, n_q: 3, pad: 3,
+            out: OutView { offset: 3, strides: [4 * 32 + 9, 32, 1] } },
+        FusedMla { n_heads: 16, visible: 300, n_q: 1, pad: 64,
+            out: OutView { offset: 1, strides: [0, 33, 1] } },
+        FusedMla { n_heads: 2, visible: 5, n_q: 5, pad: 0,
+            out: OutView { offset: 0, strides: [32, 5 * 32, 1] } },
+    ];
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for dtype in DType::ALL {
+            note!("-- per-head [latent | rope] rows, {dtype} {kernel:?}");
+            for (i, &case) in cases.iter().enumerate() {
+                let FusedMla {
+                    n_heads, n_q, pad, ..
+                } = case;
+                let seed = 120 + i as u64;
+                let c = filled(g, LayerSpec::mla(r, p), dtype, case.visible, n_q, seed);
+                // Each query's row: per head [latent | rope], then 5 more elements.
+                let width = n_heads * (r + p) + 5;
+                let fused = values(seed + 7, pad + n_q * width);
+                let q = f32_buffer(&g.device, &fused);
+                let strides = [width, r + p, 1];
+                let out_shape = [n_q, n_heads, r];
+                let out = output(&g.device, case.out.len(out_shape));
+                let options = AttentionOptions {
+                    scale: Some(0.09),
+                    ..AttentionOptions::default()
+                };
+                let queries = MlaQueries {
+                    latent: Queries::new(&q, n_q, n_heads, r)
+                        .at(pad)
+                        .with_strides(strides),
+                    rope: Queries::new(&q, n_q, n_heads, p)
+                        .at(pad + r)
+                        .with_strides(strides),
+                };
+                let result = att.mla(
+                    &c,
+                    0,
+                    queries,
+                    Output::new(&out)
+                        .at(case.out.offset)
+                        .with_strides(case.out.strides),
+                    &options,
+                );
+                assert!(ran(g, result, &att, dtype, &[r, p], &out).await);
+                let want = reference::attention_mla(
+                    &gather(&fused, pad, [n_q, n_heads, r], strides),
+                    &gather(&fused, pad + r, [n_q, n_heads, p], strides),
+                    [n_q, n_heads, r],
+                    &c.read_f32_async(0, 0).await.unwrap(),
+                    &c.read_f32_async(0, 1).await.unwrap(),
+                    p,
+                    &options,
+                );
+                let what = format!("{dtype} MLA {case:?} {kernel:?}");
+                assert_view_close(&read_f32(g, &out).await, case.out, out_shape, &want, &what);
+            }
+        }
+    }
+}
+
+pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g: &Gpu) {
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    let layers = vec![LayerSpec::kv(2, 8, 8), LayerSpec::mla(16, 4)];
+    let mut c = cache_on(g, CacheSpec::new(layers, DType::F32, 16).unwrap());
+    append_random(&mut c, 0, 4, 1);
+    append_random(&mut c, 1, 4, 2);
+    let q = f32_buffer(&g.device, &values(4, 64));
+    let out = output(&g.device, 64);
+    let (q_before, out_before) = (read_f32(g, &q).await, read_f32(g, &out).await);
+    let dflt = AttentionOptions::default();
+    let q1 = Queries::new(&q, 1, 2, 8);
+    let mut gqa = |q: Queries<'_>, out: Output<'_>| att.gqa(&c, 0, q, out, &dflt).unwrap_err();
+    let unusable = |e: &Error, which: &str| match e {
+        Error::AttentionBuffer {
+            which: w, problem, ..
+        } if *w == which => Some(problem.clone()),
+        _ => None,
+    };
+
+    // 57 + 16 elements of a 64-element buffer.
+    let e = gqa(q1.at(57), Output::new(&out));
+    assert_eq!(
+        e,
+        Error::BufferTooSmall {
+            layer: 0,
+            which: "q",
+            shape: vec![1, 2, 8],
+            needed: 73 * 4,
+            size: 256
+        }
+    );
+    let e = gqa(q1, Output::new(&out).at(49));
+    assert!(
+        matches!(
+            e,
+            Error::BufferTooSmall {
+                which: "output",
+                needed: 260,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Indices past 64 bits overflow; on 32-bit targets (wasm32) no usize offset does, and the view
+    // is out of range.
+    let overflow = |e: &Error, which: &str| {
+        matches!(unusable(e, which), Some(BufferProblem::Overflow { .. }))
+            || (usize::BITS < 64
+                && matches!(e, Error::BufferTooSmall { which: w, .. } if *w == which))
+    };
+    for view in [
+        q1.at(usize::MAX),
+        q1.with_strides([0, usize::MAX, 1]),
+        q1.at(usize::MAX / 8).with_strides([0, usize::MAX / 8, 1]),
+    ] {
+        let e = gqa(view, Output::new(&out));
+        assert!(overflow(&e, "q"), "{e}");
+    }
+    let e = gqa(q1, Output::new(&out).at(usize::MAX));
+    assert!(overflow(&e, "output"), "{e}");
+    // Heads 4 elements apart with 8 elements each; every head on one address.
+    for strides in [[16, 4, 1], [0, 0, 1], [16, 8, 0]] {
+        let e = gqa(q1, Output::new(&out).with_strides(strides));
+        assert!(
+            matches!(
+                unusable(&e, "output"),
+                Some(BufferProblem::Overlapping { .. })
+            ),
+            "{strides:?}: {e}"
+        );
+    }
+    // The output in the queries' own buffer, over them.
+    let e = gqa(q1, Output::new(&q).at(8));
+    assert_eq!(
+        unusable(&e, "output"),
+        Some(BufferProblem::AliasesQueries {
+            which: "q",
+            out: (32, 96),
+            queries: (0, 64)
+        }),
+        "{e}"
+    );
+    // The output into a slot.
+    let slot = c.view(0, 1).unwrap().buffer.clone();
+    let e = gqa(q1, Output::new(&slot));
+    assert_eq!(unusable(&e, "output"), Some(BufferProblem::IsSlot), "{e}");
+
+    // MLA: the output beside the latent queries, over the rope queries of the same buffer.
+    let latent = Queries::new(&q, 1, 2, 16);
+    let rope = Queries::new(&q, 1, 2, 4).at(40);
+    let e = att
+        .mla(
+            &c,
+            1,
+            MlaQueries { latent, rope },
+            Output::new(&q).at(32),
+            &dflt,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            unusable(&e, "output"),
+            Some(BufferProblem::AliasesQueries {
+                which: "q_rope",
+                ..
+            })
+        ),
+        "{e}"
+    );
+    assert_eq!(
+        read_f32(g, &q).await,
+        q_before,
+        "a refused call wrote the queries"
+    );
+    assert_eq!(
+        read_f32(g, &out).await,
+        out_before,
+        "a refused call wrote the output"
+    );
+    assert_eq!(c.visible(0).unwrap(), 4);
+}
