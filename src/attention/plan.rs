@@ -29,6 +29,10 @@ const STREAM_WORKGROUPS_CPU: usize = 32;
 /// team (616 floats) than with 1 (208); 8 heads (1,160) gained a little more but compiled for
 /// seconds longer per shape.
 pub(crate) const LANE_FLOATS: usize = 640;
+/// The same for the kernel that sums through workgroup memory (OpenGL, the browser): its kernels are
+/// kept smaller, since there a cold shader compile is what a first call waits for (Mesa's GL path
+/// took seconds for DeepSeek-V2-Lite's MLA with 4 heads per team).
+pub(crate) const LANE_FLOATS_SHARED: usize = 320;
 /// Most rows of one streaming chunk: one loop iteration per row, within the loop budget.
 const STREAM_MAX_ROWS: usize = LOOP_BUDGET - 1;
 /// Lanes of a streaming team summed through workgroup memory: on CPU adapters 8 (one SIMD vector of
@@ -225,10 +229,14 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> O
         (false, _) => (SHARED_LANES_GPU, TeamSum::Shared),
     };
     let group = s.n_heads / s.n_kv;
+    let most = match sum {
+        TeamSum::Subgroup => LANE_FLOATS,
+        TeamSum::Shared => LANE_FLOATS_SHARED,
+    };
     let heads = HEAD_BATCHES.into_iter().find(|&h| {
         group.is_multiple_of(h)
             && stream::lane_floats(s.dtype, lanes as usize, h, s.d_a, s.d_b, s.d_v, s.v_from_a)
-                <= LANE_FLOATS
+                <= most
     })?;
     Some(StreamKey {
         dtype: s.dtype,

@@ -75,7 +75,38 @@ fn now_ms() -> f64 {
 
 /// A cache of `spec` on `g`'s device.
 pub fn cache_on(g: &Gpu, spec: CacheSpec) -> KvCache {
-    KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device")
+    KvCache::with_kernels(kernels_for(g), spec).expect("cache fits the device")
+}
+
+/// The one kernel registry of `g`'s device for the whole test run: the bodies' caches and attention
+/// share it, so each pipeline variant compiles once per run, not once per test (a cold OpenGL compile
+/// costs up to seconds). Tests of `Kernels::new`, `KvCache::new` and `Attention::new` themselves make
+/// their own.
+pub fn kernels_for(g: &Gpu) -> std::sync::Arc<kvgpu::Kernels> {
+    type Registries = Vec<(wgpu::Device, std::sync::Arc<kvgpu::Kernels>)>;
+    fn find_or_make(all: &mut Registries, g: &Gpu) -> std::sync::Arc<kvgpu::Kernels> {
+        if let Some((_, k)) = all.iter().find(|(d, _)| d == &g.device) {
+            return k.clone();
+        }
+        let k = kvgpu::Kernels::new(&g.device, &g.queue).expect("the device's own queue");
+        all.push((g.device.clone(), k.clone()));
+        k
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        static ALL: std::sync::Mutex<Registries> = std::sync::Mutex::new(Vec::new());
+        let mut all = ALL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        find_or_make(&mut all, g)
+    }
+    #[cfg(target_arch = "wasm32")]
+    {
+        thread_local! {
+            static ALL: std::cell::RefCell<Registries> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        ALL.with(|all| find_or_make(&mut all.borrow_mut(), g))
+    }
 }
 
 /// A second device with WebGPU's default limits (what a page gets when it asks for nothing: 128 MiB
