@@ -86,6 +86,41 @@ struct Scratch {
     part: wgpu::Buffer,
 }
 
+/// The attention a layer's slots allow: GQA / MHA over K `[n_kv, d_k]` and V `[n_kv, d_v]` (`d_a =
+/// d_k`, no `d_b`), or MLA over `compressed_kv [r]` and `k_pe [p]` (`d_a = d_v = r`, `d_b = p`, one
+/// KV "head").
+#[derive(Clone, Copy)]
+struct LayerShape {
+    kind: AttentionKind,
+    n_kv: usize,
+    d_a: usize,
+    d_b: usize,
+    d_v: usize,
+}
+
+impl LayerShape {
+    /// The shape of a layer with these slot shapes, if it has attention.
+    fn of(shapes: &[Vec<usize>]) -> Option<Self> {
+        match shapes {
+            [k, v] if k.len() == 2 && v.len() == 2 && k[0] == v[0] => Some(Self {
+                kind: AttentionKind::Gqa,
+                n_kv: k[0],
+                d_a: k[1],
+                d_b: 0,
+                d_v: v[1],
+            }),
+            [a, b] if a.len() == 1 && b.len() == 1 => Some(Self {
+                kind: AttentionKind::Mla,
+                n_kv: 1,
+                d_a: a[0],
+                d_b: b[0],
+                d_v: a[0],
+            }),
+            _ => None,
+        }
+    }
+}
+
 /// What one attention call reads, after the kind-specific checks.
 struct Job<'a> {
     layer: usize,
@@ -208,45 +243,37 @@ impl Attention {
         // Every layer's kernel first, so a refusal builds nothing.
         let mut planned = Vec::new();
         for layer in 0..cache.spec().layers().len() {
-            let shapes = cache.ledger().slot_shapes(layer)?;
-            let (kind, n_kv, d_a, d_b, d_v) = match shapes {
-                [k, v] if k.len() == 2 && v.len() == 2 && k[0] == v[0] => {
-                    (AttentionKind::Gqa, k[0], k[1], 0, v[1])
-                }
-                [a, b] if a.len() == 1 && b.len() == 1 => (AttentionKind::Mla, 1, a[0], b[0], a[0]),
-                _ => continue,
+            let Some(l) = LayerShape::of(cache.ledger().slot_shapes(layer)?) else {
+                continue;
             };
-            if n_heads == 0 || !n_heads.is_multiple_of(n_kv) {
+            if n_heads == 0 || !n_heads.is_multiple_of(l.n_kv) {
                 return Err(Error::HeadGroups {
                     layer,
                     n_heads,
-                    n_kv_heads: n_kv,
+                    n_kv_heads: l.n_kv,
                 });
             }
-            let (a, b, v) = kind.slots();
-            let words = |slot: usize| -> Result<usize> {
-                Ok((cache.full_view(layer, slot)?.row_bytes / 4) as usize)
-            };
+            let (row_words, v_from_a) = record::slot_rows(cache, layer, l.kind, l.d_a, l.d_v)?;
             let shape = plan::CallShape {
                 dtype: cache.spec().dtype(),
                 n_q: 1,
                 n_heads,
-                n_kv,
-                d_a,
-                d_b,
-                d_v,
+                n_kv: l.n_kv,
+                d_a: l.d_a,
+                d_b: l.d_b,
+                d_v: l.d_v,
                 visible: 1,
-                row_words: [words(a)?, words(b)?, words(v)?],
+                row_words,
                 window: 0,
                 scale: 1.0,
                 soft_cap: 0.0,
-                v_from_a: a == v && d_a == d_v,
+                v_from_a,
             };
             let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
-            planned.push((layer, kind, dispatch));
+            planned.push((layer, l.kind, dispatch));
         }
         let dtype = cache.spec().dtype();
-        let mut built = 0;
+        let before = self.kernels.pass1_pipelines();
         let mut runs = Vec::new();
         for &(layer, kind, dispatch) in &planned {
             let params = dispatch.params;
@@ -254,26 +281,17 @@ impl Attention {
                 // Shorter contexts may take fewer rows per invocation: every variant of the batch.
                 plan::Pass1::Tiled { batch, .. } => {
                     for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
-                        built += usize::from(self.kernels.prepare_partial(dtype, batch, rpl));
-                        runs.push((
-                            layer,
-                            kind,
-                            params,
-                            self.kernels.attention_partial(dtype, batch, rpl),
-                        ));
+                        let pipeline = self.kernels.attention_partial(dtype, batch, rpl);
+                        runs.push((layer, kind, params, pipeline));
                     }
                 }
                 plan::Pass1::Stream(key) => {
-                    built += usize::from(self.kernels.prepare_stream(&key).map_err(limit(layer))?);
-                    runs.push((
-                        layer,
-                        kind,
-                        params,
-                        self.kernels.attention_stream(&key).map_err(limit(layer))?,
-                    ));
+                    let pipeline = self.kernels.attention_stream(&key).map_err(limit(layer))?;
+                    runs.push((layer, kind, params, pipeline));
                 }
             }
         }
+        let built = self.kernels.pass1_pipelines() - before;
         self.warm_up(cache, &runs);
         Ok(built)
     }
@@ -369,8 +387,14 @@ impl Attention {
         options: &AttentionOptions,
     ) -> Result<()> {
         let shapes = cache.ledger().slot_shapes(layer)?;
-        let (n_kv, d_k, d_v) = match shapes {
-            [k, v] if k.len() == 2 && v.len() == 2 && k[0] == v[0] => (k[0], k[1], v[1]),
+        let (n_kv, d_k, d_v) = match LayerShape::of(shapes) {
+            Some(LayerShape {
+                kind: AttentionKind::Gqa,
+                n_kv,
+                d_a,
+                d_v,
+                ..
+            }) => (n_kv, d_a, d_v),
             _ => {
                 return Err(Error::NotAttentionLayer {
                     layer,
@@ -426,8 +450,13 @@ impl Attention {
             rope: q_rope,
         } = q;
         let shapes = cache.ledger().slot_shapes(layer)?;
-        let (r, p) = match shapes {
-            [a, b] if a.len() == 1 && b.len() == 1 => (a[0], b[0]),
+        let (r, p) = match LayerShape::of(shapes) {
+            Some(LayerShape {
+                kind: AttentionKind::Mla,
+                d_a,
+                d_b,
+                ..
+            }) => (d_a, d_b),
             _ => {
                 return Err(Error::NotAttentionLayer {
                     layer,

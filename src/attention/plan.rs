@@ -178,16 +178,21 @@ pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize) -> usize {
     2 * n_chunks + d_v.div_ceil(64) * (1 + n_chunks)
 }
 
+/// `n` workgroups fit one dimension of a dispatch, or why not.
+fn fits_dimension(n: usize, what: &str, dev: &DeviceFacts) -> Result<(), String> {
+    if n > dev.max_workgroups {
+        return Err(format!(
+            "{n} {what} exceed the device's {} workgroups per dispatch dimension",
+            dev.max_workgroups
+        ));
+    }
+    Ok(())
+}
+
 /// Plans one call, or says why the device cannot run it.
 pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
-    for (what, n) in [("queries", s.n_q), ("query heads", s.n_heads)] {
-        if n > dev.max_workgroups {
-            return Err(format!(
-                "{n} {what} exceed the device's {} workgroups per dispatch dimension",
-                dev.max_workgroups
-            ));
-        }
-    }
+    fits_dimension(s.n_q, "queries", dev)?;
+    fits_dimension(s.n_heads, "query heads", dev)?;
     let refused = |why: &str| Err(format!("the {:?} attention kernel {why}", dev.choice));
     match dev.choice {
         KernelChoice::Auto => match stream_key(s, dev, dev.subgroup.is_some()) {
@@ -263,12 +268,7 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     let group = s.n_heads / s.n_kv;
     let n_batches = group / key.heads as usize;
     let teams = s.n_kv * n_batches;
-    if teams > dev.max_workgroups {
-        return Err(format!(
-            "{teams} KV heads x head batches exceed the device's {} workgroups per dispatch dimension",
-            dev.max_workgroups
-        ));
-    }
+    fits_dimension(teams, "KV heads x head batches", dev)?;
     let target = if dev.cpu {
         STREAM_WORKGROUPS_CPU
     } else {
@@ -300,13 +300,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let hb = HEAD_BATCHES[batch];
     let n_batches = group / hb;
     let per_chunk = s.n_kv * n_batches * s.n_q;
-    if s.n_kv * n_batches > dev.max_workgroups {
-        return Err(format!(
-            "{} KV heads x head batches exceed the device's {} workgroups per dispatch dimension",
-            s.n_kv * n_batches,
-            dev.max_workgroups
-        ));
-    }
+    fits_dimension(s.n_kv * n_batches, "KV heads x head batches", dev)?;
     let target = if dev.cpu {
         TARGET_WORKGROUPS_CPU
     } else {

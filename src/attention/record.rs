@@ -5,7 +5,7 @@ use super::plan::{self, CallShape, Dispatch, Pass1};
 use super::request::contiguous;
 use super::view::{self, Bound, ViewError};
 use super::{Attention, AttentionOptions, Job, Scratch};
-use crate::cache::KvCache;
+use crate::cache::{AttentionKind, KvCache};
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
 
@@ -162,9 +162,7 @@ impl Attention {
             Some(0) => return request(AttentionProblem::EmptyWindow),
             Some(w) => w.min(visible),
         };
-        let (a, b, v) = job.kind.slots();
-        let slot_view = |slot: usize| cache.full_view(layer, slot);
-        let (slot_a, slot_b, slot_v) = (slot_view(a)?, slot_view(b)?, slot_view(v)?);
+        let (row_words, v_from_a) = slot_rows(cache, layer, job.kind, d_a, job.d_v)?;
         let align = self.facts.offset_alignment;
         let check = |which: &'static str,
                      buffer: &wgpu::Buffer,
@@ -262,15 +260,11 @@ impl Attention {
             d_b,
             d_v: job.d_v,
             visible,
-            row_words: [
-                (slot_a.row_bytes / 4) as usize,
-                (slot_b.row_bytes / 4) as usize,
-                (slot_v.row_bytes / 4) as usize,
-            ],
+            row_words,
             window,
             scale,
             soft_cap,
-            v_from_a: a == v && d_a == job.d_v,
+            v_from_a,
         };
         let dispatch =
             plan::plan(&shape, &self.facts).map_err(|detail| Error::AttentionRequest {
@@ -336,4 +330,20 @@ fn range<'a>(buffer: &'a wgpu::Buffer, view: &Bound) -> wgpu::BindingResource<'a
 
 fn entry(binding: u32, resource: wgpu::BindingResource<'_>) -> wgpu::BindGroupEntry<'_> {
     wgpu::BindGroupEntry { binding, resource }
+}
+
+/// The row widths in words of the slots `kind` binds as a, b and v on `layer`, and whether the values
+/// are slot a's elements (MLA's latent: slot v is slot a and `d_v == d_a`).
+pub(super) fn slot_rows(
+    cache: &KvCache,
+    layer: usize,
+    kind: AttentionKind,
+    d_a: usize,
+    d_v: usize,
+) -> Result<([usize; 3], bool)> {
+    let (a, b, v) = kind.slots();
+    let words = |slot: usize| -> Result<usize> {
+        Ok((cache.full_view(layer, slot)?.row_bytes / 4) as usize)
+    };
+    Ok(([words(a)?, words(b)?, words(v)?], a == v && d_a == d_v))
 }

@@ -101,6 +101,19 @@ pub(crate) fn source(key: &StreamKey, prelude: &str) -> String {
     g.out
 }
 
+/// The bindings of pass 1, as `shaders/attention_partial.wgsl` declares them, the slots read as
+/// 16-byte vectors.
+const BINDINGS: &str = "\
+@group(0) @binding(0) var<storage, read> slot_a: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> slot_b: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> slot_v: array<vec4<u32>>;
+@group(1) @binding(0) var<storage, read> q_a: array<f32>;
+@group(1) @binding(1) var<storage, read> q_b: array<f32>;
+@group(1) @binding(2) var<storage, read_write> stats: array<f32>;
+@group(1) @binding(3) var<storage, read_write> part: array<f32>;
+@group(2) @binding(0) var<uniform> p: AttnParams;
+";
+
 struct Gen {
     out: String,
     key: StreamKey,
@@ -145,35 +158,7 @@ impl Gen {
         line!(self, "const LANES: u32 = {}u;", k.lanes);
         line!(self, "const HT: u32 = {}u;", k.heads);
         line!(self, "const NEG: f32 = -3.4028234e38;");
-        line!(
-            self,
-            "@group(0) @binding(0) var<storage, read> slot_a: array<vec4<u32>>;"
-        );
-        line!(
-            self,
-            "@group(0) @binding(1) var<storage, read> slot_b: array<vec4<u32>>;"
-        );
-        line!(
-            self,
-            "@group(0) @binding(2) var<storage, read> slot_v: array<vec4<u32>>;"
-        );
-        line!(
-            self,
-            "@group(1) @binding(0) var<storage, read> q_a: array<f32>;"
-        );
-        line!(
-            self,
-            "@group(1) @binding(1) var<storage, read> q_b: array<f32>;"
-        );
-        line!(
-            self,
-            "@group(1) @binding(2) var<storage, read_write> stats: array<f32>;"
-        );
-        line!(
-            self,
-            "@group(1) @binding(3) var<storage, read_write> part: array<f32>;"
-        );
-        line!(self, "@group(2) @binding(0) var<uniform> p: AttnParams;");
+        self.out.push_str(BINDINGS);
         if k.sum == TeamSum::Shared {
             // Double-buffered by row parity: a lane may write row r + 1's sums while another still
             // reads row r's, never row r - 1's (both passed row r's barrier).
@@ -365,7 +350,6 @@ impl Gen {
 
     fn in_bounds(&mut self, a: &Slice, b: &Slice, v: &Slice) {
         let k = self.key;
-        let u = self.u();
         line!(
             self,
             "// Every index this dispatch can touch is inside its binding, and the call has the"
@@ -408,7 +392,6 @@ impl Gen {
                 s.slot
             );
         }
-        let _ = u;
         line!(
             self,
             "        && parts * 2u <= arrayLength(&stats) && parts * p.d_v <= arrayLength(&part);"

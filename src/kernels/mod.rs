@@ -341,29 +341,20 @@ impl Kernels {
             .clone()
     }
 
-    /// Builds the tiled pass-1 pipeline of (`dtype`, `batch`, `rpl`) unless it exists; whether it
-    /// was built now.
-    pub(crate) fn prepare_partial(&self, dtype: DType, batch: usize, rpl: usize) -> bool {
-        let known = self
-            .attention()
+    /// How many pass-1 pipelines (tiled and streaming) this registry has built.
+    pub(crate) fn pass1_pipelines(&self) -> usize {
+        let kernels = self.attention();
+        let tiled = kernels
             .partial_pipelines
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .contains_key(&(dtype, batch, rpl));
-        self.attention_partial(dtype, batch, rpl);
-        !known
-    }
-
-    /// Builds the streaming pass-1 pipeline of `key` unless it exists; whether it was built now.
-    pub(crate) fn prepare_stream(&self, key: &StreamKey) -> std::result::Result<bool, String> {
-        let known = self
-            .attention()
+            .len();
+        let stream = kernels
             .stream_pipelines
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .contains_key(key);
-        self.attention_stream(key)?;
-        Ok(!known)
+            .len();
+        tiled + stream
     }
 
     /// The generated streaming pass-1 pipeline of `key` (`src/attention/stream.rs`). Its source is
