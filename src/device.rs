@@ -257,15 +257,15 @@ pub(crate) async fn read_range(
         mapped_at_creation: false,
     });
     // Recorded in an error scope, so a buffer of another device is an error here, not a wgpu panic
-    // (or a silent zero read inside an error scope of the app's).
-    let (commands, error) = crate::kernels::scoped(device, || {
-        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("kvgpu readback"),
-        });
-        encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
-        encoder.finish()
+    // (or a silent zero read inside an error scope of the app's). The scope is awaited: in a browser
+    // it answers only in a later task.
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+        label: Some("kvgpu readback"),
     });
-    if let Some(e) = error {
+    encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
+    let commands = encoder.finish();
+    if let Some(e) = scope.pop().await {
         return Err(format!("wgpu refused the copy: {e}"));
     }
     queue.submit([commands]);

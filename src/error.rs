@@ -141,6 +141,21 @@ pub enum Error {
     #[error("layer {layer}: the {what} belongs to another device")]
     ForeignDevice { layer: usize, what: String },
 
+    /// [`verify_buffer`](crate::verify_buffer) found that a buffer cannot be used on this device:
+    /// it belongs to another one (or wgpu refused it for another reason it names).
+    #[error("the buffer belongs to another device (wgpu refused to use it: {reason})")]
+    ForeignBuffer { reason: String },
+
+    /// In a browser, a synchronous call was given a buffer that
+    /// [`verify_buffer`](crate::verify_buffer) has not accepted for this device: WebGPU reports a
+    /// buffer of another device only asynchronously, so the call cannot check it before recording.
+    #[error(
+        "layer {layer}: the {what} has not been verified for this device; in a browser, await \
+         kvgpu::verify_buffer(&device, &buffer) once for each app buffer before a synchronous call \
+         binds it (WebGPU reports a buffer of another device only asynchronously)"
+    )]
+    UnverifiedBuffer { layer: usize, what: String },
+
     /// The cache description itself is unusable.
     #[error("invalid cache spec: {problem}")]
     InvalidSpec { problem: SpecProblem },

@@ -46,6 +46,9 @@
 //!   buffers ([`Queries`], [`Output`]: an element offset and strides, so Q can come straight out of a
 //!   fused QKV projection and the output can land inside a larger buffer), checked like [`GpuSlab`]
 //!   before anything is recorded.
+//! - An app buffer of another device is refused before anything is recorded. In a browser, where
+//!   WebGPU reports that only asynchronously, the app verifies each buffer once with
+//!   [`verify_buffer`] and the synchronous calls refuse unverified ones ([`Error::UnverifiedBuffer`]).
 //! - `truncate(new_len)` is O(1); `truncate_and_scrub` also zeroes the dropped rows. `reset()` zeroes the
 //!   whole cache with one zeroing-kernel dispatch per slot buffer; `reset_fast()` only forgets.
 //! - Each slot is one buffer, so a slot must fit one storage binding of the device (128 MiB on WebGPU's
@@ -73,6 +76,7 @@ mod ledger;
 mod placement;
 pub mod reference;
 mod spec;
+mod verify;
 
 /// The wgpu kvgpu is built with: use it for the devices and buffers you hand to kvgpu, so the versions
 /// match.
@@ -91,3 +95,4 @@ pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger, SeqId};
 pub use placement::Run;
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
+pub use verify::verify_buffer;

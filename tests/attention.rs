@@ -20,12 +20,12 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 }
 
 fn storage(data: &[f32]) -> wgpu::Buffer {
-    shared::f32_buffer(&gpu().device, data)
+    pollster::block_on(shared::f32_buffer(&gpu().device, data))
 }
 
 /// An output buffer of `n` f32 filled with a sentinel, so untouched outputs are visible.
 fn output(n: usize) -> wgpu::Buffer {
-    shared::output(&gpu().device, n)
+    pollster::block_on(shared::output(&gpu().device, n))
 }
 
 fn read(buffer: &wgpu::Buffer) -> Vec<f32> {

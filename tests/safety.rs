@@ -15,8 +15,8 @@ fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording() {
 }
 
 #[test]
-fn gpu_sources_of_another_device_are_refused() {
-    pollster::block_on(shared::gpu_sources_of_another_device_are_refused(gpu()));
+fn app_buffers_of_another_device_are_refused() {
+    pollster::block_on(shared::app_buffers_of_another_device_are_refused(gpu()));
 }
 
 #[test]

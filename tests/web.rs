@@ -177,18 +177,10 @@ async fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
     }
 }
 
-/// tests/safety.rs `gpu_sources_of_another_device_are_refused`, the same body. It cannot pass in a
-/// browser: a WebGPU `GPUBuffer` has no `device` attribute, so nothing synchronous tells whose buffer it
-/// is, and a device mismatch is reported only as a validation error whose error scope resolves in a
-/// later task (`popErrorScope` returns a promise). `append_gpu` and `record_append_gpu` check and
-/// record synchronously, so the refusal would have to come after the commands are recorded and the
-/// rows counted. Natively wgpu resolves the scope at once and the check runs on GL and Vulkan. The test
-/// is ignored so the suite shows it as skipped, with the reason; `-- --include-ignored` runs it (it
-/// fails at the first `unwrap_err`).
+/// tests/safety.rs `app_buffers_of_another_device_are_refused`, the same body: here the refusals
+/// come from the set of buffers `verify_buffer` accepted, since WebGPU reports a buffer of another
+/// device only asynchronously.
 #[wasm_bindgen_test]
-#[ignore = "skipped: WebGPU gives a GPUBuffer no device to compare and reports a device mismatch \
-            only through an error scope that resolves asynchronously, while kvgpu checks and records \
-            GPU sources synchronously; the same body runs natively in tests/safety.rs"]
-async fn gpu_sources_of_another_device_are_refused() {
-    shared::gpu_sources_of_another_device_are_refused(&gpu().await).await;
+async fn app_buffers_of_another_device_are_refused() {
+    shared::app_buffers_of_another_device_are_refused(&gpu().await).await;
 }

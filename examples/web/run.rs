@@ -327,6 +327,15 @@ pub async fn run(
             q_host: Vec::new(),
         })
         .collect();
+    // WebGPU reports a buffer of another device only asynchronously, so the app's buffers are
+    // verified once before the synchronous attention calls bind them.
+    for layer in &run.layers {
+        for buffer in layer.q.iter().chain([&layer.out]) {
+            kvgpu::verify_buffer(&run.gpu.device, buffer)
+                .await
+                .map_err(e)?;
+        }
+    }
 
     let prefill_ms = run.step(0, prefill, now).await.map_err(e)?;
     log(&format!(

@@ -39,6 +39,9 @@ impl Attention {
             });
         };
         let (device, kernels) = (&self.device, &self.kernels);
+        for (buffer, which) in [(q_a, "query"), (q_b, "query"), (out, "output")] {
+            crate::verify::known_or_refused(device, buffer, layer, || format!("{which} buffer"))?;
+        }
         let refused = |which: &'static str| {
             move |e: String| Error::ForeignDevice {
                 layer,

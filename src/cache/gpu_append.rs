@@ -80,6 +80,11 @@ impl KvCache {
             layer,
             what: format!("GPU source of slot {slot} (wgpu: {reason})"),
         };
+        if !matches!(job, SourceJob::Nothing) {
+            crate::verify::known_or_refused(&self.device, slab.buffer, layer, || {
+                format!("GPU source of slot {slot}")
+            })?;
+        }
         match *job {
             SourceJob::Nothing => Ok(None),
             SourceJob::Copy { .. } => {

@@ -136,6 +136,8 @@ impl KvCache {
                                 | wgpu::BufferUsages::COPY_SRC,
                             mapped_at_creation: false,
                         });
+                        // Made here, so another cache of this device may take it as a source.
+                        crate::verify::remember(&device, &buffer);
                         let zero_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
                             label: Some("kvgpu zero"),
                             layout: kernels.zero_layout(),

@@ -121,8 +121,8 @@ async fn check_gqa(g: &Gpu, att: &mut Attention, case: Gqa, dtype: DType, seed: 
     );
     let n_heads = case.n_kv * case.group;
     let q = values(seed + 99, case.n_q * n_heads * case.d_k);
-    let qb = f32_buffer(&g.device, &q);
-    let out = output(&g.device, case.n_q * n_heads * case.d_v);
+    let qb = f32_buffer(&g.device, &q).await;
+    let out = output(&g.device, case.n_q * n_heads * case.d_v).await;
     let options = AttentionOptions {
         window: case.window,
         soft_cap: case.soft_cap,
@@ -204,8 +204,8 @@ async fn gqa_prefill_and_decode_match_an_independent_model(g: &Gpu) {
             }
             for l in 0..2 {
                 let q = values(90 + (step * 2 + l) as u64, n_q * n_heads * d_k);
-                let q_buf = f32_buffer(&g.device, &q);
-                let out = output(&g.device, n_q * n_heads * d_v);
+                let q_buf = f32_buffer(&g.device, &q).await;
+                let out = output(&g.device, n_q * n_heads * d_v).await;
                 let options = AttentionOptions::default();
                 att.gqa(
                     &c,
@@ -268,8 +268,11 @@ async fn check_mla(g: &Gpu, att: &mut Attention, case: Mla, dtype: DType, seed: 
     let c = filled(g, LayerSpec::mla(r, p), dtype, case.visible, case.n_q, seed);
     let ql = values(seed + 77, case.n_q * case.n_heads * r);
     let qr = values(seed + 78, case.n_q * case.n_heads * p);
-    let (qlb, qrb) = (f32_buffer(&g.device, &ql), f32_buffer(&g.device, &qr));
-    let out = output(&g.device, case.n_q * case.n_heads * r);
+    let (qlb, qrb) = (
+        f32_buffer(&g.device, &ql).await,
+        f32_buffer(&g.device, &qr).await,
+    );
+    let out = output(&g.device, case.n_q * case.n_heads * r).await;
     let options = AttentionOptions {
         window: case.window,
         soft_cap: case.soft_cap,
@@ -340,9 +343,9 @@ async fn mla_decode_matches_an_independent_model(g: &Gpu) {
             append_both(&mut c, &mut m, 0, n_q, 60 + step as u64);
             let q_latent = values(70 + step as u64, n_q * n_heads * r);
             let q_rope = values(80 + step as u64, n_q * n_heads * p);
-            let ql = f32_buffer(&g.device, &q_latent);
-            let qr = f32_buffer(&g.device, &q_rope);
-            let out = output(&g.device, n_q * n_heads * r);
+            let ql = f32_buffer(&g.device, &q_latent).await;
+            let qr = f32_buffer(&g.device, &q_rope).await;
+            let out = output(&g.device, n_q * n_heads * r).await;
             att.mla(
                 &c,
                 0,
@@ -408,8 +411,8 @@ pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
         );
         let (n_q, n_heads) = (3, 4);
         let q = values(5, n_q * n_heads * 64);
-        let qb = f32_buffer(&g.device, &q);
-        let out = output(&g.device, n_q * n_heads * 64);
+        let qb = f32_buffer(&g.device, &q).await;
+        let out = output(&g.device, n_q * n_heads * 64).await;
         append_random(&mut c, 0, 200, 1);
         c.advance(200).unwrap();
         // Speculative rollback: the 3 new rows follow row 39, and rows 43.. of the old run are unseen.
@@ -468,8 +471,14 @@ pub async fn many_calls_with_different_parameters_share_one_encoder(g: &Gpu) {
     }
     let q0 = values(1, 6 * 64);
     let q2 = values(2, 4 * 128);
-    let (q0b, q2b) = (f32_buffer(&g.device, &q0), f32_buffer(&g.device, &q2));
-    let (out0, out2) = (output(&g.device, 6 * 64), output(&g.device, 4 * 32));
+    let (q0b, q2b) = (
+        f32_buffer(&g.device, &q0).await,
+        f32_buffer(&g.device, &q2).await,
+    );
+    let (out0, out2) = (
+        output(&g.device, 6 * 64).await,
+        output(&g.device, 4 * 32).await,
+    );
     let o0 = AttentionOptions {
         window: Some(50),
         ..Default::default()
@@ -547,8 +556,8 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
             .collect();
         c.append(layer, &slabs).unwrap();
     }
-    let q = f32_buffer(&g.device, &values(4, 64));
-    let out = output(&g.device, 64);
+    let q = f32_buffer(&g.device, &values(4, 64)).await;
+    let out = output(&g.device, 64).await;
     let before = read_f32(g, &out).await;
     let dflt = AttentionOptions::default();
     let mut gqa = |layer: usize, q: Queries<'_>, out: &wgpu::Buffer, o: &AttentionOptions| {
@@ -602,7 +611,7 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
     );
     let e = gqa(9, Queries::new(&q, 1, 2, 8), &out, &dflt);
     assert!(matches!(e, Error::LayerOutOfRange { layer: 9, .. }), "{e}");
-    let small = output(&g.device, 15);
+    let small = output(&g.device, 15).await;
     let e = gqa(0, Queries::new(&q, 1, 2, 8), &small, &dflt);
     assert_eq!(
         e,
@@ -614,7 +623,7 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
             size: 60
         }
     );
-    let big_q = f32_buffer(&g.device, &values(7, 128));
+    let big_q = f32_buffer(&g.device, &values(7, 128)).await;
     let e = gqa(0, Queries::new(&big_q, 4, 4, 8), &out, &dflt);
     assert!(
         matches!(
@@ -629,7 +638,7 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
     let e = gqa(
         0,
         Queries::new(&q, 4, 4, 8),
-        &output(&g.device, 1024),
+        &output(&g.device, 1024).await,
         &dflt,
     );
     assert!(
@@ -699,8 +708,8 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
         assert!(matches!(e, Error::AttentionRequest { layer: 0, .. }), "{e}");
     }
 
-    let ql = f32_buffer(&g.device, &values(5, 64));
-    let qr = f32_buffer(&g.device, &values(6, 16));
+    let ql = f32_buffer(&g.device, &values(5, 64)).await;
+    let qr = f32_buffer(&g.device, &values(6, 16)).await;
     let mut mla = |layer: usize, a: Queries<'_>, b: Queries<'_>| {
         att.mla(&c, layer, MlaQueries { latent: a, rope: b }, &out, &dflt)
             .unwrap_err()
@@ -754,8 +763,8 @@ pub async fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups
     let mut att = Attention::with_kernels(super::kernels_for(g));
     att.set_kernel(KernelChoice::StreamSubgroup);
     let c = filled(g, LayerSpec::kv(2, 64, 64), DType::F32, 40, 1, 5);
-    let q = f32_buffer(&g.device, &values(6, 8 * 64));
-    let out = output(&g.device, 8 * 64);
+    let q = f32_buffer(&g.device, &values(6, 8 * 64)).await;
+    let out = output(&g.device, 8 * 64).await;
     let e = att
         .gqa(
             &c,
@@ -835,10 +844,10 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             c.advance(5).unwrap();
             let (q, qb) = {
                 let q = values(310, 4 * 64);
-                let qb = f32_buffer(&g.device, &q);
+                let qb = f32_buffer(&g.device, &q).await;
                 (q, qb)
             };
-            let out = output(&g.device, 4 * 64);
+            let out = output(&g.device, 4 * 64).await;
             let options = AttentionOptions::default();
             att.gqa(&c, 0, Queries::new(&qb, 1, 4, 64), &out, &options)
                 .unwrap();
@@ -954,7 +963,7 @@ async fn check_fused_gqa(g: &Gpu, att: &mut Attention, case: FusedGqa, dtype: DT
     let (q_dim, k_dim) = (n_heads * d_k, n_kv * d_k);
     let width = q_dim + k_dim + n_kv * d_v;
     let fused = values(seed + 5, pad + n_q * width);
-    let qkv = f32_buffer(&g.device, &fused);
+    let qkv = f32_buffer(&g.device, &fused).await;
     let (k_shape, v_shape) = ([n_q, n_kv, d_k], [n_q, n_kv, d_v]);
     let (k_strides, v_strides) = ([width, d_k, 1], [width, d_v, 1]);
     let k = GpuSlab {
@@ -974,7 +983,7 @@ async fn check_fused_gqa(g: &Gpu, att: &mut Attention, case: FusedGqa, dtype: DT
     let q_shape = [n_q, n_heads, d_k];
     let q_strides = [width, d_k, 1];
     let out_shape = [n_q, n_heads, d_v];
-    let out = output(&g.device, case.out.len(out_shape));
+    let out = output(&g.device, case.out.len(out_shape)).await;
     let options = AttentionOptions::default();
     let result = att.gqa(
         &c,
@@ -1070,10 +1079,10 @@ pub async fn mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output
                 // Each query's row: per head [latent | rope], then 5 more elements.
                 let width = n_heads * (r + p) + 5;
                 let fused = values(seed + 7, pad + n_q * width);
-                let q = f32_buffer(&g.device, &fused);
+                let q = f32_buffer(&g.device, &fused).await;
                 let strides = [width, r + p, 1];
                 let out_shape = [n_q, n_heads, r];
-                let out = output(&g.device, case.out.len(out_shape));
+                let out = output(&g.device, case.out.len(out_shape)).await;
                 let options = AttentionOptions {
                     scale: Some(0.09),
                     ..AttentionOptions::default()
@@ -1118,8 +1127,8 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
     let mut c = cache_on(g, CacheSpec::new(layers, DType::F32, 16).unwrap());
     append_random(&mut c, 0, 4, 1);
     append_random(&mut c, 1, 4, 2);
-    let q = f32_buffer(&g.device, &values(4, 64));
-    let out = output(&g.device, 64);
+    let q = f32_buffer(&g.device, &values(4, 64)).await;
+    let out = output(&g.device, 64).await;
     let (q_before, out_before) = (read_f32(g, &q).await, read_f32(g, &out).await);
     let dflt = AttentionOptions::default();
     let q1 = Queries::new(&q, 1, 2, 8);

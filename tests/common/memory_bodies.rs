@@ -103,6 +103,9 @@ pub async fn one_attention_serving_many_dropped_caches_keeps_none_of_them(g: &Gp
         usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
         mapped_at_creation: false,
     });
+    for buffer in [&q, &out] {
+        verify_buffer(&g.device, buffer).await.unwrap();
+    }
     let first = KvCache::new(&g.device, &g.queue, spec.clone()).unwrap();
     let mut attention = Attention::for_cache(&first);
     drop(first);
@@ -148,6 +151,7 @@ pub async fn a_cache_appending_from_many_dropped_sources_keeps_few_of_them(g: &G
             mapped_at_creation: false,
         });
         residency.follow(&src);
+        verify_buffer(&g.device, &src).await.unwrap();
         let shape = [1, 1, 64];
         let strided = GpuSlab {
             buffer: &src,

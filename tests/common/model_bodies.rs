@@ -130,6 +130,7 @@ pub async fn random_operations_match_the_model(g: &Gpu, dtype: DType, ops: &[Op]
                         contents: bytemuck::cast_slice(&src),
                         usage: wgpu::BufferUsages::STORAGE,
                     });
+                verify_buffer(&g.device, &buf).await.unwrap();
                 let shapes: Vec<Vec<usize>> =
                     trailing.iter().map(|t| [&[n][..], t].concat()).collect();
                 let strides: Vec<Vec<usize>> = shapes

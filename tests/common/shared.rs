@@ -9,7 +9,7 @@ use kvgpu::reference::{self, CpuCache};
 use kvgpu::wgpu::{self, util::DeviceExt};
 use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Error, Gpu, GpuSlab, HostSlab, Kernels, KvCache,
-    LayerSpec, MlaQueries, Queries, SlotSpec,
+    LayerSpec, MlaQueries, Queries, SlotSpec, read_buffer_async, verify_buffer,
 };
 
 /// Attention outputs may differ from the CPU twins by `|gpu - cpu| <= TOL · (1 + |cpu|)`: the twins
@@ -179,31 +179,33 @@ pub const USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_SRC)
     .union(wgpu::BufferUsages::COPY_DST);
 
-/// A buffer of `device` holding `words`.
-pub fn buffer_with(
+/// A buffer of `device` holding `words`, verified for its device (so a browser's synchronous calls
+/// take it; see `kvgpu::verify_buffer`).
+pub async fn buffer_with(
     device: &wgpu::Device,
     words: &[u32],
     usage: wgpu::BufferUsages,
 ) -> wgpu::Buffer {
-    device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+    let buffer = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
         label: Some("test source"),
         contents: bytemuck::cast_slice(words),
         usage,
-    })
+    });
+    kvgpu::verify_buffer(device, &buffer)
+        .await
+        .expect("a buffer of its own device is verified");
+    buffer
 }
 
-/// A storage buffer holding `data`, readable with [`read_f32`].
-pub fn f32_buffer(device: &wgpu::Device, data: &[f32]) -> wgpu::Buffer {
-    device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: Some("test f32"),
-        contents: bytemuck::cast_slice(data),
-        usage: USAGE,
-    })
+/// A verified storage buffer holding `data`, readable with [`read_f32`].
+pub async fn f32_buffer(device: &wgpu::Device, data: &[f32]) -> wgpu::Buffer {
+    let words: Vec<u32> = data.iter().map(|x| x.to_bits()).collect();
+    buffer_with(device, &words, USAGE).await
 }
 
 /// An output buffer of `n` f32 filled with a sentinel, so untouched outputs are visible.
-pub fn output(device: &wgpu::Device, n: usize) -> wgpu::Buffer {
-    f32_buffer(device, &vec![-7.0; n])
+pub async fn output(device: &wgpu::Device, n: usize) -> wgpu::Buffer {
+    f32_buffer(device, &vec![-7.0; n]).await
 }
 
 /// An f32 buffer of the test (an attention output) copied to the host.
@@ -305,7 +307,7 @@ pub async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording(g:
             strides: None,
         };
         let bits = [1.5, -2.0, 0.25].map(|x| reference::f32_to_bits(x, dtype));
-        let good_src = buffer_with(&g.device, &reference::pack_rows(&bits, dtype, 3), USAGE);
+        let good_src = buffer_with(&g.device, &reference::pack_rows(&bits, dtype, 3), USAGE).await;
         let good = GpuSlab {
             buffer: &good_src,
             ..slab
@@ -355,12 +357,24 @@ pub async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording(g:
     }
 }
 
-/// A GPU source in a buffer of another device is refused as `ForeignDevice` before anything is
-/// recorded, on the copy path (same type, contiguous) and on the kernel path (f32 into 16-bit
-/// storage), for every dtype; the ledger and GPU memory stay as they were, and the cache still takes
-/// sources of its own device.
-pub async fn gpu_sources_of_another_device_are_refused(g: &Gpu) {
+/// App buffers of another device are refused before anything is recorded, and nothing changes:
+/// `verify_buffer` names them (`ForeignBuffer`); GPU append sources on the copy path (same type,
+/// contiguous) and the kernel path (f32 into 16-bit storage), attention queries and outputs are
+/// refused as `ForeignDevice` natively, where the call checks them itself, and as
+/// `UnverifiedBuffer` in a browser, where WebGPU answers only asynchronously and the call takes
+/// only verified buffers; a readback refuses them too. For every dtype the ledger and GPU memory
+/// stay as they were, and the cache and the attention still take buffers of their own device
+/// (in a browser once verified).
+pub async fn app_buffers_of_another_device_are_refused(g: &Gpu) {
     let other = default_limits_gpu(g).await;
+    let web = cfg!(target_arch = "wasm32");
+    // The refusal of a synchronous call: checked by the call natively, unverified in a browser.
+    let refused = |e: &Error, part: &str| match e {
+        Error::ForeignDevice { layer: 0, what } if !web => what.contains(part),
+        Error::UnverifiedBuffer { layer: 0, what } if web => what.contains(part),
+        _ => false,
+    };
+    let mut attention = Attention::with_kernels(kernels_for(g));
     for dtype in DType::ALL {
         let spec = CacheSpec::new(vec![LayerSpec::kv(2, 4, 4)], dtype, 4).unwrap();
         let mut c = cache_on(g, spec.clone());
@@ -370,9 +384,13 @@ pub async fn gpu_sources_of_another_device_are_refused(g: &Gpu) {
             .collect();
         let words = reference::pack_rows(&bits, dtype, 8);
         // Same type and contiguous: the copy path; f32 into 16-bit storage: the kernel path.
-        let same = buffer_with(&other.device, &words, USAGE);
+        let same = buffer_with(&other.device, &words, USAGE).await;
         let f32_words: Vec<u32> = values(4, 16).iter().map(|x| x.to_bits()).collect();
-        let converted = buffer_with(&other.device, &f32_words, USAGE);
+        let converted = buffer_with(&other.device, &f32_words, USAGE).await;
+        for foreign in [&same, &converted] {
+            let e = verify_buffer(&g.device, foreign).await.unwrap_err();
+            assert!(matches!(e, Error::ForeignBuffer { .. }), "{dtype}: {e}");
+        }
         let shape = [2, 2, 4];
         let copy = GpuSlab {
             buffer: &same,
@@ -392,10 +410,7 @@ pub async fn gpu_sources_of_another_device_are_refused(g: &Gpu) {
         let ledger = c.ledger().clone();
         for slabs in [[copy, copy], [kernel, kernel], [copy, kernel]] {
             let e = c.append_gpu(0, &slabs).unwrap_err();
-            assert!(
-                matches!(&e, Error::ForeignDevice { layer: 0, what } if what.contains("source")),
-                "{dtype}: {e}"
-            );
+            assert!(refused(&e, "source"), "{dtype}: {e}");
             assert_eq!(
                 c.ledger(),
                 &ledger,
@@ -403,14 +418,78 @@ pub async fn gpu_sources_of_another_device_are_refused(g: &Gpu) {
             );
         }
         assert_eq!(snapshot(&c).await, before);
-        // The cache still takes its own device's sources.
-        let own = buffer_with(&g.device, &f32_words, USAGE);
+        // A buffer of its own device, not verified: taken natively; in a browser refused until
+        // verified.
+        let own = g
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("own, unverified"),
+                contents: bytemuck::cast_slice(&f32_words),
+                usage: USAGE,
+            });
         let slab = GpuSlab {
             buffer: &own,
             ..kernel
         };
+        if web {
+            let e = c.append_gpu(0, &[slab, slab]).unwrap_err();
+            assert!(refused(&e, "source"), "{dtype}: {e}");
+            assert_eq!(
+                c.ledger(),
+                &ledger,
+                "{dtype}: the refusal changed the ledger"
+            );
+        }
+        verify_buffer(&g.device, &own).await.unwrap();
         c.append_gpu(0, &[slab, slab]).unwrap();
+        c.advance(2).unwrap();
         assert_eq!(c.visible(0).unwrap(), 2);
+
+        // Attention: queries or output of the other device, then (in a browser) unverified ones of
+        // its own.
+        let q_words: Vec<u32> = values(5, 8).iter().map(|x| x.to_bits()).collect();
+        let q_foreign = buffer_with(&other.device, &q_words, USAGE).await;
+        let out_foreign = buffer_with(&other.device, &[0; 8], USAGE).await;
+        let q = buffer_with(&g.device, &q_words, USAGE).await;
+        let out = buffer_with(&g.device, &[0; 8], USAGE).await;
+        let fresh = |words: &[u32]| {
+            g.device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("own, unverified"),
+                    contents: bytemuck::cast_slice(words),
+                    usage: USAGE,
+                })
+        };
+        let (q_fresh, out_fresh) = (fresh(&q_words), fresh(&[0; 8]));
+        let mut calls = vec![(&q_foreign, &out, "query"), (&q, &out_foreign, "output")];
+        if web {
+            calls.extend([(&q_fresh, &out, "query"), (&q, &out_fresh, "output")]);
+        }
+        let options = AttentionOptions::default();
+        for (q_buf, out_buf, part) in calls {
+            let e = attention
+                .gqa(&c, 0, Queries::new(q_buf, 1, 2, 4), out_buf, &options)
+                .unwrap_err();
+            assert!(refused(&e, part), "{dtype}: {e}");
+        }
+        assert_eq!(
+            read_f32(g, &out).await,
+            vec![0.0; 8],
+            "{dtype}: output written"
+        );
+        attention
+            .gqa(&c, 0, Queries::new(&q, 1, 2, 4), &out, &options)
+            .unwrap();
+        assert!(
+            read_f32(g, &out).await.iter().any(|&x| x != 0.0),
+            "{dtype}: no output"
+        );
+
+        // A readback of the other device's buffer through this device.
+        let e = read_buffer_async(&g.device, &g.queue, &same, 0, 4)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Device { .. }), "{dtype}: {e}");
     }
 }
 
@@ -431,7 +510,7 @@ pub async fn a_queue_of_another_device_is_refused(g: &Gpu) {
             Attention::new(device, queue).unwrap_err(),
             Error::QueueMismatch
         );
-        let b = f32_buffer(device, &[1.0; 4]);
+        let b = f32_buffer(device, &[1.0; 4]).await;
         assert_eq!(
             kvgpu::read_buffer_async(device, queue, &b, 0, 16)
                 .await
@@ -465,7 +544,7 @@ pub async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_paramet
     let mut c = one_slot(&kernels, 3, DType::F16, n);
     let mut m = CpuCache::new(c.spec());
     let src: Vec<u32> = values(9, 64).iter().map(|x| x.to_bits()).collect();
-    let buf = buffer_with(&g.device, &src, USAGE);
+    let buf = buffer_with(&g.device, &src, USAGE).await;
     let mut encoder = g.device.create_command_encoder(&Default::default());
     let shape = [1, 3];
     for i in 0..n {
@@ -500,7 +579,7 @@ pub async fn the_16_byte_path_leaves_the_padding_half_zero(g: &Gpu) {
         let mut m = CpuCache::new(c.spec());
         // Rows of 8 floats, the 8th of each a non-zero value that must not land in the padding.
         let src: Vec<u32> = (0..n * 8).map(|i| (1.0 + i as f32).to_bits()).collect();
-        let buf = buffer_with(&g.device, &src, USAGE);
+        let buf = buffer_with(&g.device, &src, USAGE).await;
         let shape = [n, 7];
         c.append_gpu(
             0,
@@ -545,8 +624,11 @@ pub async fn deepseek_v2_lite_mla_matches_the_reference(
     assert_eq!(c.visible(0).unwrap(), visible);
     let ql = values(seed + 77, n_q * n_heads * r);
     let qr = values(seed + 78, n_q * n_heads * p);
-    let (qlb, qrb) = (f32_buffer(&g.device, &ql), f32_buffer(&g.device, &qr));
-    let out = output(&g.device, n_q * n_heads * r);
+    let (qlb, qrb) = (
+        f32_buffer(&g.device, &ql).await,
+        f32_buffer(&g.device, &qr).await,
+    );
+    let out = output(&g.device, n_q * n_heads * r).await;
     let options = AttentionOptions {
         scale: Some(0.07),
         ..Default::default()
@@ -630,8 +712,8 @@ pub async fn many_queries_over_a_long_context_see_every_row(g: &Gpu, dtype: DTyp
     }
     let fill_s = clock.seconds();
     let n_heads = n_kv * group;
-    let qb = f32_buffer(&g.device, &values(5, n_q * n_heads * d));
-    let out = output(&g.device, n_q * n_heads * d);
+    let qb = f32_buffer(&g.device, &values(5, n_q * n_heads * d)).await;
+    let out = output(&g.device, n_q * n_heads * d).await;
     let clock = Stopwatch::start();
     Attention::for_cache(&c)
         .gqa(

@@ -8,13 +8,13 @@ use kvgpu::wgpu;
 use kvgpu::*;
 
 /// A GPU buffer of `g` holding element bits of `dtype` (16-bit types packed two per word).
-fn source(g: &Gpu, bits: &[u32], dtype: DType, usage: wgpu::BufferUsages) -> wgpu::Buffer {
+async fn source(g: &Gpu, bits: &[u32], dtype: DType, usage: wgpu::BufferUsages) -> wgpu::Buffer {
     let words = if dtype == DType::F32 {
         bits.to_vec()
     } else {
         reference::pack_rows(bits, dtype, bits.len())
     };
-    buffer_with(&g.device, &words, usage)
+    buffer_with(&g.device, &words, usage).await
 }
 
 const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE;
@@ -37,7 +37,7 @@ pub async fn fused_qkv_k_and_v_go_straight_into_the_cache(g: &Gpu) {
             let spec = CacheSpec::new(vec![LayerSpec::kv(heads, dim, dim); 2], dtype, 12).unwrap();
             let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
             let qkv = bits_of(7, n * width, src_dtype);
-            let buf = source(g, &qkv, src_dtype, BOTH);
+            let buf = source(g, &qkv, src_dtype, BOTH).await;
             let shape = [n, heads, dim];
             let strides = [width, dim, 1];
             let k = GpuSlab {
@@ -85,7 +85,7 @@ pub async fn head_major_source_is_transposed_into_rows(g: &Gpu) {
         .unwrap();
         let mut c = cache_on(g, spec);
         let src = bits_of(11, heads * seq * dim, DType::F32);
-        let buf = source(g, &src, DType::F32, STORAGE);
+        let buf = source(g, &src, DType::F32, STORAGE).await;
         let shape = [n, heads, dim];
         let strides = [dim, seq * dim, 1];
         let slab = GpuSlab {
@@ -173,7 +173,7 @@ pub async fn conversion_matches_half_bit_for_bit(g: &Gpu) {
             DType::F32 => src.clone(),
             _ => src.iter().map(|&b| b & 0xffff).collect(),
         };
-        let buf = source(g, &src_bits, src_dtype, STORAGE);
+        let buf = source(g, &src_bits, src_dtype, STORAGE).await;
         // Rows of 7 elements (odd: the last word of a 16-bit row is half padding) take the word path;
         // rows of 8 from an f32 source take the 16-byte path.
         for width in [7, 8] {
@@ -235,7 +235,7 @@ pub async fn contiguous_same_type_and_odd_offsets(g: &Gpu) {
             .unwrap();
             let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
             let src = bits_of(width as u64, 64, dtype);
-            let buf = source(g, &src, dtype, BOTH);
+            let buf = source(g, &src, dtype, BOTH).await;
             // Two appends: the second lands after the first.
             for (i, n) in [(0usize, 2usize), (1, 3)] {
                 let off = offset + (i * 17) as u64;
@@ -268,8 +268,8 @@ pub async fn refused_sources_change_nothing(g: &Gpu) {
     let before = snapshot(&c).await;
     let ledger = c.ledger().clone();
     let src = bits_of(3, 40, DType::F32);
-    let storage_only = source(g, &src, DType::F32, STORAGE);
-    let copy_only = source(g, &src, DType::F32, wgpu::BufferUsages::COPY_SRC);
+    let storage_only = source(g, &src, DType::F32, STORAGE).await;
+    let copy_only = source(g, &src, DType::F32, wgpu::BufferUsages::COPY_SRC).await;
     let shape = [2, 2, 4];
     let ok = GpuSlab {
         buffer: &storage_only,
@@ -408,7 +408,8 @@ pub async fn refused_sources_change_nothing(g: &Gpu) {
         &bits_of(4, 40, DType::F16),
         DType::F16,
         wgpu::BufferUsages::COPY_SRC,
-    );
+    )
+    .await;
     let unaligned = GpuSlab {
         buffer: &copy_only_16,
         dtype: DType::F16,
@@ -458,7 +459,7 @@ pub async fn many_recorded_appends_in_one_encoder(g: &Gpu) {
     .unwrap();
     let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
     let src = bits_of(5, 256, DType::F32);
-    let buf = source(g, &src, DType::F32, STORAGE);
+    let buf = source(g, &src, DType::F32, STORAGE).await;
     let mut encoder = g.device.create_command_encoder(&Default::default());
     for i in 0..50usize {
         let shape = [1, 3];
@@ -503,7 +504,7 @@ pub async fn gqa_prefill_then_decode_from_fused_qkv(g: &Gpu) {
         for step in 0..3u64 {
             let qkv = values(50 + step, width);
             let bits: Vec<u32> = qkv.iter().map(|x| x.to_bits()).collect();
-            let src = source(g, &bits, DType::F32, super::USAGE);
+            let src = source(g, &bits, DType::F32, super::USAGE).await;
             let shape = [1, heads, dim];
             let strides = [width, dim, 1];
             for l in 0..2 {

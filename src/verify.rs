@@ -1,0 +1,163 @@
+//! Which device an app's buffer belongs to.
+//!
+//! wgpu refuses a bind group or a copy that names a buffer of another device, and such a refusal
+//! would spoil the caller's encoder, so kvgpu checks every outside buffer before it records anything.
+//! Natively wgpu answers an error scope at once and the synchronous calls check for themselves. A
+//! browser cannot: WebGPU gives a `GPUBuffer` no `device` attribute and reports a mismatch only
+//! through an error scope that resolves in a later task. There a buffer is verified once with
+//! [`verify_buffer`] (async), kvgpu remembers it in a weak set of the device (which keeps neither
+//! the buffer nor the device alive), and a synchronous call given a buffer it has not seen is
+//! refused with [`Error::UnverifiedBuffer`] before anything is recorded.
+
+use crate::error::{Error, Result};
+
+/// Checks that kvgpu may bind or copy `buffer` on `device`, and remembers the answer where a
+/// synchronous call cannot find it out itself (in a browser).
+///
+/// A buffer of another device is refused with [`Error::ForeignBuffer`]. The probe binds the buffer's
+/// first word as read-only storage when it has `STORAGE` usage, otherwise copies it when it has
+/// `COPY_SRC`; nothing is submitted. A buffer with neither usage, or under 4 bytes, cannot be used
+/// by kvgpu at all: it is not probed and returns `Ok`, and the calls that would use it refuse it
+/// for its usage or size.
+///
+/// Natively this is optional (every call checks its buffers); in a browser every app buffer a
+/// synchronous call binds (GPU append sources, attention queries and outputs) must be verified
+/// once first. Buffers kvgpu made (a cache's slots, taken as another cache's source) need not be.
+pub async fn verify_buffer(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Result<()> {
+    let usage = buffer.usage();
+    let storage = usage.contains(wgpu::BufferUsages::STORAGE);
+    if buffer.size() < 4 || !(storage || usage.contains(wgpu::BufferUsages::COPY_SRC)) {
+        return Ok(());
+    }
+    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    if storage {
+        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("kvgpu buffer probe"),
+            entries: &[wgpu::BindGroupLayoutEntry {
+                binding: 0,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: wgpu::BufferBindingType::Storage { read_only: true },
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            }],
+        });
+        let _probe = device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("kvgpu buffer probe"),
+            layout: &layout,
+            entries: &[wgpu::BindGroupEntry {
+                binding: 0,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer,
+                    offset: 0,
+                    size: wgpu::BufferSize::new(4),
+                }),
+            }],
+        });
+    } else {
+        let probe = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu buffer probe"),
+            size: 4,
+            usage: wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("kvgpu buffer probe"),
+        });
+        encoder.copy_buffer_to_buffer(buffer, 0, &probe, 0, 4);
+        encoder.finish();
+    }
+    if let Some(e) = scope.pop().await {
+        return Err(Error::ForeignBuffer {
+            reason: e.to_string(),
+        });
+    }
+    known::insert(device, buffer);
+    Ok(())
+}
+
+/// Remembers a buffer kvgpu made on `device` as verified (a cache's slot buffers, which another
+/// cache of the device may take as a source).
+pub(crate) fn remember(device: &wgpu::Device, buffer: &wgpu::Buffer) {
+    known::insert(device, buffer);
+}
+
+/// Refuses, with [`Error::UnverifiedBuffer`], a buffer that a synchronous call cannot check itself
+/// and that [`verify_buffer`] has not accepted for `device`. Natively every buffer passes (the call
+/// checks it in an error scope that answers at once).
+pub(crate) fn known_or_refused(
+    device: &wgpu::Device,
+    buffer: &wgpu::Buffer,
+    layer: usize,
+    what: impl FnOnce() -> String,
+) -> Result<()> {
+    if known::contains(device, buffer) {
+        Ok(())
+    } else {
+        Err(Error::UnverifiedBuffer {
+            layer,
+            what: what(),
+        })
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+mod known {
+    pub(super) fn insert(_: &wgpu::Device, _: &wgpu::Buffer) {}
+
+    pub(super) fn contains(_: &wgpu::Device, _: &wgpu::Buffer) -> bool {
+        true
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+mod known {
+    use js_sys::{WeakMap, WeakSet};
+    use wasm_bindgen::JsCast;
+
+    thread_local! {
+        /// `GPUDevice` -> `WeakSet` of its verified `GPUBuffer`s. Weak on both levels: a dropped
+        /// device or buffer is collected as if kvgpu had never seen it.
+        static VERIFIED: WeakMap = WeakMap::new();
+    }
+
+    /// The JS objects of a WebGPU device and buffer (none on another backend, such as WebGL).
+    fn objects<'a>(
+        device: &'a wgpu::Device,
+        buffer: &'a wgpu::Buffer,
+    ) -> Option<(&'a js_sys::Object, &'a js_sys::Object)> {
+        Some((device.as_webgpu()?.as_ref(), buffer.as_webgpu()?.as_ref()))
+    }
+
+    pub(super) fn insert(device: &wgpu::Device, buffer: &wgpu::Buffer) {
+        let Some((device, buffer)) = objects(device, buffer) else {
+            return;
+        };
+        VERIFIED.with(|verified| {
+            let set = match verified.get(device).dyn_into::<WeakSet>() {
+                Ok(set) => set,
+                Err(_) => {
+                    let set = WeakSet::new();
+                    verified.set(device, &set);
+                    set
+                }
+            };
+            set.add(buffer);
+        });
+    }
+
+    pub(super) fn contains(device: &wgpu::Device, buffer: &wgpu::Buffer) -> bool {
+        // Another backend (WebGL) validates like the native ones: its scopes answer at once.
+        let Some((device, buffer)) = objects(device, buffer) else {
+            return true;
+        };
+        VERIFIED.with(|verified| {
+            verified
+                .get(device)
+                .dyn_into::<WeakSet>()
+                .is_ok_and(|set| set.has(buffer))
+        })
+    }
+}
