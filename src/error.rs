@@ -142,8 +142,8 @@ pub enum Error {
     ForeignDevice { layer: usize, what: String },
 
     /// [`verify_buffer`](crate::verify_buffer) found that a buffer cannot be used on this device:
-    /// it belongs to another one (or wgpu refused it for another reason it names).
-    #[error("the buffer belongs to another device (wgpu refused to use it: {reason})")]
+    /// it belongs to another one (wgpu's refusal is quoted).
+    #[error("the buffer belongs to another device (wgpu refused to bind it: {reason})")]
     ForeignBuffer { reason: String },
 
     /// In a browser, a synchronous call was given a buffer that

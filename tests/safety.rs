@@ -35,3 +35,35 @@ fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters() {
 fn the_16_byte_path_leaves_the_padding_half_zero() {
     pollster::block_on(shared::the_16_byte_path_leaves_the_padding_half_zero(gpu()));
 }
+
+/// `verify_buffer` answers every buffer of its device without a panic or an uncaptured wgpu error: one
+/// kvgpu can bind or copy passes, and one it could never bind or copy (no `STORAGE` or `COPY_SRC`
+/// usage, or under 4 bytes) is not probed and passes too (the calls that would use it refuse it for
+/// its usage or size).
+#[test]
+fn verify_buffer_answers_every_buffer() {
+    let g = gpu();
+    let make = |size: u64, usage: wgpu::BufferUsages| {
+        g.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("verified"),
+            size,
+            usage,
+            mapped_at_creation: false,
+        })
+    };
+    let u = wgpu::BufferUsages::empty();
+    for (size, usage) in [
+        (16, u | wgpu::BufferUsages::STORAGE),
+        (16, u | wgpu::BufferUsages::COPY_SRC),
+        (2, u | wgpu::BufferUsages::STORAGE),
+        (16, wgpu::BufferUsages::UNIFORM),
+        (
+            16,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        ),
+    ] {
+        let b = make(size, usage);
+        pollster::block_on(kvgpu::verify_buffer(&g.device, &b))
+            .unwrap_or_else(|e| panic!("{size} bytes, {usage:?}: {e}"));
+    }
+}
