@@ -1,6 +1,7 @@
 //! The one error type of kvgpu. Every refused operation returns one of these and changes nothing.
 
 use crate::codec::DType;
+use crate::seq::SeqId;
 
 /// Everything kvgpu can refuse, with the layer, slot, shapes, positions and capacity involved.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -73,6 +74,48 @@ pub enum Error {
         pending: usize,
         expected: usize,
         len: usize,
+    },
+
+    /// A paged pool was given a sequence it does not hold (never added, or removed).
+    #[error("{seq} is not in the pool (never added, or removed)")]
+    UnknownSequence { seq: SeqId },
+
+    /// A paged pool has handed out every sequence id it can (2^32).
+    #[error("the pool has handed out every sequence id it can (2^32)")]
+    SequenceIdsExhausted,
+
+    /// `fork(seq, at_len)` past the sequence's committed rows.
+    #[error("cannot fork {seq} at {at_len}: it has only {len} committed rows")]
+    ForkBeyondLength {
+        seq: SeqId,
+        at_len: usize,
+        len: usize,
+    },
+
+    /// A paged pool has fewer free pages than an operation needs (new pages, and private copies of
+    /// shared pages it would write into).
+    #[error("out of pages: {needed} needed, {free} free")]
+    OutOfPages { needed: usize, free: usize },
+
+    /// A paged pool with no page, or pages of no row.
+    #[error(
+        "a pool needs at least one page of at least one row: {n_pages} pages of {page_size} rows"
+    )]
+    EmptyPool { page_size: usize, n_pages: usize },
+
+    /// A paged pool whose pool of one slot would not fit one storage binding of the device.
+    #[error(
+        "layer {layer} slot {slot}: {n_pages} pages of {page_size} rows ({row_bytes} bytes/row) exceed \
+         the device's storage binding limit of {limit} bytes; the most pages that fit are {max_pages}"
+    )]
+    PoolTooLarge {
+        layer: usize,
+        slot: usize,
+        n_pages: usize,
+        page_size: usize,
+        row_bytes: u64,
+        limit: u64,
+        max_pages: usize,
     },
 
     /// `truncate(new_len)` was asked to grow the cache.

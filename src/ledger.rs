@@ -5,15 +5,7 @@ use crate::error::{Error, Result};
 use crate::placement::Run;
 use crate::spec::CacheSpec;
 
-/// A sequence of a cache. A [`crate::KvCache`] holds one, [`SeqId::FIRST`]; a paged pool will hold
-/// many, and plans already name the sequence they place rows for.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqId(pub(crate) u32);
-
-impl SeqId {
-    /// The one sequence of a single-sequence cache.
-    pub const FIRST: SeqId = SeqId(0);
-}
+pub use crate::seq::SeqId;
 
 /// Rows `[start_row, start_row + n_new)` of sequence `seq` in every slot of `layer` receive an
 /// append; [`AppendPlan::runs`] says where they lie in storage.
@@ -53,6 +45,50 @@ impl DroppedRows {
             n_rows: self.end - self.start,
         }
     }
+}
+
+/// Checks slabs shaped `[n_new, ...trailing[s]]` (`shape_of(s)`, `n_slabs` of them) against a layer's
+/// slots and returns `n_new`: one slab per slot, each with its slot's trailing shape, all with the same
+/// row count.
+pub(crate) fn slab_rows<'s>(
+    layer: usize,
+    slots: &[Vec<usize>],
+    n_slabs: usize,
+    shape_of: impl Fn(usize) -> &'s [usize],
+) -> Result<usize> {
+    if n_slabs != slots.len() {
+        return Err(Error::SlotCount {
+            layer,
+            expected: slots.len(),
+            got: n_slabs,
+        });
+    }
+    let mut n_new = None;
+    for (slot, trailing) in slots.iter().enumerate() {
+        let shape = shape_of(slot);
+        let Some((&rows, rest)) = shape.split_first().filter(|(_, rest)| rest == trailing) else {
+            return Err(Error::SlabShape {
+                layer,
+                slot,
+                expected: trailing.clone(),
+                got: shape.to_vec(),
+            });
+        };
+        match n_new {
+            None => n_new = Some(rows),
+            Some(expected) if expected != rows => {
+                return Err(Error::RowCountMismatch {
+                    layer,
+                    slot,
+                    expected,
+                    got: rows,
+                });
+            }
+            Some(_) => {}
+        }
+        debug_assert_eq!(rest, trailing.as_slice());
+    }
+    Ok(n_new.unwrap_or(0))
 }
 
 /// Positions and pending rows of every layer; see the crate docs for the contract.
@@ -148,41 +184,7 @@ impl Ledger {
         n_slabs: usize,
         shape_of: impl Fn(usize) -> &'s [usize],
     ) -> Result<AppendPlan> {
-        let slots = self.slot_shapes(layer)?;
-        if n_slabs != slots.len() {
-            return Err(Error::SlotCount {
-                layer,
-                expected: slots.len(),
-                got: n_slabs,
-            });
-        }
-        let mut n_new = None;
-        for (slot, trailing) in slots.iter().enumerate() {
-            let shape = shape_of(slot);
-            let Some((&rows, rest)) = shape.split_first().filter(|(_, rest)| rest == trailing)
-            else {
-                return Err(Error::SlabShape {
-                    layer,
-                    slot,
-                    expected: trailing.clone(),
-                    got: shape.to_vec(),
-                });
-            };
-            match n_new {
-                None => n_new = Some(rows),
-                Some(expected) if expected != rows => {
-                    return Err(Error::RowCountMismatch {
-                        layer,
-                        slot,
-                        expected,
-                        got: rows,
-                    });
-                }
-                Some(_) => {}
-            }
-            debug_assert_eq!(rest, trailing.as_slice());
-        }
-        let n_new = n_new.unwrap_or(0);
+        let n_new = slab_rows(layer, self.slot_shapes(layer)?, n_slabs, shape_of)?;
         let start_row = self.len + self.pending[layer];
         if n_new > self.capacity - start_row {
             return Err(Error::CapacityExceeded {

@@ -73,8 +73,10 @@ mod device;
 mod error;
 mod kernels;
 mod ledger;
+mod paged;
 mod placement;
 pub mod reference;
+mod seq;
 mod spec;
 mod verify;
 
@@ -93,6 +95,7 @@ pub use error::{
 };
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger, SeqId};
+pub use paged::{PageLedger, PagedCache};
 pub use placement::Run;
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
 pub use verify::verify_buffer;

@@ -6,6 +6,15 @@ use super::{GpuSlab, KvCache};
 use crate::error::{Error, Result};
 use crate::kernels::{grid, scoped};
 use crate::ledger::AppendPlan;
+use crate::placement::Run;
+
+/// One checked move of a part of a GPU slab into a run of its slot, with its bind group.
+pub(crate) struct GpuMove {
+    slot: usize,
+    run: Run,
+    job: SourceJob,
+    group: Option<wgpu::BindGroup>,
+}
 
 impl KvCache {
     /// Records an append from GPU buffers into `encoder`: a contiguous source of the storage type is
@@ -19,43 +28,131 @@ impl KvCache {
         let plan = self
             .ledger
             .plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
-        let jobs = slabs
+        let [run] = plan.runs();
+        let moves = self.prepare_gpu_runs(layer, slabs, plan.n_new, &[(0, run)])?;
+        self.record_gpu_moves(encoder, layer, slabs, moves);
+        self.ledger.commit_append(plan);
+        Ok(plan)
+    }
+
+    /// Checks GPU slabs of `n_new` rows (shapes already checked against the layer's slots) for a move
+    /// into `runs` of the slot buffers (`(first slab row, run)`, the runs covering the slabs' rows in
+    /// order), and makes their bind groups (each source's device check); records nothing.
+    pub(crate) fn prepare_gpu_runs(
+        &mut self,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+        n_new: usize,
+        runs: &[(usize, Run)],
+    ) -> Result<Vec<GpuMove>> {
+        // The whole slabs first, so an empty append still checks its sources.
+        for (slot, slab) in slabs.iter().enumerate() {
+            source::plan_source(
+                layer,
+                slot,
+                &self.source_of(layer, slot, slab, slab.offset, slab.shape),
+                &self.destination(layer, slot),
+                n_new,
+            )?;
+        }
+        // Then each run's part of each slab: rows [first, first + n_rows) start `first` row strides on.
+        let mut parts = Vec::with_capacity(runs.len() * slabs.len());
+        for &(first, run) in runs {
+            for (slot, slab) in slabs.iter().enumerate() {
+                let row_stride = match slab.strides {
+                    Some(strides) => strides[0],
+                    None => source::contiguous_strides(slab.shape)[0],
+                };
+                let mut shape = slab.shape.to_vec();
+                shape[0] = run.n_rows;
+                // Inside the whole slab, which was checked to lie in its buffer: no overflow.
+                let offset = slab.offset + first as u64 * row_stride as u64;
+                parts.push((slot, run, offset, shape));
+            }
+        }
+        let jobs = parts
             .iter()
-            .enumerate()
-            .map(|(slot, slab)| {
-                let sb = &self.slots[layer][slot];
-                let source = Source {
-                    buffer_size: slab.buffer.size(),
-                    usage: slab.buffer.usage(),
-                    is_destination: slab.buffer == &sb.buffer,
-                    mapped: crate::kernels::is_mapped(slab.buffer),
-                    dtype: slab.dtype,
-                    offset: slab.offset,
-                    shape: slab.shape,
-                    strides: slab.strides,
-                };
-                let destination = Destination {
-                    storage: self.spec.dtype(),
-                    row_elems: sb.row_elems,
-                    row_bytes: sb.placement.row_bytes,
-                    min_offset_alignment: self.min_storage_offset_alignment,
-                    max_binding: self.max_binding,
-                };
-                source::plan_source(layer, slot, &source, &destination, plan.n_new)
+            .map(|(slot, run, offset, shape)| {
+                source::plan_source(
+                    layer,
+                    *slot,
+                    &self.source_of(layer, *slot, &slabs[*slot], *offset, shape),
+                    &self.destination(layer, *slot),
+                    run.n_rows,
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         // Bind groups (and the device check of each source) before anything is recorded.
-        let groups = slabs
+        let groups = parts
             .iter()
             .zip(&jobs)
-            .enumerate()
-            .map(|(slot, (slab, job))| self.prepare_source(layer, slot, slab, job))
+            .map(|((slot, ..), job)| self.prepare_source(layer, *slot, &slabs[*slot], job))
             .collect::<Result<Vec<_>>>()?;
-        for (slot, ((slab, job), group)) in slabs.iter().zip(jobs).zip(groups).enumerate() {
-            self.record_source(encoder, &plan, slot, slab, job, group);
+        Ok(parts
+            .into_iter()
+            .zip(jobs)
+            .zip(groups)
+            .map(|(((slot, run, ..), job), group)| GpuMove {
+                slot,
+                run,
+                job,
+                group,
+            })
+            .collect())
+    }
+
+    /// Records the moves [`KvCache::prepare_gpu_runs`] made for `slabs`.
+    pub(crate) fn record_gpu_moves(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+        moves: Vec<GpuMove>,
+    ) {
+        for m in moves {
+            self.record_source(
+                encoder,
+                layer,
+                m.slot,
+                &m.run,
+                &slabs[m.slot],
+                m.job,
+                m.group,
+            );
         }
-        self.ledger.commit_append(plan);
-        Ok(plan)
+    }
+
+    /// What the source planner needs to know of the part of `slab` at `offset` shaped `shape`.
+    fn source_of<'a>(
+        &self,
+        layer: usize,
+        slot: usize,
+        slab: &GpuSlab<'a>,
+        offset: u64,
+        shape: &'a [usize],
+    ) -> Source<'a> {
+        Source {
+            buffer_size: slab.buffer.size(),
+            usage: slab.buffer.usage(),
+            is_destination: slab.buffer == &self.slots[layer][slot].buffer,
+            mapped: crate::kernels::is_mapped(slab.buffer),
+            dtype: slab.dtype,
+            offset,
+            shape,
+            strides: slab.strides,
+        }
+    }
+
+    /// The destination slot of `layer` and the device's binding rules, for the source planner.
+    fn destination(&self, layer: usize, slot: usize) -> Destination {
+        let sb = &self.slots[layer][slot];
+        Destination {
+            storage: self.spec.dtype(),
+            row_elems: sb.row_elems,
+            row_bytes: sb.placement.row_bytes,
+            min_offset_alignment: self.min_storage_offset_alignment,
+            max_binding: self.max_binding,
+        }
     }
 
     /// [`KvCache::record_append_gpu`] in its own submission.
@@ -143,19 +240,20 @@ impl KvCache {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn record_source(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
-        plan: &AppendPlan,
+        layer: usize,
         slot: usize,
+        run: &Run,
         slab: &GpuSlab<'_>,
         job: SourceJob,
         group: Option<wgpu::BindGroup>,
     ) {
-        let (layer, storage) = (plan.layer, self.spec.dtype());
+        let storage = self.spec.dtype();
         let sb = &self.slots[layer][slot];
-        let [run] = plan.runs();
-        let (dst_offset, size) = sb.placement.bytes(&run);
+        let (dst_offset, size) = sb.placement.bytes(run);
         match (job, group) {
             (SourceJob::Copy { src_offset }, _) => {
                 encoder.copy_buffer_to_buffer(

@@ -13,7 +13,7 @@ use crate::codec::{DType, HostData, encode_rows, padded_row_bytes, row_elems};
 use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing};
 use crate::ledger::{AppendPlan, Ledger};
-use crate::placement::Placement;
+use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
 pub use slabs::{GpuSlab, HostSlab, SlotView};
 use zero::ZeroRange;
@@ -274,6 +274,16 @@ impl KvCache {
         let plan = self
             .ledger
             .plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
+        let [run] = plan.runs();
+        self.check_host_slabs(layer, slabs)?;
+        self.write_host_runs(layer, slabs, &[(0, run)]);
+        self.ledger.commit_append(plan);
+        Ok(plan)
+    }
+
+    /// Checks host slabs (shapes already checked against the layer's slots): f32 or the storage
+    /// type, and as many elements as their shapes say.
+    pub(crate) fn check_host_slabs(&self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<()> {
         let storage = self.spec.dtype();
         for (slot, slab) in slabs.iter().enumerate() {
             let got = slab.data.dtype();
@@ -296,12 +306,23 @@ impl KvCache {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// Writes checked host slabs into `runs` of the slot buffers (`(first slab row, run)`) with
+    /// `Queue::write_buffer`.
+    pub(crate) fn write_host_runs(
+        &mut self,
+        layer: usize,
+        slabs: &[HostSlab<'_>],
+        runs: &[(usize, Run)],
+    ) {
+        let storage = self.spec.dtype();
         for (slot, slab) in slabs.iter().enumerate() {
             let sb = &self.slots[layer][slot];
-            if plan.n_new == 0 {
+            if runs.iter().all(|(_, run)| run.n_rows == 0) {
                 continue;
             }
-            let offset = sb.placement.offset(plan.start_row);
             let unpadded = (sb.row_elems * storage.size()).is_multiple_of(4);
             let bytes: &[u8] = match slab.data {
                 HostData::F32(d) if storage == DType::F32 => bytemuck::cast_slice(d),
@@ -312,10 +333,14 @@ impl KvCache {
                     &self.scratch
                 }
             };
-            self.queue.write_buffer(&sb.buffer, offset, bytes);
+            let row_bytes = sb.placement.row_bytes as usize;
+            for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
+                let (offset, size) = sb.placement.bytes(run);
+                let from = first * row_bytes;
+                self.queue
+                    .write_buffer(&sb.buffer, offset, &bytes[from..from + size as usize]);
+            }
         }
-        self.ledger.commit_append(plan);
-        Ok(plan)
     }
 
     /// Commits `n` rows: every layer with slots must have exactly `n` pending rows.

@@ -1,0 +1,335 @@
+//! A paged pool of many sequences: per (layer, slot) one pool buffer of `n_pages` pages of
+//! `page_size` token rows, a [`PageLedger`] that owns the free list, the page tables, the reference
+//! counts of shared pages and every sequence's length, and the commands that carry out its plans.
+//!
+//! The pool's buffers are the slot buffers of an inner [`KvCache`] whose capacity is the pool's rows
+//! (its own ledger is unused): row placement, host and GPU sources, conversion and the device checks
+//! are the single-sequence cache's, applied to the runs a plan gives. Every operation is checked in
+//! full by the ledger before anything is written or recorded, and a refusal changes nothing.
+//!
+//! Ordering, as for [`KvCache`]: host appends reach the GPU at the next queue submission, ahead of the
+//! commands submitted with it. A host append into a page shared after a fork first submits the copy
+//! that gives the writer its private page, so the copy sees every earlier host append and every
+//! command submitted before it: submit an encoder holding GPU appends to a parent before host
+//! appends to its forks.
+
+mod ledger;
+
+use std::sync::Arc;
+
+use crate::cache::{GpuSlab, HostSlab, KvCache, SlotView};
+use crate::codec::decode_rows;
+use crate::error::{Error, Result};
+use crate::kernels::Kernels;
+use crate::seq::SeqId;
+use crate::spec::{CacheSpec, DeviceLimits};
+use ledger::PageCopy;
+pub use ledger::PageLedger;
+
+/// Many sequences in one pool of GPU memory; see the module docs.
+pub struct PagedCache {
+    /// The pool's buffers: a cache of `page_size · n_pages` rows whose ledger stays empty.
+    store: KvCache,
+    spec: CacheSpec,
+    ledger: PageLedger,
+    /// One page of the widest slot, for copies between pages of one buffer (which wgpu refuses to
+    /// copy directly); made on the first copy.
+    staging: Option<wgpu::Buffer>,
+}
+
+impl std::fmt::Debug for PagedCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagedCache")
+            .field("dtype", &self.spec.dtype())
+            .field("layers", &self.spec.n_layers())
+            .field("page_size", &self.ledger.page_size())
+            .field("n_pages", &self.ledger.n_pages())
+            .field("free_pages", &self.ledger.free_pages())
+            .field("sequences", &self.ledger.sequences().count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PagedCache {
+    /// A pool of `n_pages` pages of `page_size` rows for the layers and storage type of `spec`, whose
+    /// `max_seq_len` bounds one sequence. Each (layer, slot) pool must fit one storage binding: a
+    /// larger pool is refused with [`Error::PoolTooLarge`], which names the most pages that fit.
+    pub fn new(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        spec: CacheSpec,
+        page_size: usize,
+        n_pages: usize,
+    ) -> Result<Self> {
+        Self::with_kernels(Kernels::new(device, queue)?, spec, page_size, n_pages)
+    }
+
+    /// [`PagedCache::new`] with the kernel registry of its device.
+    pub fn with_kernels(
+        kernels: Arc<Kernels>,
+        spec: CacheSpec,
+        page_size: usize,
+        n_pages: usize,
+    ) -> Result<Self> {
+        let empty = Error::EmptyPool { page_size, n_pages };
+        if page_size == 0 || n_pages == 0 {
+            return Err(empty);
+        }
+        let limits = DeviceLimits::from_wgpu(&kernels.device().limits());
+        let too_large = |layer: usize, slot: usize, row_bytes: u64| Error::PoolTooLarge {
+            layer,
+            slot,
+            n_pages,
+            page_size,
+            row_bytes,
+            limit: limits.max_slot_bytes(),
+            max_pages: usize::try_from(limits.max_slot_bytes() / row_bytes).unwrap_or(usize::MAX)
+                / page_size,
+        };
+        let Some(rows) = page_size.checked_mul(n_pages) else {
+            return Err(widest(&spec).map_or(empty, |(l, s, b)| too_large(l, s, b)));
+        };
+        let pool =
+            CacheSpec::new(spec.layers().to_vec(), spec.dtype(), rows).map_err(|e| {
+                match (&e, widest(&spec)) {
+                    (Error::InvalidSpec { .. }, Some((l, s, b))) => too_large(l, s, b),
+                    _ => e,
+                }
+            })?;
+        pool.check_limits(&limits).map_err(|e| match e {
+            Error::SlotTooLarge {
+                layer,
+                slot,
+                row_bytes,
+                ..
+            } => too_large(layer, slot, row_bytes),
+            e => e,
+        })?;
+        let store = KvCache::with_kernels(kernels, pool)?;
+        let ledger = PageLedger::new(&spec, page_size, n_pages);
+        Ok(Self {
+            store,
+            spec,
+            ledger,
+            staging: None,
+        })
+    }
+
+    /// The layers, storage type and longest sequence.
+    pub fn spec(&self) -> &CacheSpec {
+        &self.spec
+    }
+
+    /// The host bookkeeping: pages, page tables, lengths, pending rows.
+    pub fn ledger(&self) -> &PageLedger {
+        &self.ledger
+    }
+
+    pub fn device(&self) -> &wgpu::Device {
+        self.store.device()
+    }
+
+    pub fn queue(&self) -> &wgpu::Queue {
+        self.store.queue()
+    }
+
+    /// The kernel registry this pool records with.
+    pub fn kernels(&self) -> &Arc<Kernels> {
+        self.store.kernels()
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.ledger.page_size()
+    }
+
+    pub fn n_pages(&self) -> usize {
+        self.ledger.n_pages()
+    }
+
+    pub fn free_pages(&self) -> usize {
+        self.ledger.free_pages()
+    }
+
+    pub fn pages_in_use(&self) -> usize {
+        self.ledger.pages_in_use()
+    }
+
+    /// A new, empty sequence; it takes pages as it is written.
+    pub fn add_sequence(&mut self) -> Result<SeqId> {
+        self.ledger.add()
+    }
+
+    /// Removes `seq`; the pages no other sequence shares return to the pool.
+    pub fn remove(&mut self, seq: SeqId) -> Result<()> {
+        self.ledger.remove(seq)
+    }
+
+    /// A new sequence holding the first `at_len` committed rows of `parent` without copying them: the
+    /// pages are shared, and a page either side later writes into is copied for the writer first.
+    /// Starting a conversation from a cached system prompt is `fork(prompt, prompt_len)`.
+    pub fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
+        self.ledger.fork(parent, at_len)
+    }
+
+    /// Rolls `seq` back to `new_len` committed rows in O(1), dropping pending rows; pages past the new
+    /// end return to the pool (their bytes stay until overwritten).
+    pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        self.ledger.truncate(seq, new_len)
+    }
+
+    /// Committed rows of `seq`.
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        self.ledger.len(seq)
+    }
+
+    /// Rows of `layer` of `seq` that reads see: committed plus this step's appends.
+    pub fn visible(&self, seq: SeqId, layer: usize) -> Result<usize> {
+        self.ledger.visible(seq, layer)
+    }
+
+    /// `Ok` when `n` more rows in every layer of each `(seq, n)` fit at once (pages, private copies
+    /// of shared pages, and the longest sequence), else the error the appends would meet. Changes
+    /// nothing.
+    pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
+        self.ledger.admits(growth)
+    }
+
+    /// Appends one host slab per slot of `layer` to `seq` (as [`KvCache::append`]).
+    pub fn append(&mut self, seq: SeqId, layer: usize, slabs: &[HostSlab<'_>]) -> Result<()> {
+        let plan = self
+            .ledger
+            .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
+        self.store.check_host_slabs(layer, slabs)?;
+        if !plan.copies.is_empty() {
+            // The private copies go first, in a submission of their own, so the rows written below
+            // (at the next submission) land after them.
+            let mut encoder = self.encoder("kvgpu page copy");
+            self.record_copies(&mut encoder, &plan.copies);
+            self.queue().submit([encoder.finish()]);
+        }
+        self.store.write_host_runs(layer, slabs, &plan.runs);
+        self.ledger.commit_append(&plan);
+        Ok(())
+    }
+
+    /// Records an append from GPU buffers to `seq` into `encoder` (as
+    /// [`KvCache::record_append_gpu`]), after the copies of any shared page it writes into.
+    pub fn record_append_gpu(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        seq: SeqId,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+    ) -> Result<()> {
+        let plan = self
+            .ledger
+            .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
+        let moves = self
+            .store
+            .prepare_gpu_runs(layer, slabs, plan.n_new, &plan.runs)?;
+        if !plan.copies.is_empty() {
+            self.record_copies(encoder, &plan.copies);
+        }
+        self.store.record_gpu_moves(encoder, layer, slabs, moves);
+        self.ledger.commit_append(&plan);
+        Ok(())
+    }
+
+    /// [`PagedCache::record_append_gpu`] in its own submission.
+    pub fn append_gpu(&mut self, seq: SeqId, layer: usize, slabs: &[GpuSlab<'_>]) -> Result<()> {
+        let mut encoder = self.encoder("kvgpu paged append_gpu");
+        self.record_append_gpu(&mut encoder, seq, layer, slabs)?;
+        self.queue().submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// Commits `n` rows of `seq`: every layer with slots must hold exactly `n` pending rows of it.
+    pub fn advance(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        self.ledger.advance(seq, n)
+    }
+
+    /// The whole pool buffer of a slot, every page, for the app's own kernels (rows of page `p` start
+    /// at row `p · page_size`).
+    pub fn pool_view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
+        self.store.full_view(layer, slot)
+    }
+
+    /// Every word of a slot's pool buffer, as stored (16-bit types packed, rows padded).
+    pub async fn read_pool_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        self.store.read_full_words_async(layer, slot).await
+    }
+
+    /// The visible rows of `seq` in a slot as stored words, gathered through its page table.
+    pub async fn read_words_async(
+        &self,
+        seq: SeqId,
+        layer: usize,
+        slot: usize,
+    ) -> Result<Vec<u32>> {
+        let visible = self.ledger.visible(seq, layer)?;
+        let row_words = (self.spec.row_bytes(layer, slot)? / 4) as usize;
+        let pool = self.read_pool_words_async(layer, slot).await?;
+        let pages = self.ledger.pages(seq)?;
+        let p = self.page_size();
+        let mut words = Vec::with_capacity(visible * row_words);
+        for row in 0..visible {
+            let at = (pages[row / p] as usize * p + row % p) * row_words;
+            words.extend_from_slice(&pool[at..at + row_words]);
+        }
+        Ok(words)
+    }
+
+    /// The visible rows of `seq` in a slot as f32, `[visible, ...trailing]` row-major.
+    pub async fn read_f32_async(&self, seq: SeqId, layer: usize, slot: usize) -> Result<Vec<f32>> {
+        let words = self.read_words_async(seq, layer, slot).await?;
+        let row_elems = self.spec.slot(layer, slot)?.row_elems();
+        Ok(decode_rows(&words, self.spec.dtype(), row_elems))
+    }
+
+    /// Records the private copies of shared pages: per layer the rows the writer sees there, through
+    /// the staging buffer (wgpu copies nothing within one buffer).
+    fn record_copies(&mut self, encoder: &mut wgpu::CommandEncoder, copies: &[PageCopy]) {
+        let p = self.page_size() as u64;
+        let staging = self.staging.get_or_insert_with(|| {
+            let widest = widest(&self.spec).map_or(4, |(_, _, b)| b);
+            self.store.device().create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kvgpu page staging"),
+                size: widest * p,
+                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        });
+        for copy in copies {
+            for (layer, &rows) in copy.rows.iter().enumerate() {
+                for slot in 0..self.spec.layers()[layer].slots.len() {
+                    let view = self
+                        .store
+                        .full_view(layer, slot)
+                        .expect("a slot of the spec");
+                    let size = rows as u64 * view.row_bytes;
+                    if size == 0 {
+                        continue;
+                    }
+                    let page_bytes = p * view.row_bytes;
+                    let (from, to) = (copy.from as u64 * page_bytes, copy.to as u64 * page_bytes);
+                    encoder.copy_buffer_to_buffer(view.buffer, from, staging, 0, size);
+                    encoder.copy_buffer_to_buffer(staging, 0, view.buffer, to, size);
+                }
+            }
+        }
+    }
+
+    fn encoder(&self, label: &str) -> wgpu::CommandEncoder {
+        self.store
+            .device()
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) })
+    }
+}
+
+/// The slot with the widest rows: `(layer, slot, row bytes)`.
+fn widest(spec: &CacheSpec) -> Option<(usize, usize, u64)> {
+    (0..spec.n_layers())
+        .flat_map(|l| (0..spec.layers()[l].slots.len()).map(move |s| (l, s)))
+        .filter_map(|(l, s)| spec.row_bytes(l, s).ok().map(|b| (l, s, b)))
+        .max_by_key(|&(_, _, b)| b)
+}
