@@ -120,6 +120,9 @@ browser_tests!(attention_bodies:
 // tests/model.rs: fixed pseudo-random operation sequences instead of proptest's.
 browser_tests!(model_bodies: pseudo_random_operations_match_the_model);
 
+// tests/paged.rs.
+browser_tests!(paged_bodies: paged_pool_matches_the_model);
+
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.
 browser_tests!(memory_bodies:
     one_attention_serving_many_dropped_caches_keeps_none_of_them,

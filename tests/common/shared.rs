@@ -39,6 +39,8 @@ pub mod cache_bodies;
 pub mod memory_bodies;
 #[path = "model_bodies.rs"]
 pub mod model_bodies;
+#[path = "paged_bodies.rs"]
+pub mod paged_bodies;
 #[path = "source_bodies.rs"]
 pub mod source_bodies;
 

@@ -1,0 +1,532 @@
+//! The paged pool against a plain-Rust model written from the contract (not from the ledger's code):
+//! sequences as rows per (layer, slot), pages as shared objects that a writer copies. Pseudo-random
+//! runs of valid and invalid operations (add, remove, fork, truncate, host and GPU appends, whole
+//! steps, admission checks) on every storage type; after every refusal the ledger and every word of
+//! every pool buffer are unchanged, and every few operations each sequence's rows, read through its
+//! page table, equal the model's bit for bit. Native (`tests/paged.rs`) and browser suites run the
+//! same bodies.
+
+use super::{buffer_with, values};
+use kvgpu::reference;
+use kvgpu::*;
+use std::collections::BTreeMap;
+
+const PAGE: usize = 3;
+const PAGES: usize = 12;
+const MAX_LEN: usize = 20;
+
+fn spec(dtype: DType) -> CacheSpec {
+    CacheSpec::new(
+        vec![
+            LayerSpec::kv(2, 3, 3),
+            LayerSpec::empty(),
+            LayerSpec::mla(5, 2),
+        ],
+        dtype,
+        MAX_LEN,
+    )
+    .unwrap()
+}
+
+/// The layers with slots and their slots' row widths.
+const SLOTTED: [usize; 2] = [0, 2];
+
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n.max(1) as u64) as usize
+    }
+}
+
+/// One sequence of the model: rows per (layer, slot) as stored f32 values, committed length, and its
+/// pages as model page names (shared names are shared pages).
+#[derive(Clone, Debug)]
+struct ModelSeq {
+    rows: Vec<Vec<Vec<f32>>>,
+    len: usize,
+    pages: Vec<u64>,
+    /// Elements per row of each layer's first slot.
+    widths: Vec<usize>,
+}
+
+impl ModelSeq {
+    fn visible(&self, layer: usize) -> usize {
+        self.rows[layer]
+            .first()
+            .map_or(self.len, |r| r.len() / self.widths[layer])
+    }
+}
+
+struct Model {
+    seqs: BTreeMap<SeqId, ModelSeq>,
+    next_page: u64,
+    row_elems: Vec<Vec<usize>>,
+    /// Private copies of shared pages the appends made.
+    copies: usize,
+}
+
+impl Model {
+    /// Pages in use: the distinct page names the sequences hold.
+    fn used(&self) -> usize {
+        let mut names: Vec<u64> = self.seqs.values().flat_map(|s| s.pages.clone()).collect();
+        names.sort();
+        names.dedup();
+        names.len()
+    }
+
+    fn holders(&self, page: u64) -> usize {
+        self.seqs
+            .values()
+            .filter(|s| s.pages.contains(&page))
+            .count()
+    }
+
+    /// Pages an append of rows `[from, to)` to `seq` takes: new pages past its table, and a private
+    /// copy of every shared page it writes into.
+    fn pages_needed(&self, seq: SeqId, from: usize, to: usize) -> usize {
+        let s = &self.seqs[&seq];
+        if from == to {
+            return 0;
+        }
+        (from / PAGE..to.div_ceil(PAGE))
+            .filter(|&i| i >= s.pages.len() || self.holders(s.pages[i]) > 1)
+            .count()
+    }
+
+    /// Applies an append the model accepts: private copies, new pages, the rows.
+    fn append(&mut self, seq: SeqId, layer: usize, rows: Vec<Vec<f32>>) {
+        let n = rows[0].len() / self.row_elems[layer][0];
+        let from = self.seqs[&seq].visible(layer);
+        let touched = if n == 0 {
+            0..0
+        } else {
+            from / PAGE..(from + n).div_ceil(PAGE)
+        };
+        for i in touched {
+            let shared = {
+                let s = &self.seqs[&seq];
+                i < s.pages.len() && self.holders(s.pages[i]) > 1
+            };
+            let name = self.next_page;
+            let s = self.seqs.get_mut(&seq).unwrap();
+            if i >= s.pages.len() {
+                s.pages.push(name);
+                self.next_page += 1;
+            } else if shared {
+                s.pages[i] = name;
+                self.next_page += 1;
+                self.copies += 1;
+            }
+        }
+        let s = self.seqs.get_mut(&seq).unwrap();
+        for (slot, r) in rows.into_iter().enumerate() {
+            s.rows[layer][slot].extend(r);
+        }
+    }
+}
+
+/// Every word of every pool buffer.
+async fn pool_words(c: &PagedCache) -> Vec<Vec<u32>> {
+    let mut all = Vec::new();
+    for layer in SLOTTED {
+        for slot in 0..2 {
+            all.push(c.read_pool_words_async(layer, slot).await.unwrap());
+        }
+    }
+    all
+}
+
+/// Each sequence's rows, read through its page table, equal the model's; the pages in use too.
+async fn check_rows(c: &PagedCache, m: &Model, what: &str) {
+    assert_eq!(c.pages_in_use(), m.used(), "{what}: pages in use");
+    assert_eq!(
+        c.ledger().sequences().collect::<Vec<_>>(),
+        m.seqs.keys().copied().collect::<Vec<_>>(),
+        "{what}: sequences"
+    );
+    for (&seq, s) in &m.seqs {
+        assert_eq!(c.len(seq).unwrap(), s.len, "{what}: {seq} length");
+        for layer in SLOTTED {
+            for slot in 0..2 {
+                let got = c.read_f32_async(seq, layer, slot).await.unwrap();
+                let want = &s.rows[layer][slot];
+                let same = got.len() == want.len()
+                    && got
+                        .iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{what}: {seq} layer {layer} slot {slot}: {got:?} != {want:?}"
+                );
+            }
+        }
+    }
+}
+
+/// Rows for an append of `n` to `layer`: per slot the f32 values and what the storage keeps.
+fn rows_for(
+    m: &Model,
+    layer: usize,
+    n: usize,
+    seed: u64,
+    dtype: DType,
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    (0..2)
+        .map(|slot| {
+            let v = values(seed * 7 + slot as u64, n * m.row_elems[layer][slot]);
+            let kept = v.iter().map(|&x| reference::round_trip(x, dtype)).collect();
+            (v, kept)
+        })
+        .collect()
+}
+
+/// The kind of a refusal, to compare with the model's verdict.
+fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::UnknownSequence { .. } => "unknown",
+        Error::OutOfPages { .. } => "pages",
+        Error::ForkBeyondLength { .. } => "fork",
+        Error::TruncateBeyondLength { .. } => "truncate",
+        Error::CapacityExceeded { .. } => "capacity",
+        Error::UnevenAdvance { .. } => "uneven",
+        Error::RowCountMismatch { .. } => "shape",
+        _ => "other",
+    }
+}
+
+/// The model's verdict on an append of `n` rows to every layer in `layers` of `seq` (one append per
+/// layer, in order), and on a bad shape.
+fn append_verdict(
+    m: &Model,
+    seq: SeqId,
+    layers: &[usize],
+    n: usize,
+    bad: bool,
+) -> Result<(), &'static str> {
+    let Some(s) = m.seqs.get(&seq) else {
+        return Err("unknown");
+    };
+    if bad {
+        return Err("shape");
+    }
+    let top = layers.iter().map(|&l| s.visible(l)).max().unwrap_or(0);
+    if top + n > MAX_LEN {
+        return Err("capacity");
+    }
+    let low = layers.iter().map(|&l| s.visible(l)).min().unwrap_or(0);
+    if m.pages_needed(seq, low, top + n) > PAGES - m.used() {
+        return Err("pages");
+    }
+    Ok(())
+}
+
+/// A pseudo-random run of `n_ops` operations on a pool of `dtype`, against the model.
+pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops: usize) {
+    let spec = spec(dtype);
+    let row_elems: Vec<Vec<usize>> = spec
+        .layers()
+        .iter()
+        .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
+        .collect();
+    let trailing = |layer: usize| -> Vec<Vec<usize>> {
+        spec.layers()[layer]
+            .slots
+            .iter()
+            .map(|s| s.trailing.clone())
+            .collect()
+    };
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), PAGE, PAGES).unwrap();
+    let mut m = Model {
+        seqs: BTreeMap::new(),
+        next_page: 0,
+        row_elems,
+        copies: 0,
+    };
+    let mut gone: Vec<SeqId> = Vec::new();
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut refused: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for op in 0..n_ops {
+        let ids: Vec<SeqId> = m.seqs.keys().copied().collect();
+        let mut choice = rng.below(10);
+        // A nearly full pool mostly frees pages, so the runs keep reaching forks and copies.
+        if c.free_pages() < 2 && rng.below(2) == 0 {
+            choice = 1;
+        }
+        let seq = if !gone.is_empty() && rng.below(20) == 0 {
+            gone[rng.below(gone.len())]
+        } else if ids.is_empty() {
+            choice = 0;
+            SeqId::FIRST
+        } else {
+            ids[rng.below(ids.len())]
+        };
+        let before = c.ledger().clone();
+        // Every fourth operation is watched: the whole pool is read before it, and again if it is
+        // refused.
+        let watched = if rng.below(4) == 0 {
+            Some(pool_words(&c).await)
+        } else {
+            None
+        };
+        let what = format!("{dtype} seed {seed} op {op}");
+        let known = m.seqs.get(&seq).cloned();
+        let len = known.as_ref().map_or(0, |s| s.len);
+        let unknown = || Err("unknown");
+        let (expected, outcome): (Result<(), &'static str>, Result<(), Error>) = match choice {
+            0 => (
+                Ok(()),
+                c.add_sequence().map(|id| {
+                    m.seqs.insert(
+                        id,
+                        ModelSeq {
+                            rows: m
+                                .row_elems
+                                .iter()
+                                .map(|l| vec![Vec::new(); l.len()])
+                                .collect(),
+                            len: 0,
+                            pages: Vec::new(),
+                            widths: m
+                                .row_elems
+                                .iter()
+                                .map(|l| l.first().copied().unwrap_or(1))
+                                .collect(),
+                        },
+                    );
+                }),
+            ),
+            1 => (
+                known.as_ref().map_or_else(unknown, |_| Ok(())),
+                c.remove(seq).map(|()| {
+                    m.seqs.remove(&seq);
+                    gone.push(seq);
+                }),
+            ),
+            2 | 3 => {
+                let at = rng.below(len + 2);
+                let expected = match &known {
+                    None => Err("unknown"),
+                    Some(s) if at > s.len => Err("fork"),
+                    Some(_) => Ok(()),
+                };
+                let outcome = c.fork(seq, at).map(|child| {
+                    let s = &m.seqs[&seq];
+                    let forked = ModelSeq {
+                        rows: s
+                            .rows
+                            .iter()
+                            .enumerate()
+                            .map(|(l, slots)| {
+                                slots
+                                    .iter()
+                                    .enumerate()
+                                    .map(|(k, r)| r[..at * m.row_elems[l][k]].to_vec())
+                                    .collect()
+                            })
+                            .collect(),
+                        len: at,
+                        pages: s.pages[..at.div_ceil(PAGE)].to_vec(),
+                        widths: s.widths.clone(),
+                    };
+                    m.seqs.insert(child, forked);
+                });
+                (expected, outcome)
+            }
+            4 => {
+                let new_len = rng.below(len + 2);
+                let expected = match &known {
+                    None => Err("unknown"),
+                    Some(s) if new_len > s.len => Err("truncate"),
+                    Some(_) => Ok(()),
+                };
+                let outcome = c.truncate(seq, new_len).map(|()| {
+                    let s = m.seqs.get_mut(&seq).unwrap();
+                    for (l, slots) in s.rows.iter_mut().enumerate() {
+                        for (k, r) in slots.iter_mut().enumerate() {
+                            r.truncate(new_len * m.row_elems[l][k]);
+                        }
+                    }
+                    s.len = new_len;
+                    s.pages.truncate(new_len.div_ceil(PAGE));
+                });
+                (expected, outcome)
+            }
+            5 | 6 => {
+                // One layer, from the host or from a strided f32 GPU buffer; sometimes a bad shape.
+                let layer = SLOTTED[rng.below(2)];
+                let n = rng.below(2 * PAGE + 2);
+                let bad = rng.below(12) == 0;
+                let expected = append_verdict(&m, seq, &[layer], n, bad);
+                let rows = rows_for(&m, layer, n, (seed << 20) + op as u64, dtype);
+                let trailing = trailing(layer);
+                let shapes: Vec<Vec<usize>> = (0..2)
+                    .map(|k| [&[n + usize::from(bad && k == 1)][..], &trailing[k]].concat())
+                    .collect();
+                let outcome = if rng.below(2) == 0 {
+                    // Rows of row_elems + 2 elements, from element 3 on: the slab-write kernel.
+                    let mut bufs = Vec::new();
+                    for (k, (v, _)) in rows.iter().enumerate() {
+                        let w = m.row_elems[layer][k];
+                        let mut words = vec![0u32; 3 + (n + 2) * (w + 2)];
+                        for r in 0..n {
+                            for e in 0..w {
+                                words[3 + r * (w + 2) + e] = v[r * w + e].to_bits();
+                            }
+                        }
+                        bufs.push(buffer_with(&g.device, &words, super::USAGE).await);
+                    }
+                    let strides: Vec<Vec<usize>> = (0..2)
+                        .map(|k| {
+                            let mut st = vec![m.row_elems[layer][k] + 2];
+                            st.extend(
+                                (1..shapes[k].len())
+                                    .map(|d| shapes[k][d + 1..].iter().product::<usize>()),
+                            );
+                            st
+                        })
+                        .collect();
+                    let slabs: Vec<GpuSlab> = (0..2)
+                        .map(|k| GpuSlab {
+                            buffer: &bufs[k],
+                            dtype: DType::F32,
+                            offset: 3,
+                            shape: &shapes[k],
+                            strides: Some(&strides[k]),
+                        })
+                        .collect();
+                    c.append_gpu(seq, layer, &slabs)
+                } else {
+                    let data: Vec<Vec<f32>> = (0..2)
+                        .map(|k| {
+                            let mut d = rows[k].0.clone();
+                            d.resize(row_count(&shapes[k]), 0.5);
+                            d
+                        })
+                        .collect();
+                    let slabs: Vec<HostSlab> = (0..2)
+                        .map(|k| HostSlab::f32(&data[k], &shapes[k]))
+                        .collect();
+                    c.append(seq, layer, &slabs)
+                };
+                let outcome = outcome.map(|()| {
+                    m.append(seq, layer, rows.into_iter().map(|r| r.1).collect());
+                });
+                (expected, outcome)
+            }
+            7 | 8 => {
+                // A whole step: admission first, then every layer, then advance.
+                let n = 1 + rng.below(PAGE);
+                let expected = append_verdict(&m, seq, &SLOTTED, n, false);
+                let admitted = c.admits(&[(seq, n)]);
+                if admitted.is_ok() && expected.is_ok() {
+                    for layer in SLOTTED {
+                        let rows =
+                            rows_for(&m, layer, n, (seed << 20) + (op * 4 + layer) as u64, dtype);
+                        let trailing = trailing(layer);
+                        let shapes: Vec<Vec<usize>> =
+                            (0..2).map(|k| [&[n][..], &trailing[k]].concat()).collect();
+                        let slabs: Vec<HostSlab> = (0..2)
+                            .map(|k| HostSlab::f32(&rows[k].0, &shapes[k]))
+                            .collect();
+                        c.append(seq, layer, &slabs)
+                            .unwrap_or_else(|e| panic!("{what}: admitted, then refused: {e}"));
+                        m.append(seq, layer, rows.into_iter().map(|r| r.1).collect());
+                    }
+                    let s = &m.seqs[&seq];
+                    let pending: Vec<usize> =
+                        SLOTTED.iter().map(|&l| s.visible(l) - s.len).collect();
+                    let advanced = c.advance(seq, pending[0]);
+                    if pending[0] == pending[1] {
+                        advanced.unwrap();
+                        m.seqs.get_mut(&seq).unwrap().len += pending[0];
+                    } else {
+                        assert_eq!(advanced.map_err(|e| kind(&e)), Err("uneven"), "{what}");
+                    }
+                    check_rows(&c, &m, &what).await;
+                    continue;
+                }
+                (expected, admitted)
+            }
+            _ => {
+                let expected = match &known {
+                    None => Err("unknown"),
+                    Some(s)
+                        if SLOTTED
+                            .iter()
+                            .any(|&l| s.visible(l) - s.len != s.visible(0) - s.len) =>
+                    {
+                        Err("uneven")
+                    }
+                    Some(_) => Ok(()),
+                };
+                let pending = known.as_ref().map_or(0, |s| s.visible(0) - s.len);
+                let outcome = c.advance(seq, pending).map(|()| {
+                    m.seqs.get_mut(&seq).unwrap().len += pending;
+                });
+                (expected, outcome)
+            }
+        };
+        assert_eq!(
+            outcome.as_ref().map(|_| ()).map_err(kind),
+            expected,
+            "{what}: {seq}: {outcome:?}"
+        );
+        if let Err(e) = &outcome {
+            *refused.entry(kind(e)).or_default() += 1;
+            assert_eq!(
+                c.ledger(),
+                &before,
+                "{what}: the refusal changed the ledger: {e}"
+            );
+            if let Some(words) = watched {
+                assert_eq!(
+                    pool_words(&c).await,
+                    words,
+                    "{what}: a refusal moved pool memory: {e}"
+                );
+            }
+        }
+        if op % 8 == 7 {
+            check_rows(&c, &m, &what).await;
+        }
+    }
+    check_rows(&c, &m, "end").await;
+    note!(
+        "{dtype} seed {seed}: {n_ops} operations, {} private page copies, refusals {refused:?}",
+        m.copies
+    );
+    assert!(
+        refused.contains_key("pages") && refused.len() >= 4 && m.copies > 0,
+        "{dtype} seed {seed}: the run missed states: {} copies, refusals {refused:?}",
+        m.copies
+    );
+    for seq in m.seqs.keys().copied().collect::<Vec<_>>() {
+        c.remove(seq).unwrap();
+    }
+    assert_eq!(c.free_pages(), PAGES, "{dtype} seed {seed}: pages leaked");
+}
+
+/// Elements of a slab shaped `shape`.
+fn row_count(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// Every storage type, a few seeds each (fewer operations in the browser, where each readback waits
+/// for a later task).
+pub async fn paged_pool_matches_the_model(g: &Gpu) {
+    let n_ops = if cfg!(target_arch = "wasm32") {
+        120
+    } else {
+        400
+    };
+    for dtype in DType::ALL {
+        for seed in 1..=2 {
+            paged_run_matches_the_model(g, dtype, seed, n_ops).await;
+        }
+    }
+}

@@ -1,0 +1,9 @@
+//! The paged pool (`PagedCache`): many sequences, forks sharing pages, private copies on write,
+//! truncation and removal returning pages, admission, host and GPU appends, against a plain-Rust
+//! model. The bodies live in `common/paged_bodies.rs`; the browser suite (`tests/web.rs`) runs the
+//! same ones.
+#![cfg(not(target_arch = "wasm32"))]
+
+mod common;
+
+common::shared_tests!(paged_bodies: paged_pool_matches_the_model);
