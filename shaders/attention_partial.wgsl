@@ -19,6 +19,9 @@ override DTYPE: u32 = 0u;
 override HB: u32 = 16u;
 // Rows per invocation per tile: 32 / HB, at most 8 (RPL * HB <= 32), so a tile is 64 * RPL rows.
 override RPL: u32 = 2u;
+// Rows are a paged pool's: row r of the sequence is row r % page_size of page
+// table[table_base + r / page_size] (every entry clamped below n_pages).
+override PAGED: bool = false;
 
 // Invocations per workgroup (TILE * RPL rows per tile) and most query heads per workgroup (HB <= HEADS).
 const TILE: u32 = 64u;
@@ -34,6 +37,7 @@ const NEG: f32 = -3.4028234e38;
 @group(0) @binding(0) var<storage, read> slot_a: array<u32>;
 @group(0) @binding(1) var<storage, read> slot_b: array<u32>;
 @group(0) @binding(2) var<storage, read> slot_v: array<u32>;
+@group(0) @binding(3) var<storage, read> table: array<u32>;
 @group(1) @binding(0) var<storage, read> q_a: array<f32>;
 @group(1) @binding(1) var<storage, read> q_b: array<f32>;
 // Per (chunk, query, head): running max and sum.
@@ -46,6 +50,27 @@ var<workgroup> scores: array<f32, 2048>; // [HB][TILE * RPL]
 var<workgroup> run_max: array<f32, 16>;
 var<workgroup> run_sum: array<f32, 16>;
 var<workgroup> rescale: array<f32, 16>;
+// Paged: the stored row of each row of the tile, for the value phase.
+var<workgroup> tile_rows: array<u32, 512>;
+
+// The stored row of row `r` of the sequence.
+fn stored(r: u32) -> u32 {
+    if !PAGED {
+        return r;
+    }
+    let page = min(table[p.table_base + r / p.page_size], p.n_pages - 1u);
+    return page * p.page_size + r % p.page_size;
+}
+
+// Rows of a slot of `rw` words per row that a dispatch may read fit its binding of `len` words: the
+// visible rows, or every row of the pool's pages (and the sequence's table entries) when paged.
+fn rows_fit(rw: u32, len: u32) -> bool {
+    if !PAGED {
+        return p.visible <= len / max(rw, 1u);
+    }
+    return pool_fits(p.page_size, p.n_pages, rw, len)
+        && table_fits(p.table_base, p.visible, p.page_size, arrayLength(&table));
+}
 
 // An f16 subnormal (or zero), exactly.
 fn f16_subnormal(h: u32) -> f32 {
@@ -300,9 +325,9 @@ fn in_bounds() -> bool {
         && p.chunk_len % (TILE * RPL) == 0u
         && view_fits(p.view_a, p.n_q, p.n_heads, p.d_a, arrayLength(&q_a))
         && view_fits(p.view_b, p.n_q, p.n_heads, p.d_b, arrayLength(&q_b))
-        && p.n_kv * p.d_a <= p.row_words_a * pw && p.visible * p.row_words_a <= arrayLength(&slot_a)
-        && p.n_kv * p.d_b <= p.row_words_b * pw && p.visible * p.row_words_b <= arrayLength(&slot_b)
-        && p.n_kv * p.d_v <= p.row_words_v * pw && p.visible * p.row_words_v <= arrayLength(&slot_v)
+        && p.n_kv * p.d_a <= p.row_words_a * pw && rows_fit(p.row_words_a, arrayLength(&slot_a))
+        && p.n_kv * p.d_b <= p.row_words_b * pw && rows_fit(p.row_words_b, arrayLength(&slot_b))
+        && p.n_kv * p.d_v <= p.row_words_v * pw && rows_fit(p.row_words_v, arrayLength(&slot_v))
         && parts * 2u <= arrayLength(&stats) && parts * p.d_v <= arrayLength(&part);
 }
 
@@ -342,7 +367,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             // (always a readable row) and are not stored.
             var rows: array<u32, 8>;
             for (var k = 0u; k < RPL; k++) {
-                rows[k] = t0 + min(lid + k * TILE, n - 1u);
+                rows[k] = stored(t0 + min(lid + k * TILE, n - 1u));
+                if PAGED && lid + k * TILE < n {
+                    tile_rows[lid + k * TILE] = rows[k];
+                }
             }
             // Explicitly zeroed: Chromium 156 (Tint) keeps an uninitialised loop-local value from the
             // previous iteration.
@@ -393,7 +421,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             let e = kv * p.d_v + d;
             let m = min(4u, p.d_v - d);
             for (var t = 0u; t < n; t++) {
-                let v = v_quad(t0 + t, e, m);
+                var row = t0 + t;
+                if PAGED {
+                    row = tile_rows[t];
+                }
+                let v = v_quad(row, e, m);
                 for (var h = 0u; h < HB; h++) {
                     acc[h] += scores[h * span + t] * v;
                 }

@@ -92,6 +92,13 @@ pub enum Error {
         len: usize,
     },
 
+    /// A paged pool's page table cannot hold another sequence within one storage binding.
+    #[error(
+        "the pool holds {live} sequences, the most its page table can hold in one storage binding \
+         ({most}); remove one first"
+    )]
+    TooManySequences { live: usize, most: usize },
+
     /// A paged pool has fewer free pages than an operation needs (new pages, and private copies of
     /// shared pages it would write into).
     #[error("out of pages: {needed} needed, {free} free")]

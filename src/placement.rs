@@ -42,6 +42,15 @@ impl Placement {
     }
 }
 
+/// Where a paged sequence's rows lie: row `r` is row `r % page_size` of page
+/// `table[table_base + r / page_size]` of a pool of `n_pages` pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Paging {
+    pub page_size: usize,
+    pub table_base: usize,
+    pub n_pages: usize,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,4 +6,7 @@
 
 mod common;
 
-common::shared_tests!(paged_bodies: paged_pool_matches_the_model);
+common::shared_tests!(paged_bodies:
+    paged_pool_matches_the_model,
+    paged_attention_matches_the_reference,
+);

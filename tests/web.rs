@@ -121,7 +121,10 @@ browser_tests!(attention_bodies:
 browser_tests!(model_bodies: pseudo_random_operations_match_the_model);
 
 // tests/paged.rs.
-browser_tests!(paged_bodies: paged_pool_matches_the_model);
+browser_tests!(paged_bodies:
+    paged_pool_matches_the_model,
+    paged_attention_matches_the_reference,
+);
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.
 browser_tests!(memory_bodies:

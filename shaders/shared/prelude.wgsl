@@ -36,6 +36,12 @@ struct AttnParams {
     // results would not fit one binding is split into several pairs).
     q_first: u32,
     q_count: u32,
+    // Paged storage (pipelines built with PAGED): rows per page, the sequence's first entry in the
+    // page table, and the pool's pages (table entries are clamped below it); 0 otherwise.
+    page_size: u32,
+    table_base: u32,
+    n_pages: u32,
+    _pad: u32,
     // The f32 views of q_a, q_b and the output: (offset in its binding, query stride, head stride,
     // element stride), in elements; element (i, h, e) is x + i * y + h * z + e * w.
     view_a: vec4<u32>,
@@ -64,6 +70,19 @@ fn view_fits(v: vec4<u32>, n_q: u32, n_heads: u32, d: u32, len: u32) -> bool {
         return false;
     }
     return view_at(v, n_q - 1u, n_heads - 1u, d - 1u) < len;
+}
+
+// A paged pool of n_pages pages of page_size rows of rw words fits a binding of len words, and the
+// table entries of a sequence of `visible` rows from entry `base` fit a table of `entries`. Written
+// with divisions, so no product wraps.
+fn pool_fits(page_size: u32, n_pages: u32, rw: u32, len: u32) -> bool {
+    return page_size >= 1u && n_pages >= 1u && rw >= 1u && page_size <= len / rw
+        && n_pages <= len / (page_size * rw);
+}
+
+fn table_fits(base: u32, visible: u32, page_size: u32, entries: u32) -> bool {
+    return page_size >= 1u && visible >= 1u && base < entries
+        && (visible - 1u) / page_size < entries - base;
 }
 
 // tanh that cannot overflow for large |x| and keeps its precision for small |x| (where

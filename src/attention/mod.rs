@@ -75,8 +75,11 @@ use std::sync::Arc;
 use crate::cache::{AttentionKind, KvCache};
 use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing};
+use crate::paged::PagedCache;
+use crate::seq::SeqId;
 use plan::DeviceFacts;
 pub use plan::KernelChoice;
+use record::Rows;
 pub use request::{AttentionOptions, MlaQueries, Output, Queries};
 pub(crate) use stream::{StreamKey, source as stream_source};
 
@@ -268,6 +271,7 @@ impl Attention {
                 scale: 1.0,
                 soft_cap: 0.0,
                 v_from_a,
+                paging: None,
             };
             let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
             planned.push((layer, l.kind, dispatch));
@@ -279,9 +283,9 @@ impl Attention {
             let params = dispatch.params;
             match dispatch.kernel {
                 // Shorter contexts may take fewer rows per invocation: every variant of the batch.
-                plan::Pass1::Tiled { batch, .. } => {
+                plan::Pass1::Tiled { batch, paged, .. } => {
                     for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
-                        let pipeline = self.kernels.attention_partial(dtype, batch, rpl);
+                        let pipeline = self.kernels.attention_partial(dtype, batch, rpl, paged);
                         runs.push((layer, kind, params, pipeline));
                     }
                 }
@@ -386,7 +390,38 @@ impl Attention {
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let shapes = cache.ledger().slot_shapes(layer)?;
+        let rows = Rows::of_cache(cache, layer)?;
+        self.record_gqa_rows(encoder, rows, layer, q, out, options)
+    }
+
+    /// [`Attention::record_gqa`] over sequence `seq` of a paged pool: the queries are the last `n_q`
+    /// visible rows of `layer` of the sequence, whose rows the kernels read through the pool's page
+    /// table (shared pages included).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_gqa_paged<'a>(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        pool: &PagedCache,
+        seq: SeqId,
+        layer: usize,
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let rows = Rows::of_sequence(pool, seq, layer)?;
+        self.record_gqa_rows(encoder, rows, layer, q, out, options)
+    }
+
+    fn record_gqa_rows<'a>(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        rows: Rows<'_>,
+        layer: usize,
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let shapes = rows.store.ledger().slot_shapes(layer)?;
         let (n_kv, d_k, d_v) = match LayerShape::of(shapes) {
             Some(LayerShape {
                 kind: AttentionKind::Gqa,
@@ -429,7 +464,7 @@ impl Attention {
             d_v,
             default_scale: 1.0 / (d_k as f32).sqrt(),
         };
-        self.record(encoder, cache, job, options)
+        self.record(encoder, rows, job, options)
     }
 
     /// Records MLA absorbed attention of `layer` (slots `compressed_kv [r]` and `k_pe [p]`) into
@@ -445,11 +480,41 @@ impl Attention {
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
+        let rows = Rows::of_cache(cache, layer)?;
+        self.record_mla_rows(encoder, rows, layer, q, out, options)
+    }
+
+    /// [`Attention::record_mla`] over sequence `seq` of a paged pool (see
+    /// [`Attention::record_gqa_paged`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_mla_paged<'a>(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        pool: &PagedCache,
+        seq: SeqId,
+        layer: usize,
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let rows = Rows::of_sequence(pool, seq, layer)?;
+        self.record_mla_rows(encoder, rows, layer, q, out, options)
+    }
+
+    fn record_mla_rows<'a>(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        rows: Rows<'_>,
+        layer: usize,
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
         let MlaQueries {
             latent: q_latent,
             rope: q_rope,
         } = q;
-        let shapes = cache.ledger().slot_shapes(layer)?;
+        let shapes = rows.store.ledger().slot_shapes(layer)?;
         let (r, p) = match LayerShape::of(shapes) {
             Some(LayerShape {
                 kind: AttentionKind::Mla,
@@ -499,7 +564,7 @@ impl Attention {
             d_v: r,
             default_scale: 1.0 / ((r + p) as f32).sqrt(),
         };
-        self.record(encoder, cache, job, options)
+        self.record(encoder, rows, job, options)
     }
 
     /// [`Attention::record_gqa`] in its own submission.
@@ -528,6 +593,38 @@ impl Attention {
     ) -> Result<()> {
         let mut encoder = self.encoder();
         self.record_mla(&mut encoder, cache, layer, q, out, options)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// [`Attention::record_gqa_paged`] in its own submission.
+    pub fn gqa_paged<'a>(
+        &mut self,
+        pool: &PagedCache,
+        seq: SeqId,
+        layer: usize,
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let mut encoder = self.encoder();
+        self.record_gqa_paged(&mut encoder, pool, seq, layer, q, out, options)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// [`Attention::record_mla_paged`] in its own submission.
+    pub fn mla_paged<'a>(
+        &mut self,
+        pool: &PagedCache,
+        seq: SeqId,
+        layer: usize,
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let mut encoder = self.encoder();
+        self.record_mla_paged(&mut encoder, pool, seq, layer, q, out, options)?;
         self.queue.submit([encoder.finish()]);
         Ok(())
     }

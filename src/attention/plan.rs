@@ -11,6 +11,7 @@
 use super::stream::{self, StreamKey, TeamSum};
 use crate::codec::DType;
 use crate::kernels::{AttnParams, HEAD_BATCHES, ROWS_PER_INVOCATION};
+pub(crate) use crate::placement::Paging;
 
 /// Rows per tile of pass 1 with one row per invocation (`TILE` in the shaders).
 pub(crate) const TILE: usize = 64;
@@ -78,10 +79,12 @@ pub enum KernelChoice {
 /// The pass-1 kernel of a planned call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Pass1 {
-    /// `attention_partial.wgsl` with (`HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index).
+    /// `attention_partial.wgsl` with (`HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index), paged or
+    /// not.
     Tiled {
         batch: usize,
         rpl: usize,
+        paged: bool,
     },
     Stream(StreamKey),
 }
@@ -105,6 +108,8 @@ pub(crate) struct CallShape {
     pub soft_cap: f32,
     /// Values are slot a's elements (MLA's latent): slot v is slot a and `d_v == d_a`.
     pub v_from_a: bool,
+    /// Rows read through a page table (a sequence of a paged pool).
+    pub paging: Option<Paging>,
 }
 
 /// The dispatches of one call: pairs of (pass 1, reduce), each for `q_per_pair` of the queries (the
@@ -252,6 +257,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> O
         d_v: s.d_v as u32,
         v_from_a: s.v_from_a,
         sum,
+        paged: s.paging.is_some(),
     })
 }
 
@@ -340,7 +346,11 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
         .max(1);
     let max_tiles = ((LOOP_BUDGET - 1) / per_tile(rpl)).max(1);
     let tiles_per_chunk = tiles.div_ceil(want).min(max_tiles);
-    let kernel = Pass1::Tiled { batch, rpl };
+    let kernel = Pass1::Tiled {
+        batch,
+        rpl,
+        paged: s.paging.is_some(),
+    };
     finish(
         s,
         dev,
@@ -408,6 +418,10 @@ fn finish(
         soft_cap: s.soft_cap,
         q_first: 0,
         q_count: q_per_pair as u32,
+        page_size: s.paging.map_or(0, |p| p.page_size as u32),
+        table_base: s.paging.map_or(0, |p| p.table_base as u32),
+        n_pages: s.paging.map_or(0, |p| p.n_pages as u32),
+        _pad: 0,
         // The views come from the bindings the recorder checks (src/attention/view.rs).
         view_a: [0; 4],
         view_b: [0; 4],
@@ -485,6 +499,7 @@ mod tests {
             scale: 1.0,
             soft_cap: 0.0,
             v_from_a: false,
+            paging: None,
         }
     }
 
@@ -505,7 +520,7 @@ mod tests {
     /// The most loop iterations one invocation of either pass runs.
     fn worst_iterations(s: &CallShape, d: &Dispatch) -> usize {
         let pass1 = match d.kernel {
-            Pass1::Tiled { batch, rpl } => {
+            Pass1::Tiled { batch, rpl, .. } => {
                 let rpl = ROWS_PER_INVOCATION[rpl];
                 let tiles = d.params.chunk_len as usize / (TILE * rpl);
                 tiles

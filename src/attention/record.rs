@@ -1,13 +1,15 @@
 //! Turning one checked attention call into commands: the call's checks and plan, its bind groups
 //! (the slots' from the cache, queries and output from bounded caches) and both passes.
 
-use super::plan::{self, CallShape, Dispatch, Pass1};
+use super::plan::{self, CallShape, Dispatch, Paging, Pass1};
 use super::request::contiguous;
 use super::view::{self, Bound, ViewError};
 use super::{Attention, AttentionOptions, Job, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
+use crate::paged::PagedCache;
+use crate::seq::SeqId;
 
 /// The checked views of one call; GQA's q_b is its q_a.
 struct Views {
@@ -20,12 +22,13 @@ impl Attention {
     pub(super) fn record(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
-        cache: &KvCache,
+        rows: Rows<'_>,
         job: Job<'_>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let layer = job.layer;
-        let (mut dispatch, views) = self.plan(cache, &job, options)?;
+        let cache = rows.store;
+        let (mut dispatch, views) = self.plan(rows, &job, options)?;
         dispatch.params.view_a = views.q_a.view;
         dispatch.params.view_b = views.q_b.view;
         dispatch.params.view_out = views.out.view;
@@ -93,9 +96,9 @@ impl Attention {
         )?;
         let partial =
             match dispatch.kernel {
-                Pass1::Tiled { batch, rpl } => {
+                Pass1::Tiled { batch, rpl, paged } => {
                     self.kernels
-                        .attention_partial(cache.spec().dtype(), batch, rpl)
+                        .attention_partial(cache.spec().dtype(), batch, rpl, paged)
                 }
                 Pass1::Stream(key) => self.kernels.attention_stream(&key).map_err(|detail| {
                     Error::AttentionRequest {
@@ -129,11 +132,12 @@ impl Attention {
     /// records nothing.
     fn plan(
         &self,
-        cache: &KvCache,
+        rows: Rows<'_>,
         job: &Job<'_>,
         options: &AttentionOptions,
     ) -> Result<(Dispatch, Views)> {
         let layer = job.layer;
+        let cache = rows.store;
         let request = |problem: AttentionProblem| Err(Error::AttentionRequest { layer, problem });
         if cache.device() != &self.device {
             return Err(Error::ForeignDevice {
@@ -143,7 +147,7 @@ impl Attention {
         }
         let [n_q, n_heads, d_a] = job.q_a.shape;
         let d_b = job.q_b.map_or(0, |q| q.shape[2]);
-        let visible = cache.visible(layer)?;
+        let visible = rows.visible;
         if n_q == 0 || n_q > visible {
             return Err(Error::QueryRows {
                 layer,
@@ -268,6 +272,7 @@ impl Attention {
             scale,
             soft_cap,
             v_from_a,
+            paging: rows.paging,
         };
         let dispatch =
             plan::plan(&shape, &self.facts).map_err(|detail| Error::AttentionRequest {
@@ -319,6 +324,35 @@ impl Attention {
         });
         self.io_groups.clear();
         self.out_groups.clear();
+    }
+}
+
+/// The rows one call reads: the visible rows of a cache's layer, or of a sequence of a paged pool
+/// (whose pages are the slot buffers of `store`, read through its page table).
+#[derive(Clone, Copy)]
+pub(super) struct Rows<'a> {
+    pub store: &'a KvCache,
+    pub visible: usize,
+    pub paging: Option<Paging>,
+}
+
+impl<'a> Rows<'a> {
+    /// The visible rows of `layer` of `cache`.
+    pub(super) fn of_cache(cache: &'a KvCache, layer: usize) -> Result<Self> {
+        Ok(Self {
+            store: cache,
+            visible: cache.visible(layer)?,
+            paging: None,
+        })
+    }
+
+    /// The visible rows of `layer` of `seq` in `pool`.
+    pub(super) fn of_sequence(pool: &'a PagedCache, seq: SeqId, layer: usize) -> Result<Self> {
+        Ok(Self {
+            store: pool.store(),
+            visible: pool.visible(seq, layer)?,
+            paging: Some(pool.paging(seq)?),
+        })
     }
 }
 

@@ -43,6 +43,8 @@ pub(crate) struct StreamKey {
     /// Values are the score slot's elements (MLA): slot v is slot a and `d_v == d_a`.
     pub v_from_a: bool,
     pub sum: TeamSum,
+    /// Rows read through the page table (a paged pool).
+    pub paged: bool,
 }
 
 /// Elements in one 16-byte vector of `dtype` storage.
@@ -107,6 +109,7 @@ const BINDINGS: &str = "\
 @group(0) @binding(0) var<storage, read> slot_a: array<vec4<u32>>;
 @group(0) @binding(1) var<storage, read> slot_b: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> slot_v: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> table: array<u32>;
 @group(1) @binding(0) var<storage, read> q_a: array<f32>;
 @group(1) @binding(1) var<storage, read> q_b: array<f32>;
 @group(1) @binding(2) var<storage, read_write> stats: array<f32>;
@@ -169,6 +172,7 @@ impl Gen {
             );
         }
         self.unpack();
+        self.paging();
         self.in_bounds(&a, &b, &v);
         line!(self, "@compute @workgroup_size({})", k.lanes);
         line!(
@@ -296,6 +300,30 @@ impl Gen {
         }
     }
 
+    /// `stored(r)`, the stored row of row `r` of the sequence (through the page table when paged), and
+    /// `rows_fit`, the bounds of the rows a dispatch may read, as in `attention_partial.wgsl`.
+    fn paging(&mut self) {
+        if self.key.paged {
+            line!(self, "fn stored(r: u32) -> u32 {{");
+            line!(
+                self,
+                "    let page = min(table[p.table_base + r / p.page_size], p.n_pages - 1u);"
+            );
+            line!(self, "    return page * p.page_size + r % p.page_size;");
+            line!(self, "}}");
+            line!(self, "fn rows_fit(rw: u32, len: u32) -> bool {{");
+            line!(
+                self,
+                "    return pool_fits(p.page_size, p.n_pages, rw, len) && table_fits(p.table_base, p.visible, p.page_size, arrayLength(&table));"
+            );
+        } else {
+            line!(self, "fn stored(r: u32) -> u32 {{ return r; }}");
+            line!(self, "fn rows_fit(rw: u32, len: u32) -> bool {{");
+            line!(self, "    return p.visible <= len / max(rw, 1u);");
+        }
+        line!(self, "}}");
+    }
+
     /// Exact conversions of 16-bit storage (the even and odd elements of a 16-byte vector).
     fn unpack(&mut self) {
         match self.key.dtype {
@@ -387,7 +415,7 @@ impl Gen {
             let rw = format!("p.row_words_{}", s.slot);
             line!(
                 self,
-                "        && {rw} % 4u == 0u && p.n_kv * {}u <= {rw} / 4u && p.visible * ({rw} / 4u) <= arrayLength(&slot_{})",
+                "        && {rw} % 4u == 0u && p.n_kv * {}u <= {rw} / 4u && rows_fit({rw} / 4u, arrayLength(&slot_{}))",
                 s.vecs,
                 s.slot
             );
@@ -405,6 +433,7 @@ impl Gen {
     fn row(&mut self, a: &Slice, b: &Slice, v: &Slice) {
         let k = self.key;
         let f32s = k.dtype == DType::F32;
+        line!(self, "        let sr = stored(r);");
         let load = |g: &mut Gen, s: &Slice, base: &str, stride: &str| {
             for j in 0..s.steps() {
                 let guard = g.guard(s, j);
@@ -412,7 +441,7 @@ impl Gen {
                 for n in &names {
                     line!(g, "        var {n} = vec4<f32>(0.0);");
                 }
-                let at = format!("r * {stride} + {base} + {}u", j * k.lanes);
+                let at = format!("sr * {stride} + {base} + {}u", j * k.lanes);
                 let src = format!("slot_{}", s.slot);
                 if f32s {
                     line!(
@@ -534,31 +563,36 @@ mod tests {
                             if floats > crate::attention::plan::LANE_FLOATS {
                                 continue;
                             }
-                            let key = StreamKey {
-                                dtype,
-                                lanes,
-                                heads,
-                                d_a,
-                                d_b,
-                                d_v,
-                                v_from_a,
-                                sum,
-                            };
-                            let text = source(&key, PRELUDE);
-                            let module = naga::front::wgsl::parse_str(&text)
+                            for paged in [false, true] {
+                                let key = StreamKey {
+                                    dtype,
+                                    lanes,
+                                    heads,
+                                    d_a,
+                                    d_b,
+                                    d_v,
+                                    v_from_a,
+                                    sum,
+                                    paged,
+                                };
+                                let text = source(&key, PRELUDE);
+                                let module =
+                                    naga::front::wgsl::parse_str(&text).unwrap_or_else(|e| {
+                                        panic!("{key:?}: {}", e.emit_to_string(&text))
+                                    });
+                                naga::valid::Validator::new(
+                                    naga::valid::ValidationFlags::all(),
+                                    naga::valid::Capabilities::all(),
+                                )
+                                .validate(&module)
                                 .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&text)));
-                            naga::valid::Validator::new(
-                                naga::valid::ValidationFlags::all(),
-                                naga::valid::Capabilities::all(),
-                            )
-                            .validate(&module)
-                            .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&text)));
-                            checked += 1;
+                                checked += 1;
+                            }
                         }
                     }
                 }
             }
         }
-        assert!(checked > 300, "{checked} kernels");
+        assert!(checked > 600, "{checked} kernels");
     }
 }

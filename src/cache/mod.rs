@@ -67,6 +67,8 @@ pub struct KvCache {
     /// Per layer, the slot bind group of each attention kind, made on first use; owned here so that a
     /// dropped cache takes its buffers with it.
     attention_groups: Vec<[OnceLock<wgpu::BindGroup>; 2]>,
+    /// The page table attention reads rows through, when this cache holds a paged pool's pages.
+    page_table: Option<wgpu::Buffer>,
     /// Reused conversion buffer for host appends.
     scratch: Vec<u8>,
     max_workgroups: u32,
@@ -167,6 +169,7 @@ impl KvCache {
             queue,
             ledger: Ledger::new(&spec),
             attention_groups: (0..spec.n_layers()).map(|_| Default::default()).collect(),
+            page_table: None,
             spec,
             slots,
             kernels,
@@ -228,9 +231,26 @@ impl KvCache {
                         binding: 2,
                         resource: slot(v),
                     },
+                    wgpu::BindGroupEntry {
+                        binding: 3,
+                        resource: self
+                            .page_table
+                            .as_ref()
+                            .unwrap_or(self.kernels.no_pages())
+                            .as_entire_binding(),
+                    },
                 ],
             })
         })
+    }
+
+    /// Makes `table` the page table attention binds with this cache's slots (a paged pool's, whose
+    /// pages these slot buffers hold); the slot bind groups made before are dropped.
+    pub(crate) fn set_page_table(&mut self, table: wgpu::Buffer) {
+        self.page_table = Some(table);
+        self.attention_groups = (0..self.spec.n_layers())
+            .map(|_| Default::default())
+            .collect();
     }
 
     pub fn queue(&self) -> &wgpu::Queue {

@@ -127,8 +127,8 @@ impl Kernel {
 #[derive(Debug)]
 struct AttentionKernels {
     partial: Kernel,
-    /// Pass-1 pipelines by (storage type, `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index).
-    partial_pipelines: Mutex<HashMap<(DType, usize, usize), wgpu::ComputePipeline>>,
+    /// Pass-1 pipelines by (storage type, `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index, paged).
+    partial_pipelines: Mutex<HashMap<(DType, usize, usize, bool), wgpu::ComputePipeline>>,
     reduce: wgpu::ComputePipeline,
     /// Generated streaming pass-1 pipelines by shape.
     stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
@@ -150,8 +150,10 @@ pub struct Kernels {
     write: Kernel,
     /// Slab-write pipelines by (source type, storage type, 16-byte entry point), built on first use.
     write_pipelines: Mutex<HashMap<(DType, DType, bool), wgpu::ComputePipeline>>,
-    /// Attention group 0: the slots a, b and v of one layer.
+    /// Attention group 0: the slots a, b and v of one layer, and a page table.
     attn_slots_layout: wgpu::BindGroupLayout,
+    /// The page table a cache that is not paged binds (never read).
+    no_pages: wgpu::Buffer,
     /// Attention group 1: q_a, q_b and the scratch (stats, partials).
     attn_io_layout: wgpu::BindGroupLayout,
     /// Reduce group 0: stats, partials, output.
@@ -208,7 +210,13 @@ impl Kernels {
             device: device.clone(),
             queue: queue.clone(),
             cpu: device.adapter_info().device_type == wgpu::DeviceType::Cpu,
-            attn_slots_layout: storage_layout(device, "kvgpu attention slots", &[true; 3]),
+            attn_slots_layout: storage_layout(device, "kvgpu attention slots", &[true; 4]),
+            no_pages: device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kvgpu no page table"),
+                size: 16,
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            }),
             attn_io_layout: storage_layout(
                 device,
                 "kvgpu attention io",
@@ -279,6 +287,11 @@ impl Kernels {
         &self.attn_slots_layout
     }
 
+    /// The page table bound by caches that are not paged.
+    pub(crate) fn no_pages(&self) -> &wgpu::Buffer {
+        &self.no_pages
+    }
+
     pub(crate) fn attn_io_layout(&self) -> &wgpu::BindGroupLayout {
         &self.attn_io_layout
     }
@@ -317,24 +330,26 @@ impl Kernels {
     }
 
     /// The attention pass-1 pipeline reading `dtype` storage with `HEAD_BATCHES[batch]` heads per
-    /// workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation.
+    /// workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation, through a page table if `paged`.
     pub(crate) fn attention_partial(
         &self,
         dtype: DType,
         batch: usize,
         rpl: usize,
+        paged: bool,
     ) -> wgpu::ComputePipeline {
         let kernels = self.attention();
         let mut map = kernels
             .partial_pipelines
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        map.entry((dtype, batch, rpl))
+        map.entry((dtype, batch, rpl, paged))
             .or_insert_with(|| {
                 let constants = [
                     ("DTYPE", dtype.code() as f64),
                     ("HB", HEAD_BATCHES[batch] as f64),
                     ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
+                    ("PAGED", f64::from(u8::from(paged))),
                 ];
                 kernels.partial.pipeline(&self.device, "main", &constants)
             })
@@ -544,6 +559,10 @@ mod tests {
             ("soft_cap", at(&a.soft_cap as *const f32 as *const u32)),
             ("q_first", at(&a.q_first)),
             ("q_count", at(&a.q_count)),
+            ("page_size", at(&a.page_size)),
+            ("table_base", at(&a.table_base)),
+            ("n_pages", at(&a.n_pages)),
+            ("_pad", at(&a._pad)),
             ("view_a", at(a.view_a.as_ptr())),
             ("view_b", at(a.view_b.as_ptr())),
             ("view_out", at(a.view_out.as_ptr())),

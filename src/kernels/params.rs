@@ -63,6 +63,12 @@ pub(crate) struct AttnParams {
     pub soft_cap: f32,
     pub q_first: u32,
     pub q_count: u32,
+    /// Paged storage (kernels built for it): rows per page, the sequence's first entry in the page
+    /// table, and the pool's pages (every table entry is clamped below it). 0 when not paged.
+    pub page_size: u32,
+    pub table_base: u32,
+    pub n_pages: u32,
+    pub _pad: u32,
     /// The f32 views of q_a, q_b and the output: (offset in its binding, query, head and element
     /// strides), in elements.
     pub view_a: [u32; 4],

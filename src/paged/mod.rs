@@ -21,10 +21,12 @@ use crate::cache::{GpuSlab, HostSlab, KvCache, SlotView};
 use crate::codec::decode_rows;
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
+use crate::placement::Paging;
 use crate::seq::SeqId;
 use crate::spec::{CacheSpec, DeviceLimits};
-use ledger::PageCopy;
 pub use ledger::PageLedger;
+use ledger::{PageCopy, PagedPlan};
+use std::collections::BTreeMap;
 
 /// Many sequences in one pool of GPU memory; see the module docs.
 pub struct PagedCache {
@@ -35,7 +37,20 @@ pub struct PagedCache {
     /// One page of the widest slot, for copies between pages of one buffer (which wgpu refuses to
     /// copy directly); made on the first copy.
     staging: Option<wgpu::Buffer>,
+    /// The page tables attention reads: one row of `table_width` entries per sequence, entry `i`
+    /// holding the sequence's page `i`. Entries change with `Queue::write_buffer`, only where a
+    /// sequence's pages changed.
+    table: wgpu::Buffer,
+    table_width: usize,
+    /// The table row of each sequence, and the rows free for reuse.
+    table_rows: BTreeMap<SeqId, usize>,
+    free_rows: Vec<usize>,
+    /// Rows the table buffer holds.
+    row_capacity: usize,
 }
+
+/// Table rows of a new pool; the table doubles when more sequences need one.
+const FIRST_TABLE_ROWS: usize = 8;
 
 impl std::fmt::Debug for PagedCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -105,14 +120,79 @@ impl PagedCache {
             } => too_large(layer, slot, row_bytes),
             e => e,
         })?;
-        let store = KvCache::with_kernels(kernels, pool)?;
+        let mut store = KvCache::with_kernels(kernels, pool)?;
         let ledger = PageLedger::new(&spec, page_size, n_pages);
+        let table_width = spec.max_seq_len().div_ceil(page_size);
+        let table = table_buffer(store.device(), table_width, FIRST_TABLE_ROWS);
+        store.set_page_table(table.clone());
         Ok(Self {
             store,
             spec,
             ledger,
             staging: None,
+            table,
+            table_width,
+            table_rows: BTreeMap::new(),
+            free_rows: Vec::new(),
+            row_capacity: FIRST_TABLE_ROWS,
         })
+    }
+
+    /// The cache whose slot buffers hold the pool's pages.
+    pub(crate) fn store(&self) -> &KvCache {
+        &self.store
+    }
+
+    /// Where the rows of `seq` lie, for attention.
+    pub(crate) fn paging(&self, seq: SeqId) -> Result<Paging> {
+        let row = *self
+            .table_rows
+            .get(&seq)
+            .ok_or(Error::UnknownSequence { seq })?;
+        Ok(Paging {
+            page_size: self.page_size(),
+            table_base: row * self.table_width,
+            n_pages: self.n_pages(),
+        })
+    }
+
+    /// A table row for a new sequence, growing the table when every row is taken (the old rows are
+    /// copied in a submission of their own, after every table write made so far).
+    fn take_table_row(&mut self) -> Result<usize> {
+        if let Some(row) = self.free_rows.pop() {
+            return Ok(row);
+        }
+        let row = self.table_rows.len();
+        if row == self.row_capacity {
+            let rows = self.row_capacity * 2;
+            let limit = DeviceLimits::from_wgpu(&self.device().limits()).max_slot_bytes();
+            if (rows * self.table_width * 4) as u64 > limit {
+                return Err(Error::TooManySequences {
+                    live: row,
+                    most: row,
+                });
+            }
+            let table = table_buffer(self.device(), self.table_width, rows);
+            let mut encoder = self.encoder("kvgpu page table growth");
+            encoder.copy_buffer_to_buffer(&self.table, 0, &table, 0, self.table.size());
+            self.queue().submit([encoder.finish()]);
+            self.store.set_page_table(table.clone());
+            self.table = table;
+            self.row_capacity = rows;
+        }
+        Ok(row)
+    }
+
+    /// Writes the table entries of `seq` from page index `from` to its end.
+    fn write_table(&self, seq: SeqId, from: usize) {
+        let (Some(&row), Ok(pages)) = (self.table_rows.get(&seq), self.ledger.pages(seq)) else {
+            return;
+        };
+        if from < pages.len() {
+            let at = ((row * self.table_width + from) * 4) as u64;
+            self.queue()
+                .write_buffer(&self.table, at, bytemuck::cast_slice(&pages[from..]));
+        }
     }
 
     /// The layers, storage type and longest sequence.
@@ -156,19 +236,45 @@ impl PagedCache {
 
     /// A new, empty sequence; it takes pages as it is written.
     pub fn add_sequence(&mut self) -> Result<SeqId> {
-        self.ledger.add()
+        let row = self.take_table_row()?;
+        let seq = self
+            .ledger
+            .add()
+            .inspect_err(|_| self.free_rows.push(row))?;
+        self.table_rows.insert(seq, row);
+        Ok(seq)
     }
 
     /// Removes `seq`; the pages no other sequence shares return to the pool.
     pub fn remove(&mut self, seq: SeqId) -> Result<()> {
-        self.ledger.remove(seq)
+        self.ledger.remove(seq)?;
+        if let Some(row) = self.table_rows.remove(&seq) {
+            self.free_rows.push(row);
+        }
+        Ok(())
     }
 
     /// A new sequence holding the first `at_len` committed rows of `parent` without copying them: the
     /// pages are shared, and a page either side later writes into is copied for the writer first.
     /// Starting a conversation from a cached system prompt is `fork(prompt, prompt_len)`.
     pub fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
-        self.ledger.fork(parent, at_len)
+        // Checked first, so that a refused fork takes no table row.
+        let len = self.ledger.len(parent)?;
+        if at_len > len {
+            return Err(Error::ForkBeyondLength {
+                seq: parent,
+                at_len,
+                len,
+            });
+        }
+        let row = self.take_table_row()?;
+        let child = self
+            .ledger
+            .fork(parent, at_len)
+            .inspect_err(|_| self.free_rows.push(row))?;
+        self.table_rows.insert(child, row);
+        self.write_table(child, 0);
+        Ok(child)
     }
 
     /// Rolls `seq` back to `new_len` committed rows in O(1), dropping pending rows; pages past the new
@@ -208,8 +314,21 @@ impl PagedCache {
             self.queue().submit([encoder.finish()]);
         }
         self.store.write_host_runs(layer, slabs, &plan.runs);
-        self.ledger.commit_append(&plan);
+        self.commit(&plan);
         Ok(())
+    }
+
+    /// Commits a plan to the ledger and writes the table entries it changed.
+    fn commit(&mut self, plan: &PagedPlan) {
+        let first_new = self.ledger.pages(plan.seq).map_or(0, <[u32]>::len);
+        self.ledger.commit_append(plan);
+        let from = plan
+            .copies
+            .iter()
+            .map(|c| c.index)
+            .min()
+            .unwrap_or(first_new);
+        self.write_table(plan.seq, from.min(first_new));
     }
 
     /// Records an append from GPU buffers to `seq` into `encoder` (as
@@ -231,7 +350,7 @@ impl PagedCache {
             self.record_copies(encoder, &plan.copies);
         }
         self.store.record_gpu_moves(encoder, layer, slabs, moves);
-        self.ledger.commit_append(&plan);
+        self.commit(&plan);
         Ok(())
     }
 
@@ -324,6 +443,18 @@ impl PagedCache {
             .device()
             .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) })
     }
+}
+
+/// A page table of `rows` rows of `width` entries.
+fn table_buffer(device: &wgpu::Device, width: usize, rows: usize) -> wgpu::Buffer {
+    device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("kvgpu page table"),
+        size: (width * rows * 4).max(16) as u64,
+        usage: wgpu::BufferUsages::STORAGE
+            | wgpu::BufferUsages::COPY_DST
+            | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    })
 }
 
 /// The slot with the widest rows: `(layer, slot, row bytes)`.

@@ -526,3 +526,230 @@ pub async fn paged_pool_matches_the_model(g: &Gpu) {
         }
     }
 }
+
+/// Rows of one sequence as the test wrote them: per layer, per slot, stored f32 values.
+type SeqRows = Vec<Vec<Vec<f32>>>;
+
+/// Appends `n` rows to every layer of `seq` (layer 0 from a strided f32 GPU buffer when `gpu`, the
+/// rest from the host), advances, and returns what the storage keeps.
+async fn step(g: &Gpu, c: &mut PagedCache, seq: SeqId, n: usize, seed: u64, gpu: bool) -> SeqRows {
+    let dtype = c.spec().dtype();
+    let mut kept = Vec::new();
+    for layer in 0..c.spec().n_layers() {
+        let slots: Vec<Vec<usize>> = c.spec().layers()[layer]
+            .slots
+            .iter()
+            .map(|s| s.trailing.clone())
+            .collect();
+        let vals: Vec<Vec<f32>> = slots
+            .iter()
+            .enumerate()
+            .map(|(k, t)| {
+                values(
+                    seed * 31 + (layer * 2 + k) as u64,
+                    n * t.iter().product::<usize>(),
+                )
+            })
+            .collect();
+        let shapes: Vec<Vec<usize>> = slots.iter().map(|t| [&[n][..], t].concat()).collect();
+        if gpu && layer == 0 {
+            // Every other row of a buffer: the slab-write kernel, across page boundaries.
+            let mut bufs = Vec::new();
+            for v in &vals {
+                let w = v.len() / n;
+                let mut words = vec![0u32; 2 * n * w];
+                for r in 0..n {
+                    for e in 0..w {
+                        words[2 * r * w + e] = v[r * w + e].to_bits();
+                    }
+                }
+                bufs.push((buffer_with(&g.device, &words, super::USAGE).await, w));
+            }
+            let strides: Vec<Vec<usize>> = shapes
+                .iter()
+                .zip(&bufs)
+                .map(|(s, (_, w))| {
+                    let mut st = vec![2 * w];
+                    st.extend((1..s.len()).map(|d| s[d + 1..].iter().product::<usize>()));
+                    st
+                })
+                .collect();
+            let slabs: Vec<GpuSlab> = (0..slots.len())
+                .map(|k| GpuSlab {
+                    buffer: &bufs[k].0,
+                    dtype: DType::F32,
+                    offset: 0,
+                    shape: &shapes[k],
+                    strides: Some(&strides[k]),
+                })
+                .collect();
+            c.append_gpu(seq, layer, &slabs).unwrap();
+        } else {
+            let slabs: Vec<HostSlab> = (0..slots.len())
+                .map(|k| HostSlab::f32(&vals[k], &shapes[k]))
+                .collect();
+            c.append(seq, layer, &slabs).unwrap();
+        }
+        kept.push(
+            vals.iter()
+                .map(|v| v.iter().map(|&x| reference::round_trip(x, dtype)).collect())
+                .collect(),
+        );
+    }
+    c.advance(seq, n).unwrap();
+    kept
+}
+
+/// `rows` with `more` appended (per layer, per slot).
+fn grown(rows: &SeqRows, more: &SeqRows) -> SeqRows {
+    rows.iter()
+        .zip(more)
+        .map(|(l, m)| {
+            l.iter()
+                .zip(m)
+                .map(|(a, b)| [a.clone(), b.clone()].concat())
+                .collect()
+        })
+        .collect()
+}
+
+/// The first `n` rows of each slot.
+fn prefix(rows: &SeqRows, n: usize, widths: &[Vec<usize>]) -> SeqRows {
+    rows.iter()
+        .zip(widths)
+        .map(|(l, w)| l.iter().zip(w).map(|(r, &w)| r[..n * w].to_vec()).collect())
+        .collect()
+}
+
+/// GQA and MLA attention over sequences of a paged pool match the CPU twins for every storage type
+/// and every pass-1 kernel of the adapter: sequences whose pages interleave, forks sharing full and
+/// partly filled pages, private copies made by both a fork and its parent (from the host and from
+/// GPU sources), decode and chunked queries, window and soft-cap. Refused calls name the cause.
+pub async fn paged_attention_matches_the_reference(g: &Gpu) {
+    const N_KV: usize = 2;
+    const D: usize = 8;
+    const R: usize = 16;
+    const ROPE: usize = 8;
+    const HEADS: usize = 4;
+    for dtype in DType::ALL {
+        let spec = CacheSpec::new(
+            vec![LayerSpec::kv(N_KV, D, D), LayerSpec::mla(R, ROPE)],
+            dtype,
+            64,
+        )
+        .unwrap();
+        let widths: Vec<Vec<usize>> = spec
+            .layers()
+            .iter()
+            .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
+            .collect();
+        let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 5, 40).unwrap();
+        let a = c.add_sequence().unwrap();
+        let b = c.add_sequence().unwrap();
+        // a and b take pages in turn, so neither's pages are contiguous.
+        let mut ra = step(g, &mut c, a, 9, 1, false).await;
+        let mut rb = step(g, &mut c, b, 7, 2, true).await;
+        ra = grown(&ra, &step(g, &mut c, a, 14, 3, false).await);
+        // c1 shares a's pages 0-3 (row 17 is inside page 3); c2 shares pages 0-4 (page 4 partly).
+        let c1 = c.fork(a, 17).unwrap();
+        let c2 = c.fork(a, 22).unwrap();
+        let mut rc1 = grown(
+            &prefix(&ra, 17, &widths),
+            &step(g, &mut c, c1, 6, 4, true).await,
+        );
+        // a writes row 23 into page 4, shared with c2: a copies it; then c2 writes in place.
+        ra = grown(&ra, &step(g, &mut c, a, 3, 5, false).await);
+        let rc2 = grown(
+            &prefix(&ra, 22, &widths),
+            &step(g, &mut c, c2, 4, 6, false).await,
+        );
+        rb = grown(&rb, &step(g, &mut c, b, 2, 7, false).await);
+        rc1 = grown(&rc1, &step(g, &mut c, c1, 1, 8, true).await);
+        let seqs = [(a, &ra), (b, &rb), (c1, &rc1), (c2, &rc2)];
+        note!(
+            "{dtype}: pages in use {} of {}",
+            c.pages_in_use(),
+            c.n_pages()
+        );
+        let mut att = Attention::with_kernels(super::kernels_for(g));
+        for choice in super::attention_bodies::kernels(g) {
+            att.set_kernel(choice);
+            for &(seq, rows) in &seqs {
+                let visible = c.len(seq).unwrap();
+                for (n_q, window, soft_cap) in [(1, None, None), (3, Some(6), Some(4.0))] {
+                    let options = AttentionOptions {
+                        window,
+                        soft_cap,
+                        scale: None,
+                    };
+                    let what = format!("{dtype} {choice:?} {seq} ({visible} rows) n_q {n_q}");
+                    // GQA, layer 0.
+                    let q = values(visible as u64 + 50, n_q * HEADS * D);
+                    let qb = super::f32_buffer(&g.device, &q).await;
+                    let out = super::output(&g.device, n_q * HEADS * D).await;
+                    att.gqa_paged(&c, seq, 0, Queries::new(&qb, n_q, HEADS, D), &out, &options)
+                        .unwrap();
+                    let want = reference::attention_gqa(
+                        &q,
+                        [n_q, HEADS, D],
+                        &rows[0][0],
+                        &rows[0][1],
+                        N_KV,
+                        D,
+                        &options,
+                    );
+                    super::assert_close(
+                        &super::read_f32(g, &out).await,
+                        &want,
+                        &format!("{what} GQA"),
+                    );
+                    // MLA, layer 1.
+                    let ql = values(visible as u64 + 60, n_q * HEADS * R);
+                    let qr = values(visible as u64 + 70, n_q * HEADS * ROPE);
+                    let (lb, rb_) = (
+                        super::f32_buffer(&g.device, &ql).await,
+                        super::f32_buffer(&g.device, &qr).await,
+                    );
+                    let out = super::output(&g.device, n_q * HEADS * R).await;
+                    let q = MlaQueries {
+                        latent: Queries::new(&lb, n_q, HEADS, R),
+                        rope: Queries::new(&rb_, n_q, HEADS, ROPE),
+                    };
+                    att.mla_paged(&c, seq, 1, q, &out, &options).unwrap();
+                    let want = reference::attention_mla(
+                        &ql,
+                        &qr,
+                        [n_q, HEADS, R],
+                        &rows[1][0],
+                        &rows[1][1],
+                        ROPE,
+                        &options,
+                    );
+                    super::assert_close(
+                        &super::read_f32(g, &out).await,
+                        &want,
+                        &format!("{what} MLA"),
+                    );
+                }
+            }
+        }
+        // Refusals: a removed sequence, more queries than rows.
+        let q = super::f32_buffer(&g.device, &values(1, 64 * HEADS * D)).await;
+        let out = super::output(&g.device, 64 * HEADS * D).await;
+        c.remove(c2).unwrap();
+        let dflt = AttentionOptions::default();
+        let e = att
+            .gqa_paged(&c, c2, 0, Queries::new(&q, 1, HEADS, D), &out, &dflt)
+            .unwrap_err();
+        assert_eq!(e, Error::UnknownSequence { seq: c2 }, "{dtype}");
+        let n = c.len(b).unwrap() + 1;
+        let e = att
+            .gqa_paged(&c, b, 0, Queries::new(&q, n, HEADS, D), &out, &dflt)
+            .unwrap_err();
+        assert!(matches!(e, Error::QueryRows { .. }), "{dtype}: {e}");
+        assert!(
+            super::read_f32(g, &out).await.iter().all(|&x| x == -7.0),
+            "{dtype}: written"
+        );
+    }
+}
