@@ -57,6 +57,11 @@
 //! - 16-bit types are stored packed in `u32` words and rows are padded to 4 bytes, so every adapter works
 //!   without `shader-f16`; f32 → f16/bf16 conversion rounds to nearest even, bit-identical to `half`.
 //!
+//! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
+//! fork by sharing pages (a write into a shared page copies it for the writer), truncate and removal
+//! that return pages, an admission check, and attention over a sequence through its page table
+//! ([`Attention::gqa_paged`], [`Attention::mla_paged`]).
+//!
 //! Ordering: host appends take effect at the next queue submission, before the commands submitted with
 //! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
 //! rows that must survive it. Any number of operations may be recorded between two submissions: every

@@ -1,7 +1,7 @@
 //! Sequence ids: the one name a sequence has in a cache, its plans and its errors.
 
-/// A sequence of a cache. A [`crate::KvCache`] holds one, [`SeqId::FIRST`]; a paged pool will hold
-/// many, and plans already name the sequence they place rows for.
+/// A sequence of a cache. A [`crate::KvCache`] holds one, [`SeqId::FIRST`]; a [`crate::PagedCache`]
+/// holds many, each named by the id `add_sequence` or `fork` returned (ids are never reused).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub(crate) u32);
 

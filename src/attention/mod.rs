@@ -231,6 +231,25 @@ impl Attention {
     /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
     /// [`Error::AttentionRequest`], both before anything is built.
     pub fn prepare(&mut self, cache: &KvCache, n_heads: usize) -> Result<usize> {
+        self.prepare_rows(cache, None, n_heads)
+    }
+
+    /// [`Attention::prepare`] for the paged kernels of a pool's sequences.
+    pub fn prepare_paged(&mut self, pool: &PagedCache, n_heads: usize) -> Result<usize> {
+        let paging = plan::Paging {
+            page_size: pool.page_size(),
+            table_base: 0,
+            n_pages: pool.n_pages(),
+        };
+        self.prepare_rows(pool.store(), Some(paging), n_heads)
+    }
+
+    fn prepare_rows(
+        &mut self,
+        cache: &KvCache,
+        paging: Option<plan::Paging>,
+        n_heads: usize,
+    ) -> Result<usize> {
         if cache.device() != &self.device {
             return Err(Error::ForeignDevice {
                 layer: 0,
@@ -271,7 +290,7 @@ impl Attention {
                 scale: 1.0,
                 soft_cap: 0.0,
                 v_from_a,
-                paging: None,
+                paging,
             };
             let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
             planned.push((layer, l.kind, dispatch));

@@ -674,6 +674,15 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let mut att = Attention::with_kernels(super::kernels_for(g));
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
+            // The paged pipelines, ahead of the calls: once, for every attention layer.
+            let e = att.prepare_paged(&c, 3).unwrap_err();
+            assert!(matches!(e, Error::HeadGroups { layer: 0, .. }), "{e}");
+            att.prepare_paged(&c, HEADS).unwrap();
+            assert_eq!(
+                att.prepare_paged(&c, HEADS).unwrap(),
+                0,
+                "{dtype} {choice:?}"
+            );
             for &(seq, rows) in &seqs {
                 let visible = c.len(seq).unwrap();
                 for (n_q, window, soft_cap) in [(1, None, None), (3, Some(6), Some(4.0))] {

@@ -1,0 +1,553 @@
+//! Serves several requests from one paged pool, as a continuous-batching server would: a system
+//! prompt is prefilled once, every request forks it (sharing its pages), prefills its own prompt and
+//! decodes token by token next to the others. A request is admitted only when the pool says its rows
+//! fit; when a decode step would not fit, the newest request is preempted (its pages freed) and
+//! restarts later. Each step appends K/V (or MLA latents) to every attention layer of every running
+//! request and runs paged attention over each; a sample of outputs is checked against the CPU twins
+//! over rows regenerated on the host (so shared and copied pages are checked too).
+//!
+//! `cargo run --release --example serve -- --help` lists the flags and their defaults.
+//!
+//! The last line is `verified: <checks> checks, max abs error <e>`; the exit status is non-zero when
+//! an output differs from the reference by more than `1e-4 · (1 + |reference|)`.
+// Native only: it uses the blocking helpers.
+#![cfg_attr(target_arch = "wasm32", no_main)]
+#![cfg(not(target_arch = "wasm32"))]
+
+use std::collections::VecDeque;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use kvgpu::{
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, MlaQueries, PagedCache, Queries,
+    SeqId, reference,
+};
+
+/// Outputs may differ from the f64 CPU reference by this much, scaled by `1 + |reference|`.
+const TOLERANCE: f32 = 1e-4;
+
+/// A count from 1 to `max`; anything else is refused with the bounds, never wrapped.
+fn count(s: &str, max: usize) -> Result<usize, String> {
+    match s.trim().parse::<i128>() {
+        Ok(n) if n >= 1 && n <= max as i128 => Ok(n as usize),
+        _ => Err(format!("expected a whole number from 1 to {max}")),
+    }
+}
+
+/// Serves requests that share a system prompt from one paged KV pool on the default GPU adapter:
+/// admission, forks that share pages, decode steps of every running request, preemption when the pool
+/// is full, and a CPU check of a sample of attention outputs. No model weights run: the tokens/s it
+/// reports are the cache's and attention's alone, not a model's throughput.
+///
+/// The adapter is chosen with WGPU_BACKEND (vulkan, gl, metal, dx12).
+#[derive(Parser, Debug)]
+#[command(
+    name = "serve",
+    allow_negative_numbers = true,
+    after_help = "The last line is `verified: <checks> checks, max abs error <e>`; the exit status \
+                  is non-zero when an output differs from the CPU reference by more than \
+                  1e-4 * (1 + |reference|)."
+)]
+struct Args {
+    /// Model whose cache shapes and query heads to use
+    #[arg(long, value_enum, default_value_t = Model::Qwen3_0_6b)]
+    model: Model,
+    /// Element type the cache stores (attention computes in f32)
+    #[arg(long, value_enum, default_value_t = Storage::F16)]
+    dtype: Storage,
+    /// Requests to serve, 1 to 256
+    #[arg(long, default_value_t = 8, value_parser = |s: &str| count(s, 256))]
+    requests: usize,
+    /// Tokens of the system prompt every request shares, 1 to 1024
+    #[arg(long, default_value_t = 40, value_parser = |s: &str| count(s, 1024))]
+    system: usize,
+    /// Tokens of each request's own prompt, 1 to 1024
+    #[arg(long, default_value_t = 8, value_parser = |s: &str| count(s, 1024))]
+    prompt: usize,
+    /// Tokens each request decodes, 1 to 1024
+    #[arg(long, default_value_t = 16, value_parser = |s: &str| count(s, 1024))]
+    tokens: usize,
+    /// Token rows per page, 1 to 1024
+    #[arg(long, default_value_t = 16, value_parser = |s: &str| count(s, 1024))]
+    page_size: usize,
+    /// Pages in the pool, 1 to 1048576 (few pages make requests wait and get preempted)
+    #[arg(long, default_value_t = 12, value_parser = |s: &str| count(s, 1 << 20))]
+    pages: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Model {
+    /// 32 layers, GQA: 32 query heads over 8 KV heads of 128
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// 28 layers, GQA: 16 query heads over 8 KV heads of 128
+    #[value(name = "qwen3-0.6b")]
+    Qwen3_0_6b,
+    /// 27 layers, MLA: 16 heads over latents of 512 + rope 64
+    #[value(name = "deepseek-v2-lite")]
+    DeepseekV2Lite,
+    /// 24 layers, every fourth with GQA (16 query heads over 2 KV heads of 256), the rest cache-free
+    #[value(name = "hybrid")]
+    Hybrid,
+}
+
+impl Model {
+    fn name(self) -> &'static str {
+        match self {
+            Model::Llama3_8b => "llama3-8b",
+            Model::Qwen3_0_6b => "qwen3-0.6b",
+            Model::DeepseekV2Lite => "deepseek-v2-lite",
+            Model::Hybrid => "hybrid",
+        }
+    }
+
+    /// Query heads per layer, and MLA's softmax scale (DeepSeek-V2-Lite: 1/sqrt(128 + 64)).
+    fn heads(self) -> (usize, Option<f32>) {
+        match self {
+            Model::Llama3_8b => (32, None),
+            Model::Qwen3_0_6b | Model::Hybrid => (16, None),
+            Model::DeepseekV2Lite => (16, Some(1.0 / 192f32.sqrt())),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Storage {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<Storage> for DType {
+    fn from(s: Storage) -> Self {
+        match s {
+            Storage::F32 => DType::F32,
+            Storage::F16 => DType::F16,
+            Storage::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// One request: its sequence while it runs, and how many of its own tokens (prompt, then decoded) it
+/// has written.
+struct Request {
+    id: usize,
+    seq: SeqId,
+    written: usize,
+}
+
+struct Server {
+    gpu: Gpu,
+    pool: PagedCache,
+    attention: Attention,
+    options: AttentionOptions,
+    n_heads: usize,
+    /// The attention layers: index and slot widths (GQA: `[n_kv · d_k, n_kv · d_v]`, MLA: `[r, p]`).
+    layers: Vec<(usize, Vec<Vec<usize>>)>,
+    system: usize,
+    q: wgpu::Buffer,
+    out: wgpu::Buffer,
+    worst: f32,
+    good: bool,
+    checks: usize,
+}
+
+/// The K/V rows of position `pos` of a layer's slots, written by `owner` (0: the system prompt,
+/// `1 + id`: request `id`), as the host sends them.
+fn token(owner: usize, layer: usize, slot: usize, pos: usize, width: usize) -> Vec<f32> {
+    let seed = (owner as u64) << 40 | (layer as u64) << 24 | (slot as u64) << 20 | pos as u64;
+    reference::pseudo_random(seed, width, 1.0)
+}
+
+fn width(trailing: &[usize]) -> usize {
+    trailing.iter().product()
+}
+
+impl Server {
+    /// Appends positions `[from, from + n)` of `owner` to every attention layer of `seq`, advances,
+    /// and runs attention for those `n` queries in every layer, checking the outputs if `check`.
+    fn step(
+        &mut self,
+        seq: SeqId,
+        owner: usize,
+        from: usize,
+        n: usize,
+        check: bool,
+    ) -> kvgpu::Result<()> {
+        for (layer, slots) in &self.layers {
+            let data: Vec<Vec<f32>> = slots
+                .iter()
+                .enumerate()
+                .map(|(s, t)| {
+                    (from..from + n)
+                        .flat_map(|p| token(owner, *layer, s, p, width(t)))
+                        .collect()
+                })
+                .collect();
+            let shapes: Vec<Vec<usize>> = slots.iter().map(|t| [&[n][..], t].concat()).collect();
+            let slabs: Vec<HostSlab> = data
+                .iter()
+                .zip(&shapes)
+                .map(|(d, s)| HostSlab::f32(d, s))
+                .collect();
+            self.pool.append(seq, *layer, &slabs)?;
+        }
+        self.pool.advance(seq, n)?;
+        let layers = self.layers.clone();
+        let h = self.n_heads;
+        for (layer, slots) in &layers {
+            let q_seed = (owner as u64) << 40 | (*layer as u64) << 24 | 1 << 23 | from as u64;
+            let query =
+                |k: u64, d: usize| reference::pseudo_random(q_seed | k << 20, n * h * d, 1.0);
+            let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
+            let trailing: Vec<&[usize]> = slots.iter().map(Vec::as_slice).collect();
+            let want = if let [[n_kv, d_k], [_, d_v]] = trailing.as_slice() {
+                let q = query(0, *d_k);
+                self.gpu
+                    .queue
+                    .write_buffer(&self.q, 0, bytemuck::cast_slice(&q));
+                let queries = Queries::new(&self.q, n, h, *d_k);
+                self.attention.record_gqa_paged(
+                    &mut encoder,
+                    &self.pool,
+                    seq,
+                    *layer,
+                    queries,
+                    &self.out,
+                    &self.options,
+                )?;
+                check.then(|| {
+                    let rows = self.rows(owner, *layer, from + n);
+                    let shape = [n, h, *d_k];
+                    reference::attention_gqa(
+                        &q,
+                        shape,
+                        &rows[0],
+                        &rows[1],
+                        *n_kv,
+                        *d_v,
+                        &self.options,
+                    )
+                })
+            } else {
+                let (r, p) = (slots[0][0], slots[1][0]);
+                // The rope queries start at the next 256-byte boundary after the latent ones.
+                let half = (n * h * r * 4).next_multiple_of(256);
+                let (ql, qr) = (query(0, r), query(1, p));
+                self.gpu
+                    .queue
+                    .write_buffer(&self.q, 0, bytemuck::cast_slice(&ql));
+                self.gpu
+                    .queue
+                    .write_buffer(&self.q, half as u64, bytemuck::cast_slice(&qr));
+                let queries = MlaQueries {
+                    latent: Queries::new(&self.q, n, h, r),
+                    rope: Queries::new(&self.q, n, h, p).at(half / 4),
+                };
+                self.attention.record_mla_paged(
+                    &mut encoder,
+                    &self.pool,
+                    seq,
+                    *layer,
+                    queries,
+                    &self.out,
+                    &self.options,
+                )?;
+                check.then(|| {
+                    let rows = self.rows(owner, *layer, from + n);
+                    reference::attention_mla(
+                        &ql,
+                        &qr,
+                        [n, h, r],
+                        &rows[0],
+                        &rows[1],
+                        p,
+                        &self.options,
+                    )
+                })
+            };
+            // The query buffer is reused by the next layer: this one's attention goes first.
+            self.gpu.queue.submit([encoder.finish()]);
+            if let Some(want) = want {
+                self.compare(&want)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The first `len` rows of a layer's slots for `owner` (system prompt rows first), as stored.
+    fn rows(&self, owner: usize, layer: usize, len: usize) -> Vec<Vec<f32>> {
+        let dtype = self.pool.spec().dtype();
+        let slots = &self
+            .layers
+            .iter()
+            .find(|l| l.0 == layer)
+            .expect("an attention layer")
+            .1;
+        slots
+            .iter()
+            .enumerate()
+            .map(|(s, t)| {
+                (0..len)
+                    .flat_map(|p| {
+                        let who = if p < self.system { 0 } else { owner };
+                        token(who, layer, s, p, width(t))
+                    })
+                    .map(|x| reference::round_trip(x, dtype))
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn compare(&mut self, want: &[f32]) -> kvgpu::Result<()> {
+        let bytes = kvgpu::read_buffer(
+            &self.gpu.device,
+            &self.gpu.queue,
+            &self.out,
+            0,
+            (want.len() * 4) as u64,
+        )?;
+        let got: &[f32] = bytemuck::cast_slice(&bytes);
+        for (g, w) in got.iter().zip(want) {
+            let err = (g - w).abs();
+            self.worst = self.worst.max(err);
+            self.good &= err <= TOLERANCE * (1.0 + w.abs());
+        }
+        self.checks += 1;
+        Ok(())
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> kvgpu::Result<bool> {
+    let start = Instant::now();
+    let gpu = Gpu::from_env_blocking()?;
+    let longest = args.system + args.prompt + args.tokens;
+    let spec = CacheSpec::preset(args.model.name(), DType::from(args.dtype), longest)?;
+    let pool = PagedCache::new(
+        &gpu.device,
+        &gpu.queue,
+        spec.clone(),
+        args.page_size,
+        args.pages,
+    )?;
+    let (n_heads, scale) = args.model.heads();
+    let layers: Vec<(usize, Vec<Vec<usize>>)> = spec
+        .layers()
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.slots.is_empty())
+        .map(|(i, l)| (i, l.slots.iter().map(|s| s.trailing.clone()).collect()))
+        .collect();
+    // Queries (MLA: latent, then rope from a 256-byte boundary) and outputs of the longest prefill.
+    let most = args.system.max(args.prompt) * n_heads * 4;
+    let widest = layers
+        .iter()
+        .flat_map(|l| l.1.iter().map(|t| *t.last().unwrap_or(&1)))
+        .max()
+        .unwrap_or(1);
+    let buffer = |bytes: usize| {
+        gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("serve"),
+            size: bytes as u64,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    };
+    let (q, out) = (
+        buffer(2 * (most * widest).next_multiple_of(256)),
+        buffer(most * widest),
+    );
+    let mut server = Server {
+        attention: Attention::with_kernels(pool.kernels().clone()),
+        gpu,
+        pool,
+        options: AttentionOptions {
+            scale,
+            ..Default::default()
+        },
+        n_heads,
+        layers,
+        system: args.system,
+        q,
+        out,
+        worst: 0.0,
+        good: true,
+        checks: 0,
+    };
+    println!("adapter: {}", server.gpu.describe());
+    println!(
+        "pool: {} pages of {} tokens, {:.1} KiB/token, {:.1} MiB ({} storage, model {})",
+        args.pages,
+        args.page_size,
+        spec.bytes_per_token() as f64 / 1024.0,
+        (spec.bytes_per_token() * (args.pages * args.page_size) as u64) as f64 / (1 << 20) as f64,
+        spec.dtype(),
+        args.model.name()
+    );
+    let built = server.attention.prepare_paged(&server.pool, n_heads)?;
+    println!("pipelines: {built} built (Attention::prepare_paged)");
+
+    // The system prompt, once.
+    let system = server.pool.add_sequence()?;
+    server.step(system, 0, 0, args.system, true)?;
+    println!(
+        "system prompt: {} tokens in {} pages",
+        args.system,
+        server.pool.pages_in_use()
+    );
+
+    let t = Instant::now();
+    let mut waiting: VecDeque<usize> = (0..args.requests).collect();
+    let mut running: Vec<Request> = Vec::new();
+    let (mut steps, mut decoded, mut redone) = (0, 0, 0);
+    let (mut preempted, mut peak_pages, mut peak_running) = (0, 0, 0);
+    let own = args.prompt + args.tokens;
+    while !waiting.is_empty() || !running.is_empty() {
+        // Admit waiting requests while their prompt fits next to the running ones' next token.
+        while let Some(&id) = waiting.front() {
+            let seq = server.pool.fork(system, args.system)?;
+            let mut growth: Vec<(SeqId, usize)> = running.iter().map(|r| (r.seq, 1)).collect();
+            // Its prompt and its first decoded token, so it is not preempted by the very next step.
+            growth.push((seq, args.prompt + 1));
+            if server.pool.admits(&growth).is_err() {
+                server.pool.remove(seq)?;
+                break;
+            }
+            waiting.pop_front();
+            server.step(seq, 1 + id, args.system, args.prompt, id == 0)?;
+            running.push(Request {
+                id,
+                seq,
+                written: args.prompt,
+            });
+        }
+        if running.is_empty() {
+            // Not even one request fits next to the system prompt.
+            return Err(kvgpu::Error::OutOfPages {
+                needed: (args.system + own).div_ceil(args.page_size),
+                free: server.pool.free_pages(),
+            });
+        }
+        // A decode step for every running request; preempt the newest while the step does not fit.
+        while let Err(e) = server
+            .pool
+            .admits(&running.iter().map(|r| (r.seq, 1)).collect::<Vec<_>>())
+        {
+            let Some(newest) = running.pop() else {
+                return Err(e);
+            };
+            server.pool.remove(newest.seq)?;
+            waiting.push_front(newest.id);
+            preempted += 1;
+            redone += newest.written - args.prompt;
+            if running.is_empty() {
+                // One request alone does not fit: the pool is too small for it.
+                return Err(e);
+            }
+        }
+        peak_running = peak_running.max(running.len());
+        steps += 1;
+        for r in &mut running {
+            let pos = args.system + r.written;
+            let check = r.id == 0 && (r.written == args.prompt || r.written + 1 == own);
+            server.step(r.seq, 1 + r.id, pos, 1, check)?;
+            r.written += 1;
+            decoded += 1;
+        }
+        peak_pages = peak_pages.max(server.pool.pages_in_use());
+        for r in running.iter().filter(|r| r.written == own) {
+            server.pool.remove(r.seq)?;
+        }
+        running.retain(|r| r.written < own);
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let unshared = (args.requests * (args.system + own)).div_ceil(args.page_size);
+    println!(
+        "served: {} requests, {steps} steps, {decoded} tokens decoded ({redone} of them again after a \
+         preemption) in {secs:.2} s ({:.1} tokens/s; cache appends + attention only, no model weights), \
+         at most {peak_running} at once, {preempted} preempted",
+        args.requests,
+        decoded as f64 / secs
+    );
+    println!(
+        "pages: peak {peak_pages} of {}; {unshared} if every request held its own copy of the system \
+         prompt; {} in use at the end (the system prompt)",
+        args.pages,
+        server.pool.pages_in_use()
+    );
+    println!("time: {:.2} s", start.elapsed().as_secs_f64());
+    println!(
+        "verified: {} checks, max abs error {:e}",
+        server.checks, server.worst
+    );
+    Ok(server.good)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("serve").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn command_is_well_formed() {
+        Args::command().debug_assert();
+    }
+
+    #[test]
+    fn defaults_and_both_value_forms() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(
+            (
+                a.requests,
+                a.system,
+                a.prompt,
+                a.tokens,
+                a.page_size,
+                a.pages
+            ),
+            (8, 40, 8, 16, 16, 12)
+        );
+        let a = parse(&[
+            "--pages=3",
+            "--page-size",
+            "1",
+            "--model",
+            "deepseek-v2-lite",
+        ])
+        .unwrap();
+        assert_eq!(
+            (a.pages, a.page_size, a.model),
+            (3, 1, Model::DeepseekV2Lite)
+        );
+    }
+
+    #[test]
+    fn bad_counts_are_refused_with_their_bounds() {
+        for bad in ["0", "-1", "257", "x", "1e3", "18446744073709551617"] {
+            let e = parse(&["--requests", bad]).expect_err(bad).to_string();
+            assert!(e.contains("from 1 to 256"), "{bad}: {e}");
+        }
+        assert!(parse(&["--pages", "1048577"]).is_err());
+        assert!(parse(&["--dtype", "q8_0"]).is_err());
+    }
+}
