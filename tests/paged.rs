@@ -9,4 +9,5 @@ mod common;
 common::shared_tests!(paged_bodies:
     paged_pool_matches_the_model,
     paged_attention_matches_the_reference,
+    paged_pool_sizes_are_checked,
 );

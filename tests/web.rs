@@ -124,6 +124,7 @@ browser_tests!(model_bodies: pseudo_random_operations_match_the_model);
 browser_tests!(paged_bodies:
     paged_pool_matches_the_model,
     paged_attention_matches_the_reference,
+    paged_pool_sizes_are_checked,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

@@ -7,7 +7,7 @@ use anyhow::Result;
 use candle_core::{Device, Tensor};
 use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KernelChoice, KvCache, LayerSpec,
-    MlaQueries, Queries,
+    MlaQueries, PagedCache, Queries, SeqId,
 };
 
 use crate::Config;
@@ -20,6 +20,39 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
     (0..n)
         .map(|i| (((i * 2_654_435_761 + seed) >> 7) % 2001) as f32 * 1e-3 - 1.0)
         .collect()
+}
+
+/// Fills `seq` of `pool` to `rows` rows, one page at a time, taking turns with `other` (which gets
+/// as many rows), so that no two consecutive pages of `seq` are neighbours in the pool.
+fn fill_paged(pool: &mut PagedCache, seq: SeqId, other: SeqId, rows: usize) -> Result<()> {
+    let widths: Vec<Vec<usize>> = pool.spec().layers()[0]
+        .slots
+        .iter()
+        .map(|s| s.trailing.clone())
+        .collect();
+    let page = pool.page_size();
+    let mut done = 0;
+    while done < rows {
+        let n = page.min(rows - done);
+        let shapes: Vec<Vec<usize>> = widths.iter().map(|w| [&[n][..], w].concat()).collect();
+        let data: Vec<Vec<f32>> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| values(s.iter().product(), i))
+            .collect();
+        for s in [seq, other] {
+            let slabs: Vec<HostSlab<'_>> = shapes
+                .iter()
+                .zip(&data)
+                .map(|(s, d)| HostSlab::f32(d, s))
+                .collect();
+            pool.append(s, 0, &slabs)?;
+            pool.advance(s, n)?;
+        }
+        done += n;
+    }
+    pool.queue().submit([]);
+    Ok(())
 }
 
 fn fill(cache: &mut KvCache, rows: usize) -> Result<()> {
@@ -164,7 +197,7 @@ fn one(
             64,
         ),
     };
-    let spec = CacheSpec::new(vec![layer], dtype, max)?;
+    let spec = CacheSpec::new(vec![layer.clone()], dtype, max)?;
     let row_bytes = spec.bytes_per_token();
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     fill(&mut cache, max)?;
@@ -356,6 +389,69 @@ fn one(
                 tc * 1e6
             );
         }
+    }
+    // Paged: the same decode call over a sequence of a pool of 16-row pages that alternate with a
+    // second sequence's, against the contiguous cache (filled to the same context above), kernel time
+    // side by side: what reading rows through the page table costs.
+    if let Some(&ctx) = cfg.attn_contexts.iter().find(|&&c| c == PREFILL_CONTEXT) {
+        const PAGE: usize = 16;
+        let spec = CacheSpec::new(vec![layer], dtype, ctx)?;
+        let mut pool =
+            PagedCache::with_kernels(cache.kernels().clone(), spec, PAGE, 2 * ctx / PAGE)?;
+        let (seq, other) = (pool.add_sequence()?, pool.add_sequence()?);
+        fill_paged(&mut pool, seq, other, ctx)?;
+        let record_paged = |attn: &mut Attention, enc: &mut wgpu::CommandEncoder| -> Result<()> {
+            match kind {
+                Kind::Gqa => attn.record_gqa_paged(
+                    enc,
+                    &pool,
+                    seq,
+                    0,
+                    Queries::new(&q, 1, heads, dk),
+                    &out,
+                    &opts,
+                )?,
+                Kind::Mla => {
+                    let mla = MlaQueries {
+                        latent: Queries::new(&q, 1, heads, dk),
+                        rope: Queries::new(&q_rope, 1, heads, dr),
+                    };
+                    attn.record_mla_paged(enc, &pool, seq, 0, mla, &out, &opts)?
+                }
+            }
+            Ok(())
+        };
+        let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
+        let attn = std::cell::RefCell::new(&mut attn);
+        let mut k_paged = || -> Result<f64> {
+            let mut res = Ok(());
+            let t = timer.gpu(|enc| res = record_paged(&mut attn.borrow_mut(), enc))?;
+            res.map(|_| t)
+        };
+        let mut k_contiguous = || -> Result<f64> {
+            let mut res = Ok(());
+            let t = timer.gpu(|enc| res = record_n(&mut attn.borrow_mut(), &cache, enc, 1))?;
+            res.map(|_| t)
+        };
+        let [tp, tk] = interleaved(warm, reps, [&mut k_paged, &mut k_contiguous])?;
+        rows.push(
+            Row::new(
+                format!("paged attention, {label} {dtype}, ctx {ctx}, {PAGE}-row pages"),
+                tp * 1e6,
+                "us",
+                timer.clock(),
+            )
+            .ratio(
+                tp / tk,
+                format!("the same call over a contiguous cache ({:.1} us)", tk * 1e6),
+                Goal::Info,
+            ),
+        );
+        eprintln!(
+            "  {label} {dtype} ctx {ctx}: paged kernel {:.1} us, contiguous {:.1} us",
+            tp * 1e6,
+            tk * 1e6
+        );
     }
     let short = match kind {
         Kind::Gqa => "GQA",

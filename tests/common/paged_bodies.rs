@@ -762,3 +762,40 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         );
     }
 }
+
+/// A pool is sized before anything is allocated: no page or an empty page is `EmptyPool`; a pool of a
+/// slot larger than one storage binding (or whose row count overflows) is `PoolTooLarge`, naming the
+/// most pages that fit, which is exactly the largest count under the limit.
+pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
+    let limit = g.limits().max_slot_bytes();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 64, 32)], DType::F16, 100).unwrap();
+    let new = |page_size: usize, n_pages: usize| {
+        PagedCache::with_kernels(super::kernels_for(g), spec.clone(), page_size, n_pages)
+    };
+    for (page_size, n_pages) in [(0, 4), (16, 0), (0, 0)] {
+        assert_eq!(
+            new(page_size, n_pages).unwrap_err(),
+            Error::EmptyPool { page_size, n_pages }
+        );
+    }
+    // K is the widest slot: 2 x 64 f16 = 256 bytes per row.
+    let row_bytes = 256u64;
+    let fit = (limit / (16 * row_bytes)) as usize;
+    for n_pages in [fit + 1, usize::MAX] {
+        match new(16, n_pages).unwrap_err() {
+            Error::PoolTooLarge {
+                layer: 0,
+                slot: 0,
+                max_pages,
+                row_bytes: r,
+                ..
+            } => assert_eq!((max_pages, r), (fit, row_bytes), "{n_pages} pages"),
+            e => panic!("{n_pages} pages: {e}"),
+        }
+    }
+    let pool = new(16, 8).unwrap();
+    assert_eq!(
+        (pool.n_pages(), pool.free_pages(), pool.page_size()),
+        (8, 8, 16)
+    );
+}
