@@ -16,6 +16,11 @@ fn main() {
     let prelude = fs::read_to_string(&prelude_path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", prelude_path.display()));
     let prelude_lines = prelude.lines().count();
+    // Pass 1 of attention also takes how it finds rows (shared with the generated kernels).
+    let rows_path = dir.join("shared").join("rows.wgsl");
+    println!("cargo:rerun-if-changed={}", rows_path.display());
+    let rows = fs::read_to_string(&rows_path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", rows_path.display()));
 
     let mut paths: Vec<PathBuf> = fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
@@ -33,25 +38,40 @@ fn main() {
         println!("cargo:rerun-if-changed={}", path.display());
         let own = fs::read_to_string(path)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-        let source = format!("{prelude}{own}");
+        let stem = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .expect("shader file name is UTF-8");
+        let with_rows = stem == "attention_partial";
+        let extra = if with_rows { rows.as_str() } else { "" };
+        let source = format!("{prelude}{extra}{own}");
         let shown = path
             .strip_prefix(env!("CARGO_MANIFEST_DIR"))
             .unwrap_or(path)
             .display()
             .to_string();
-        let shown = format!("{shown} (line numbers count the {prelude_lines}-line prelude first)");
+        let first = prelude_lines + extra.lines().count();
+        let shown = format!(
+            "{shown} (line numbers count the prelude{} first: {first} lines)",
+            if with_rows {
+                " and shared/rows.wgsl"
+            } else {
+                ""
+            }
+        );
         match validate(&source, &shown) {
             Ok(module) => describe_structs(&module, &mut described, &mut layouts),
             Err(report) => failures.push(report),
         }
-        let stem = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .expect("shader file name is UTF-8");
         let konst = stem.to_ascii_uppercase();
+        let middle = if with_rows {
+            format!("include_str!({:?}), ", rows_path.display().to_string())
+        } else {
+            String::new()
+        };
         writeln!(
             table,
-            "pub(crate) const {konst}: &str = concat!(include_str!({:?}), include_str!({:?}));",
+            "pub(crate) const {konst}: &str = concat!(include_str!({:?}), {middle}include_str!({:?}));",
             prelude_path.display().to_string(),
             path.display().to_string()
         )
@@ -60,8 +80,11 @@ fn main() {
     writeln!(
         table,
         "/// The shared prelude alone, for kernels generated at run time.\n\
-         pub(crate) const PRELUDE: &str = include_str!({:?});",
-        prelude_path.display().to_string()
+         pub(crate) const PRELUDE: &str = include_str!({:?});\n\
+         /// How pass 1 of attention finds rows, for kernels generated at run time.\n\
+         pub(crate) const ROWS: &str = include_str!({:?});",
+        prelude_path.display().to_string(),
+        rows_path.display().to_string()
     )
     .expect("writing to a String");
     if !failures.is_empty() {

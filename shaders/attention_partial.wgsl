@@ -19,9 +19,9 @@ override DTYPE: u32 = 0u;
 override HB: u32 = 16u;
 // Rows per invocation per tile: 32 / HB, at most 8 (RPL * HB <= 32), so a tile is 64 * RPL rows.
 override RPL: u32 = 2u;
-// Rows are a paged pool's: row r of the sequence is row r % page_size of page
-// table[table_base + r / page_size] (every entry clamped below n_pages).
-override PAGED: bool = false;
+// How rows are found (shaders/shared/rows.wgsl): 0 one cache's visible rows, 1 one sequence of a
+// paged pool through its page table, 2 a ragged batch of a pool's sequences.
+override ROWS: u32 = 0u;
 
 // Invocations per workgroup (TILE * RPL rows per tile) and most query heads per workgroup (HB <= HEADS).
 const TILE: u32 = 64u;
@@ -52,25 +52,9 @@ var<workgroup> run_sum: array<f32, 16>;
 var<workgroup> rescale: array<f32, 16>;
 // Paged: the stored row of each row of the tile, for the value phase.
 var<workgroup> tile_rows: array<u32, 512>;
+// The query's own row and first page-table entry.
+var<workgroup> query_row: vec2<u32>;
 
-// The stored row of row `r` of the sequence.
-fn stored(r: u32) -> u32 {
-    if !PAGED {
-        return r;
-    }
-    let page = min(table[p.table_base + r / p.page_size], p.n_pages - 1u);
-    return page * p.page_size + r % p.page_size;
-}
-
-// Rows of a slot of `rw` words per row that a dispatch may read fit its binding of `len` words: the
-// visible rows, or every row of the pool's pages (and the sequence's table entries) when paged.
-fn rows_fit(rw: u32, len: u32) -> bool {
-    if !PAGED {
-        return p.visible <= len / max(rw, 1u);
-    }
-    return pool_fits(p.page_size, p.n_pages, rw, len)
-        && table_fits(p.table_base, p.visible, p.page_size, arrayLength(&table));
-}
 
 // An f16 subnormal (or zero), exactly.
 fn f16_subnormal(h: u32) -> f32 {
@@ -320,7 +304,7 @@ fn in_bounds() -> bool {
     let pw = per_word();
     let parts = p.n_chunks * p.q_count * p.n_heads;
     return HB >= 1u && HB <= HEADS && RPL >= 1u && RPL <= 8u && RPL * HB <= 32u && p.group % HB == 0u && p.n_batches * HB == p.group
-        && p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads
+        && queries_fit(parts) && p.n_kv * p.group == p.n_heads
         && p.q_count >= 1u && p.q_first < p.n_q && p.q_count <= p.n_q - p.q_first
         && p.chunk_len % (TILE * RPL) == 0u
         && view_fits(p.view_a, p.n_q, p.n_heads, p.d_a, arrayLength(&q_a))
@@ -343,8 +327,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         return;
     }
     let h0 = kv * p.group + batch * HB;
-    // This query's own row, and the first row its window reaches.
-    let last = p.visible - p.n_q + qi;
+    // This query's own row and page-table entries (read once and shared, so the loops below stay
+    // in uniform control flow), and the first row its window reaches.
+    if lid == 0u {
+        query_row = vec2<u32>(query_last(qi), query_table(qi));
+    }
+    let own = workgroupUniformLoad(&query_row);
+    let last = own.x;
+    let tb = own.y;
+    if !query_fits(last, tb) {
+        return;
+    }
     var first = 0u;
     if p.window > 0u && last + 1u > p.window {
         first = last + 1u - p.window;
@@ -367,8 +360,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             // (always a readable row) and are not stored.
             var rows: array<u32, 8>;
             for (var k = 0u; k < RPL; k++) {
-                rows[k] = stored(t0 + min(lid + k * TILE, n - 1u));
-                if PAGED && lid + k * TILE < n {
+                rows[k] = stored(t0 + min(lid + k * TILE, n - 1u), tb);
+                if ROWS != 0u && lid + k * TILE < n {
                     tile_rows[lid + k * TILE] = rows[k];
                 }
             }
@@ -422,7 +415,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             let m = min(4u, p.d_v - d);
             for (var t = 0u; t < n; t++) {
                 var row = t0 + t;
-                if PAGED {
+                if ROWS != 0u {
                     row = tile_rows[t];
                 }
                 let v = v_quad(row, e, m);

@@ -467,6 +467,9 @@ pub enum AttentionProblem {
     SoftCap { cap: f32 },
     #[error("a sliding window of 0 rows sees nothing")]
     EmptyWindow,
+    /// A batch of sequences whose query counts do not add up to the queries given (or no sequence).
+    #[error("the batch's sequences take {batch} queries but {queries} were given")]
+    BatchRows { batch: usize, queries: usize },
     /// The call needs more than the device allows (workgroups, loop iterations, binding size).
     #[error("{detail}")]
     DeviceLimit { detail: String },

@@ -79,6 +79,7 @@ use crate::paged::PagedCache;
 use crate::seq::SeqId;
 use plan::DeviceFacts;
 pub use plan::KernelChoice;
+pub(crate) use plan::RowMode;
 use record::Rows;
 pub use request::{AttentionOptions, MlaQueries, Output, Queries};
 pub(crate) use stream::{StreamKey, source as stream_source};
@@ -234,7 +235,8 @@ impl Attention {
         self.prepare_rows(cache, None, n_heads)
     }
 
-    /// [`Attention::prepare`] for the paged kernels of a pool's sequences.
+    /// [`Attention::prepare`] for the paged kernels of a pool's sequences, one at a time and in
+    /// batches.
     pub fn prepare_paged(&mut self, pool: &PagedCache, n_heads: usize) -> Result<usize> {
         let paging = plan::Paging {
             page_size: pool.page_size(),
@@ -276,24 +278,33 @@ impl Attention {
                 });
             }
             let (row_words, v_from_a) = record::slot_rows(cache, layer, l.kind, l.d_a, l.d_v)?;
-            let shape = plan::CallShape {
-                dtype: cache.spec().dtype(),
-                n_q: 1,
-                n_heads,
-                n_kv: l.n_kv,
-                d_a: l.d_a,
-                d_b: l.d_b,
-                d_v: l.d_v,
-                visible: 1,
-                row_words,
-                window: 0,
-                scale: 1.0,
-                soft_cap: 0.0,
-                v_from_a,
-                paging,
+            // A pool's sequences are read one at a time or as a ragged batch: both kernels.
+            let modes: &[Option<usize>] = if paging.is_some() {
+                &[None, Some(0)]
+            } else {
+                &[None]
             };
-            let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
-            planned.push((layer, l.kind, dispatch));
+            for &ragged in modes {
+                let shape = plan::CallShape {
+                    dtype: cache.spec().dtype(),
+                    n_q: 1,
+                    n_heads,
+                    n_kv: l.n_kv,
+                    d_a: l.d_a,
+                    d_b: l.d_b,
+                    d_v: l.d_v,
+                    visible: 1,
+                    row_words,
+                    window: 0,
+                    scale: 1.0,
+                    soft_cap: 0.0,
+                    v_from_a,
+                    paging,
+                    ragged,
+                };
+                let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
+                planned.push((layer, l.kind, dispatch));
+            }
         }
         let dtype = cache.spec().dtype();
         let before = self.kernels.pass1_pipelines();
@@ -302,9 +313,9 @@ impl Attention {
             let params = dispatch.params;
             match dispatch.kernel {
                 // Shorter contexts may take fewer rows per invocation: every variant of the batch.
-                plan::Pass1::Tiled { batch, paged, .. } => {
+                plan::Pass1::Tiled { batch, rows, .. } => {
                     for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
-                        let pipeline = self.kernels.attention_partial(dtype, batch, rpl, paged);
+                        let pipeline = self.kernels.attention_partial(dtype, batch, rpl, rows);
                         runs.push((layer, kind, params, pipeline));
                     }
                 }
@@ -431,6 +442,28 @@ impl Attention {
         self.record_gqa_rows(encoder, rows, layer, q, out, options)
     }
 
+    /// [`Attention::record_gqa`] over a ragged batch of a paged pool's sequences in one dispatch pair:
+    /// `batch` lists `(seq, n)`, each sequence's last `n` visible rows of `layer` being its queries, and
+    /// `q [Σ n, n_heads, d_k]` holds them in that order (decode rows and chunked-prefill rows mixed);
+    /// `out [Σ n, n_heads, d_v]` receives theirs. Each query sees its own sequence's rows up to its
+    /// own, limited by the window. Counts that do not add up to `q`'s rows are refused with
+    /// [`AttentionProblem::BatchRows`](crate::AttentionProblem::BatchRows).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_gqa_batch<'a>(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        pool: &PagedCache,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let mut table = Vec::new();
+        let rows = Rows::of_batch(pool, layer, batch, &mut table)?;
+        self.record_gqa_rows(encoder, rows, layer, q, out, options)
+    }
+
     fn record_gqa_rows<'a>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -517,6 +550,24 @@ impl Attention {
         options: &AttentionOptions,
     ) -> Result<()> {
         let rows = Rows::of_sequence(pool, seq, layer)?;
+        self.record_mla_rows(encoder, rows, layer, q, out, options)
+    }
+
+    /// [`Attention::record_mla`] over a ragged batch of a paged pool's sequences (see
+    /// [`Attention::record_gqa_batch`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_mla_batch<'a>(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        pool: &PagedCache,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let mut table = Vec::new();
+        let rows = Rows::of_batch(pool, layer, batch, &mut table)?;
         self.record_mla_rows(encoder, rows, layer, q, out, options)
     }
 
@@ -612,6 +663,38 @@ impl Attention {
     ) -> Result<()> {
         let mut encoder = self.encoder();
         self.record_mla(&mut encoder, cache, layer, q, out, options)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// [`Attention::record_gqa_batch`] in its own submission.
+    pub fn gqa_batch<'a>(
+        &mut self,
+        pool: &PagedCache,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        q: Queries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let mut encoder = self.encoder();
+        self.record_gqa_batch(&mut encoder, pool, layer, batch, q, out, options)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// [`Attention::record_mla_batch`] in its own submission.
+    pub fn mla_batch<'a>(
+        &mut self,
+        pool: &PagedCache,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        q: MlaQueries<'a>,
+        out: impl Into<Output<'a>>,
+        options: &AttentionOptions,
+    ) -> Result<()> {
+        let mut encoder = self.encoder();
+        self.record_mla_batch(&mut encoder, pool, layer, batch, q, out, options)?;
         self.queue.submit([encoder.finish()]);
         Ok(())
     }

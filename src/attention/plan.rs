@@ -79,12 +79,12 @@ pub enum KernelChoice {
 /// The pass-1 kernel of a planned call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Pass1 {
-    /// `attention_partial.wgsl` with (`HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index), paged or
-    /// not.
+    /// `attention_partial.wgsl` with (`HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index) and how it
+    /// finds rows.
     Tiled {
         batch: usize,
         rpl: usize,
-        paged: bool,
+        rows: RowMode,
     },
     Stream(StreamKey),
 }
@@ -110,6 +110,38 @@ pub(crate) struct CallShape {
     pub v_from_a: bool,
     /// Rows read through a page table (a sequence of a paged pool).
     pub paging: Option<Paging>,
+    /// A ragged batch of a paged pool's sequences: each query's own row and table entry come from the
+    /// query table (`n_q` counts them all, `visible` is the longest sequence's); the first row any
+    /// query sees.
+    pub ragged: Option<usize>,
+}
+
+/// How pass 1 finds a query's rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum RowMode {
+    /// The visible rows of one cache, the queries its last `n_q`.
+    Contiguous,
+    /// The same, through one sequence's page table.
+    Paged,
+    /// A batch of sequences: per query its own row and page-table entry, from the query table.
+    Ragged,
+}
+
+impl RowMode {
+    /// The shader's `ROWS` constant.
+    pub(crate) fn code(self) -> u32 {
+        self as u32
+    }
+}
+
+impl CallShape {
+    pub(crate) fn row_mode(&self) -> RowMode {
+        match (self.paging, self.ragged) {
+            (None, _) => RowMode::Contiguous,
+            (Some(_), None) => RowMode::Paged,
+            (Some(_), Some(_)) => RowMode::Ragged,
+        }
+    }
 }
 
 /// The dispatches of one call: pairs of (pass 1, reduce), each for `q_per_pair` of the queries (the
@@ -257,15 +289,16 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> O
         d_v: s.d_v as u32,
         v_from_a: s.v_from_a,
         sum,
-        paged: s.paging.is_some(),
+        rows: s.row_mode(),
     })
 }
 
 /// The first row any query can see, and how many rows the queries see from there.
 fn seen_rows(s: &CallShape) -> (usize, usize) {
-    let lo = match s.window {
-        0 => 0,
-        w => (s.visible - s.n_q + 1).saturating_sub(w),
+    let lo = match (s.ragged, s.window) {
+        (Some(lo), _) => lo.min(s.visible),
+        (None, 0) => 0,
+        (None, w) => (s.visible - s.n_q + 1).saturating_sub(w),
     };
     (lo, s.visible - lo)
 }
@@ -349,7 +382,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let kernel = Pass1::Tiled {
         batch,
         rpl,
-        paged: s.paging.is_some(),
+        rows: s.row_mode(),
     };
     finish(
         s,
@@ -500,6 +533,7 @@ mod tests {
             soft_cap: 0.0,
             v_from_a: false,
             paging: None,
+            ragged: None,
         }
     }
 

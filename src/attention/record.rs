@@ -10,6 +10,7 @@ use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
 use crate::paged::PagedCache;
 use crate::seq::SeqId;
+use wgpu::util::DeviceExt;
 
 /// The checked views of one call; GQA's q_b is its q_a.
 struct Views {
@@ -35,7 +36,14 @@ impl Attention {
         let q_a = job.q_a.buffer;
         let q_b = job.q_b.map_or(q_a, |q| q.buffer);
         let out = job.out.buffer;
-        self.ensure_scratch(dispatch.stats_bytes, dispatch.part_bytes);
+        // A batch's query table lies in the stats scratch after the partial results: per query its
+        // own row and first page-table entry.
+        let table_words: Vec<u32> = rows.ragged.map_or(Vec::new(), |q| q.concat());
+        let table_bytes = 4 * table_words.len() as u64;
+        if rows.ragged.is_some() {
+            dispatch.params.table_base = (dispatch.stats_bytes / 4) as u32;
+        }
+        self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes);
         let Some(scratch) = &self.scratch else {
             return Err(Error::Device {
                 reason: "attention scratch buffers are missing".into(),
@@ -96,9 +104,9 @@ impl Attention {
         )?;
         let partial =
             match dispatch.kernel {
-                Pass1::Tiled { batch, rpl, paged } => {
+                Pass1::Tiled { batch, rpl, rows } => {
                     self.kernels
-                        .attention_partial(cache.spec().dtype(), batch, rpl, paged)
+                        .attention_partial(cache.spec().dtype(), batch, rpl, rows)
                 }
                 Pass1::Stream(key) => self.kernels.attention_stream(&key).map_err(|detail| {
                     Error::AttentionRequest {
@@ -109,6 +117,23 @@ impl Attention {
             };
         let pairs: Vec<_> = dispatch.pairs().collect();
         let params = self.ring.push_all(&self.queue, &pairs);
+        if table_bytes > 0 {
+            // Copied inside the encoder, so calls recorded one after another each read their own.
+            let staging = self
+                .device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("kvgpu attention query table"),
+                    contents: bytemuck::cast_slice(&table_words),
+                    usage: wgpu::BufferUsages::COPY_SRC,
+                });
+            encoder.copy_buffer_to_buffer(
+                &staging,
+                0,
+                &scratch.stats,
+                dispatch.stats_bytes,
+                table_bytes,
+            );
+        }
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some("kvgpu attention"),
             timestamp_writes: None,
@@ -148,12 +173,21 @@ impl Attention {
         let [n_q, n_heads, d_a] = job.q_a.shape;
         let d_b = job.q_b.map_or(0, |q| q.shape[2]);
         let visible = rows.visible;
-        if n_q == 0 || n_q > visible {
-            return Err(Error::QueryRows {
-                layer,
-                n_q,
-                visible,
-            });
+        match rows.ragged {
+            None if n_q == 0 || n_q > visible => {
+                return Err(Error::QueryRows {
+                    layer,
+                    n_q,
+                    visible,
+                });
+            }
+            Some(table) if table.len() != n_q => {
+                return request(AttentionProblem::BatchRows {
+                    batch: table.len(),
+                    queries: n_q,
+                });
+            }
+            _ => {}
         }
         let scale = options.scale.unwrap_or(job.default_scale);
         if !scale.is_finite() {
@@ -273,6 +307,17 @@ impl Attention {
             soft_cap,
             v_from_a,
             paging: rows.paging,
+            // The first row any query of a batch sees.
+            ragged: rows.ragged.map(|table| {
+                table
+                    .iter()
+                    .map(|&[last, _]| match window {
+                        0 => 0,
+                        w => (last as usize + 1).saturating_sub(w),
+                    })
+                    .min()
+                    .unwrap_or(0)
+            }),
         };
         let dispatch =
             plan::plan(&shape, &self.facts).map_err(|detail| Error::AttentionRequest {
@@ -314,7 +359,8 @@ impl Attention {
             self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),
                 size,
-                usage: wgpu::BufferUsages::STORAGE,
+                // COPY_DST: a batch's query table is copied in after the partial results' room.
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             })
         };
@@ -334,6 +380,8 @@ pub(super) struct Rows<'a> {
     pub store: &'a KvCache,
     pub visible: usize,
     pub paging: Option<Paging>,
+    /// A batch of sequences: per query, its own row and first page-table entry.
+    pub ragged: Option<&'a [[u32; 2]]>,
 }
 
 impl<'a> Rows<'a> {
@@ -343,6 +391,7 @@ impl<'a> Rows<'a> {
             store: cache,
             visible: cache.visible(layer)?,
             paging: None,
+            ragged: None,
         })
     }
 
@@ -352,6 +401,48 @@ impl<'a> Rows<'a> {
             store: pool.store(),
             visible: pool.visible(seq, layer)?,
             paging: Some(pool.paging(seq)?),
+            ragged: None,
+        })
+    }
+
+    /// A batch of `pool`'s sequences in `layer`: per `(seq, n)` its last `n` visible rows' queries, in
+    /// order. `table` receives each query's own row and first page-table entry.
+    pub(super) fn of_batch(
+        pool: &'a PagedCache,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        table: &'a mut Vec<[u32; 2]>,
+    ) -> Result<Self> {
+        let mut longest = 0;
+        let mut paging = None;
+        for &(seq, n_q) in batch {
+            let visible = pool.visible(seq, layer)?;
+            if n_q == 0 || n_q > visible {
+                return Err(Error::QueryRows {
+                    layer,
+                    n_q,
+                    visible,
+                });
+            }
+            let p = pool.paging(seq)?;
+            table.extend((visible - n_q..visible).map(|last| [last as u32, p.table_base as u32]));
+            longest = longest.max(visible);
+            paging = Some(p);
+        }
+        let Some(paging) = paging else {
+            return Err(Error::AttentionRequest {
+                layer,
+                problem: AttentionProblem::BatchRows {
+                    batch: 0,
+                    queries: 0,
+                },
+            });
+        };
+        Ok(Self {
+            store: pool.store(),
+            visible: longest,
+            paging: Some(paging),
+            ragged: Some(table),
         })
     }
 }

@@ -18,6 +18,7 @@
 
 use std::fmt::Write as _;
 
+use super::plan::RowMode;
 use crate::codec::DType;
 
 /// How the lanes of a team add up their partial dot products.
@@ -43,8 +44,8 @@ pub(crate) struct StreamKey {
     /// Values are the score slot's elements (MLA): slot v is slot a and `d_v == d_a`.
     pub v_from_a: bool,
     pub sum: TeamSum,
-    /// Rows read through the page table (a paged pool).
-    pub paged: bool,
+    /// How the kernel finds a query's rows.
+    pub rows: RowMode,
 }
 
 /// Elements in one 16-byte vector of `dtype` storage.
@@ -93,12 +94,13 @@ pub(crate) fn lane_floats(
 }
 
 /// The WGSL of pass 1 for `key`, after `prelude` (dtype codes and `AttnParams`).
-pub(crate) fn source(key: &StreamKey, prelude: &str) -> String {
+pub(crate) fn source(key: &StreamKey, prelude: &str, rows: &str) -> String {
     let mut g = Gen {
         out: String::with_capacity(16 << 10),
         key: *key,
     };
     g.out.push_str(prelude);
+    g.out.push_str(rows);
     g.all();
     g.out
 }
@@ -161,6 +163,8 @@ impl Gen {
         line!(self, "const LANES: u32 = {}u;", k.lanes);
         line!(self, "const HT: u32 = {}u;", k.heads);
         line!(self, "const NEG: f32 = -3.4028234e38;");
+        line!(self, "const ROWS: u32 = {}u;", k.rows.code());
+        line!(self, "var<workgroup> query_row: vec2<u32>;");
         self.out.push_str(BINDINGS);
         if k.sum == TeamSum::Shared {
             // Double-buffered by row parity: a lane may write row r + 1's sums while another still
@@ -172,7 +176,6 @@ impl Gen {
             );
         }
         self.unpack();
-        self.paging();
         self.in_bounds(&a, &b, &v);
         line!(self, "@compute @workgroup_size({})", k.lanes);
         line!(
@@ -189,7 +192,16 @@ impl Gen {
             "    if chunk >= p.n_chunks || kv >= p.n_kv || local >= p.q_count || !in_bounds() {{ return; }}"
         );
         line!(self, "    let h0 = kv * p.group + batch * HT;");
-        line!(self, "    let last = p.visible - p.n_q + qi;");
+        // The query's own row and first page-table entry, read once and shared so that the row loop
+        // stays in uniform control flow (shaders/shared/rows.wgsl).
+        line!(
+            self,
+            "    if lane == 0u {{ query_row = vec2<u32>(query_last(qi), query_table(qi)); }}"
+        );
+        line!(self, "    let own = workgroupUniformLoad(&query_row);");
+        line!(self, "    let last = own.x;");
+        line!(self, "    let tb = own.y;");
+        line!(self, "    if !query_fits(last, tb) {{ return; }}");
         line!(self, "    var first = 0u;");
         line!(
             self,
@@ -300,30 +312,6 @@ impl Gen {
         }
     }
 
-    /// `stored(r)`, the stored row of row `r` of the sequence (through the page table when paged), and
-    /// `rows_fit`, the bounds of the rows a dispatch may read, as in `attention_partial.wgsl`.
-    fn paging(&mut self) {
-        if self.key.paged {
-            line!(self, "fn stored(r: u32) -> u32 {{");
-            line!(
-                self,
-                "    let page = min(table[p.table_base + r / p.page_size], p.n_pages - 1u);"
-            );
-            line!(self, "    return page * p.page_size + r % p.page_size;");
-            line!(self, "}}");
-            line!(self, "fn rows_fit(rw: u32, len: u32) -> bool {{");
-            line!(
-                self,
-                "    return pool_fits(p.page_size, p.n_pages, rw, len) && table_fits(p.table_base, p.visible, p.page_size, arrayLength(&table));"
-            );
-        } else {
-            line!(self, "fn stored(r: u32) -> u32 {{ return r; }}");
-            line!(self, "fn rows_fit(rw: u32, len: u32) -> bool {{");
-            line!(self, "    return p.visible <= len / max(rw, 1u);");
-        }
-        line!(self, "}}");
-    }
-
     /// Exact conversions of 16-bit storage (the even and odd elements of a 16-byte vector).
     fn unpack(&mut self) {
         match self.key.dtype {
@@ -397,7 +385,7 @@ impl Gen {
         );
         line!(
             self,
-            "        && p.n_q >= 1u && p.n_q <= p.visible && p.n_kv * p.group == p.n_heads"
+            "        && queries_fit(parts) && p.n_kv * p.group == p.n_heads"
         );
         line!(
             self,
@@ -433,7 +421,7 @@ impl Gen {
     fn row(&mut self, a: &Slice, b: &Slice, v: &Slice) {
         let k = self.key;
         let f32s = k.dtype == DType::F32;
-        line!(self, "        let sr = stored(r);");
+        line!(self, "        let sr = stored(r, tb);");
         let load = |g: &mut Gen, s: &Slice, base: &str, stride: &str| {
             for j in 0..s.steps() {
                 let guard = g.guard(s, j);
@@ -531,7 +519,7 @@ impl Gen {
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod tests {
     use super::*;
-    use crate::kernels::wgsl::PRELUDE;
+    use crate::kernels::wgsl::{PRELUDE, ROWS};
 
     /// naga parses and validates every kernel the planner can ask for over a grid of shapes: both
     /// sums, every lane count and head batch within the planner's register budget, f32 and 16-bit
@@ -563,7 +551,7 @@ mod tests {
                             if floats > crate::attention::plan::LANE_FLOATS {
                                 continue;
                             }
-                            for paged in [false, true] {
+                            for rows in [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged] {
                                 let key = StreamKey {
                                     dtype,
                                     lanes,
@@ -573,9 +561,9 @@ mod tests {
                                     d_v,
                                     v_from_a,
                                     sum,
-                                    paged,
+                                    rows,
                                 };
-                                let text = source(&key, PRELUDE);
+                                let text = source(&key, PRELUDE, ROWS);
                                 let module =
                                     naga::front::wgsl::parse_str(&text).unwrap_or_else(|e| {
                                         panic!("{key:?}: {}", e.emit_to_string(&text))
@@ -593,6 +581,6 @@ mod tests {
                 }
             }
         }
-        assert!(checked > 600, "{checked} kernels");
+        assert!(checked > 900, "{checked} kernels");
     }
 }

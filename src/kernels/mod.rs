@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use crate::attention::StreamKey;
+use crate::attention::{RowMode, StreamKey};
 use crate::codec::DType;
 use crate::error::{Error, Result};
 
@@ -127,8 +127,9 @@ impl Kernel {
 #[derive(Debug)]
 struct AttentionKernels {
     partial: Kernel,
-    /// Pass-1 pipelines by (storage type, `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index, paged).
-    partial_pipelines: Mutex<HashMap<(DType, usize, usize, bool), wgpu::ComputePipeline>>,
+    /// Pass-1 pipelines by (storage type, `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index, how rows
+    /// are found).
+    partial_pipelines: Mutex<HashMap<(DType, usize, usize, RowMode), wgpu::ComputePipeline>>,
     reduce: wgpu::ComputePipeline,
     /// Generated streaming pass-1 pipelines by shape.
     stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
@@ -330,26 +331,26 @@ impl Kernels {
     }
 
     /// The attention pass-1 pipeline reading `dtype` storage with `HEAD_BATCHES[batch]` heads per
-    /// workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation, through a page table if `paged`.
+    /// workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation, finding rows as `rows` says.
     pub(crate) fn attention_partial(
         &self,
         dtype: DType,
         batch: usize,
         rpl: usize,
-        paged: bool,
+        rows: RowMode,
     ) -> wgpu::ComputePipeline {
         let kernels = self.attention();
         let mut map = kernels
             .partial_pipelines
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        map.entry((dtype, batch, rpl, paged))
+        map.entry((dtype, batch, rpl, rows))
             .or_insert_with(|| {
                 let constants = [
                     ("DTYPE", dtype.code() as f64),
                     ("HB", HEAD_BATCHES[batch] as f64),
                     ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
-                    ("PAGED", f64::from(u8::from(paged))),
+                    ("ROWS", f64::from(rows.code())),
                 ];
                 kernels.partial.pipeline(&self.device, "main", &constants)
             })
@@ -388,7 +389,7 @@ impl Kernels {
             return Ok(pipeline.clone());
         }
         let device = &self.device;
-        let source = crate::attention::stream_source(key, wgsl::PRELUDE);
+        let source = crate::attention::stream_source(key, wgsl::PRELUDE, wgsl::ROWS);
         let (pipeline, error) = scoped(device, || {
             Kernel::new(
                 device,

@@ -742,11 +742,123 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                 }
             }
         }
-        // Refusals: a removed sequence, more queries than rows.
+        // The same sequences as one ragged batch (decode and chunk rows mixed), one dispatch pair
+        // per layer, each segment against the twin of its own sequence.
+        let batch: Vec<(SeqId, usize)> = vec![(a, 1), (b, 3), (c1, 1), (c2, 2), (a, 2)];
+        let total: usize = batch.iter().map(|b| b.1).sum();
+        for choice in super::attention_bodies::kernels(g) {
+            att.set_kernel(choice);
+            for (window, soft_cap) in [(None, None), (Some(6), Some(4.0))] {
+                let options = AttentionOptions {
+                    window,
+                    soft_cap,
+                    scale: None,
+                };
+                let what = format!("{dtype} {choice:?} batch {batch:?} window {window:?}");
+                let q = values(500, total * HEADS * D);
+                let qb = super::f32_buffer(&g.device, &q).await;
+                let out = super::output(&g.device, total * HEADS * D).await;
+                att.gqa_batch(
+                    &c,
+                    0,
+                    &batch,
+                    Queries::new(&qb, total, HEADS, D),
+                    &out,
+                    &options,
+                )
+                .unwrap();
+                let got = super::read_f32(g, &out).await;
+                let ql = values(600, total * HEADS * R);
+                let qr = values(700, total * HEADS * ROPE);
+                let (lb, rb_) = (
+                    super::f32_buffer(&g.device, &ql).await,
+                    super::f32_buffer(&g.device, &qr).await,
+                );
+                let out_mla = super::output(&g.device, total * HEADS * R).await;
+                let queries = MlaQueries {
+                    latent: Queries::new(&lb, total, HEADS, R),
+                    rope: Queries::new(&rb_, total, HEADS, ROPE),
+                };
+                att.mla_batch(&c, 1, &batch, queries, &out_mla, &options)
+                    .unwrap();
+                let got_mla = super::read_f32(g, &out_mla).await;
+                let mut at = 0;
+                for &(seq, n_q) in &batch {
+                    let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
+                    let (x, y) = (at * HEADS * D, (at + n_q) * HEADS * D);
+                    let want = reference::attention_gqa(
+                        &q[x..y],
+                        [n_q, HEADS, D],
+                        &rows[0][0],
+                        &rows[0][1],
+                        N_KV,
+                        D,
+                        &options,
+                    );
+                    super::assert_close(&got[x..y], &want, &format!("{what}: {seq} GQA"));
+                    let (x, y) = (at * HEADS * R, (at + n_q) * HEADS * R);
+                    let (xr, yr) = (at * HEADS * ROPE, (at + n_q) * HEADS * ROPE);
+                    let want = reference::attention_mla(
+                        &ql[x..y],
+                        &qr[xr..yr],
+                        [n_q, HEADS, R],
+                        &rows[1][0],
+                        &rows[1][1],
+                        ROPE,
+                        &options,
+                    );
+                    super::assert_close(&got_mla[x..y], &want, &format!("{what}: {seq} MLA"));
+                    at += n_q;
+                }
+            }
+        }
+        // A batch whose counts do not add up to the queries, or with too many queries for a
+        // sequence, is refused and writes nothing.
         let q = super::f32_buffer(&g.device, &values(1, 64 * HEADS * D)).await;
         let out = super::output(&g.device, 64 * HEADS * D).await;
-        c.remove(c2).unwrap();
         let dflt = AttentionOptions::default();
+        let e = att
+            .gqa_batch(
+                &c,
+                0,
+                &batch,
+                Queries::new(&q, total + 1, HEADS, D),
+                &out,
+                &dflt,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::AttentionRequest {
+                    problem: AttentionProblem::BatchRows { .. },
+                    ..
+                }
+            ),
+            "{dtype}: {e}"
+        );
+        let e = att
+            .gqa_batch(&c, 0, &[], Queries::new(&q, 1, HEADS, D), &out, &dflt)
+            .unwrap_err();
+        assert!(matches!(e, Error::AttentionRequest { .. }), "{dtype}: {e}");
+        let too_many = [(a, 1), (b, c.len(b).unwrap() + 1)];
+        let e = att
+            .gqa_batch(
+                &c,
+                0,
+                &too_many,
+                Queries::new(&q, 2 + c.len(b).unwrap(), HEADS, D),
+                &out,
+                &dflt,
+            )
+            .unwrap_err();
+        assert!(matches!(e, Error::QueryRows { .. }), "{dtype}: {e}");
+        assert!(
+            super::read_f32(g, &out).await.iter().all(|&x| x == -7.0),
+            "{dtype}: written"
+        );
+        // Refusals: a removed sequence, more queries than rows.
+        c.remove(c2).unwrap();
         let e = att
             .gqa_paged(&c, c2, 0, Queries::new(&q, 1, HEADS, D), &out, &dflt)
             .unwrap_err();
