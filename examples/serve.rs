@@ -3,8 +3,9 @@
 //! decodes token by token next to the others. A request is admitted only when the pool says its rows
 //! fit; when a decode step would not fit, the newest request is preempted (its pages freed) and
 //! restarts later. Each step appends K/V (or MLA latents) to every attention layer of every running
-//! request and runs paged attention over each; a sample of outputs is checked against the CPU twins
-//! over rows regenerated on the host (so shared and copied pages are checked too).
+//! request, then runs attention of all of them as one ragged batch per layer
+//! (`Attention::record_gqa_batch` / `record_mla_batch`); a sample of outputs is checked against the
+//! CPU twins over rows regenerated on the host (so shared and copied pages are checked too).
 //!
 //! `cargo run --release --example serve -- --help` lists the flags and their defaults.
 //!
@@ -164,64 +165,89 @@ fn width(trailing: &[usize]) -> usize {
     trailing.iter().product()
 }
 
+/// The queries of one sequence in a call: its sequence, who wrote its rows after the system prompt
+/// (see [`token`]), its first query's row and its query count.
+#[derive(Clone, Copy)]
+struct Segment {
+    seq: SeqId,
+    owner: usize,
+    from: usize,
+    n: usize,
+}
+
 impl Server {
-    /// Appends positions `[from, from + n)` of `owner` to every attention layer of `seq`, advances,
-    /// and runs attention for those `n` queries in every layer, checking the outputs if `check`.
-    fn step(
-        &mut self,
-        seq: SeqId,
-        owner: usize,
-        from: usize,
-        n: usize,
-        check: bool,
-    ) -> kvgpu::Result<()> {
-        for (layer, slots) in &self.layers {
-            let data: Vec<Vec<f32>> = slots
-                .iter()
-                .enumerate()
-                .map(|(s, t)| {
-                    (from..from + n)
-                        .flat_map(|p| token(owner, *layer, s, p, width(t)))
-                        .collect()
-                })
-                .collect();
-            let shapes: Vec<Vec<usize>> = slots.iter().map(|t| [&[n][..], t].concat()).collect();
-            let slabs: Vec<HostSlab> = data
-                .iter()
-                .zip(&shapes)
-                .map(|(d, s)| HostSlab::f32(d, s))
-                .collect();
-            self.pool.append(seq, *layer, &slabs)?;
+    /// Appends rows `[from, from + n)` of each segment's owner to every attention layer of its
+    /// sequence and advances it.
+    fn append(&mut self, segments: &[Segment]) -> kvgpu::Result<()> {
+        for s in segments {
+            for (layer, slots) in &self.layers {
+                let data: Vec<Vec<f32>> = slots
+                    .iter()
+                    .enumerate()
+                    .map(|(k, t)| {
+                        (s.from..s.from + s.n)
+                            .flat_map(|p| token(s.owner, *layer, k, p, width(t)))
+                            .collect()
+                    })
+                    .collect();
+                let shapes: Vec<Vec<usize>> =
+                    slots.iter().map(|t| [&[s.n][..], t].concat()).collect();
+                let slabs: Vec<HostSlab> = data
+                    .iter()
+                    .zip(&shapes)
+                    .map(|(d, sh)| HostSlab::f32(d, sh))
+                    .collect();
+                self.pool.append(s.seq, *layer, &slabs)?;
+            }
+            self.pool.advance(s.seq, s.n)?;
         }
-        self.pool.advance(seq, n)?;
-        let layers = self.layers.clone();
+        Ok(())
+    }
+
+    /// Runs attention for every segment's queries in every layer: one ragged batch (one dispatch
+    /// pair) per layer. Segment `check` is compared with the CPU twins.
+    fn attend(&mut self, segments: &[Segment], check: Option<usize>) -> kvgpu::Result<()> {
         let h = self.n_heads;
+        let total: usize = segments.iter().map(|s| s.n).sum();
+        let batch: Vec<(SeqId, usize)> = segments.iter().map(|s| (s.seq, s.n)).collect();
+        let layers = self.layers.clone();
         for (layer, slots) in &layers {
-            let q_seed = (owner as u64) << 40 | (*layer as u64) << 24 | 1 << 23 | from as u64;
-            let query =
-                |k: u64, d: usize| reference::pseudo_random(q_seed | k << 20, n * h * d, 1.0);
+            // Queries of every segment, in order: element `k` of the call's queries is `d` wide.
+            let query = |k: u64, d: usize| -> Vec<f32> {
+                segments
+                    .iter()
+                    .flat_map(|s| {
+                        let seed = (s.owner as u64) << 40 | (*layer as u64) << 24 | 1 << 23;
+                        reference::pseudo_random(seed | k << 20 | s.from as u64, s.n * h * d, 1.0)
+                    })
+                    .collect()
+            };
+            // Where segment `check` starts among the queries.
+            let at: usize = segments.iter().take(check.unwrap_or(0)).map(|s| s.n).sum();
             let mut encoder = self.gpu.device.create_command_encoder(&Default::default());
             let trailing: Vec<&[usize]> = slots.iter().map(Vec::as_slice).collect();
-            let want = if let [[n_kv, d_k], [_, d_v]] = trailing.as_slice() {
+            let (want, width_out) = if let [[n_kv, d_k], [_, d_v]] = trailing.as_slice() {
                 let q = query(0, *d_k);
                 self.gpu
                     .queue
                     .write_buffer(&self.q, 0, bytemuck::cast_slice(&q));
-                let queries = Queries::new(&self.q, n, h, *d_k);
-                self.attention.record_gqa_paged(
+                let queries = Queries::new(&self.q, total, h, *d_k);
+                self.attention.record_gqa_batch(
                     &mut encoder,
                     &self.pool,
-                    seq,
                     *layer,
+                    &batch,
                     queries,
                     &self.out,
                     &self.options,
                 )?;
-                check.then(|| {
-                    let rows = self.rows(owner, *layer, from + n);
-                    let shape = [n, h, *d_k];
+                let want = check.map(|c| {
+                    let s = segments[c];
+                    let rows = self.rows(s.owner, *layer, s.from + s.n);
+                    let q = &q[at * h * d_k..(at + s.n) * h * d_k];
+                    let shape = [s.n, h, *d_k];
                     reference::attention_gqa(
-                        &q,
+                        q,
                         shape,
                         &rows[0],
                         &rows[1],
@@ -229,11 +255,12 @@ impl Server {
                         *d_v,
                         &self.options,
                     )
-                })
+                });
+                (want, *d_v)
             } else {
                 let (r, p) = (slots[0][0], slots[1][0]);
                 // The rope queries start at the next 256-byte boundary after the latent ones.
-                let half = (n * h * r * 4).next_multiple_of(256);
+                let half = (total * h * r * 4).next_multiple_of(256);
                 let (ql, qr) = (query(0, r), query(1, p));
                 self.gpu
                     .queue
@@ -242,35 +269,39 @@ impl Server {
                     .queue
                     .write_buffer(&self.q, half as u64, bytemuck::cast_slice(&qr));
                 let queries = MlaQueries {
-                    latent: Queries::new(&self.q, n, h, r),
-                    rope: Queries::new(&self.q, n, h, p).at(half / 4),
+                    latent: Queries::new(&self.q, total, h, r),
+                    rope: Queries::new(&self.q, total, h, p).at(half / 4),
                 };
-                self.attention.record_mla_paged(
+                self.attention.record_mla_batch(
                     &mut encoder,
                     &self.pool,
-                    seq,
                     *layer,
+                    &batch,
                     queries,
                     &self.out,
                     &self.options,
                 )?;
-                check.then(|| {
-                    let rows = self.rows(owner, *layer, from + n);
+                let want = check.map(|c| {
+                    let s = segments[c];
+                    let rows = self.rows(s.owner, *layer, s.from + s.n);
+                    let ql = &ql[at * h * r..(at + s.n) * h * r];
+                    let qr = &qr[at * h * p..(at + s.n) * h * p];
                     reference::attention_mla(
-                        &ql,
-                        &qr,
-                        [n, h, r],
+                        ql,
+                        qr,
+                        [s.n, h, r],
                         &rows[0],
                         &rows[1],
                         p,
                         &self.options,
                     )
-                })
+                });
+                (want, r)
             };
             // The query buffer is reused by the next layer: this one's attention goes first.
             self.gpu.queue.submit([encoder.finish()]);
             if let Some(want) = want {
-                self.compare(&want)?;
+                self.compare(&want, at * h * width_out)?;
             }
         }
         Ok(())
@@ -300,12 +331,13 @@ impl Server {
             .collect()
     }
 
-    fn compare(&mut self, want: &[f32]) -> kvgpu::Result<()> {
+    /// Compares the output from f32 element `at` on with `want`.
+    fn compare(&mut self, want: &[f32], at: usize) -> kvgpu::Result<()> {
         let bytes = kvgpu::read_buffer(
             &self.gpu.device,
             &self.gpu.queue,
             &self.out,
-            0,
+            (at * 4) as u64,
             (want.len() * 4) as u64,
         )?;
         let got: &[f32] = bytemuck::cast_slice(&bytes);
@@ -351,8 +383,9 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         .filter(|(_, l)| !l.slots.is_empty())
         .map(|(i, l)| (i, l.slots.iter().map(|s| s.trailing.clone()).collect()))
         .collect();
-    // Queries (MLA: latent, then rope from a 256-byte boundary) and outputs of the longest prefill.
-    let most = args.system.max(args.prompt) * n_heads * 4;
+    // Queries (MLA: latent, then rope from a 256-byte boundary) and outputs of the largest call: the
+    // longest prefill, or a decode step of every request.
+    let most = args.system.max(args.prompt).max(args.requests) * n_heads * 4;
     let widest = layers
         .iter()
         .flat_map(|l| l.1.iter().map(|t| *t.last().unwrap_or(&1)))
@@ -404,7 +437,14 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
 
     // The system prompt, once.
     let system = server.pool.add_sequence()?;
-    server.step(system, 0, 0, args.system, true)?;
+    let prompt = [Segment {
+        seq: system,
+        owner: 0,
+        from: 0,
+        n: args.system,
+    }];
+    server.append(&prompt)?;
+    server.attend(&prompt, Some(0))?;
     println!(
         "system prompt: {} tokens in {} pages",
         args.system,
@@ -429,7 +469,14 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
                 break;
             }
             waiting.pop_front();
-            server.step(seq, 1 + id, args.system, args.prompt, id == 0)?;
+            let prompt = [Segment {
+                seq,
+                owner: 1 + id,
+                from: args.system,
+                n: args.prompt,
+            }];
+            server.append(&prompt)?;
+            server.attend(&prompt, (id == 0).then_some(0))?;
             running.push(Request {
                 id,
                 seq,
@@ -462,10 +509,23 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         }
         peak_running = peak_running.max(running.len());
         steps += 1;
+        // Every running request's next token, then attention of all of them: one ragged batch per
+        // layer. Request 0 is checked at its first and last decode steps.
+        let segments: Vec<Segment> = running
+            .iter()
+            .map(|r| Segment {
+                seq: r.seq,
+                owner: 1 + r.id,
+                from: args.system + r.written,
+                n: 1,
+            })
+            .collect();
+        let check = running
+            .iter()
+            .position(|r| r.id == 0 && (r.written == args.prompt || r.written + 1 == own));
+        server.append(&segments)?;
+        server.attend(&segments, check)?;
         for r in &mut running {
-            let pos = args.system + r.written;
-            let check = r.id == 0 && (r.written == args.prompt || r.written + 1 == own);
-            server.step(r.seq, 1 + r.id, pos, 1, check)?;
             r.written += 1;
             decoded += 1;
         }

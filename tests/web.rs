@@ -125,6 +125,7 @@ browser_tests!(paged_bodies:
     paged_pool_matches_the_model,
     paged_attention_matches_the_reference,
     paged_pool_sizes_are_checked,
+    paged_sources_of_another_device_are_refused,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

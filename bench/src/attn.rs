@@ -397,7 +397,7 @@ fn one(
         const PAGE: usize = 16;
         let spec = CacheSpec::new(vec![layer], dtype, ctx)?;
         let mut pool =
-            PagedCache::with_kernels(cache.kernels().clone(), spec, PAGE, 2 * ctx / PAGE)?;
+            PagedCache::with_kernels(cache.kernels().clone(), spec.clone(), PAGE, 2 * ctx / PAGE)?;
         let (seq, other) = (pool.add_sequence()?, pool.add_sequence()?);
         fill_paged(&mut pool, seq, other, ctx)?;
         let record_paged = |attn: &mut Attention, enc: &mut wgpu::CommandEncoder| -> Result<()> {
@@ -451,6 +451,94 @@ fn one(
             "  {label} {dtype} ctx {ctx}: paged kernel {:.1} us, contiguous {:.1} us",
             tp * 1e6,
             tk * 1e6
+        );
+        // A serving step: SEQS sequences of ctx / SEQS rows each (the same bytes), one decode query
+        // each, as one ragged batch (one dispatch pair) against one call per sequence in one encoder.
+        const SEQS: usize = 8;
+        let mut many = PagedCache::with_kernels(cache.kernels().clone(), spec, PAGE, ctx / PAGE)?;
+        let seqs: Vec<SeqId> = (0..SEQS)
+            .map(|_| many.add_sequence())
+            .collect::<kvgpu::Result<_>>()?;
+        for pair in seqs.chunks(2) {
+            fill_paged(&mut many, pair[0], pair[1], ctx / SEQS)?;
+        }
+        let batch: Vec<(SeqId, usize)> = seqs.iter().map(|&s| (s, 1)).collect();
+        let record_one = |attn: &mut Attention,
+                          enc: &mut wgpu::CommandEncoder,
+                          seq: Option<SeqId>|
+         -> Result<()> {
+            let n = if seq.is_some() { 1 } else { SEQS };
+            match (kind, seq) {
+                (Kind::Gqa, Some(s)) => attn.record_gqa_paged(
+                    enc,
+                    &many,
+                    s,
+                    0,
+                    Queries::new(&q, 1, heads, dk),
+                    &out,
+                    &opts,
+                )?,
+                (Kind::Gqa, None) => attn.record_gqa_batch(
+                    enc,
+                    &many,
+                    0,
+                    &batch,
+                    Queries::new(&q, n, heads, dk),
+                    &out,
+                    &opts,
+                )?,
+                (Kind::Mla, seq) => {
+                    let mla = MlaQueries {
+                        latent: Queries::new(&q, n, heads, dk),
+                        rope: Queries::new(&q_rope, n, heads, dr),
+                    };
+                    match seq {
+                        Some(s) => attn.record_mla_paged(enc, &many, s, 0, mla, &out, &opts)?,
+                        None => attn.record_mla_batch(enc, &many, 0, &batch, mla, &out, &opts)?,
+                    }
+                }
+            }
+            Ok(())
+        };
+        let mut k_batch = || -> Result<f64> {
+            let mut res = Ok(());
+            let t = timer.gpu(|enc| res = record_one(&mut attn.borrow_mut(), enc, None))?;
+            res.map(|_| t)
+        };
+        let mut k_each = || -> Result<f64> {
+            let mut res = Ok(());
+            let t = timer.gpu(|enc| {
+                res = seqs
+                    .iter()
+                    .try_for_each(|&s| record_one(&mut attn.borrow_mut(), enc, Some(s)))
+            })?;
+            res.map(|_| t)
+        };
+        let [tb, te] = interleaved(warm, reps, [&mut k_batch, &mut k_each])?;
+        rows.push(
+            Row::new(
+                format!(
+                    "ragged batch attention, {label} {dtype}, {SEQS} sequences x {} rows, 1 query each",
+                    ctx / SEQS
+                ),
+                tb * 1e6,
+                "us",
+                timer.clock(),
+            )
+            .ratio(
+                tb / te,
+                format!(
+                    "one paged call per sequence, in one encoder ({:.1} us)",
+                    te * 1e6
+                ),
+                Goal::Info,
+            ),
+        );
+        eprintln!(
+            "  {label} {dtype} {SEQS} x {}: batch {:.1} us, one call each {:.1} us",
+            ctx / SEQS,
+            tb * 1e6,
+            te * 1e6
         );
     }
     let short = match kind {

@@ -168,6 +168,68 @@ async fn check_rows(c: &PagedCache, m: &Model, what: &str) {
     }
 }
 
+/// Attention of the newest row of up to three sequences, as one ragged batch per attention layer (GQA
+/// on layer 0, MLA on layer 2), against the twins over the model's rows.
+async fn check_attention(
+    g: &Gpu,
+    c: &PagedCache,
+    m: &Model,
+    att: &mut Attention,
+    seed: u64,
+    what: &str,
+) {
+    for (layer, heads) in [(0, 4), (2, 2)] {
+        let batch: Vec<(SeqId, usize)> = m
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.visible(layer) > 0)
+            .take(3)
+            .map(|(&id, _)| (id, 1))
+            .collect();
+        if batch.is_empty() {
+            continue;
+        }
+        let n = batch.len();
+        let opts = AttentionOptions::default();
+        let (q, q2) = (values(seed, n * heads * 5), values(seed + 1, n * heads * 2));
+        let qb = super::f32_buffer(&g.device, &q).await;
+        let q2b = super::f32_buffer(&g.device, &q2).await;
+        let width = if layer == 0 { 3 } else { 5 };
+        let out = super::output(&g.device, n * heads * width).await;
+        if layer == 0 {
+            att.gqa_batch(c, 0, &batch, Queries::new(&qb, n, heads, 3), &out, &opts)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        } else {
+            let mla = MlaQueries {
+                latent: Queries::new(&qb, n, heads, 5),
+                rope: Queries::new(&q2b, n, heads, 2),
+            };
+            att.mla_batch(c, 2, &batch, mla, &out, &opts)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        }
+        let got = super::read_f32(g, &out).await;
+        for (i, (id, _)) in batch.iter().enumerate() {
+            let rows = &m.seqs[id].rows[layer];
+            let want = if layer == 0 {
+                let qi = &q[i * heads * 3..(i + 1) * heads * 3];
+                reference::attention_gqa(qi, [1, heads, 3], &rows[0], &rows[1], 2, 3, &opts)
+            } else {
+                let (ql, qr) = (
+                    &q[i * heads * 5..(i + 1) * heads * 5],
+                    &q2[i * heads * 2..(i + 1) * heads * 2],
+                );
+                reference::attention_mla(ql, qr, [1, heads, 5], &rows[0], &rows[1], 2, &opts)
+            };
+            let part = &got[i * heads * width..(i + 1) * heads * width];
+            super::assert_close(
+                part,
+                &want,
+                &format!("{what}: {id} layer {layer} attention"),
+            );
+        }
+    }
+}
+
 /// Rows for an append of `n` to `layer`: per slot the f32 values and what the storage keeps.
 fn rows_for(
     m: &Model,
@@ -248,6 +310,7 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
         copies: 0,
     };
     let mut gone: Vec<SeqId> = Vec::new();
+    let mut att = Attention::with_kernels(super::kernels_for(g));
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     let mut refused: BTreeMap<&'static str, usize> = BTreeMap::new();
     for op in 0..n_ops {
@@ -493,6 +556,7 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
         }
         if op % 8 == 7 {
             check_rows(&c, &m, &what).await;
+            check_attention(g, &c, &m, &mut att, seed * 1000 + op as u64, &what).await;
         }
     }
     check_rows(&c, &m, "end").await;
@@ -910,4 +974,55 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
         (pool.n_pages(), pool.free_pages(), pool.page_size()),
         (8, 8, 16)
     );
+}
+
+/// A GPU source of another device is refused by a pool's append as by a cache's (natively the call
+/// checks it; in a browser it was never verified for this device), before anything is recorded: the
+/// ledger, the free pages and the pool's memory stay as they were, and a source of its own device
+/// is taken.
+pub async fn paged_sources_of_another_device_are_refused(g: &Gpu) {
+    let other = super::default_limits_gpu(g).await;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F16, 32).unwrap();
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 4, 8).unwrap();
+    let s = c.add_sequence().unwrap();
+    let words: Vec<u32> = values(1, 6 * 4).iter().map(|x| x.to_bits()).collect();
+    let foreign = buffer_with(&other.device, &words, super::USAGE).await;
+    let own = buffer_with(&g.device, &words, super::USAGE).await;
+    let shape = [6, 1, 4];
+    let slab = |buffer| GpuSlab {
+        buffer,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: None,
+    };
+    let (ledger, pool) = (
+        c.ledger().clone(),
+        [
+            c.read_pool_words_async(0, 0).await.unwrap(),
+            c.read_pool_words_async(0, 1).await.unwrap(),
+        ],
+    );
+    let e = c
+        .append_gpu(s, 0, &[slab(&foreign), slab(&foreign)])
+        .unwrap_err();
+    let refused = match &e {
+        Error::ForeignDevice { layer: 0, .. } => !cfg!(target_arch = "wasm32"),
+        Error::UnverifiedBuffer { layer: 0, .. } => cfg!(target_arch = "wasm32"),
+        _ => false,
+    };
+    assert!(refused, "{e}");
+    assert_eq!(c.ledger(), &ledger, "the refusal changed the ledger");
+    assert_eq!(c.free_pages(), 8);
+    for (slot, words) in pool.iter().enumerate() {
+        assert_eq!(&c.read_pool_words_async(0, slot).await.unwrap(), words);
+    }
+    c.append_gpu(s, 0, &[slab(&own), slab(&own)]).unwrap();
+    c.advance(s, 6).unwrap();
+    let want: Vec<f32> = values(1, 24)
+        .iter()
+        .map(|&x| reference::round_trip(x, DType::F16))
+        .collect();
+    assert_eq!(c.read_f32_async(s, 0, 0).await.unwrap(), want);
+    assert_eq!(c.free_pages(), 6);
 }
