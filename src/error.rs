@@ -76,6 +76,14 @@ pub enum Error {
         len: usize,
     },
 
+    /// A batched append whose sequences' counts do not add up to the slabs' rows.
+    #[error("layer {layer}: the batch's sequences take {batch} rows but the slabs hold {rows}")]
+    BatchRows {
+        layer: usize,
+        batch: usize,
+        rows: usize,
+    },
+
     /// A paged pool was given a sequence it does not hold (never added, or removed).
     #[error("{seq} is not in the pool (never added, or removed)")]
     UnknownSequence { seq: SeqId },

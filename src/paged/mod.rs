@@ -21,6 +21,7 @@ use crate::cache::{GpuSlab, HostSlab, KvCache, SlotView};
 use crate::codec::decode_rows;
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
+use crate::ledger::slab_rows;
 use crate::placement::Paging;
 use crate::seq::SeqId;
 use crate::spec::{CacheSpec, DeviceLimits};
@@ -306,16 +307,80 @@ impl PagedCache {
             .ledger
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
         self.store.check_host_slabs(layer, slabs)?;
-        if !plan.copies.is_empty() {
-            // The private copies go first, in a submission of their own, so the rows written below
-            // (at the next submission) land after them.
+        self.write_host(layer, slabs, &[plan]);
+        Ok(())
+    }
+
+    /// Appends one step of many sequences to `layer` from one host slab per slot: `batch` lists
+    /// `(seq, n)`, and slab `s` is `[Σ n, ...trailing[s]]`, the rows of each sequence in turn (a
+    /// sequence may appear more than once; its parts land in order). All or nothing: counts that do
+    /// not add up to the slabs' rows ([`Error::BatchRows`]), or any sequence's append that would be
+    /// refused on its own, refuse the whole batch and change nothing.
+    pub fn append_batch(
+        &mut self,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        slabs: &[HostSlab<'_>],
+    ) -> Result<()> {
+        let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
+        self.store.check_host_slabs(layer, slabs)?;
+        self.write_host(layer, slabs, &plans);
+        Ok(())
+    }
+
+    /// Checks a batch of appends to `layer` and plans each, in order, as if the ones before it had
+    /// happened; changes nothing. The runs are relative to the batch's slabs.
+    fn plan_batch<'s>(
+        &self,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        n_slabs: usize,
+        shape_of: impl Fn(usize) -> &'s [usize],
+    ) -> Result<Vec<PagedPlan>> {
+        let rows = slab_rows(layer, self.ledger.slot_shapes(layer)?, n_slabs, &shape_of)?;
+        let counted = batch
+            .iter()
+            .try_fold(0usize, |sum, &(_, n)| sum.checked_add(n));
+        if counted != Some(rows) {
+            return Err(Error::BatchRows {
+                layer,
+                batch: counted.unwrap_or(usize::MAX),
+                rows,
+            });
+        }
+        let mut ledger = self.ledger.clone();
+        let mut plans = Vec::with_capacity(batch.len());
+        let mut first = 0;
+        for &(seq, n) in batch {
+            let shapes: Vec<Vec<usize>> = (0..n_slabs)
+                .map(|s| [&[n][..], &shape_of(s)[1..]].concat())
+                .collect();
+            let mut plan = ledger.plan_append(seq, layer, n_slabs, |s| &shapes[s])?;
+            ledger.commit_append(&plan);
+            for run in &mut plan.runs {
+                run.0 += first;
+            }
+            first += n;
+            plans.push(plan);
+        }
+        Ok(plans)
+    }
+
+    /// Writes checked host slabs as `plans` say (each plan's private copies submitted first, so the
+    /// rows, written at the next submission, land after them) and commits the plans.
+    fn write_host(&mut self, layer: usize, slabs: &[HostSlab<'_>], plans: &[PagedPlan]) {
+        if plans.iter().any(|p| !p.copies.is_empty()) {
             let mut encoder = self.encoder("kvgpu page copy");
-            self.record_copies(&mut encoder, &plan.copies);
+            for plan in plans {
+                self.record_copies(&mut encoder, &plan.copies);
+            }
             self.queue().submit([encoder.finish()]);
         }
-        self.store.write_host_runs(layer, slabs, &plan.runs);
-        self.commit(&plan);
-        Ok(())
+        let runs: Vec<_> = plans.iter().flat_map(|p| p.runs.iter().copied()).collect();
+        self.store.write_host_runs(layer, slabs, &runs);
+        for plan in plans {
+            self.commit(plan);
+        }
     }
 
     /// Commits a plan to the ledger and writes the table entries it changed.
@@ -343,14 +408,55 @@ impl PagedCache {
         let plan = self
             .ledger
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
-        let moves = self
-            .store
-            .prepare_gpu_runs(layer, slabs, plan.n_new, &plan.runs)?;
-        if !plan.copies.is_empty() {
+        self.record_gpu(encoder, layer, slabs, plan.n_new, &[plan])
+    }
+
+    /// [`PagedCache::append_batch`] from GPU buffers, recorded into `encoder` (as
+    /// [`PagedCache::record_append_gpu`]): each sequence's part of the slabs moves into its pages.
+    pub fn record_append_gpu_batch(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        slabs: &[GpuSlab<'_>],
+    ) -> Result<()> {
+        let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
+        let rows = plans.iter().map(|p| p.n_new).sum();
+        self.record_gpu(encoder, layer, slabs, rows, &plans)
+    }
+
+    /// [`PagedCache::record_append_gpu_batch`] in its own submission.
+    pub fn append_gpu_batch(
+        &mut self,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        slabs: &[GpuSlab<'_>],
+    ) -> Result<()> {
+        let mut encoder = self.encoder("kvgpu paged append_gpu_batch");
+        self.record_append_gpu_batch(&mut encoder, layer, batch, slabs)?;
+        self.queue().submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// Checks GPU slabs of `rows` rows against `plans` (every source check first), records each
+    /// plan's private copies, then the moves, and commits the plans.
+    fn record_gpu(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+        rows: usize,
+        plans: &[PagedPlan],
+    ) -> Result<()> {
+        let runs: Vec<_> = plans.iter().flat_map(|p| p.runs.iter().copied()).collect();
+        let moves = self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?;
+        for plan in plans {
             self.record_copies(encoder, &plan.copies);
         }
         self.store.record_gpu_moves(encoder, layer, slabs, moves);
-        self.commit(&plan);
+        for plan in plans {
+            self.commit(plan);
+        }
         Ok(())
     }
 
@@ -408,6 +514,9 @@ impl PagedCache {
     /// Records the private copies of shared pages: per layer the rows the writer sees there, through
     /// the staging buffer (wgpu copies nothing within one buffer).
     fn record_copies(&mut self, encoder: &mut wgpu::CommandEncoder, copies: &[PageCopy]) {
+        if copies.is_empty() {
+            return;
+        }
         let p = self.page_size() as u64;
         let staging = self.staging.get_or_insert_with(|| {
             let widest = widest(&self.spec).map_or(4, |(_, _, b)| b);

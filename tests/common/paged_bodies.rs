@@ -1026,3 +1026,200 @@ pub async fn paged_sources_of_another_device_are_refused(g: &Gpu) {
     assert_eq!(c.read_f32_async(s, 0, 0).await.unwrap(), want);
     assert_eq!(c.free_pages(), 6);
 }
+
+/// A whole step of many sequences appended from one slab per slot (`append_batch` from the host,
+/// `append_gpu_batch` from a strided f32 GPU buffer) leaves the pool, word for word, and the ledger
+/// exactly as the same appends one sequence at a time: a fork and its parent writing into the page
+/// they share, a sequence named twice, parts crossing pages. A batch whose counts do not add up, that
+/// names an unknown sequence, or that runs out of pages part way is refused whole, changing nothing.
+pub async fn batched_appends_match_one_by_one(g: &Gpu) {
+    for dtype in DType::ALL {
+        let spec = CacheSpec::new(
+            vec![LayerSpec::kv(2, 4, 4), LayerSpec::mla(5, 2)],
+            dtype,
+            40,
+        )
+        .unwrap();
+        let widths: Vec<Vec<usize>> = spec
+            .layers()
+            .iter()
+            .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
+            .collect();
+        let trailing = |layer: usize| -> Vec<Vec<usize>> {
+            spec.layers()[layer]
+                .slots
+                .iter()
+                .map(|s| s.trailing.clone())
+                .collect()
+        };
+        let make = || PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 3, 14).unwrap();
+        let (mut one, mut all) = (make(), make());
+        // The same history in both: s0 with 7 rows, s1 forked from it at 5, s2 empty.
+        let mut ids = Vec::new();
+        for c in [&mut one, &mut all] {
+            let s0 = c.add_sequence().unwrap();
+            for (layer, w) in widths.iter().enumerate() {
+                let data: Vec<Vec<f32>> = w.iter().map(|&w| values(layer as u64, 7 * w)).collect();
+                let shapes: Vec<Vec<usize>> = trailing(layer)
+                    .iter()
+                    .map(|t| [&[7][..], t].concat())
+                    .collect();
+                let slabs: Vec<HostSlab> = (0..2)
+                    .map(|k| HostSlab::f32(&data[k], &shapes[k]))
+                    .collect();
+                c.append(s0, layer, &slabs).unwrap();
+            }
+            c.advance(s0, 7).unwrap();
+            let s1 = c.fork(s0, 5).unwrap();
+            let s2 = c.add_sequence().unwrap();
+            let gone = c.add_sequence().unwrap();
+            c.remove(gone).unwrap();
+            ids = vec![s0, s1, s2, gone];
+        }
+        let (s0, s1, s2, gone) = (ids[0], ids[1], ids[2], ids[3]);
+        let batch = [(s0, 2), (s1, 4), (s2, 5), (s0, 1)];
+        let total = 12;
+        // Layer 0 from the host, layer 1 from GPU buffers (rows of row_elems + 3 f32).
+        for layer in 0..2 {
+            let data: Vec<Vec<f32>> = widths[layer]
+                .iter()
+                .map(|&w| values(100 + layer as u64, total * w))
+                .collect();
+            let shape_of = |n: usize| -> Vec<Vec<usize>> {
+                trailing(layer)
+                    .iter()
+                    .map(|t| [&[n][..], t].concat())
+                    .collect()
+            };
+            let mut bufs = Vec::new();
+            for (k, d) in data.iter().enumerate() {
+                let w = widths[layer][k];
+                let mut words = vec![0u32; total * (w + 3)];
+                for r in 0..total {
+                    for e in 0..w {
+                        words[r * (w + 3) + e] = d[r * w + e].to_bits();
+                    }
+                }
+                bufs.push(buffer_with(&g.device, &words, super::USAGE).await);
+            }
+            let strides: Vec<Vec<usize>> = (0..2)
+                .map(|k| {
+                    let t = &trailing(layer)[k];
+                    let mut st = vec![widths[layer][k] + 3];
+                    st.extend((0..t.len()).map(|d| t[d + 1..].iter().product::<usize>()));
+                    st
+                })
+                .collect();
+            let mut first = 0;
+            for &(seq, n) in &batch {
+                let shapes = shape_of(n);
+                if layer == 0 {
+                    let parts: Vec<&[f32]> = (0..2)
+                        .map(|k| &data[k][first * widths[layer][k]..(first + n) * widths[layer][k]])
+                        .collect();
+                    let slabs: Vec<HostSlab> = (0..2)
+                        .map(|k| HostSlab::f32(parts[k], &shapes[k]))
+                        .collect();
+                    one.append(seq, layer, &slabs).unwrap();
+                } else {
+                    let slabs: Vec<GpuSlab> = (0..2)
+                        .map(|k| GpuSlab {
+                            buffer: &bufs[k],
+                            dtype: DType::F32,
+                            offset: (first * (widths[layer][k] + 3)) as u64,
+                            shape: &shapes[k],
+                            strides: Some(&strides[k]),
+                        })
+                        .collect();
+                    one.append_gpu(seq, layer, &slabs).unwrap();
+                }
+                first += n;
+            }
+            let shapes = shape_of(total);
+            if layer == 0 {
+                let slabs: Vec<HostSlab> = (0..2)
+                    .map(|k| HostSlab::f32(&data[k], &shapes[k]))
+                    .collect();
+                // Counts that do not add up, an unknown sequence: refused, nothing changed.
+                let before = all.ledger().clone();
+                let short = [(s0, 2), (s1, 4), (s2, 5)];
+                assert!(matches!(
+                    all.append_batch(layer, &short, &slabs).unwrap_err(),
+                    Error::BatchRows {
+                        batch: 11,
+                        rows: 12,
+                        ..
+                    }
+                ));
+                let mut unknown = batch.to_vec();
+                unknown[2] = (gone, 5);
+                assert_eq!(
+                    all.append_batch(layer, &unknown, &slabs).unwrap_err(),
+                    Error::UnknownSequence { seq: gone }
+                );
+                assert_eq!(all.ledger(), &before);
+                all.append_batch(layer, &batch, &slabs).unwrap();
+            } else {
+                let slabs: Vec<GpuSlab> = (0..2)
+                    .map(|k| GpuSlab {
+                        buffer: &bufs[k],
+                        dtype: DType::F32,
+                        offset: 0,
+                        shape: &shapes[k],
+                        strides: Some(&strides[k]),
+                    })
+                    .collect();
+                all.append_gpu_batch(layer, &batch, &slabs).unwrap();
+            }
+        }
+        for c in [&mut one, &mut all] {
+            for (seq, n) in [(s0, 3), (s1, 4), (s2, 5)] {
+                c.advance(seq, n).unwrap();
+            }
+        }
+        assert_eq!(one.ledger(), all.ledger(), "{dtype}: ledgers");
+        for layer in 0..2 {
+            for slot in 0..2 {
+                assert_eq!(
+                    one.read_pool_words_async(layer, slot).await.unwrap(),
+                    all.read_pool_words_async(layer, slot).await.unwrap(),
+                    "{dtype}: layer {layer} slot {slot}"
+                );
+            }
+        }
+        // A batch that runs out of pages after its first part: refused whole.
+        let free = all.free_pages();
+        let big: Vec<f32> = values(9, 3 * (free + 1) * widths[0][0]);
+        let big_v: Vec<f32> = values(10, 3 * (free + 1) * widths[0][1]);
+        let n_big = 3 * (free + 1);
+        let shapes: Vec<Vec<usize>> = trailing(0)
+            .iter()
+            .map(|t| [&[n_big + 1][..], t].concat())
+            .collect();
+        let mut big_k = big.clone();
+        big_k.extend(values(11, widths[0][0]));
+        let mut big_vv = big_v.clone();
+        big_vv.extend(values(12, widths[0][1]));
+        let slabs = [
+            HostSlab::f32(&big_k, &shapes[0]),
+            HostSlab::f32(&big_vv, &shapes[1]),
+        ];
+        let (ledger, words) = (
+            all.ledger().clone(),
+            all.read_pool_words_async(0, 0).await.unwrap(),
+        );
+        let e = all
+            .append_batch(0, &[(s2, 1), (s1, n_big)], &slabs)
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::OutOfPages { .. } | Error::CapacityExceeded { .. }),
+            "{e}"
+        );
+        assert_eq!(
+            all.ledger(),
+            &ledger,
+            "{dtype}: a refused batch changed the ledger"
+        );
+        assert_eq!(all.read_pool_words_async(0, 0).await.unwrap(), words);
+    }
+}
