@@ -14,7 +14,11 @@ use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+
+#[path = "shared/cli.rs"]
+mod cli;
+use cli::{Model, Storage, count, query_heads};
 use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, MlaQueries, Queries,
     reference,
@@ -28,15 +32,6 @@ const TOLERANCE: f32 = 1e-4;
 const MAX_PROMPT: usize = 4096;
 /// The largest `--tokens` (decode steps).
 const MAX_TOKENS: usize = 4096;
-
-/// A count from 1 to `max`; anything else (negative, zero, too large, not a number) is refused with
-/// the bounds, never wrapped.
-fn count(s: &str, max: usize) -> Result<usize, String> {
-    match s.trim().parse::<i128>() {
-        Ok(n) if n >= 1 && n <= max as i128 => Ok(n as usize),
-        _ => Err(format!("expected a whole number from 1 to {max}")),
-    }
-}
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -72,61 +67,6 @@ struct Args {
     /// Element type the cache stores (attention computes in f32)
     #[arg(long, value_enum, default_value_t = Storage::F16)]
     dtype: Storage,
-}
-
-/// The model presets of [`CacheSpec::preset`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Model {
-    /// 32 layers, GQA: 32 query heads over 8 KV heads of 128
-    #[value(name = "llama3-8b")]
-    Llama3_8b,
-    /// 28 layers, GQA: 16 query heads over 8 KV heads of 128
-    #[value(name = "qwen3-0.6b")]
-    Qwen3_0_6b,
-    /// 27 layers, MLA: 16 heads over latents of 512 + rope 64
-    #[value(name = "deepseek-v2-lite")]
-    DeepseekV2Lite,
-    /// 24 layers, every fourth with GQA (16 query heads over 2 KV heads of 256), the rest cache-free
-    #[value(name = "hybrid")]
-    Hybrid,
-}
-
-impl Model {
-    fn name(self) -> &'static str {
-        match self {
-            Model::Llama3_8b => "llama3-8b",
-            Model::Qwen3_0_6b => "qwen3-0.6b",
-            Model::DeepseekV2Lite => "deepseek-v2-lite",
-            Model::Hybrid => "hybrid",
-        }
-    }
-}
-
-/// The cache's element type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Storage {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl From<Storage> for DType {
-    fn from(s: Storage) -> Self {
-        match s {
-            Storage::F32 => DType::F32,
-            Storage::F16 => DType::F16,
-            Storage::Bf16 => DType::BF16,
-        }
-    }
-}
-
-/// Query heads per layer of each preset, and MLA's softmax scale (DeepSeek-V2-Lite: 1/sqrt(128 + 64)).
-fn query_heads(model: Model) -> (usize, Option<f32>) {
-    match model {
-        Model::Llama3_8b => (32, None),
-        Model::Qwen3_0_6b | Model::Hybrid => (16, None),
-        Model::DeepseekV2Lite => (16, Some(1.0 / 192f32.sqrt())),
-    }
 }
 
 /// What one attention layer reads: GQA with `(n_kv, d_k, d_v)` or MLA with `(r, p)`.
@@ -582,8 +522,8 @@ impl Progress {
 
 #[cfg(test)]
 mod tests {
-    use clap::CommandFactory;
     use clap::error::ErrorKind;
+    use clap::{CommandFactory, ValueEnum};
 
     use super::*;
 

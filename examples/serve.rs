@@ -4,7 +4,7 @@
 //! fit; when a decode step would not fit, the newest request is preempted (its pages freed) and
 //! restarts later. Each step appends K/V (or MLA latents) to every attention layer of every running
 //! request, then runs attention of all of them as one ragged batch per layer
-//! (`Attention::record_gqa_batch` / `record_mla_batch`); a sample of outputs is checked against the
+//! (`Attention::record_gqa` / `record_mla` over `Kv::Batch`); a sample of outputs is checked against the
 //! CPU twins over rows regenerated on the host (so shared and copied pages are checked too).
 //!
 //! `cargo run --release --example serve -- --help` lists the flags and their defaults.
@@ -19,22 +19,18 @@ use std::collections::VecDeque;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+
+#[path = "shared/cli.rs"]
+mod cli;
+use cli::{Model, Storage, count, query_heads};
 use kvgpu::{
-    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, MlaQueries, PagedCache, Queries,
-    SeqId, reference,
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, Kv, MlaQueries, PagedCache,
+    Queries, SeqId, reference,
 };
 
 /// Outputs may differ from the f64 CPU reference by this much, scaled by `1 + |reference|`.
 const TOLERANCE: f32 = 1e-4;
-
-/// A count from 1 to `max`; anything else is refused with the bounds, never wrapped.
-fn count(s: &str, max: usize) -> Result<usize, String> {
-    match s.trim().parse::<i128>() {
-        Ok(n) if n >= 1 && n <= max as i128 => Ok(n as usize),
-        _ => Err(format!("expected a whole number from 1 to {max}")),
-    }
-}
 
 /// Serves requests that share a system prompt from one paged KV pool on the default GPU adapter:
 /// admission, forks that share pages, decode steps of every running request, preemption when the pool
@@ -75,59 +71,6 @@ struct Args {
     /// Pages in the pool, 1 to 1048576 (few pages make requests wait and get preempted)
     #[arg(long, default_value_t = 12, value_parser = |s: &str| count(s, 1 << 20))]
     pages: usize,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Model {
-    /// 32 layers, GQA: 32 query heads over 8 KV heads of 128
-    #[value(name = "llama3-8b")]
-    Llama3_8b,
-    /// 28 layers, GQA: 16 query heads over 8 KV heads of 128
-    #[value(name = "qwen3-0.6b")]
-    Qwen3_0_6b,
-    /// 27 layers, MLA: 16 heads over latents of 512 + rope 64
-    #[value(name = "deepseek-v2-lite")]
-    DeepseekV2Lite,
-    /// 24 layers, every fourth with GQA (16 query heads over 2 KV heads of 256), the rest cache-free
-    #[value(name = "hybrid")]
-    Hybrid,
-}
-
-impl Model {
-    fn name(self) -> &'static str {
-        match self {
-            Model::Llama3_8b => "llama3-8b",
-            Model::Qwen3_0_6b => "qwen3-0.6b",
-            Model::DeepseekV2Lite => "deepseek-v2-lite",
-            Model::Hybrid => "hybrid",
-        }
-    }
-
-    /// Query heads per layer, and MLA's softmax scale (DeepSeek-V2-Lite: 1/sqrt(128 + 64)).
-    fn heads(self) -> (usize, Option<f32>) {
-        match self {
-            Model::Llama3_8b => (32, None),
-            Model::Qwen3_0_6b | Model::Hybrid => (16, None),
-            Model::DeepseekV2Lite => (16, Some(1.0 / 192f32.sqrt())),
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Storage {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl From<Storage> for DType {
-    fn from(s: Storage) -> Self {
-        match s {
-            Storage::F32 => DType::F32,
-            Storage::F16 => DType::F16,
-            Storage::Bf16 => DType::BF16,
-        }
-    }
 }
 
 /// One request: its sequence while it runs, and how many of its own tokens (prompt, then decoded) it
@@ -232,11 +175,10 @@ impl Server {
                     .queue
                     .write_buffer(&self.q, 0, bytemuck::cast_slice(&q));
                 let queries = Queries::new(&self.q, total, h, *d_k);
-                self.attention.record_gqa_batch(
+                self.attention.record_gqa(
                     &mut encoder,
-                    &self.pool,
+                    Kv::Batch(&self.pool, &batch),
                     *layer,
-                    &batch,
                     queries,
                     &self.out,
                     &self.options,
@@ -272,11 +214,10 @@ impl Server {
                     latent: Queries::new(&self.q, total, h, r),
                     rope: Queries::new(&self.q, total, h, p).at(half / 4),
                 };
-                self.attention.record_mla_batch(
+                self.attention.record_mla(
                     &mut encoder,
-                    &self.pool,
+                    Kv::Batch(&self.pool, &batch),
                     *layer,
-                    &batch,
                     queries,
                     &self.out,
                     &self.options,
@@ -375,7 +316,7 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         args.page_size,
         args.pages,
     )?;
-    let (n_heads, scale) = args.model.heads();
+    let (n_heads, scale) = query_heads(args.model);
     let layers: Vec<(usize, Vec<Vec<usize>>)> = spec
         .layers()
         .iter()

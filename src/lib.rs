@@ -59,8 +59,8 @@
 //!
 //! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
 //! fork by sharing pages (a write into a shared page copies it for the writer), truncate and removal
-//! that return pages, an admission check, and attention over a sequence through its page table
-//! ([`Attention::gqa_paged`], [`Attention::mla_paged`]).
+//! that return pages, an admission check, and attention through the page tables over one sequence
+//! ([`Kv::Sequence`]) or a ragged batch of sequences in one dispatch pair ([`Kv::Batch`]).
 //!
 //! Ordering: host appends take effect at the next queue submission, before the commands submitted with
 //! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
@@ -89,7 +89,7 @@ mod verify;
 /// match.
 pub use wgpu;
 
-pub use attention::{Attention, AttentionOptions, KernelChoice, MlaQueries, Output, Queries};
+pub use attention::{Attention, AttentionOptions, KernelChoice, Kv, MlaQueries, Output, Queries};
 pub use cache::{GpuSlab, HostSlab, KvCache, SlotView};
 pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]

@@ -40,6 +40,24 @@ fn zeros<T: Clone + Default>(n: Option<usize>) -> Vec<T> {
     }
 }
 
+/// A xorshift generator of indices, for reproducible pseudo-random operation sequences in tests.
+#[derive(Clone, Debug)]
+pub struct Xorshift(u64);
+
+impl Xorshift {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// The next value in `[0, n)` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n.max(1) as u64) as usize
+    }
+}
+
 /// Deterministic pseudo-random values in `[-amplitude, amplitude)`, different per seed (xorshift64): test
 /// and demo data that the CPU twins and the GPU see alike. An `n` too large to allocate gives an empty
 /// `Vec`; a non-finite `amplitude` gives non-finite values.

@@ -6,8 +6,8 @@
 use anyhow::Result;
 use candle_core::{Device, Tensor};
 use kvgpu::{
-    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KernelChoice, KvCache, LayerSpec,
-    MlaQueries, PagedCache, Queries, SeqId,
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KernelChoice, Kv, KvCache,
+    LayerSpec, MlaQueries, PagedCache, Queries, SeqId,
 };
 
 use crate::Config;
@@ -402,10 +402,9 @@ fn one(
         fill_paged(&mut pool, seq, other, ctx)?;
         let record_paged = |attn: &mut Attention, enc: &mut wgpu::CommandEncoder| -> Result<()> {
             match kind {
-                Kind::Gqa => attn.record_gqa_paged(
+                Kind::Gqa => attn.record_gqa(
                     enc,
-                    &pool,
-                    seq,
+                    Kv::Sequence(&pool, seq),
                     0,
                     Queries::new(&q, 1, heads, dk),
                     &out,
@@ -416,7 +415,7 @@ fn one(
                         latent: Queries::new(&q, 1, heads, dk),
                         rope: Queries::new(&q_rope, 1, heads, dr),
                     };
-                    attn.record_mla_paged(enc, &pool, seq, 0, mla, &out, &opts)?
+                    attn.record_mla(enc, Kv::Sequence(&pool, seq), 0, mla, &out, &opts)?
                 }
             }
             Ok(())
@@ -469,20 +468,18 @@ fn one(
          -> Result<()> {
             let n = if seq.is_some() { 1 } else { SEQS };
             match (kind, seq) {
-                (Kind::Gqa, Some(s)) => attn.record_gqa_paged(
+                (Kind::Gqa, Some(s)) => attn.record_gqa(
                     enc,
-                    &many,
-                    s,
+                    Kv::Sequence(&many, s),
                     0,
                     Queries::new(&q, 1, heads, dk),
                     &out,
                     &opts,
                 )?,
-                (Kind::Gqa, None) => attn.record_gqa_batch(
+                (Kind::Gqa, None) => attn.record_gqa(
                     enc,
-                    &many,
+                    Kv::Batch(&many, &batch),
                     0,
-                    &batch,
                     Queries::new(&q, n, heads, dk),
                     &out,
                     &opts,
@@ -493,8 +490,12 @@ fn one(
                         rope: Queries::new(&q_rope, n, heads, dr),
                     };
                     match seq {
-                        Some(s) => attn.record_mla_paged(enc, &many, s, 0, mla, &out, &opts)?,
-                        None => attn.record_mla_batch(enc, &many, 0, &batch, mla, &out, &opts)?,
+                        Some(s) => {
+                            attn.record_mla(enc, Kv::Sequence(&many, s), 0, mla, &out, &opts)?
+                        }
+                        None => {
+                            attn.record_mla(enc, Kv::Batch(&many, &batch), 0, mla, &out, &opts)?
+                        }
                     }
                 }
             }

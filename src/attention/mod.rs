@@ -76,12 +76,11 @@ use crate::cache::{AttentionKind, KvCache};
 use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing};
 use crate::paged::PagedCache;
-use crate::seq::SeqId;
 use plan::DeviceFacts;
 pub use plan::KernelChoice;
 pub(crate) use plan::RowMode;
 use record::Rows;
-pub use request::{AttentionOptions, MlaQueries, Output, Queries};
+pub use request::{AttentionOptions, Kv, MlaQueries, Output, Queries};
 pub(crate) use stream::{StreamKey, source as stream_source};
 
 /// Partial results of pass 1, grown (never shrunk) when a call first needs more.
@@ -408,59 +407,23 @@ impl Attention {
     }
 
     /// Records GQA / MHA attention of `layer` (slots K `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`)
-    /// into `encoder`: `q [n_q, n_heads, d_k]` are the queries of the layer's last `n_q` visible rows,
-    /// `out [n_q, n_heads, d_v]` (f32; an [`Output`] view, or a buffer written row-major from byte 0)
-    /// receives the result. Query `i` sees rows `[0, visible - n_q + i]`, limited by the window.
-    pub fn record_gqa<'a>(
+    /// into `encoder` over the rows `kv` names: a cache's (`&cache`), a sequence of a paged pool
+    /// ([`Kv::Sequence`]) or a ragged batch of a pool's sequences ([`Kv::Batch`], one dispatch pair).
+    /// `q [n_q, n_heads, d_k]` are the queries of the layer's last `n_q` visible rows (in a batch, each
+    /// sequence's in turn), `out [n_q, n_heads, d_v]` (f32; an [`Output`] view, or a buffer written
+    /// row-major from byte 0) receives the result. Query `i` of `n_q` sees rows
+    /// `[0, visible - n_q + i]` of its own sequence, limited by the window.
+    pub fn record_gqa<'a, 'k>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
-        cache: &KvCache,
+        kv: impl Into<Kv<'k>>,
         layer: usize,
-        q: Queries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
-    ) -> Result<()> {
-        let rows = Rows::of_cache(cache, layer)?;
-        self.record_gqa_rows(encoder, rows, layer, q, out, options)
-    }
-
-    /// [`Attention::record_gqa`] over sequence `seq` of a paged pool: the queries are the last `n_q`
-    /// visible rows of `layer` of the sequence, whose rows the kernels read through the pool's page
-    /// table (shared pages included).
-    #[allow(clippy::too_many_arguments)]
-    pub fn record_gqa_paged<'a>(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        pool: &PagedCache,
-        seq: SeqId,
-        layer: usize,
-        q: Queries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
-    ) -> Result<()> {
-        let rows = Rows::of_sequence(pool, seq, layer)?;
-        self.record_gqa_rows(encoder, rows, layer, q, out, options)
-    }
-
-    /// [`Attention::record_gqa`] over a ragged batch of a paged pool's sequences in one dispatch pair:
-    /// `batch` lists `(seq, n)`, each sequence's last `n` visible rows of `layer` being its queries, and
-    /// `q [Σ n, n_heads, d_k]` holds them in that order (decode rows and chunked-prefill rows mixed);
-    /// `out [Σ n, n_heads, d_v]` receives theirs. Each query sees its own sequence's rows up to its
-    /// own, limited by the window. Counts that do not add up to `q`'s rows are refused with
-    /// [`AttentionProblem::BatchRows`](crate::AttentionProblem::BatchRows).
-    #[allow(clippy::too_many_arguments)]
-    pub fn record_gqa_batch<'a>(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        pool: &PagedCache,
-        layer: usize,
-        batch: &[(SeqId, usize)],
         q: Queries<'a>,
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut table = Vec::new();
-        let rows = Rows::of_batch(pool, layer, batch, &mut table)?;
+        let rows = Rows::of(kv.into(), layer, &mut table)?;
         self.record_gqa_rows(encoder, rows, layer, q, out, options)
     }
 
@@ -520,54 +483,21 @@ impl Attention {
     }
 
     /// Records MLA absorbed attention of `layer` (slots `compressed_kv [r]` and `k_pe [p]`) into
-    /// `encoder`: `out [n_q, n_heads, r] = softmax(scale · (q_latent·c_kv + q_rope·k_pe)) · c_kv` with
-    /// `q_latent [n_q, n_heads, r]` and `q_rope [n_q, n_heads, p]`, causal as in [`Attention::record_gqa`].
-    /// Up to 16 heads share each read of a latent row.
-    pub fn record_mla<'a>(
+    /// `encoder` over the rows `kv` names (as [`Attention::record_gqa`]):
+    /// `out [n_q, n_heads, r] = softmax(scale · (q_latent·c_kv + q_rope·k_pe)) · c_kv` with
+    /// `q_latent [n_q, n_heads, r]` and `q_rope [n_q, n_heads, p]`, causal as in
+    /// [`Attention::record_gqa`]. Up to 16 heads share each read of a latent row.
+    pub fn record_mla<'a, 'k>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
-        cache: &KvCache,
+        kv: impl Into<Kv<'k>>,
         layer: usize,
-        q: MlaQueries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
-    ) -> Result<()> {
-        let rows = Rows::of_cache(cache, layer)?;
-        self.record_mla_rows(encoder, rows, layer, q, out, options)
-    }
-
-    /// [`Attention::record_mla`] over sequence `seq` of a paged pool (see
-    /// [`Attention::record_gqa_paged`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn record_mla_paged<'a>(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        pool: &PagedCache,
-        seq: SeqId,
-        layer: usize,
-        q: MlaQueries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
-    ) -> Result<()> {
-        let rows = Rows::of_sequence(pool, seq, layer)?;
-        self.record_mla_rows(encoder, rows, layer, q, out, options)
-    }
-
-    /// [`Attention::record_mla`] over a ragged batch of a paged pool's sequences (see
-    /// [`Attention::record_gqa_batch`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn record_mla_batch<'a>(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        pool: &PagedCache,
-        layer: usize,
-        batch: &[(SeqId, usize)],
         q: MlaQueries<'a>,
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut table = Vec::new();
-        let rows = Rows::of_batch(pool, layer, batch, &mut table)?;
+        let rows = Rows::of(kv.into(), layer, &mut table)?;
         self.record_mla_rows(encoder, rows, layer, q, out, options)
     }
 
@@ -638,95 +568,38 @@ impl Attention {
     }
 
     /// [`Attention::record_gqa`] in its own submission.
-    pub fn gqa<'a>(
+    pub fn gqa<'a, 'k>(
         &mut self,
-        cache: &KvCache,
+        kv: impl Into<Kv<'k>>,
         layer: usize,
         q: Queries<'a>,
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let mut encoder = self.encoder();
-        self.record_gqa(&mut encoder, cache, layer, q, out, options)?;
-        self.queue.submit([encoder.finish()]);
-        Ok(())
+        let kv = kv.into();
+        self.submit(|a, e| a.record_gqa(e, kv, layer, q, out, options))
     }
 
     /// [`Attention::record_mla`] in its own submission.
-    pub fn mla<'a>(
+    pub fn mla<'a, 'k>(
         &mut self,
-        cache: &KvCache,
+        kv: impl Into<Kv<'k>>,
         layer: usize,
         q: MlaQueries<'a>,
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let mut encoder = self.encoder();
-        self.record_mla(&mut encoder, cache, layer, q, out, options)?;
-        self.queue.submit([encoder.finish()]);
-        Ok(())
+        let kv = kv.into();
+        self.submit(|a, e| a.record_mla(e, kv, layer, q, out, options))
     }
 
-    /// [`Attention::record_gqa_batch`] in its own submission.
-    pub fn gqa_batch<'a>(
+    /// Records a call into an encoder of its own and submits it.
+    fn submit(
         &mut self,
-        pool: &PagedCache,
-        layer: usize,
-        batch: &[(SeqId, usize)],
-        q: Queries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
+        record: impl FnOnce(&mut Self, &mut wgpu::CommandEncoder) -> Result<()>,
     ) -> Result<()> {
         let mut encoder = self.encoder();
-        self.record_gqa_batch(&mut encoder, pool, layer, batch, q, out, options)?;
-        self.queue.submit([encoder.finish()]);
-        Ok(())
-    }
-
-    /// [`Attention::record_mla_batch`] in its own submission.
-    pub fn mla_batch<'a>(
-        &mut self,
-        pool: &PagedCache,
-        layer: usize,
-        batch: &[(SeqId, usize)],
-        q: MlaQueries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
-    ) -> Result<()> {
-        let mut encoder = self.encoder();
-        self.record_mla_batch(&mut encoder, pool, layer, batch, q, out, options)?;
-        self.queue.submit([encoder.finish()]);
-        Ok(())
-    }
-
-    /// [`Attention::record_gqa_paged`] in its own submission.
-    pub fn gqa_paged<'a>(
-        &mut self,
-        pool: &PagedCache,
-        seq: SeqId,
-        layer: usize,
-        q: Queries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
-    ) -> Result<()> {
-        let mut encoder = self.encoder();
-        self.record_gqa_paged(&mut encoder, pool, seq, layer, q, out, options)?;
-        self.queue.submit([encoder.finish()]);
-        Ok(())
-    }
-
-    /// [`Attention::record_mla_paged`] in its own submission.
-    pub fn mla_paged<'a>(
-        &mut self,
-        pool: &PagedCache,
-        seq: SeqId,
-        layer: usize,
-        q: MlaQueries<'a>,
-        out: impl Into<Output<'a>>,
-        options: &AttentionOptions,
-    ) -> Result<()> {
-        let mut encoder = self.encoder();
-        self.record_mla_paged(&mut encoder, pool, seq, layer, q, out, options)?;
+        record(self, &mut encoder)?;
         self.queue.submit([encoder.finish()]);
         Ok(())
     }

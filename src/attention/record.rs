@@ -4,7 +4,7 @@
 use super::plan::{self, CallShape, Dispatch, Paging, Pass1};
 use super::request::contiguous;
 use super::view::{self, Bound, ViewError};
-use super::{Attention, AttentionOptions, Job, Scratch};
+use super::{Attention, AttentionOptions, Job, Kv, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
@@ -385,6 +385,15 @@ pub(super) struct Rows<'a> {
 }
 
 impl<'a> Rows<'a> {
+    /// The rows `kv` names in `layer`; a batch's per-query rows go to `table`.
+    pub(super) fn of(kv: Kv<'a>, layer: usize, table: &'a mut Vec<[u32; 2]>) -> Result<Self> {
+        match kv {
+            Kv::Cache(cache) => Self::of_cache(cache, layer),
+            Kv::Sequence(pool, seq) => Self::of_sequence(pool, seq, layer),
+            Kv::Batch(pool, batch) => Self::of_batch(pool, layer, batch, table),
+        }
+    }
+
     /// The visible rows of `layer` of `cache`.
     pub(super) fn of_cache(cache: &'a KvCache, layer: usize) -> Result<Self> {
         Ok(Self {

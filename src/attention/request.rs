@@ -1,5 +1,9 @@
-//! What an attention call takes: queries and output as f32 views of GPU buffers, and the options of
-//! the call.
+//! What an attention call takes: the rows it reads, queries and output as f32 views of GPU buffers,
+//! and the options of the call.
+
+use crate::cache::KvCache;
+use crate::paged::PagedCache;
+use crate::seq::SeqId;
 
 /// Options of one attention call; the default is plain causal attention with the default scale.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -103,4 +107,26 @@ impl<'a> From<&'a wgpu::Buffer> for Output<'a> {
 /// Row-major strides of `shape` (saturating: a shape that large is refused before use).
 pub(super) fn contiguous(shape: [usize; 3]) -> [usize; 3] {
     [shape[1].saturating_mul(shape[2]), shape[2], 1]
+}
+
+/// The rows attention reads: a cache's visible rows (`&cache` converts), one sequence of a paged
+/// pool, or a ragged batch of a pool's sequences: `(seq, n)` pairs, each sequence's last `n` visible
+/// rows being its queries, in order (decode and chunked-prefill rows mixed, one dispatch pair).
+#[derive(Clone, Copy, Debug)]
+pub enum Kv<'k> {
+    Cache(&'k KvCache),
+    Sequence(&'k PagedCache, SeqId),
+    Batch(&'k PagedCache, &'k [(SeqId, usize)]),
+}
+
+impl<'k> From<&'k KvCache> for Kv<'k> {
+    fn from(cache: &'k KvCache) -> Self {
+        Kv::Cache(cache)
+    }
+}
+
+impl<'k> From<&'k mut KvCache> for Kv<'k> {
+    fn from(cache: &'k mut KvCache) -> Self {
+        Kv::Cache(cache)
+    }
 }

@@ -527,16 +527,6 @@ mod tests {
         static COPIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     }
 
-    struct Rng(u64);
-    impl Rng {
-        fn below(&mut self, n: usize) -> usize {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 % n.max(1) as u64) as usize
-        }
-    }
-
     #[test]
     fn random_operations_keep_pages_counts_and_rows_consistent() {
         let (page_size, n_pages, max_len) = (4, 24, 40);
@@ -549,7 +539,7 @@ mod tests {
         let slot_layers: Vec<usize> = (0..3).filter(|&l| !shapes[l].is_empty()).collect();
         let mut out_of_pages = 0;
         for seed in 1..=40u64 {
-            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut rng = crate::reference::Xorshift::new(seed);
             let mut l = PageLedger::new(&spec, page_size, n_pages);
             let mut pool = Pool::new();
             let mut model: BTreeMap<SeqId, Vec<Vec<u64>>> = BTreeMap::new();
@@ -559,7 +549,7 @@ mod tests {
             for _ in 0..600 {
                 let ids: Vec<SeqId> = model.keys().copied().collect();
                 // Mostly live sequences; sometimes one never added.
-                let pick = |rng: &mut Rng| {
+                let pick = |rng: &mut crate::reference::Xorshift| {
                     if ids.is_empty() || rng.below(20) == 0 {
                         SeqId(1000 + rng.below(5) as u32)
                     } else {

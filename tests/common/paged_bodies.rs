@@ -31,17 +31,6 @@ fn spec(dtype: DType) -> CacheSpec {
 /// The layers with slots and their slots' row widths.
 const SLOTTED: [usize; 2] = [0, 2];
 
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n.max(1) as u64) as usize
-    }
-}
-
 /// One sequence of the model: rows per (layer, slot) as stored f32 values, committed length, and its
 /// pages as model page names (shared names are shared pages).
 #[derive(Clone, Debug)]
@@ -129,6 +118,27 @@ impl Model {
     }
 }
 
+/// A verified f32 buffer holding the rows of `v` (`w` elements each) from element `lead` on, one row
+/// every `w + pad` elements: a strided source, which the slab-write kernel moves.
+async fn padded_rows(g: &Gpu, v: &[f32], w: usize, pad: usize, lead: usize) -> wgpu::Buffer {
+    let n = v.len() / w;
+    let mut words = vec![0u32; lead + (n + 1) * (w + pad)];
+    for (r, row) in v.chunks(w).enumerate() {
+        for (e, x) in row.iter().enumerate() {
+            words[lead + r * (w + pad) + e] = x.to_bits();
+        }
+    }
+    buffer_with(&g.device, &words, super::USAGE).await
+}
+
+/// Element strides of a slab shaped `shape` whose rows lie every `row` elements, the trailing axes
+/// contiguous.
+fn row_strides(shape: &[usize], row: usize) -> Vec<usize> {
+    let mut st = vec![row];
+    st.extend((1..shape.len()).map(|d| shape[d + 1..].iter().product::<usize>()));
+    st
+}
+
 /// Every word of every pool buffer.
 async fn pool_words(c: &PagedCache) -> Vec<Vec<u32>> {
     let mut all = Vec::new();
@@ -197,14 +207,20 @@ async fn check_attention(
         let width = if layer == 0 { 3 } else { 5 };
         let out = super::output(&g.device, n * heads * width).await;
         if layer == 0 {
-            att.gqa_batch(c, 0, &batch, Queries::new(&qb, n, heads, 3), &out, &opts)
-                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            att.gqa(
+                Kv::Batch(c, &batch),
+                0,
+                Queries::new(&qb, n, heads, 3),
+                &out,
+                &opts,
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
         } else {
             let mla = MlaQueries {
                 latent: Queries::new(&qb, n, heads, 5),
                 rope: Queries::new(&q2b, n, heads, 2),
             };
-            att.mla_batch(c, 2, &batch, mla, &out, &opts)
+            att.mla(Kv::Batch(c, &batch), 2, mla, &out, &opts)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
         }
         let got = super::read_f32(g, &out).await;
@@ -311,7 +327,7 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
     };
     let mut gone: Vec<SeqId> = Vec::new();
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = reference::Xorshift::new(seed);
     let mut refused: BTreeMap<&'static str, usize> = BTreeMap::new();
     for op in 0..n_ops {
         let ids: Vec<SeqId> = m.seqs.keys().copied().collect();
@@ -435,23 +451,10 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
                     let mut bufs = Vec::new();
                     for (k, (v, _)) in rows.iter().enumerate() {
                         let w = m.row_elems[layer][k];
-                        let mut words = vec![0u32; 3 + (n + 2) * (w + 2)];
-                        for r in 0..n {
-                            for e in 0..w {
-                                words[3 + r * (w + 2) + e] = v[r * w + e].to_bits();
-                            }
-                        }
-                        bufs.push(buffer_with(&g.device, &words, super::USAGE).await);
+                        bufs.push(padded_rows(g, v, w, 2, 3).await);
                     }
                     let strides: Vec<Vec<usize>> = (0..2)
-                        .map(|k| {
-                            let mut st = vec![m.row_elems[layer][k] + 2];
-                            st.extend(
-                                (1..shapes[k].len())
-                                    .map(|d| shapes[k][d + 1..].iter().product::<usize>()),
-                            );
-                            st
-                        })
+                        .map(|k| row_strides(&shapes[k], m.row_elems[layer][k] + 2))
                         .collect();
                     let slabs: Vec<GpuSlab> = (0..2)
                         .map(|k| GpuSlab {
@@ -621,22 +624,12 @@ async fn step(g: &Gpu, c: &mut PagedCache, seq: SeqId, n: usize, seed: u64, gpu:
             let mut bufs = Vec::new();
             for v in &vals {
                 let w = v.len() / n;
-                let mut words = vec![0u32; 2 * n * w];
-                for r in 0..n {
-                    for e in 0..w {
-                        words[2 * r * w + e] = v[r * w + e].to_bits();
-                    }
-                }
-                bufs.push((buffer_with(&g.device, &words, super::USAGE).await, w));
+                bufs.push((padded_rows(g, v, w, w, 0).await, w));
             }
             let strides: Vec<Vec<usize>> = shapes
                 .iter()
                 .zip(&bufs)
-                .map(|(s, (_, w))| {
-                    let mut st = vec![2 * w];
-                    st.extend((1..s.len()).map(|d| s[d + 1..].iter().product::<usize>()));
-                    st
-                })
+                .map(|(s, (_, w))| row_strides(s, 2 * w))
                 .collect();
             let slabs: Vec<GpuSlab> = (0..slots.len())
                 .map(|k| GpuSlab {
@@ -760,8 +753,14 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                     let q = values(visible as u64 + 50, n_q * HEADS * D);
                     let qb = super::f32_buffer(&g.device, &q).await;
                     let out = super::output(&g.device, n_q * HEADS * D).await;
-                    att.gqa_paged(&c, seq, 0, Queries::new(&qb, n_q, HEADS, D), &out, &options)
-                        .unwrap();
+                    att.gqa(
+                        Kv::Sequence(&c, seq),
+                        0,
+                        Queries::new(&qb, n_q, HEADS, D),
+                        &out,
+                        &options,
+                    )
+                    .unwrap();
                     let want = reference::attention_gqa(
                         &q,
                         [n_q, HEADS, D],
@@ -788,7 +787,8 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                         latent: Queries::new(&lb, n_q, HEADS, R),
                         rope: Queries::new(&rb_, n_q, HEADS, ROPE),
                     };
-                    att.mla_paged(&c, seq, 1, q, &out, &options).unwrap();
+                    att.mla(Kv::Sequence(&c, seq), 1, q, &out, &options)
+                        .unwrap();
                     let want = reference::attention_mla(
                         &ql,
                         &qr,
@@ -822,10 +822,9 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                 let q = values(500, total * HEADS * D);
                 let qb = super::f32_buffer(&g.device, &q).await;
                 let out = super::output(&g.device, total * HEADS * D).await;
-                att.gqa_batch(
-                    &c,
+                att.gqa(
+                    Kv::Batch(&c, &batch),
                     0,
-                    &batch,
                     Queries::new(&qb, total, HEADS, D),
                     &out,
                     &options,
@@ -843,7 +842,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                     latent: Queries::new(&lb, total, HEADS, R),
                     rope: Queries::new(&rb_, total, HEADS, ROPE),
                 };
-                att.mla_batch(&c, 1, &batch, queries, &out_mla, &options)
+                att.mla(Kv::Batch(&c, &batch), 1, queries, &out_mla, &options)
                     .unwrap();
                 let got_mla = super::read_f32(g, &out_mla).await;
                 let mut at = 0;
@@ -882,10 +881,9 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let out = super::output(&g.device, 64 * HEADS * D).await;
         let dflt = AttentionOptions::default();
         let e = att
-            .gqa_batch(
-                &c,
+            .gqa(
+                Kv::Batch(&c, &batch),
                 0,
-                &batch,
                 Queries::new(&q, total + 1, HEADS, D),
                 &out,
                 &dflt,
@@ -902,15 +900,20 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             "{dtype}: {e}"
         );
         let e = att
-            .gqa_batch(&c, 0, &[], Queries::new(&q, 1, HEADS, D), &out, &dflt)
+            .gqa(
+                Kv::Batch(&c, &[]),
+                0,
+                Queries::new(&q, 1, HEADS, D),
+                &out,
+                &dflt,
+            )
             .unwrap_err();
         assert!(matches!(e, Error::AttentionRequest { .. }), "{dtype}: {e}");
         let too_many = [(a, 1), (b, c.len(b).unwrap() + 1)];
         let e = att
-            .gqa_batch(
-                &c,
+            .gqa(
+                Kv::Batch(&c, &too_many),
                 0,
-                &too_many,
                 Queries::new(&q, 2 + c.len(b).unwrap(), HEADS, D),
                 &out,
                 &dflt,
@@ -924,12 +927,24 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         // Refusals: a removed sequence, more queries than rows.
         c.remove(c2).unwrap();
         let e = att
-            .gqa_paged(&c, c2, 0, Queries::new(&q, 1, HEADS, D), &out, &dflt)
+            .gqa(
+                Kv::Sequence(&c, c2),
+                0,
+                Queries::new(&q, 1, HEADS, D),
+                &out,
+                &dflt,
+            )
             .unwrap_err();
         assert_eq!(e, Error::UnknownSequence { seq: c2 }, "{dtype}");
         let n = c.len(b).unwrap() + 1;
         let e = att
-            .gqa_paged(&c, b, 0, Queries::new(&q, n, HEADS, D), &out, &dflt)
+            .gqa(
+                Kv::Sequence(&c, b),
+                0,
+                Queries::new(&q, n, HEADS, D),
+                &out,
+                &dflt,
+            )
             .unwrap_err();
         assert!(matches!(e, Error::QueryRows { .. }), "{dtype}: {e}");
         assert!(
@@ -1093,22 +1108,10 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
             };
             let mut bufs = Vec::new();
             for (k, d) in data.iter().enumerate() {
-                let w = widths[layer][k];
-                let mut words = vec![0u32; total * (w + 3)];
-                for r in 0..total {
-                    for e in 0..w {
-                        words[r * (w + 3) + e] = d[r * w + e].to_bits();
-                    }
-                }
-                bufs.push(buffer_with(&g.device, &words, super::USAGE).await);
+                bufs.push(padded_rows(g, d, widths[layer][k], 3, 0).await);
             }
             let strides: Vec<Vec<usize>> = (0..2)
-                .map(|k| {
-                    let t = &trailing(layer)[k];
-                    let mut st = vec![widths[layer][k] + 3];
-                    st.extend((0..t.len()).map(|d| t[d + 1..].iter().product::<usize>()));
-                    st
-                })
+                .map(|k| row_strides(&shape_of(total)[k], widths[layer][k] + 3))
                 .collect();
             let mut first = 0;
             for &(seq, n) in &batch {

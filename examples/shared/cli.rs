@@ -1,0 +1,70 @@
+//! The command-line pieces the native examples share (decode, serve): bounded counts, the model
+//! presets with their query heads, and the storage types. Each example includes this file with
+//! `#[path = "shared/cli.rs"] mod cli;`.
+
+use clap::ValueEnum;
+use kvgpu::DType;
+
+/// A count from 1 to `max`; anything else (negative, zero, too large, not a number) is refused with
+/// the bounds, never wrapped.
+pub fn count(s: &str, max: usize) -> Result<usize, String> {
+    match s.trim().parse::<i128>() {
+        Ok(n) if n >= 1 && n <= max as i128 => Ok(n as usize),
+        _ => Err(format!("expected a whole number from 1 to {max}")),
+    }
+}
+
+/// The model presets of [`kvgpu::CacheSpec::preset`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Model {
+    /// 32 layers, GQA: 32 query heads over 8 KV heads of 128
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// 28 layers, GQA: 16 query heads over 8 KV heads of 128
+    #[value(name = "qwen3-0.6b")]
+    Qwen3_0_6b,
+    /// 27 layers, MLA: 16 heads over latents of 512 + rope 64
+    #[value(name = "deepseek-v2-lite")]
+    DeepseekV2Lite,
+    /// 24 layers, every fourth with GQA (16 query heads over 2 KV heads of 256), the rest cache-free
+    #[value(name = "hybrid")]
+    Hybrid,
+}
+
+impl Model {
+    pub fn name(self) -> &'static str {
+        match self {
+            Model::Llama3_8b => "llama3-8b",
+            Model::Qwen3_0_6b => "qwen3-0.6b",
+            Model::DeepseekV2Lite => "deepseek-v2-lite",
+            Model::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// The cache's element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Storage {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl From<Storage> for DType {
+    fn from(s: Storage) -> Self {
+        match s {
+            Storage::F32 => DType::F32,
+            Storage::F16 => DType::F16,
+            Storage::Bf16 => DType::BF16,
+        }
+    }
+}
+
+/// Query heads per layer of each preset, and MLA's softmax scale (DeepSeek-V2-Lite: 1/sqrt(128 + 64)).
+pub fn query_heads(model: Model) -> (usize, Option<f32>) {
+    match model {
+        Model::Llama3_8b => (32, None),
+        Model::Qwen3_0_6b | Model::Hybrid => (16, None),
+        Model::DeepseekV2Lite => (16, Some(1.0 / 192f32.sqrt())),
+    }
+}
