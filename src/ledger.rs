@@ -47,6 +47,23 @@ impl DroppedRows {
     }
 }
 
+/// The trailing shape of every slot of `spec`, per layer.
+pub(crate) fn slot_shapes_of(spec: &CacheSpec) -> Vec<Vec<Vec<usize>>> {
+    spec.layers()
+        .iter()
+        .map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect())
+        .collect()
+}
+
+/// `layer` is one of `n_layers`.
+pub(crate) fn check_layer(layer: usize, n_layers: usize) -> Result<()> {
+    if layer < n_layers {
+        Ok(())
+    } else {
+        Err(Error::LayerOutOfRange { layer, n_layers })
+    }
+}
+
 /// Checks slabs shaped `[n_new, ...trailing[s]]` (`shape_of(s)`, `n_slabs` of them) against a layer's
 /// slots and returns `n_new`: one slab per slot, each with its slot's trailing shape, all with the same
 /// row count.
@@ -103,11 +120,7 @@ pub struct Ledger {
 
 impl Ledger {
     pub fn new(spec: &CacheSpec) -> Self {
-        let shapes: Vec<Vec<Vec<usize>>> = spec
-            .layers()
-            .iter()
-            .map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect())
-            .collect();
+        let shapes = slot_shapes_of(spec);
         let pending = vec![0; shapes.len()];
         Self {
             shapes,
@@ -162,14 +175,7 @@ impl Ledger {
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
-        if layer < self.shapes.len() {
-            Ok(())
-        } else {
-            Err(Error::LayerOutOfRange {
-                layer,
-                n_layers: self.shapes.len(),
-            })
-        }
+        check_layer(layer, self.shapes.len())
     }
 
     /// Checks one append of slabs shaped `[n_new, ...trailing[s]]`, without changing anything.

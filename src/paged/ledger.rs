@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use crate::error::{Error, Result};
-use crate::ledger::{SeqId, slab_rows};
+use crate::ledger::{SeqId, check_layer, slab_rows, slot_shapes_of};
 use crate::placement::Run;
 use crate::spec::CacheSpec;
 
@@ -75,11 +75,7 @@ impl PageLedger {
     /// `spec.max_seq_len()` rows. Both counts are non-zero (checked by the caller).
     pub(crate) fn new(spec: &CacheSpec, page_size: usize, n_pages: usize) -> Self {
         Self {
-            shapes: spec
-                .layers()
-                .iter()
-                .map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect())
-                .collect(),
+            shapes: slot_shapes_of(spec),
             page_size,
             max_seq_len: spec.max_seq_len(),
             refs: vec![0; n_pages],
@@ -158,14 +154,7 @@ impl PageLedger {
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
-        if layer < self.shapes.len() {
-            Ok(())
-        } else {
-            Err(Error::LayerOutOfRange {
-                layer,
-                n_layers: self.shapes.len(),
-            })
-        }
+        check_layer(layer, self.shapes.len())
     }
 
     /// A new, empty sequence (it takes no page until it is written).
@@ -531,11 +520,7 @@ mod tests {
     fn random_operations_keep_pages_counts_and_rows_consistent() {
         let (page_size, n_pages, max_len) = (4, 24, 40);
         let spec = spec(max_len);
-        let shapes: Vec<Vec<Vec<usize>>> = spec
-            .layers()
-            .iter()
-            .map(|l| l.slots.iter().map(|s| s.trailing.clone()).collect())
-            .collect();
+        let shapes = slot_shapes_of(&spec);
         let slot_layers: Vec<usize> = (0..3).filter(|&l| !shapes[l].is_empty()).collect();
         let mut out_of_pages = 0;
         for seed in 1..=40u64 {

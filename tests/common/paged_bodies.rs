@@ -28,6 +28,23 @@ fn spec(dtype: DType) -> CacheSpec {
     .unwrap()
 }
 
+/// Elements per row of every slot of `spec`, per layer.
+fn widths_of(spec: &CacheSpec) -> Vec<Vec<usize>> {
+    spec.layers()
+        .iter()
+        .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
+        .collect()
+}
+
+/// The trailing shapes of `layer`'s slots.
+fn trailing_of(spec: &CacheSpec, layer: usize) -> Vec<Vec<usize>> {
+    spec.layers()[layer]
+        .slots
+        .iter()
+        .map(|s| s.trailing.clone())
+        .collect()
+}
+
 /// The layers with slots and their slots' row widths.
 const SLOTTED: [usize; 2] = [0, 2];
 
@@ -306,18 +323,8 @@ fn append_verdict(
 /// A pseudo-random run of `n_ops` operations on a pool of `dtype`, against the model.
 pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops: usize) {
     let spec = spec(dtype);
-    let row_elems: Vec<Vec<usize>> = spec
-        .layers()
-        .iter()
-        .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
-        .collect();
-    let trailing = |layer: usize| -> Vec<Vec<usize>> {
-        spec.layers()[layer]
-            .slots
-            .iter()
-            .map(|s| s.trailing.clone())
-            .collect()
-    };
+    let row_elems = widths_of(&spec);
+    let trailing = |layer: usize| trailing_of(&spec, layer);
     let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), PAGE, PAGES).unwrap();
     let mut m = Model {
         seqs: BTreeMap::new(),
@@ -695,11 +702,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             64,
         )
         .unwrap();
-        let widths: Vec<Vec<usize>> = spec
-            .layers()
-            .iter()
-            .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
-            .collect();
+        let widths = widths_of(&spec);
         let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 5, 40).unwrap();
         let a = c.add_sequence().unwrap();
         let b = c.add_sequence().unwrap();
@@ -1055,18 +1058,8 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
             40,
         )
         .unwrap();
-        let widths: Vec<Vec<usize>> = spec
-            .layers()
-            .iter()
-            .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
-            .collect();
-        let trailing = |layer: usize| -> Vec<Vec<usize>> {
-            spec.layers()[layer]
-                .slots
-                .iter()
-                .map(|s| s.trailing.clone())
-                .collect()
-        };
+        let widths = widths_of(&spec);
+        let trailing = |layer: usize| trailing_of(&spec, layer);
         let make = || PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 3, 14).unwrap();
         let (mut one, mut all) = (make(), make());
         // The same history in both: s0 with 7 rows, s1 forked from it at 5, s2 empty.
