@@ -12,4 +12,5 @@ common::shared_tests!(paged_bodies:
     paged_pool_sizes_are_checked,
     paged_sources_of_another_device_are_refused,
     batched_appends_match_one_by_one,
+    many_sequences_grow_the_page_table,
 );

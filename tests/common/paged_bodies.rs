@@ -1219,3 +1219,68 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
         assert_eq!(all.read_pool_words_async(0, 0).await.unwrap(), words);
     }
 }
+
+/// More sequences than the page table first holds (8 rows): the table grows (twice here) while
+/// every earlier sequence keeps its entries, removed sequences' rows are reused, and one batch of
+/// attention over all of them matches the twins.
+pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 8).unwrap();
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 2, 96).unwrap();
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let mut rows: BTreeMap<SeqId, [Vec<f32>; 2]> = BTreeMap::new();
+    let add = |c: &mut PagedCache, rows: &mut BTreeMap<SeqId, [Vec<f32>; 2]>, seed: u64| {
+        let s = c.add_sequence().unwrap();
+        let (k, v) = (values(seed, 3 * 4), values(seed + 1000, 3 * 4));
+        c.append(
+            s,
+            0,
+            &[HostSlab::f32(&k, &[3, 1, 4]), HostSlab::f32(&v, &[3, 1, 4])],
+        )
+        .unwrap();
+        c.advance(s, 3).unwrap();
+        rows.insert(s, [k, v]);
+    };
+    for i in 0..20 {
+        add(&mut c, &mut rows, i);
+    }
+    for round in 0..2 {
+        let batch: Vec<(SeqId, usize)> = rows.keys().map(|&s| (s, 1)).collect();
+        let n = batch.len();
+        let q = values(77 + round, n * 2 * 4);
+        let qb = super::f32_buffer(&g.device, &q).await;
+        let out = super::output(&g.device, n * 2 * 4).await;
+        let opts = AttentionOptions::default();
+        att.gqa(
+            Kv::Batch(&c, &batch),
+            0,
+            Queries::new(&qb, n, 2, 4),
+            &out,
+            &opts,
+        )
+        .unwrap();
+        let got = super::read_f32(g, &out).await;
+        for (i, (s, [k, v])) in rows.iter().enumerate() {
+            let want =
+                reference::attention_gqa(&q[i * 8..(i + 1) * 8], [1, 2, 4], k, v, 1, 4, &opts);
+            super::assert_close(
+                &got[i * 8..(i + 1) * 8],
+                &want,
+                &format!("round {round}: {s}"),
+            );
+        }
+        // Half go; ten new ones take their table rows (and grow the table no further).
+        let gone: Vec<SeqId> = rows.keys().copied().step_by(2).collect();
+        for s in gone {
+            c.remove(s).unwrap();
+            rows.remove(&s);
+        }
+        for i in 0..10 {
+            add(&mut c, &mut rows, 100 + 10 * round + i);
+        }
+    }
+    assert_eq!(
+        c.pages_in_use(),
+        20 * 2,
+        "20 sequences of 3 rows in 2-row pages"
+    );
+}
