@@ -327,16 +327,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         return;
     }
     let h0 = kv * p.group + batch * HB;
-    // This query's own row and page-table entries (read once and shared, so the loops below stay
-    // in uniform control flow), and the first row its window reaches.
-    if lid == 0u {
-        query_row = vec2<u32>(query_last(qi), query_table(qi));
-    }
-    let own = workgroupUniformLoad(&query_row);
-    let last = own.x;
-    let tb = own.y;
-    if !query_fits(last, tb) {
-        return;
+    // This query's own row and first page-table entry: from uniforms (one sequence), or from the
+    // query table (a batch), read once and shared so that the loops below stay in uniform control
+    // flow. Then the first row its window reaches.
+    var last = p.visible - p.n_q + qi;
+    var tb = p.table_base;
+    if ROWS == 2u {
+        if lid == 0u {
+            query_row = vec2<u32>(query_last(qi), query_table(qi));
+        }
+        let own = workgroupUniformLoad(&query_row);
+        last = own.x;
+        tb = own.y;
+        if !query_fits(last, tb) {
+            return;
+        }
     }
     var first = 0u;
     if p.window > 0u && last + 1u > p.window {

@@ -164,7 +164,9 @@ impl Gen {
         line!(self, "const HT: u32 = {}u;", k.heads);
         line!(self, "const NEG: f32 = -3.4028234e38;");
         line!(self, "const ROWS: u32 = {}u;", k.rows.code());
-        line!(self, "var<workgroup> query_row: vec2<u32>;");
+        if k.rows == RowMode::Ragged {
+            line!(self, "var<workgroup> query_row: vec2<u32>;");
+        }
         self.out.push_str(BINDINGS);
         if k.sum == TeamSum::Shared {
             // Double-buffered by row parity: a lane may write row r + 1's sums while another still
@@ -192,16 +194,24 @@ impl Gen {
             "    if chunk >= p.n_chunks || kv >= p.n_kv || local >= p.q_count || !in_bounds() {{ return; }}"
         );
         line!(self, "    let h0 = kv * p.group + batch * HT;");
-        // The query's own row and first page-table entry, read once and shared so that the row loop
-        // stays in uniform control flow (shaders/shared/rows.wgsl).
-        line!(
-            self,
-            "    if lane == 0u {{ query_row = vec2<u32>(query_last(qi), query_table(qi)); }}"
-        );
-        line!(self, "    let own = workgroupUniformLoad(&query_row);");
-        line!(self, "    let last = own.x;");
-        line!(self, "    let tb = own.y;");
-        line!(self, "    if !query_fits(last, tb) {{ return; }}");
+        if k.rows == RowMode::Ragged {
+            // The query's own row and first page-table entry, read from the query table once and
+            // shared, so that the row loop stays in uniform control flow (shaders/shared/rows.wgsl).
+            // Only here: the barrier it takes makes Mesa's llvmpipe run the whole kernel slower.
+            line!(
+                self,
+                "    if lane == 0u {{ query_row = vec2<u32>(query_last(qi), query_table(qi)); }}"
+            );
+            line!(self, "    let own = workgroupUniformLoad(&query_row);");
+            line!(self, "    let last = own.x;");
+            line!(self, "    let tb = own.y;");
+            line!(self, "    if !query_fits(last, tb) {{ return; }}");
+        } else {
+            // From uniforms alone (query_last would be non-uniform to the analysis: its batch branch
+            // reads storage).
+            line!(self, "    let last = p.visible - p.n_q + qi;");
+            line!(self, "    let tb = p.table_base;");
+        }
         line!(self, "    var first = 0u;");
         line!(
             self,
