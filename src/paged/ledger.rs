@@ -200,18 +200,24 @@ impl PageLedger {
         rows.div_ceil(self.page_size)
     }
 
-    /// A new sequence that shares the first `at_len` committed rows of `parent` (its pages, by
-    /// reference; none is copied until one side writes into a shared page).
-    pub(crate) fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
-        let p = self.seq(parent)?;
-        if at_len > p.len {
+    /// Whether `fork(parent, at_len)` would be taken: `parent` is held and has `at_len` committed rows.
+    pub(crate) fn check_fork(&self, parent: SeqId, at_len: usize) -> Result<()> {
+        let len = self.len(parent)?;
+        if at_len > len {
             return Err(Error::ForkBeyondLength {
                 seq: parent,
                 at_len,
-                len: p.len,
+                len,
             });
         }
-        let pages = p.pages[..self.pages_for(at_len)].to_vec();
+        Ok(())
+    }
+
+    /// A new sequence that shares the first `at_len` committed rows of `parent` (its pages, by
+    /// reference; none is copied until one side writes into a shared page).
+    pub(crate) fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
+        self.check_fork(parent, at_len)?;
+        let pages = self.seqs[&parent].pages[..self.pages_for(at_len)].to_vec();
         let child = self.add()?;
         for &page in &pages {
             self.refs[page as usize] += 1;

@@ -259,15 +259,8 @@ impl PagedCache {
     /// pages are shared, and a page either side later writes into is copied for the writer first.
     /// Starting a conversation from a cached system prompt is `fork(prompt, prompt_len)`.
     pub fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
-        // Checked first, so that a refused fork takes no table row.
-        let len = self.ledger.len(parent)?;
-        if at_len > len {
-            return Err(Error::ForkBeyondLength {
-                seq: parent,
-                at_len,
-                len,
-            });
-        }
+        // Checked first, so that a refused fork does not grow the page table.
+        self.ledger.check_fork(parent, at_len)?;
         let row = self.take_table_row()?;
         let child = self
             .ledger
@@ -387,13 +380,13 @@ impl PagedCache {
     fn commit(&mut self, plan: &PagedPlan) {
         let first_new = self.ledger.pages(plan.seq).map_or(0, <[u32]>::len);
         self.ledger.commit_append(plan);
+        // The first entry that changed: a private copy's, or the first new page's.
         let from = plan
             .copies
             .iter()
             .map(|c| c.index)
-            .min()
-            .unwrap_or(first_new);
-        self.write_table(plan.seq, from.min(first_new));
+            .fold(first_new, usize::min);
+        self.write_table(plan.seq, from);
     }
 
     /// Records an append from GPU buffers to `seq` into `encoder` (as
