@@ -1,10 +1,13 @@
-// Slab-write kernel: copies `n_rows` rows from a strided GPU source into consecutive rows of one slot
-// buffer, converting the element type. One invocation writes one 32-bit word of the destination, so the
+// Slab-write kernel: copies `n_rows` rows from a strided GPU source into rows of one slot buffer,
+// converting the element type: consecutive rows from `dst_word_offset` on, or, in the scatter variant,
+// row `r` into the destination row that entry `map_word + r` of `rows` names (a paged pool's page
+// rows, for the rows of many sequences in one dispatch). One invocation writes one 32-bit word of the destination, so the
 // two halves of a packed 16-bit word are never written by two invocations. All conversions are done on
 // the bit patterns with integer arithmetic: exact, round-to-nearest-even, no flush of subnormals.
 
 override SRC_DTYPE: u32 = 0u;
 override DST_DTYPE: u32 = 0u;
+override SCATTER: bool = false;
 
 // Must match `WriteParams` in src/kernels/params.rs.
 struct WriteParams {
@@ -23,12 +26,20 @@ struct WriteParams {
     rank: u32,
     // Invocations in the dispatch: the loop stride.
     thread_stride: u32,
+    // Scatter variant: the entry of `rows` holding row 0's destination row.
+    map_word: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
     shape: array<vec4<u32>, 2>,
     stride: array<vec4<u32>, 2>,
 }
 
 @group(0) @binding(0) var<storage, read> src: array<u32>;
 @group(0) @binding(1) var<storage, read_write> dst: array<u32>;
+// Destination rows of the scatter variant (a placeholder otherwise); the host wrote every entry the
+// dispatch reads.
+@group(0) @binding(2) var<storage, read> rows: array<u32>;
 @group(1) @binding(0) var<uniform> p: WriteParams;
 
 // The same two buffers seen as 16-byte vectors, for `main_vec4`.
@@ -161,16 +172,28 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
             // one-run case.
             let e = word * 2u;
             let i0 = src_index(row, e);
-            out = convert(load_bits(i0));
-            if e + 1u < p.row_elems {
-                var i1 = i0 + p.stride[0].x;
-                if p.rank > 1u {
-                    i1 = src_index(row, e + 1u);
+            if SRC_DTYPE == DST_DTYPE && p.rank <= 1u && p.stride[0].x == 1u && (i0 & 1u) == 0u {
+                // Both elements in one source word, stored as they are: one load. A row of odd
+                // length keeps its padding half zero.
+                out = src[i0 >> 1u];
+                if e + 1u >= p.row_elems {
+                    out &= 0xffffu;
                 }
-                out |= convert(load_bits(i1)) << 16u;
+            } else {
+                out = convert(load_bits(i0));
+                if e + 1u < p.row_elems {
+                    var i1 = i0 + p.stride[0].x;
+                    if p.rank > 1u {
+                        i1 = src_index(row, e + 1u);
+                    }
+                    out |= convert(load_bits(i1)) << 16u;
+                }
             }
         }
-        let d = p.dst_word_offset + w;
+        var d = p.dst_word_offset + w;
+        if SCATTER {
+            d = rows[p.map_word + row] * p.row_words + word;
+        }
         if d < dst_len {
             dst[d] = out;
         }
@@ -207,7 +230,10 @@ fn main_vec4(@builtin(global_invocation_id) gid: vec3<u32>) {
                 out.w &= 0xffffu;
             }
         }
-        let d = p.dst_word_offset / 4u + v;
+        var d = p.dst_word_offset / 4u + v;
+        if SCATTER {
+            d = rows[p.map_word + row] * row_vecs + c;
+        }
         if d < dst_len {
             dst4[d] = out;
         }

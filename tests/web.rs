@@ -128,6 +128,7 @@ browser_tests!(paged_bodies:
     paged_sources_of_another_device_are_refused,
     batched_appends_match_one_by_one,
     many_sequences_grow_the_page_table,
+    scattered_appends_take_every_source,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

@@ -6,6 +6,7 @@
 
 mod attn;
 mod decode;
+mod paged;
 mod plot;
 mod recorded;
 mod refs;
@@ -82,12 +83,12 @@ fn main() -> Result<()> {
             "--only" => {
                 only = Some(
                     args.next()
-                        .context("--only needs slab, decode or attention")?,
+                        .context("--only needs slab, decode, attention or paged")?,
                 )
             }
             "-h" | "--help" => {
                 println!(
-                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention]\n  \
+                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|paged]\n  \
                      adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME\n\
                      kvgpu-bench --plot-from JSON [--plot PATH]\n  \
                      redraws the plot from a recorded run (a JSON written by --json) without measuring"
@@ -123,20 +124,24 @@ fn main() -> Result<()> {
 
     let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if wanted("slab") {
-        eprintln!("[1/4] slab writes and references");
+        eprintln!("[1/5] slab writes and references");
         slab::run(&gpu, &timer, &cfg, &mut rows, &roof)?;
     }
     if wanted("decode") {
-        eprintln!("[2/4] decode append steps, peers, reset");
+        eprintln!("[2/5] decode append steps, peers, reset");
         decode::run(&gpu, &timer, &cfg, &mut rows, &mut steps)?;
     }
     if wanted("attention") {
-        eprintln!("[3/4] attention");
+        eprintln!("[3/5] attention");
         attn::run(&gpu, &timer, &cfg, &mut rows, &mut attention, &roof)?;
     }
     drop(roof);
+    if wanted("paged") {
+        eprintln!("[4/5] the paged pool: batched decode, scattered append step, fork");
+        paged::run(&gpu, &timer, &cfg, &mut rows)?;
+    }
 
-    eprintln!("[4/4] report");
+    eprintln!("[5/5] report");
     let title = format!("kvgpu on {} ({:?})", info.name, info.backend);
     plot::write(&plot_path, &title, &steps, &attention)?;
     let table = report::table(&rows);

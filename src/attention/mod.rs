@@ -74,7 +74,7 @@ use std::sync::Arc;
 
 use crate::cache::{AttentionKind, KvCache};
 use crate::error::{Error, Result};
-use crate::kernels::{GroupCache, Kernels, ParamRing};
+use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing};
 use crate::paged::PagedCache;
 use plan::DeviceFacts;
 pub use plan::KernelChoice;
@@ -162,6 +162,8 @@ pub struct Attention {
     queue: wgpu::Queue,
     kernels: Arc<Kernels>,
     ring: ParamRing,
+    /// The query tables of ragged batches.
+    uploads: UploadRing,
     scratch: Option<Scratch>,
     io_groups: GroupCache<IoKey>,
     out_groups: GroupCache<OutKey>,
@@ -203,6 +205,7 @@ impl Attention {
         Self {
             queue: kernels.queue().clone(),
             ring: ParamRing::new(&kernels),
+            uploads: UploadRing::new(kernels.device()),
             scratch: None,
             io_groups: GroupCache::new(GROUPS, PIN_BYTES),
             out_groups: GroupCache::new(GROUPS, PIN_BYTES),

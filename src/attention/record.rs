@@ -10,7 +10,6 @@ use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
 use crate::paged::PagedCache;
 use crate::seq::SeqId;
-use wgpu::util::DeviceExt;
 
 /// The checked views of one call; GQA's q_b is its q_a.
 struct Views {
@@ -119,16 +118,12 @@ impl Attention {
         let params = self.ring.push_all(&self.queue, &pairs);
         if table_bytes > 0 {
             // Copied inside the encoder, so calls recorded one after another each read their own.
-            let staging = self
-                .device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("kvgpu attention query table"),
-                    contents: bytemuck::cast_slice(&table_words),
-                    usage: wgpu::BufferUsages::COPY_SRC,
-                });
+            let table = self
+                .uploads
+                .push(&self.queue, bytemuck::cast_slice(&table_words));
             encoder.copy_buffer_to_buffer(
-                &staging,
-                0,
+                &table.buffer,
+                table.offset,
                 &scratch.stats,
                 dispatch.stats_bytes,
                 table_bytes,

@@ -86,7 +86,7 @@ impl KvCache {
         let groups = parts
             .iter()
             .zip(&jobs)
-            .map(|((slot, ..), job)| self.prepare_source(layer, *slot, &slabs[*slot], job))
+            .map(|((slot, ..), job)| self.prepare_source(layer, *slot, &slabs[*slot], job, None))
             .collect::<Result<Vec<_>>>()?;
         Ok(parts
             .into_iter()
@@ -123,7 +123,7 @@ impl KvCache {
     }
 
     /// What the source planner needs to know of the part of `slab` at `offset` shaped `shape`.
-    fn source_of<'a>(
+    pub(crate) fn source_of<'a>(
         &self,
         layer: usize,
         slot: usize,
@@ -144,7 +144,7 @@ impl KvCache {
     }
 
     /// The destination slot of `layer` and the device's binding rules, for the source planner.
-    fn destination(&self, layer: usize, slot: usize) -> Destination {
+    pub(crate) fn destination(&self, layer: usize, slot: usize) -> Destination {
         let sb = &self.slots[layer][slot];
         Destination {
             storage: self.spec.dtype(),
@@ -166,12 +166,13 @@ impl KvCache {
     /// Makes (or finds) the bind group a kernel job needs, and checks that the source belongs to this
     /// device: wgpu refuses a bind group or a copy naming a buffer of another device, and the check
     /// runs here, inside an error scope, so the caller's encoder never sees the refusal.
-    fn prepare_source(
+    pub(crate) fn prepare_source(
         &mut self,
         layer: usize,
         slot: usize,
         slab: &GpuSlab<'_>,
         job: &SourceJob,
+        map: Option<&wgpu::Buffer>,
     ) -> Result<Option<wgpu::BindGroup>> {
         let foreign = |reason: String| Error::ForeignDevice {
             layer,
@@ -205,36 +206,48 @@ impl KvCache {
                 bind_size,
                 ..
             } => {
-                let key = (slab.buffer.clone(), bind_offset, bind_size, layer, slot);
+                let map = map.unwrap_or(self.kernels.no_pages()).clone();
+                let key = (
+                    slab.buffer.clone(),
+                    bind_offset,
+                    bind_size,
+                    layer,
+                    slot,
+                    map.clone(),
+                );
                 let (device, kernels) = (&self.device, &self.kernels);
                 let dst = &self.slots[layer][slot].buffer;
-                let group = self
-                    .source_groups
-                    .get_or_try_insert(key, &[slab.buffer], || {
-                        let (group, error) = scoped(device, || {
-                            device.create_bind_group(&wgpu::BindGroupDescriptor {
-                                label: Some("kvgpu slab_write"),
-                                layout: kernels.write_layout(),
-                                entries: &[
-                                    wgpu::BindGroupEntry {
-                                        binding: 0,
-                                        resource: wgpu::BindingResource::Buffer(
-                                            wgpu::BufferBinding {
-                                                buffer: slab.buffer,
-                                                offset: bind_offset,
-                                                size: wgpu::BufferSize::new(bind_size),
-                                            },
-                                        ),
-                                    },
-                                    wgpu::BindGroupEntry {
-                                        binding: 1,
-                                        resource: dst.as_entire_binding(),
-                                    },
-                                ],
-                            })
-                        });
-                        error.map_or(Ok(group), |e| Err(foreign(e)))
-                    })?;
+                let group =
+                    self.source_groups
+                        .get_or_try_insert(key, &[slab.buffer, &map], || {
+                            let (group, error) = scoped(device, || {
+                                device.create_bind_group(&wgpu::BindGroupDescriptor {
+                                    label: Some("kvgpu slab_write"),
+                                    layout: kernels.write_layout(),
+                                    entries: &[
+                                        wgpu::BindGroupEntry {
+                                            binding: 0,
+                                            resource: wgpu::BindingResource::Buffer(
+                                                wgpu::BufferBinding {
+                                                    buffer: slab.buffer,
+                                                    offset: bind_offset,
+                                                    size: wgpu::BufferSize::new(bind_size),
+                                                },
+                                            ),
+                                        },
+                                        wgpu::BindGroupEntry {
+                                            binding: 1,
+                                            resource: dst.as_entire_binding(),
+                                        },
+                                        wgpu::BindGroupEntry {
+                                            binding: 2,
+                                            resource: map.as_entire_binding(),
+                                        },
+                                    ],
+                                })
+                            });
+                            error.map_or(Ok(group), |e| Err(foreign(e)))
+                        })?;
                 Ok(Some(group))
             }
         }
@@ -275,7 +288,7 @@ impl KvCache {
                 let (groups, stride) = grid(outputs, self.max_workgroups);
                 params.thread_stride = stride;
                 params.dst_word_offset = (dst_offset / 4) as u32;
-                let pipeline = self.kernels.write(slab.dtype, storage, vec4);
+                let pipeline = self.kernels.write(slab.dtype, storage, vec4, false);
                 let params = self.ring.push(&self.queue, &params);
                 let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
                     label: Some("kvgpu slab_write"),

@@ -3,6 +3,7 @@
 
 mod gpu_append;
 mod read;
+mod scatter;
 mod slabs;
 mod source;
 mod zero;
@@ -11,7 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::codec::{DType, HostData, encode_rows, padded_row_bytes, row_elems};
 use crate::error::{Error, Result};
-use crate::kernels::{GroupCache, Kernels, ParamRing};
+use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing};
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
@@ -30,7 +31,8 @@ struct SlotBuffer {
 const SOURCE_GROUPS: usize = 256;
 const SOURCE_PIN_BYTES: u64 = 32 << 20;
 
-type SourceKey = (wgpu::Buffer, u64, u64, usize, usize);
+/// A slab-write bind group: source buffer, binding offset and size, layer, slot, row map.
+type SourceKey = (wgpu::Buffer, u64, u64, usize, usize, wgpu::Buffer);
 
 /// The two ways attention reads a layer: GQA (scores from slot 0, values from slot 1) and MLA (scores
 /// from slots 0 and 1, values from slot 0).
@@ -71,6 +73,9 @@ pub struct KvCache {
     page_table: Option<wgpu::Buffer>,
     /// Reused conversion buffer for host appends.
     scratch: Vec<u8>,
+    /// Scattered appends' uploads, and the host bytes one is assembled in.
+    uploads: UploadRing,
+    upload_bytes: Vec<u8>,
     max_workgroups: u32,
     /// Most workgroups of one zeroing dispatch: the device's cap on GPUs, a few on CPU adapters, where
     /// every workgroup costs a fixed start-up and invocations loop instead.
@@ -158,6 +163,7 @@ impl KvCache {
                     .collect()
             })
             .collect();
+        let uploads = UploadRing::new(&device);
         let probe = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kvgpu source probe"),
             size: 4,
@@ -178,6 +184,8 @@ impl KvCache {
             copy_sources: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES),
             probe,
             scratch: Vec::new(),
+            uploads,
+            upload_bytes: Vec::new(),
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             zero_workgroups,
             min_storage_offset_alignment: limits.min_storage_buffer_offset_alignment as u64,

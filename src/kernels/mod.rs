@@ -4,6 +4,7 @@
 
 mod groups;
 mod params;
+mod upload;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -17,6 +18,7 @@ pub(crate) use groups::GroupCache;
 pub(crate) use params::{
     AttnParams, MAX_SOURCE_RANK, PARAMS_BINDING, ParamRing, WriteParams, ZeroParams,
 };
+pub(crate) use upload::UploadRing;
 
 pub(crate) mod wgsl {
     include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
@@ -149,8 +151,9 @@ pub struct Kernels {
     zero: wgpu::ComputePipeline,
     write_layout: wgpu::BindGroupLayout,
     write: Kernel,
-    /// Slab-write pipelines by (source type, storage type, 16-byte entry point), built on first use.
-    write_pipelines: Mutex<HashMap<(DType, DType, bool), wgpu::ComputePipeline>>,
+    /// Slab-write pipelines by (source type, storage type, 16-byte entry point, scatter), built on
+    /// first use.
+    write_pipelines: Mutex<HashMap<(DType, DType, bool, bool), wgpu::ComputePipeline>>,
     /// Attention group 0: the slots a, b and v of one layer, and a page table.
     attn_slots_layout: wgpu::BindGroupLayout,
     /// The page table a cache that is not paged binds (never read).
@@ -200,7 +203,7 @@ impl Kernels {
             &[&zero_layout, &params_layout],
         )
         .pipeline(device, "main", &[]);
-        let write_layout = storage_layout(device, "kvgpu slab_write", &[true, false]);
+        let write_layout = storage_layout(device, "kvgpu slab_write", &[true, false, true]);
         let write = Kernel::new(
             device,
             "kvgpu slab_write",
@@ -266,17 +269,24 @@ impl Kernels {
     }
 
     /// The slab-write pipeline converting `src` elements to `dst` storage; `vec4` picks the entry point
-    /// that moves whole 16-byte vectors.
-    pub(crate) fn write(&self, src: DType, dst: DType, vec4: bool) -> wgpu::ComputePipeline {
+    /// that moves whole 16-byte vectors, `scatter` the variant that finds destination rows in a map.
+    pub(crate) fn write(
+        &self,
+        src: DType,
+        dst: DType,
+        vec4: bool,
+        scatter: bool,
+    ) -> wgpu::ComputePipeline {
         let mut map = self
             .write_pipelines
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        map.entry((src, dst, vec4))
+        map.entry((src, dst, vec4, scatter))
             .or_insert_with(|| {
                 let constants = [
                     ("SRC_DTYPE", src.code() as f64),
                     ("DST_DTYPE", dst.code() as f64),
+                    ("SCATTER", f64::from(u8::from(scatter))),
                 ];
                 let entry = if vec4 { "main_vec4" } else { "main" };
                 self.write.pipeline(&self.device, entry, &constants)
@@ -532,6 +542,10 @@ mod tests {
                 ("dst_word_offset", at(&p.dst_word_offset)),
                 ("rank", at(&p.rank)),
                 ("thread_stride", at(&p.thread_stride)),
+                ("map_word", at(&p.map_word)),
+                ("_pad0", at(&p._pad[0])),
+                ("_pad1", at(&p._pad[1])),
+                ("_pad2", at(&p._pad[2])),
                 ("shape", at(p.shape.as_ptr())),
                 ("stride", at(p.stride.as_ptr())),
             ]

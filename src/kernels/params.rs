@@ -34,6 +34,8 @@ pub(crate) struct WriteParams {
     pub dst_word_offset: u32,
     pub rank: u32,
     pub thread_stride: u32,
+    pub map_word: u32,
+    pub _pad: [u32; 3],
     pub shape: [u32; MAX_SOURCE_RANK],
     pub stride: [u32; MAX_SOURCE_RANK],
 }

@@ -22,7 +22,7 @@ use crate::codec::decode_rows;
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
 use crate::ledger::slab_rows;
-use crate::placement::Paging;
+use crate::placement::{Paging, Run};
 use crate::seq::SeqId;
 use crate::spec::{CacheSpec, DeviceLimits};
 pub use ledger::PageLedger;
@@ -48,6 +48,21 @@ pub struct PagedCache {
     free_rows: Vec<usize>,
     /// Rows the table buffer holds.
     row_capacity: usize,
+}
+
+/// Runs of one append written one by one at most; more are scattered by one dispatch per slot.
+const DIRECT_RUNS: usize = 2;
+
+/// The pool row of each of a slab's `rows` rows, from the runs (`(first slab row, run)`) covering
+/// them. Pool rows fit a u32: the pool fits one binding.
+fn row_map(rows: usize, runs: &[(usize, Run)]) -> Vec<u32> {
+    let mut map = vec![0; rows];
+    for &(first, run) in runs {
+        for i in 0..run.n_rows {
+            map[first + i] = (run.first_row + i) as u32;
+        }
+    }
+    map
 }
 
 /// Table rows of a new pool; the table doubles when more sequences need one.
@@ -359,18 +374,38 @@ impl PagedCache {
         Ok(plans)
     }
 
-    /// Writes checked host slabs as `plans` say (each plan's private copies submitted first, so the
-    /// rows, written at the next submission, land after them) and commits the plans.
+    /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
+    /// come first. Rows in more than [`DIRECT_RUNS`] runs are uploaded once and scattered by one
+    /// dispatch per slot, submitted with the copies; fewer go straight into their pages with
+    /// `Queue::write_buffer` (landing at the next submission, after the copies).
     fn write_host(&mut self, layer: usize, slabs: &[HostSlab<'_>], plans: &[PagedPlan]) {
+        let runs: Vec<_> = plans
+            .iter()
+            .flat_map(|p| p.runs.iter().copied())
+            .filter(|(_, run)| run.n_rows > 0)
+            .collect();
+        let mut encoder = None;
         if plans.iter().any(|p| !p.copies.is_empty()) {
-            let mut encoder = self.encoder("kvgpu page copy");
+            let encoder = encoder.insert(self.encoder("kvgpu page copy"));
             for plan in plans {
-                self.record_copies(&mut encoder, &plan.copies);
+                self.record_copies(encoder, &plan.copies);
             }
+        }
+        let scattered = runs.len() > DIRECT_RUNS && {
+            let encoder = encoder.get_or_insert_with(|| self.encoder("kvgpu paged append"));
+            self.store.record_host_scatter(
+                encoder,
+                layer,
+                slabs,
+                &row_map(plans.iter().map(|p| p.n_new).sum(), &runs),
+            )
+        };
+        if let Some(encoder) = encoder {
             self.queue().submit([encoder.finish()]);
         }
-        let runs: Vec<_> = plans.iter().flat_map(|p| p.runs.iter().copied()).collect();
-        self.store.write_host_runs(layer, slabs, &runs);
+        if !scattered {
+            self.store.write_host_runs(layer, slabs, &runs);
+        }
         for plan in plans {
             self.commit(plan);
         }
@@ -432,7 +467,9 @@ impl PagedCache {
     }
 
     /// Checks GPU slabs of `rows` rows against `plans` (every source check first), records each
-    /// plan's private copies, then the moves, and commits the plans.
+    /// plan's private copies, then the moves, and commits the plans. Rows in more than
+    /// [`DIRECT_RUNS`] runs move by one scattered dispatch per slot when every source can be bound;
+    /// fewer, or sources that can only be copied, move run by run.
     fn record_gpu(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -441,12 +478,28 @@ impl PagedCache {
         rows: usize,
         plans: &[PagedPlan],
     ) -> Result<()> {
-        let runs: Vec<_> = plans.iter().flat_map(|p| p.runs.iter().copied()).collect();
-        let moves = self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?;
+        let runs: Vec<_> = plans
+            .iter()
+            .flat_map(|p| p.runs.iter().copied())
+            .filter(|(_, run)| run.n_rows > 0)
+            .collect();
+        let scatters = if runs.len() > DIRECT_RUNS {
+            self.store
+                .prepare_gpu_scatter(layer, slabs, &row_map(rows, &runs))?
+        } else {
+            None
+        };
+        let moves = match scatters {
+            Some(_) => Vec::new(),
+            None => self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?,
+        };
         for plan in plans {
             self.record_copies(encoder, &plan.copies);
         }
-        self.store.record_gpu_moves(encoder, layer, slabs, moves);
+        match scatters {
+            Some(scatters) => self.store.record_scatters(encoder, scatters),
+            None => self.store.record_gpu_moves(encoder, layer, slabs, moves),
+        }
         for plan in plans {
             self.commit(plan);
         }

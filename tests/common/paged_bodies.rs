@@ -1284,3 +1284,125 @@ pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
         "20 sequences of 3 rows in 2-row pages"
     );
 }
+
+/// A step of many sequences lands as one scattered dispatch per slot (more than two runs) from every
+/// kind of source: host rows of the storage type and of f32, GPU rows of the storage type (bound, or
+/// copy-only, which moves run by run instead) and converted f32 rows. Each sequence's rows, read
+/// through its page table, equal the values rounded to the storage type.
+pub async fn scattered_appends_take_every_source(g: &Gpu) {
+    // Even widths, so 16-bit rows of the storage type can also be plain copies.
+    let layers = vec![LayerSpec::kv(1, 2, 4), LayerSpec::mla(6, 2)];
+    for dtype in DType::ALL {
+        let spec = CacheSpec::new(layers.clone(), dtype, 24).unwrap();
+        let widths = widths_of(&spec);
+        let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 40).unwrap();
+        let seqs: Vec<SeqId> = (0..4).map(|_| c.add_sequence().unwrap()).collect();
+        let batch = [(seqs[0], 3), (seqs[1], 1), (seqs[2], 4), (seqs[3], 2)];
+        let total = 10;
+        // What each (sequence, layer, slot) should hold, as stored values.
+        let mut want: BTreeMap<(SeqId, usize, usize), Vec<f32>> = BTreeMap::new();
+        let kinds = [
+            "host storage",
+            "host f32",
+            "gpu storage",
+            "gpu copy-only",
+            "gpu f32",
+        ];
+        for (round, kind) in kinds.iter().enumerate() {
+            for (layer, widths) in widths.iter().enumerate() {
+                let shapes: Vec<Vec<usize>> = trailing_of(&spec, layer)
+                    .iter()
+                    .map(|t| [&[total][..], t].concat())
+                    .collect();
+                let data: Vec<Vec<f32>> = widths
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &w)| {
+                        values(
+                            1000 * round as u64 + 10 * layer as u64 + k as u64,
+                            total * w,
+                        )
+                    })
+                    .collect();
+                let bits: Vec<Vec<u32>> = data
+                    .iter()
+                    .map(|d| {
+                        d.iter()
+                            .map(|&x| reference::f32_to_bits(x, dtype))
+                            .collect()
+                    })
+                    .collect();
+                let as_f16: Vec<Vec<half::f16>> = bits
+                    .iter()
+                    .map(|b| b.iter().map(|&x| half::f16::from_bits(x as u16)).collect())
+                    .collect();
+                let as_bf16: Vec<Vec<half::bf16>> = bits
+                    .iter()
+                    .map(|b| b.iter().map(|&x| half::bf16::from_bits(x as u16)).collect())
+                    .collect();
+                let host = |k: usize| match (*kind, dtype) {
+                    ("host storage", DType::F16) => HostSlab::f16(&as_f16[k], &shapes[k]),
+                    ("host storage", DType::BF16) => HostSlab::bf16(&as_bf16[k], &shapes[k]),
+                    _ => HostSlab::f32(&data[k], &shapes[k]),
+                };
+                if kind.starts_with("host") {
+                    let slabs: Vec<HostSlab> = (0..2).map(host).collect();
+                    c.append_batch(layer, &batch, &slabs).unwrap();
+                } else {
+                    let (src_dtype, usage) = match *kind {
+                        "gpu storage" => (dtype, super::USAGE),
+                        "gpu copy-only" => (dtype, wgpu::BufferUsages::COPY_SRC),
+                        _ => (DType::F32, super::USAGE),
+                    };
+                    let mut bufs = Vec::new();
+                    for (k, &w) in widths.iter().enumerate() {
+                        let words = match src_dtype {
+                            DType::F32 => data[k].iter().map(|x| x.to_bits()).collect(),
+                            _ => reference::pack_rows(&bits[k], dtype, w),
+                        };
+                        bufs.push(buffer_with(&g.device, &words, usage).await);
+                    }
+                    let slabs: Vec<GpuSlab> = (0..2)
+                        .map(|k| GpuSlab {
+                            buffer: &bufs[k],
+                            dtype: src_dtype,
+                            offset: 0,
+                            shape: &shapes[k],
+                            strides: None,
+                        })
+                        .collect();
+                    c.append_gpu_batch(layer, &batch, &slabs).unwrap();
+                }
+                let mut first = 0;
+                for &(seq, n) in &batch {
+                    for (k, &w) in widths.iter().enumerate() {
+                        want.entry((seq, layer, k)).or_default().extend(
+                            data[k][first * w..(first + n) * w]
+                                .iter()
+                                .map(|&x| reference::round_trip(x, dtype)),
+                        );
+                    }
+                    first += n;
+                }
+            }
+            for &(seq, n) in &batch {
+                c.advance(seq, n).unwrap();
+            }
+            for ((seq, layer, slot), rows) in &want {
+                let got = c.read_f32_async(*seq, *layer, *slot).await.unwrap();
+                let same = got.len() == rows.len()
+                    && got
+                        .iter()
+                        .zip(rows)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype}, {kind}: {seq} layer {layer} slot {slot}");
+            }
+        }
+        let pages: usize = [15usize, 5, 20, 10].iter().map(|r| r.div_ceil(2)).sum();
+        assert_eq!(
+            c.pages_in_use(),
+            pages,
+            "{dtype}: five steps of 3, 1, 4, 2 rows"
+        );
+    }
+}

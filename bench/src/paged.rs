@@ -1,0 +1,388 @@
+//! The paged pool at serving scale, Llama-3-8B layer shapes in f16 (8 KV heads of 128, 16-row pages):
+//! - batched decode attention over 1 to 128 sequences of ragged lengths, one query each, in one
+//!   dispatch pair: KV bytes per second against the streaming-read roofline, and time against the
+//!   single-sequence kernel over a contiguous cache holding the same rows (the cost of paging);
+//! - a decode append step of 32 sequences into 32 layers, scattered into their pages (one upload and
+//!   one dispatch per layer and slot), against one `write_buffer` of the same bytes and against one
+//!   append per sequence;
+//! - fork (and removal) of a sequence across prefix lengths: pages are shared, nothing is copied.
+
+use anyhow::Result;
+use half::f16;
+use kvgpu::reference::Xorshift;
+use kvgpu::{
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, Kv, KvCache, LayerSpec,
+    PagedCache, Queries, SeqId,
+};
+
+use crate::Config;
+use crate::refs::{StreamRead, storage};
+use crate::report::{Goal, Row};
+use crate::timing::{Clock, Timer, interleaved};
+
+const PAGE: usize = 16;
+const HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const DIM: usize = 128;
+/// Elements of one row of one slot.
+const ROW: usize = KV_HEADS * DIM;
+/// The longest sequence of a batch of eight or more.
+const LONGEST: usize = 8192;
+
+fn values(n: usize, seed: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 2_654_435_761 + seed) >> 7) % 2001) as f32 * 1e-3 - 1.0)
+        .collect()
+}
+
+fn layer() -> LayerSpec {
+    LayerSpec::kv(KV_HEADS, DIM, DIM)
+}
+
+/// Ragged lengths: uniform in `[16, 2 · mean - 16]`, and one sequence of `LONGEST` rows in batches
+/// of eight or more.
+fn lengths(n: usize, mean: usize) -> Vec<usize> {
+    let mut rng = Xorshift::new(n as u64 * 7919 + mean as u64);
+    (0..n)
+        .map(|i| {
+            if i == 0 && n >= 8 {
+                LONGEST
+            } else {
+                16 + rng.below(2 * mean - 31)
+            }
+        })
+        .collect()
+}
+
+/// Appends `rows` rows of `layer` to `seq` in chunks (pages scattered by the pool), uncommitted.
+fn fill_layer(pool: &mut PagedCache, seq: SeqId, layer: usize, rows: usize) -> Result<()> {
+    let chunk = 1024;
+    let data = values(chunk * ROW, layer);
+    let mut done = 0;
+    while done < rows {
+        let n = chunk.min(rows - done);
+        let shape = [n, KV_HEADS, DIM];
+        let slab = HostSlab::f32(&data[..n * ROW], &shape);
+        pool.append(seq, layer, &[slab, slab])?;
+        done += n;
+    }
+    Ok(())
+}
+
+pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
+    batched_decode(gpu, timer, cfg, rows)?;
+    append_step(gpu, timer, cfg, rows)?;
+    fork_cost(gpu, cfg, rows)
+}
+
+fn batched_decode(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
+    // 128 sequences of mean 1k would need 256 MiB per slot, twice one storage binding: that batch
+    // is measured at a mean of 256.
+    let batches = [(1, 1024), (8, 1024), (32, 1024), (128, 256)];
+    let row_bytes = (2 * ROW * 2) as u64;
+    let most = batches
+        .iter()
+        .map(|&(n, mean)| lengths(n, mean).iter().sum::<usize>())
+        .max()
+        .unwrap_or(1);
+    let limit = gpu.device.limits().max_storage_buffer_binding_size;
+    let roof_cap = (most as u64 * row_bytes).min(limit);
+    let roof = StreamRead::new(&gpu.device, &gpu.queue, roof_cap);
+    let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(7));
+    let opts = AttentionOptions::default();
+    for (n, mean) in batches {
+        let lens = lengths(n, mean);
+        let total: usize = lens.iter().sum();
+        let pages: usize = lens.iter().map(|l| l.div_ceil(PAGE)).sum();
+        let spec = CacheSpec::new(vec![layer()], DType::F16, LONGEST.max(2 * mean))?;
+        let mut pool = PagedCache::new(&gpu.device, &gpu.queue, spec, PAGE, pages)?;
+        let mut seqs = Vec::with_capacity(n);
+        for &len in &lens {
+            let s = pool.add_sequence()?;
+            fill_layer(&mut pool, s, 0, len)?;
+            pool.advance(s, len)?;
+            seqs.push(s);
+        }
+        let contiguous_spec = CacheSpec::new(vec![layer()], DType::F16, total)?;
+        let mut cache = KvCache::with_kernels(pool.kernels().clone(), contiguous_spec)?;
+        let data = values(1024 * ROW, 1);
+        let mut done = 0;
+        while done < total {
+            let k = 1024.min(total - done);
+            let shape = [k, KV_HEADS, DIM];
+            let slab = HostSlab::f32(&data[..k * ROW], &shape);
+            cache.append(0, &[slab, slab])?;
+            cache.advance(k)?;
+            done += k;
+        }
+        let q = storage(&gpu.device, (n * HEADS * DIM * 4) as u64, "bench q");
+        let out = storage(&gpu.device, (n * HEADS * DIM * 4) as u64, "bench out");
+        gpu.queue
+            .write_buffer(&q, 0, bytemuck::cast_slice(&values(n * HEADS * DIM, 11)));
+        let batch: Vec<(SeqId, usize)> = seqs.iter().map(|&s| (s, 1)).collect();
+        let mut attn = Attention::with_kernels(pool.kernels().clone());
+        let attn = std::cell::RefCell::new(&mut attn);
+        let mut k_batch = || -> Result<f64> {
+            let mut res = Ok(());
+            let t = timer.gpu(|enc| {
+                res = attn.borrow_mut().record_gqa(
+                    enc,
+                    Kv::Batch(&pool, &batch),
+                    0,
+                    Queries::new(&q, n, HEADS, DIM),
+                    &out,
+                    &opts,
+                )
+            })?;
+            res.map(|_| t).map_err(Into::into)
+        };
+        let mut k_contiguous = || -> Result<f64> {
+            let mut res = Ok(());
+            let t = timer.gpu(|enc| {
+                res = attn.borrow_mut().record_gqa(
+                    enc,
+                    &cache,
+                    0,
+                    Queries::new(&q, 1, HEADS, DIM),
+                    &out,
+                    &opts,
+                )
+            })?;
+            res.map(|_| t).map_err(Into::into)
+        };
+        let [tb, tc] = interleaved(warm, reps, [&mut k_batch, &mut k_contiguous])?;
+        let bytes = total as u64 * row_bytes;
+        // The roofline over at most one binding's bytes, scaled to the batch's.
+        let read = bytes.min(roof_cap);
+        let tr = roof.time(timer, read, warm, reps)? * bytes as f64 / read as f64;
+        let (lo, hi) = (
+            lens.iter().min().copied().unwrap_or(0),
+            lens.iter().max().copied().unwrap_or(0),
+        );
+        let what = format!(
+            "batched decode GQA f16, {n} sequences, {total} rows (lengths {lo}-{hi}, mean {})",
+            total / n
+        );
+        rows.push(
+            Row::new(
+                format!("{what}: KV bandwidth"),
+                bytes as f64 / tb / 1e9,
+                "GB/s",
+                timer.clock(),
+            )
+            .ratio(
+                tr / tb,
+                format!(
+                    "stream_read of the same bytes ({:.2} GB/s)",
+                    bytes as f64 / tr / 1e9
+                ),
+                Goal::Info,
+            ),
+        );
+        rows.push(
+            Row::new(format!("{what}: time"), tb * 1e6, "us", timer.clock()).ratio(
+                tb / tc,
+                format!(
+                    "one query over a contiguous cache of the same rows ({:.1} us)",
+                    tc * 1e6
+                ),
+                Goal::AtMost(1.1),
+            ),
+        );
+        eprintln!(
+            "  {n} sequences, {total} rows: batch {:.1} us, contiguous {:.1} us, roofline {:.1} us",
+            tb * 1e6,
+            tc * 1e6,
+            tr * 1e6
+        );
+    }
+    Ok(())
+}
+
+fn append_step(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
+    const LAYERS: usize = 32;
+    const SEQS: usize = 32;
+    const LEN: usize = 100;
+    let spec = CacheSpec::new(vec![layer(); LAYERS], DType::F16, 2 * LEN)?;
+    // Every sequence's rows so far, and a page for the row of the step.
+    let mut pool = PagedCache::new(&gpu.device, &gpu.queue, spec, PAGE, SEQS * (LEN / PAGE + 1))?;
+    let mut seqs = Vec::with_capacity(SEQS);
+    for _ in 0..SEQS {
+        let s = pool.add_sequence()?;
+        for layer in 0..LAYERS {
+            fill_layer(&mut pool, s, layer, LEN)?;
+        }
+        pool.advance(s, LEN)?;
+        seqs.push(s);
+    }
+    let k: Vec<f16> = values(SEQS * ROW, 3)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let v: Vec<f16> = values(SEQS * ROW, 5)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let batch: Vec<(SeqId, usize)> = seqs.iter().map(|&s| (s, 1)).collect();
+    let step_bytes = (LAYERS * 2 * SEQS * ROW * 2) as u64;
+    let raw = storage(&gpu.device, step_bytes, "bench raw step");
+    let mut all: Vec<f16> = Vec::with_capacity(LAYERS * 2 * SEQS * ROW);
+    for _ in 0..LAYERS {
+        all.extend_from_slice(&k);
+        all.extend_from_slice(&v);
+    }
+    let pool = std::cell::RefCell::new(pool);
+    // Each step starts from the same lengths: the rollback is not timed.
+    let rollback = |pool: &mut PagedCache| -> Result<()> {
+        for &s in &seqs {
+            pool.truncate(s, LEN)?;
+        }
+        Ok(())
+    };
+    let mut scattered = || -> Result<f64> {
+        let pool = &mut *pool.borrow_mut();
+        rollback(pool)?;
+        timer.host(|| {
+            let shape = [SEQS, KV_HEADS, DIM];
+            for layer in 0..LAYERS {
+                pool.append_batch(
+                    layer,
+                    &batch,
+                    &[HostSlab::f16(&k, &shape), HostSlab::f16(&v, &shape)],
+                )?;
+            }
+            for &s in &seqs {
+                pool.advance(s, 1)?;
+            }
+            Ok(())
+        })
+    };
+    let mut each = || -> Result<f64> {
+        let pool = &mut *pool.borrow_mut();
+        rollback(pool)?;
+        timer.host(|| {
+            let shape = [1, KV_HEADS, DIM];
+            for layer in 0..LAYERS {
+                for (i, &s) in seqs.iter().enumerate() {
+                    let (ki, vi) = (&k[i * ROW..(i + 1) * ROW], &v[i * ROW..(i + 1) * ROW]);
+                    pool.append(
+                        s,
+                        layer,
+                        &[HostSlab::f16(ki, &shape), HostSlab::f16(vi, &shape)],
+                    )?;
+                }
+            }
+            for &s in &seqs {
+                pool.advance(s, 1)?;
+            }
+            Ok(())
+        })
+    };
+    let mut one_write = || -> Result<f64> {
+        timer.host(|| {
+            gpu.queue.write_buffer(&raw, 0, bytemuck::cast_slice(&all));
+            Ok(())
+        })
+    };
+    let reps = cfg.step_reps.min(40);
+    let [ts, te, tw] = interleaved(cfg.warm, reps, [&mut scattered, &mut each, &mut one_write])?;
+    let what = format!("paged append step, {SEQS} sequences x 1 row, {LAYERS} layers, f16");
+    rows.push(
+        Row::new(
+            format!("{what}, append_batch"),
+            ts * 1e6,
+            "us",
+            Clock::HostWall,
+        )
+        .ratio(
+            ts / tw,
+            format!(
+                "one write_buffer of the same {step_bytes} bytes ({:.1} us)",
+                tw * 1e6
+            ),
+            Goal::Info,
+        ),
+    );
+    rows.push(
+        Row::new(
+            format!("{what}, append_batch"),
+            ts * 1e6,
+            "us",
+            Clock::HostWall,
+        )
+        .ratio(
+            ts / te,
+            format!("one append per sequence and layer ({:.1} us)", te * 1e6),
+            Goal::Info,
+        ),
+    );
+    eprintln!(
+        "  append step: batch {:.1} us, one per sequence {:.1} us, one write_buffer {:.1} us",
+        ts * 1e6,
+        te * 1e6,
+        tw * 1e6
+    );
+    Ok(())
+}
+
+fn fork_cost(gpu: &Gpu, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
+    let prefixes = [512, 4096, 16384];
+    let longest = prefixes[prefixes.len() - 1];
+    let spec = CacheSpec::new(vec![layer()], DType::F16, longest + PAGE)?;
+    let mut pool = PagedCache::new(
+        &gpu.device,
+        &gpu.queue,
+        spec,
+        PAGE,
+        longest / PAGE + prefixes.len() + 1,
+    )?;
+    let parent = pool.add_sequence()?;
+    fill_layer(&mut pool, parent, 0, longest)?;
+    pool.advance(parent, longest)?;
+    let reps = cfg.step_reps * 5;
+    let pool = std::cell::RefCell::new(pool);
+    let mut times = Vec::new();
+    for &at in &prefixes {
+        let mut fork = || -> Result<f64> {
+            let pool = &mut *pool.borrow_mut();
+            let t = std::time::Instant::now();
+            let child = pool.fork(parent, at)?;
+            pool.remove(child)?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let [t] = interleaved(cfg.warm, reps, [&mut fork])?;
+        times.push(t);
+    }
+    for (&at, &t) in prefixes.iter().zip(&times) {
+        rows.push(
+            Row::new(
+                format!(
+                    "fork + remove of a {at}-row prefix ({} pages), GQA f16",
+                    at / PAGE
+                ),
+                t * 1e6,
+                "us",
+                Clock::Cpu,
+            )
+            .ratio(
+                t / times[0],
+                format!(
+                    "the same at {} rows ({:.2} us)",
+                    prefixes[0],
+                    times[0] * 1e6
+                ),
+                Goal::Info,
+            ),
+        );
+    }
+    eprintln!(
+        "  fork + remove: {}",
+        prefixes
+            .iter()
+            .zip(&times)
+            .map(|(a, t)| format!("{a} rows {:.2} us", t * 1e6))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}

@@ -1,0 +1,188 @@
+//! Scattered appends: row `r` of a slab lands in row `map[r]` of its slot (a paged pool's page rows),
+//! by one slab-write dispatch per slot however many runs the rows make. The map, and host rows, are
+//! uploaded in one write per call.
+
+use super::source::{self, Source, SourceJob};
+use super::{GpuSlab, HostSlab, KvCache};
+use crate::codec::{DType, HostData, encode_rows};
+use crate::error::Result;
+use crate::kernels::{WriteParams, grid};
+
+/// One slot's checked and bound scattered move.
+pub(crate) struct Scatter {
+    src_dtype: DType,
+    params: WriteParams,
+    vec4: bool,
+    group: wgpu::BindGroup,
+}
+
+impl KvCache {
+    /// Checks GPU slabs of `map.len()` rows (shapes already checked against the layer's slots) for a
+    /// scattered move and binds them; records nothing. `None` when a source can only be copied (it
+    /// is not bound as storage, or too large to bind): its rows then move run by run.
+    pub(crate) fn prepare_gpu_scatter(
+        &mut self,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+        map: &[u32],
+    ) -> Result<Option<Vec<Scatter>>> {
+        let n_new = map.len();
+        let mut jobs = Vec::with_capacity(slabs.len());
+        for (slot, slab) in slabs.iter().enumerate() {
+            let src = self.source_of(layer, slot, slab, slab.offset, slab.shape);
+            let dst = self.destination(layer, slot);
+            let mut job = source::plan_source(layer, slot, &src, &dst, n_new)?;
+            if let SourceJob::Copy { .. } = job {
+                // A copy cannot scatter; the kernel moves the same bits when it may bind the source.
+                let bound = Source {
+                    usage: src.usage - wgpu::BufferUsages::COPY_SRC,
+                    ..src
+                };
+                match source::plan_source(layer, slot, &bound, &dst, n_new) {
+                    Ok(kernel @ SourceJob::Kernel { .. }) => job = kernel,
+                    _ => return Ok(None),
+                }
+            }
+            jobs.push(job);
+        }
+        let upload = self.uploads.push(&self.queue, bytemuck::cast_slice(map));
+        let mut scatters = Vec::with_capacity(jobs.len());
+        for (slot, job) in jobs.into_iter().enumerate() {
+            let group =
+                self.prepare_source(layer, slot, &slabs[slot], &job, Some(&upload.buffer))?;
+            if let (SourceJob::Kernel { params, vec4, .. }, Some(group)) = (job, group) {
+                scatters.push(Scatter {
+                    src_dtype: slabs[slot].dtype,
+                    params: WriteParams {
+                        map_word: (upload.offset / 4) as u32,
+                        ..params
+                    },
+                    vec4,
+                    group,
+                });
+            }
+        }
+        Ok(Some(scatters))
+    }
+
+    /// Uploads checked host slabs of `map.len()` rows and their map in one write, and records one
+    /// scattered dispatch per slot. `false`, with nothing done, when the upload would not fit one
+    /// storage binding.
+    pub(crate) fn record_host_scatter(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slabs: &[HostSlab<'_>],
+        map: &[u32],
+    ) -> bool {
+        let storage = self.spec.dtype();
+        // The map, then each slot's rows as stored, every part on a 16-byte boundary.
+        let mut bytes = std::mem::take(&mut self.upload_bytes);
+        bytes.clear();
+        bytes.extend_from_slice(bytemuck::cast_slice(map));
+        let mut starts = Vec::with_capacity(slabs.len());
+        for (slot, slab) in slabs.iter().enumerate() {
+            bytes.resize(bytes.len().next_multiple_of(16), 0);
+            starts.push(bytes.len() as u64);
+            let row_elems = self.slots[layer][slot].row_elems;
+            let unpadded = (row_elems * storage.size()).is_multiple_of(4);
+            match slab.data {
+                HostData::F32(d) if storage == DType::F32 => {
+                    bytes.extend_from_slice(bytemuck::cast_slice(d))
+                }
+                HostData::F16(d) if unpadded => bytes.extend_from_slice(bytemuck::cast_slice(d)),
+                HostData::BF16(d) if unpadded => bytes.extend_from_slice(bytemuck::cast_slice(d)),
+                data => {
+                    encode_rows(data, storage, row_elems, &mut self.scratch);
+                    bytes.extend_from_slice(&self.scratch);
+                }
+            }
+        }
+        bytes.resize(bytes.len().next_multiple_of(16), 0);
+        if bytes.len() as u64 > self.max_binding {
+            self.upload_bytes = bytes;
+            return false;
+        }
+        let upload = self.uploads.push(&self.queue, &bytes);
+        self.upload_bytes = bytes;
+        let esize = storage.size() as u64;
+        let size = upload.buffer.size();
+        for (slot, start) in starts.into_iter().enumerate() {
+            let sb = &self.slots[layer][slot];
+            let row_words = sb.placement.row_bytes / 4;
+            let mut params = WriteParams {
+                src_offset: ((upload.offset + start) / esize) as u32,
+                seq_stride: (sb.placement.row_bytes / esize) as u32,
+                n_rows: map.len() as u32,
+                row_elems: sb.row_elems as u32,
+                row_words: row_words as u32,
+                rank: 1,
+                map_word: (upload.offset / 4) as u32,
+                ..Default::default()
+            };
+            params.shape[0] = sb.row_elems as u32;
+            params.stride[0] = 1;
+            let job = SourceJob::Kernel {
+                params,
+                bind_offset: 0,
+                bind_size: size,
+                vec4: storage == DType::F32 && row_words.is_multiple_of(4),
+            };
+            let slab = GpuSlab {
+                buffer: &upload.buffer,
+                dtype: storage,
+                offset: 0,
+                shape: &[],
+                strides: None,
+            };
+            // The upload buffer is this device's own (and known as such in the browser): binding it
+            // cannot fail.
+            if let Ok(Some(group)) =
+                self.prepare_source(layer, slot, &slab, &job, Some(&upload.buffer))
+                && let SourceJob::Kernel { vec4, .. } = job
+            {
+                let scatter = Scatter {
+                    src_dtype: storage,
+                    params,
+                    vec4,
+                    group,
+                };
+                self.record_scatter(encoder, scatter);
+            }
+        }
+        true
+    }
+
+    /// Records scattered moves [`KvCache::prepare_gpu_scatter`] made.
+    pub(crate) fn record_scatters(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        scatters: Vec<Scatter>,
+    ) {
+        for scatter in scatters {
+            self.record_scatter(encoder, scatter);
+        }
+    }
+
+    fn record_scatter(&mut self, encoder: &mut wgpu::CommandEncoder, s: Scatter) {
+        let words = s.params.n_rows as u64 * s.params.row_words as u64;
+        let outputs = if s.vec4 { words / 4 } else { words };
+        let (groups, thread_stride) = grid(outputs, self.max_workgroups);
+        let params = WriteParams {
+            thread_stride,
+            ..s.params
+        };
+        let pipeline = self
+            .kernels
+            .write(s.src_dtype, self.spec.dtype(), s.vec4, true);
+        let params = self.ring.push(&self.queue, &params);
+        let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("kvgpu scatter"),
+            timestamp_writes: None,
+        });
+        pass.set_pipeline(&pipeline);
+        pass.set_bind_group(0, &s.group, &[]);
+        pass.set_bind_group(1, &params.group, &[params.offset]);
+        pass.dispatch_workgroups(groups, 1, 1);
+    }
+}
