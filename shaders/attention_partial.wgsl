@@ -317,11 +317,13 @@ fn in_bounds() -> bool {
 
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    // Grid (chunks, queries, teams): teams vary slowest, so an adapter that splits the grid into
+    // contiguous blocks per core gives each core whole teams, every query's rows, however ragged.
     let chunk = wg.x;
-    let kv = wg.y / max(p.n_batches, 1u);
-    let batch = wg.y % max(p.n_batches, 1u);
+    let kv = wg.z / max(p.n_batches, 1u);
+    let batch = wg.z % max(p.n_batches, 1u);
     // The query (of all n_q) and its place among this pair's partial results.
-    let local = wg.z;
+    let local = wg.y;
     let qi = p.q_first + local;
     if chunk >= p.n_chunks || kv >= p.n_kv || batch * HB >= p.group || local >= p.q_count || !in_bounds() {
         return;

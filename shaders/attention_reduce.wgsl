@@ -1,5 +1,7 @@
 // Attention, pass 2 of 2: merges the per-chunk partials of attention_partial.wgsl into the output.
-// One workgroup per (head, query); chunks that saw no row of the query (sum 0) are skipped.
+// Workgroups per query: one per head on GPUs; on CPU adapters a few, each merging every few heads
+// (head h by workgroup h mod the grid's width), so that per-workgroup costs stay small. Chunks that
+// saw no row of the query (sum 0) are skipped.
 
 // The lowest finite f32, as in attention_partial.wgsl.
 const NEG: f32 = -3.4028234e38;
@@ -11,41 +13,46 @@ const NEG: f32 = -3.4028234e38;
 @group(1) @binding(0) var<uniform> p: AttnParams;
 
 @compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let h = wg.x;
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) grid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
     // The query among this pair's partial results, and among all n_q.
     let local = wg.y;
     let qi = p.q_first + local;
     let rows = p.q_count * p.n_heads;
-    if h >= p.n_heads || local >= p.q_count || p.q_first >= p.n_q || p.q_count > p.n_q - p.q_first
+    if local >= p.q_count || p.q_first >= p.n_q || p.q_count > p.n_q - p.q_first
         || !view_fits(p.view_out, p.n_q, p.n_heads, p.d_v, arrayLength(&out))
         || p.n_chunks * rows * 2u > arrayLength(&stats) || p.n_chunks * rows * p.d_v > arrayLength(&part) {
         return;
     }
-    var m = NEG;
-    for (var c = 0u; c < p.n_chunks; c++) {
-        let s = (c * p.q_count + local) * p.n_heads + h;
-        if stats[2u * s + 1u] > 0.0 {
-            m = max(m, stats[2u * s]);
-        }
-    }
-    var l = 0.0;
-    for (var c = 0u; c < p.n_chunks; c++) {
-        let s = (c * p.q_count + local) * p.n_heads + h;
-        let sum = stats[2u * s + 1u];
-        if sum > 0.0 {
-            l += sum * exp(stats[2u * s] - m);
-        }
-    }
-    let inv = select(0.0, 1.0 / l, l > 0.0);
-    for (var d = lid; d < p.d_v; d += 64u) {
-        var o = 0.0;
+    for (var h = wg.x; h < p.n_heads; h += grid.x) {
+        var m = NEG;
         for (var c = 0u; c < p.n_chunks; c++) {
             let s = (c * p.q_count + local) * p.n_heads + h;
             if stats[2u * s + 1u] > 0.0 {
-                o += part[s * p.d_v + d] * exp(stats[2u * s] - m);
+                m = max(m, stats[2u * s]);
             }
         }
-        out[view_at(p.view_out, qi, h, d)] = o * inv;
+        var l = 0.0;
+        for (var c = 0u; c < p.n_chunks; c++) {
+            let s = (c * p.q_count + local) * p.n_heads + h;
+            let sum = stats[2u * s + 1u];
+            if sum > 0.0 {
+                l += sum * exp(stats[2u * s] - m);
+            }
+        }
+        let inv = select(0.0, 1.0 / l, l > 0.0);
+        for (var d = lid; d < p.d_v; d += 64u) {
+            var o = 0.0;
+            for (var c = 0u; c < p.n_chunks; c++) {
+                let s = (c * p.q_count + local) * p.n_heads + h;
+                if stats[2u * s + 1u] > 0.0 {
+                    o += part[s * p.d_v + d] * exp(stats[2u * s] - m);
+                }
+            }
+            out[view_at(p.view_out, qi, h, d)] = o * inv;
+        }
     }
 }

@@ -200,9 +200,10 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
 }
 
-// The 16-byte path, chosen by the host for an f32 source whose rows are contiguous runs starting on
-// 16-byte boundaries, written to rows of whole 16-byte vectors: one invocation stores one vector of the
-// destination (4 f32 or 8 packed 16-bit elements) from one or two vectors of the source.
+// The 16-byte path, chosen by the host for an f32 source (or a 16-bit source of the storage type)
+// whose rows are contiguous runs starting on 16-byte boundaries, written to rows of whole 16-byte
+// vectors: one invocation stores one vector of the destination (4 f32 or 8 packed 16-bit elements)
+// from one or two vectors of the source.
 @compute @workgroup_size(256)
 fn main_vec4(@builtin(global_invocation_id) gid: vec3<u32>) {
     let row_vecs = p.row_words / 4u;
@@ -213,7 +214,13 @@ fn main_vec4(@builtin(global_invocation_id) gid: vec3<u32>) {
         let c = v - row * row_vecs;
         let base = (p.src_offset + row * p.seq_stride) / 4u;
         var out: vec4<u32>;
-        if DST_DTYPE == F32 {
+        if SRC_DTYPE != F32 {
+            // 16-bit elements of the storage type, 8 per vector, moved as they are.
+            out = src4[(p.src_offset + row * p.seq_stride) / 8u + c];
+            if 8u * c + 8u > p.row_elems {
+                out.w &= 0xffffu;
+            }
+        } else if DST_DTYPE == F32 {
             out = src4[base + c];
         } else {
             let a = src4[base + 2u * c];

@@ -102,10 +102,10 @@ pub enum Error {
 
     /// A paged pool's page table cannot hold another sequence within one storage binding.
     #[error(
-        "the pool holds {live} sequences, the most its page table can hold in one storage binding \
-         ({most}); remove one first"
+        "the pool holds {most} sequences, the most its page table can hold in one storage binding; \
+         remove one first"
     )]
-    TooManySequences { live: usize, most: usize },
+    TooManySequences { most: usize },
 
     /// A paged pool has fewer free pages than an operation needs (new pages, and private copies of
     /// shared pages it would write into).

@@ -100,7 +100,7 @@ pub use error::{
 };
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger, SeqId};
-pub use paged::{PageLedger, PagedCache};
+pub use paged::{PageLedger, PagedCache, ScatterChoice};
 pub use placement::Run;
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
 pub use verify::verify_buffer;

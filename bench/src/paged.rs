@@ -11,8 +11,8 @@ use anyhow::Result;
 use half::f16;
 use kvgpu::reference::Xorshift;
 use kvgpu::{
-    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, Kv, KvCache, LayerSpec,
-    PagedCache, Queries, SeqId,
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, GpuSlab, HostSlab, Kv, KvCache, LayerSpec,
+    PagedCache, Queries, ScatterChoice, SeqId,
 };
 
 use crate::Config;
@@ -69,10 +69,20 @@ fn fill_layer(pool: &mut PagedCache, seq: SeqId, layer: usize, rows: usize) -> R
     Ok(())
 }
 
+/// `KVGPU_BENCH_PAGED=decode,append,fork` picks parts (default: all).
 pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
-    batched_decode(gpu, timer, cfg, rows)?;
-    append_step(gpu, timer, cfg, rows)?;
-    fork_cost(gpu, cfg, rows)
+    let parts = std::env::var("KVGPU_BENCH_PAGED").unwrap_or_else(|_| "decode,append,fork".into());
+    let wanted = |p: &str| parts.split(',').any(|x| x == p);
+    if wanted("decode") {
+        batched_decode(gpu, timer, cfg, rows)?;
+    }
+    if wanted("append") {
+        append_step(gpu, timer, cfg, rows)?;
+    }
+    if wanted("fork") {
+        fork_cost(gpu, cfg, rows)?;
+    }
+    Ok(())
 }
 
 fn batched_decode(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
@@ -225,56 +235,74 @@ fn append_step(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> R
         .collect();
     let batch: Vec<(SeqId, usize)> = seqs.iter().map(|&s| (s, 1)).collect();
     let step_bytes = (LAYERS * 2 * SEQS * ROW * 2) as u64;
+    // The references: the step's bytes in one write_buffer, and one append per sequence and layer.
     let raw = storage(&gpu.device, step_bytes, "bench raw step");
     let mut all: Vec<f16> = Vec::with_capacity(LAYERS * 2 * SEQS * ROW);
     for _ in 0..LAYERS {
         all.extend_from_slice(&k);
         all.extend_from_slice(&v);
     }
+    // The same rows in a GPU buffer of the storage type (a model's K and V output).
+    let kv_gpu = storage(
+        &gpu.device,
+        2 * (SEQS * ROW * 2) as u64,
+        "bench step K and V",
+    );
+    gpu.queue.write_buffer(&kv_gpu, 0, bytemuck::cast_slice(&k));
+    gpu.queue
+        .write_buffer(&kv_gpu, (SEQS * ROW * 2) as u64, bytemuck::cast_slice(&v));
+    pollster::block_on(kvgpu::verify_buffer(&gpu.device, &kv_gpu))?;
+    let v_offset = (SEQS * ROW) as u64;
     let pool = std::cell::RefCell::new(pool);
-    // Each step starts from the same lengths: the rollback is not timed.
-    let rollback = |pool: &mut PagedCache| -> Result<()> {
+    // One step, from the host or recorded from the GPU buffer; batched, or one call per sequence.
+    // Each starts from the same lengths: the rollback is not timed.
+    let step = |choice: ScatterChoice, from_gpu: bool, batched: bool| -> Result<f64> {
+        let pool = &mut *pool.borrow_mut();
         for &s in &seqs {
             pool.truncate(s, LEN)?;
         }
-        Ok(())
-    };
-    let mut scattered = || -> Result<f64> {
-        let pool = &mut *pool.borrow_mut();
-        rollback(pool)?;
+        pool.set_scatter(choice);
         timer.host(|| {
-            let shape = [SEQS, KV_HEADS, DIM];
+            let mut enc = gpu
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            let parts: Vec<(usize, &[(SeqId, usize)])> = if batched {
+                vec![(0, &batch[..])]
+            } else {
+                (0..SEQS).map(|i| (i, &batch[i..i + 1])).collect()
+            };
             for layer in 0..LAYERS {
-                pool.append_batch(
-                    layer,
-                    &batch,
-                    &[HostSlab::f16(&k, &shape), HostSlab::f16(&v, &shape)],
-                )?;
-            }
-            for &s in &seqs {
-                pool.advance(s, 1)?;
-            }
-            Ok(())
-        })
-    };
-    let mut each = || -> Result<f64> {
-        let pool = &mut *pool.borrow_mut();
-        rollback(pool)?;
-        timer.host(|| {
-            let shape = [1, KV_HEADS, DIM];
-            for layer in 0..LAYERS {
-                for (i, &s) in seqs.iter().enumerate() {
-                    let (ki, vi) = (&k[i * ROW..(i + 1) * ROW], &v[i * ROW..(i + 1) * ROW]);
-                    pool.append(
-                        s,
-                        layer,
-                        &[HostSlab::f16(ki, &shape), HostSlab::f16(vi, &shape)],
-                    )?;
+                for &(first, part) in &parts {
+                    let shape = [part.len(), KV_HEADS, DIM];
+                    let at = first * ROW;
+                    if from_gpu {
+                        let slab = |offset: u64| GpuSlab {
+                            buffer: &kv_gpu,
+                            dtype: DType::F16,
+                            offset: offset + at as u64,
+                            shape: &shape,
+                            strides: None,
+                        };
+                        pool.record_append_gpu_batch(
+                            &mut enc,
+                            layer,
+                            part,
+                            &[slab(0), slab(v_offset)],
+                        )?;
+                    } else {
+                        let n = part.len() * ROW;
+                        let slabs = [
+                            HostSlab::f16(&k[at..at + n], &shape),
+                            HostSlab::f16(&v[at..at + n], &shape),
+                        ];
+                        pool.append_batch(layer, part, &slabs)?;
+                    }
                 }
             }
             for &s in &seqs {
                 pool.advance(s, 1)?;
             }
+            gpu.queue.submit([enc.finish()]);
             Ok(())
         })
     };
@@ -284,44 +312,58 @@ fn append_step(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> R
             Ok(())
         })
     };
-    let reps = cfg.step_reps.min(40);
-    let [ts, te, tw] = interleaved(cfg.warm, reps, [&mut scattered, &mut each, &mut one_write])?;
+    let reps = cfg.step_reps.min(30);
     let what = format!("paged append step, {SEQS} sequences x 1 row, {LAYERS} layers, f16");
-    rows.push(
-        Row::new(
-            format!("{what}, append_batch"),
-            ts * 1e6,
-            "us",
-            Clock::HostWall,
-        )
-        .ratio(
-            ts / tw,
-            format!(
-                "one write_buffer of the same {step_bytes} bytes ({:.1} us)",
-                tw * 1e6
+    for (from_gpu, source) in [(false, "host rows"), (true, "rows of an f16 GPU buffer")] {
+        let [auto, always, each, tw] = interleaved(
+            cfg.warm,
+            reps,
+            [
+                &mut || step(ScatterChoice::Auto, from_gpu, true),
+                &mut || step(ScatterChoice::Always, from_gpu, true),
+                &mut || step(ScatterChoice::Never, from_gpu, false),
+                &mut one_write,
+            ],
+        )?;
+        for (choice, t) in [("Auto", auto), ("Always (scattered)", always)] {
+            rows.push(
+                Row::new(
+                    format!("{what}, {source}, one batch per layer, scatter {choice}"),
+                    t * 1e6,
+                    "us",
+                    Clock::HostWall,
+                )
+                .ratio(
+                    t / tw,
+                    format!(
+                        "one write_buffer of the same {step_bytes} bytes ({:.1} us)",
+                        tw * 1e6
+                    ),
+                    Goal::Info,
+                ),
+            );
+        }
+        rows.push(
+            Row::new(
+                format!("{what}, {source}, one batch per layer, scatter Auto"),
+                auto * 1e6,
+                "us",
+                Clock::HostWall,
+            )
+            .ratio(
+                auto / each,
+                format!("one append per sequence and layer ({:.1} us)", each * 1e6),
+                Goal::AtMost(1.0),
             ),
-            Goal::Info,
-        ),
-    );
-    rows.push(
-        Row::new(
-            format!("{what}, append_batch"),
-            ts * 1e6,
-            "us",
-            Clock::HostWall,
-        )
-        .ratio(
-            ts / te,
-            format!("one append per sequence and layer ({:.1} us)", te * 1e6),
-            Goal::Info,
-        ),
-    );
-    eprintln!(
-        "  append step: batch {:.1} us, one per sequence {:.1} us, one write_buffer {:.1} us",
-        ts * 1e6,
-        te * 1e6,
-        tw * 1e6
-    );
+        );
+        eprintln!(
+            "  append step, {source}: batch (auto) {:.1} us, batch scattered {:.1} us, one per sequence {:.1} us, one write_buffer {:.1} us",
+            auto * 1e6,
+            always * 1e6,
+            each * 1e6,
+            tw * 1e6
+        );
+    }
     Ok(())
 }
 

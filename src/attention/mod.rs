@@ -281,8 +281,9 @@ impl Attention {
             }
             let (row_words, v_from_a) = record::slot_rows(cache, layer, l.kind, l.d_a, l.d_v)?;
             // A pool's sequences are read one at a time or as a ragged batch: both kernels.
-            let modes: &[Option<usize>] = if paging.is_some() {
-                &[None, Some(0)]
+            let batch = plan::Ragged { lo: 0, seen: 1 };
+            let modes: &[Option<plan::Ragged>] = if paging.is_some() {
+                &[None, Some(batch)]
             } else {
                 &[None]
             };

@@ -111,9 +111,26 @@ pub(crate) struct CallShape {
     /// Rows read through a page table (a sequence of a paged pool).
     pub paging: Option<Paging>,
     /// A ragged batch of a paged pool's sequences: each query's own row and table entry come from the
-    /// query table (`n_q` counts them all, `visible` is the longest sequence's); the first row any
-    /// query sees.
-    pub ragged: Option<usize>,
+    /// query table (`n_q` counts them all, `visible` is the longest sequence's).
+    pub ragged: Option<Ragged>,
+}
+
+/// What the planner knows of a ragged batch's queries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Ragged {
+    /// The first row any query sees.
+    pub lo: usize,
+    /// Rows all queries see together: the work of one team.
+    pub seen: usize,
+}
+
+/// Chunks a ragged batch's rows need so that the work of its busiest sequence is spread like the
+/// rest: chunks of about `teams · seen / target` rows. Chunks only cover the longest sequence (a
+/// query's chunks past its own rows end at once), so without this one long sequence among short
+/// ones would be one chunk on one core.
+fn ragged_chunks(s: &CallShape, rows: usize, teams: usize, target: usize) -> usize {
+    s.ragged
+        .map_or(1, |r| (rows * target).div_ceil((teams * r.seen).max(1)))
 }
 
 /// How pass 1 finds a query's rows.
@@ -151,8 +168,8 @@ pub(crate) struct Dispatch {
     /// The parameters of the first pair; [`Dispatch::pairs`] gives every pair's.
     pub params: AttnParams,
     pub kernel: Pass1,
-    /// Workgroups of pass 1 (chunks, KV heads x head batches) and of the reduce (heads); the third
-    /// dimension of both is the pair's query count.
+    /// Workgroups of pass 1 (chunks, KV heads x head batches: its grid is chunks x the pair's
+    /// queries x teams) and of the reduce per query (its grid is that x the pair's queries).
     pub pass1: (u32, u32),
     pub pass2: u32,
     pub q_per_pair: usize,
@@ -213,6 +230,26 @@ pub(crate) fn pass1_iterations_per_tile(
 /// Loop iterations of one reduce invocation (`attention_reduce.wgsl`) over `n_chunks`.
 pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize) -> usize {
     2 * n_chunks + d_v.div_ceil(64) * (1 + n_chunks)
+}
+
+/// Reduce workgroups per query on a CPU adapter: one per core of the software adapters here, each
+/// merging half the heads. A workgroup costs microseconds to start there, so one per head (what a
+/// GPU gets) made the reduce of a many-query call cost more than its pass 1.
+const REDUCE_WORKGROUPS_CPU: usize = 2;
+
+/// Reduce workgroups per query: one per head on a GPU; on a CPU adapter the fewest from
+/// [`REDUCE_WORKGROUPS_CPU`] up whose heads each keep an invocation within the loop budget (a
+/// workgroup's heads are one more loop around [`reduce_iterations`]).
+fn reduce_workgroups(n_heads: usize, n_chunks: usize, d_v: usize, cpu: bool) -> usize {
+    if !cpu {
+        return n_heads;
+    }
+    let per_head = reduce_iterations(n_chunks, d_v) + 1;
+    let most_heads = ((LOOP_BUDGET - 1) / per_head).max(1);
+    n_heads
+        .div_ceil(most_heads)
+        .max(REDUCE_WORKGROUPS_CPU)
+        .min(n_heads)
 }
 
 /// `n` workgroups fit one dimension of a dispatch, or why not.
@@ -296,7 +333,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> O
 /// The first row any query can see, and how many rows the queries see from there.
 fn seen_rows(s: &CallShape) -> (usize, usize) {
     let lo = match (s.ragged, s.window) {
-        (Some(lo), _) => lo.min(s.visible),
+        (Some(r), _) => r.lo.min(s.visible),
         (None, 0) => 0,
         (None, w) => (s.visible - s.n_q + 1).saturating_sub(w),
     };
@@ -316,7 +353,11 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     let (lo, rows) = seen_rows(s);
     // One loop iteration per row, and one per block of `SYNC_ROWS` between barriers: chunks stay
     // within the loop budget, and are at least 16 rows.
-    let want = target.div_ceil(teams * s.n_q).min(rows.div_ceil(16)).max(1);
+    let want = target
+        .div_ceil(teams * s.n_q)
+        .max(ragged_chunks(s, rows, teams, target))
+        .min(rows.div_ceil(16))
+        .max(1);
     let chunk_len = rows.div_ceil(want).min(STREAM_MAX_ROWS);
     finish(
         s,
@@ -373,6 +414,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let by_binding = usize::try_from(dev.max_binding / query_chunk_bytes(s)).unwrap_or(usize::MAX);
     let want = target
         .div_ceil(per_chunk)
+        .max(ragged_chunks(s, rows, per_chunk / s.n_q, target))
         .min(tiles)
         .min(by_binding)
         .min(dev.max_workgroups)
@@ -420,7 +462,7 @@ fn finish(
         .min(s.n_q);
     if n_chunks > dev.max_workgroups
         || q_per_pair == 0
-        || reduce_iterations(n_chunks, s.d_v) >= LOOP_BUDGET
+        || reduce_iterations(n_chunks, s.d_v) + 1 >= LOOP_BUDGET
     {
         return Err(format!(
             "{rows} rows need {n_chunks} chunks of at most {chunk_len} rows to stay within the loop \
@@ -464,7 +506,7 @@ fn finish(
         params,
         kernel,
         pass1: (n_chunks as u32, (s.n_kv * n_batches) as u32),
-        pass2: s.n_heads as u32,
+        pass2: reduce_workgroups(s.n_heads, n_chunks, s.d_v, dev.cpu) as u32,
         q_per_pair,
         stats_bytes,
         part_bytes,
@@ -570,7 +612,8 @@ mod tests {
             // The row loop is the streaming kernel's only loop.
             Pass1::Stream(_) => d.params.chunk_len as usize,
         };
-        pass1.max(reduce_iterations(d.n_chunks(), s.d_v))
+        let heads_per_workgroup = s.n_heads.div_ceil(d.pass2 as usize);
+        pass1.max(heads_per_workgroup * (reduce_iterations(d.n_chunks(), s.d_v) + 1))
     }
 
     impl Dispatch {

@@ -138,8 +138,8 @@ impl Attention {
             pass.set_bind_group(0, cache.attention_group(layer, job.kind), &[]);
             pass.set_bind_group(1, &io, &[]);
             pass.set_bind_group(2, &params.group, &[params.offset]);
-            let (chunks, heads) = dispatch.pass1;
-            pass.dispatch_workgroups(chunks, heads, pair.q_count);
+            let (chunks, teams) = dispatch.pass1;
+            pass.dispatch_workgroups(chunks, pair.q_count, teams);
             pass.set_pipeline(self.kernels.attention_reduce());
             pass.set_bind_group(0, &reduce, &[]);
             pass.set_bind_group(1, &params.group, &[params.offset]);
@@ -302,16 +302,23 @@ impl Attention {
             soft_cap,
             v_from_a,
             paging: rows.paging,
-            // The first row any query of a batch sees.
+            // The first row any query of a batch sees, and the rows they see together.
             ragged: rows.ragged.map(|table| {
-                table
-                    .iter()
-                    .map(|&[last, _]| match window {
-                        0 => 0,
-                        w => (last as usize + 1).saturating_sub(w),
-                    })
-                    .min()
-                    .unwrap_or(0)
+                let first = |last: usize| match window {
+                    0 => 0,
+                    w => (last + 1).saturating_sub(w),
+                };
+                plan::Ragged {
+                    lo: table
+                        .iter()
+                        .map(|&[last, _]| first(last as usize))
+                        .min()
+                        .unwrap_or(0),
+                    seen: table
+                        .iter()
+                        .map(|&[last, _]| last as usize + 1 - first(last as usize))
+                        .sum(),
+                }
             }),
         };
         let dispatch =

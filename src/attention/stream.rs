@@ -184,10 +184,11 @@ impl Gen {
             self,
             "fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {{"
         );
+        // Grid (chunks, queries, teams), as in shaders/attention_partial.wgsl.
         line!(self, "    let chunk = wg.x;");
-        line!(self, "    let kv = wg.y / max(p.n_batches, 1u);");
-        line!(self, "    let batch = wg.y % max(p.n_batches, 1u);");
-        line!(self, "    let local = wg.z;");
+        line!(self, "    let kv = wg.z / max(p.n_batches, 1u);");
+        line!(self, "    let batch = wg.z % max(p.n_batches, 1u);");
+        line!(self, "    let local = wg.y;");
         line!(self, "    let qi = p.q_first + local;");
         line!(
             self,
@@ -282,6 +283,12 @@ impl Gen {
         line!(self, "    let rvv = p.row_words_v / 4u;");
         if k.sum == TeamSum::Shared {
             line!(self, "    var par = 0u;");
+        }
+        if k.rows != RowMode::Contiguous {
+            // A page's rows are consecutive in the pool: its table entry is read once, at its
+            // first row, and the stored row is an offset from there (wrapping u32 arithmetic).
+            line!(self, "    var page_next = start;");
+            line!(self, "    var page_base = 0u;");
         }
         line!(self, "    for (var r = start; r < end; r++) {{");
         self.row(&a, &b, &v);
@@ -431,7 +438,18 @@ impl Gen {
     fn row(&mut self, a: &Slice, b: &Slice, v: &Slice) {
         let k = self.key;
         let f32s = k.dtype == DType::F32;
-        line!(self, "        let sr = stored(r, tb);");
+        if k.rows == RowMode::Contiguous {
+            line!(self, "        let sr = r;");
+        } else {
+            line!(self, "        if r == page_next {{");
+            line!(self, "            page_base = stored(r, tb) - r;");
+            line!(
+                self,
+                "            page_next = (r / p.page_size + 1u) * p.page_size;"
+            );
+            line!(self, "        }}");
+            line!(self, "        let sr = page_base + r;");
+        }
         let load = |g: &mut Gen, s: &Slice, base: &str, stride: &str| {
             for j in 0..s.steps() {
                 let guard = g.guard(s, j);

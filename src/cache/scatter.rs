@@ -18,20 +18,35 @@ pub(crate) struct Scatter {
 
 impl KvCache {
     /// Checks GPU slabs of `map.len()` rows (shapes already checked against the layer's slots) for a
-    /// scattered move and binds them; records nothing. `None` when a source can only be copied (it
-    /// is not bound as storage, or too large to bind): its rows then move run by run.
+    /// scattered move and binds them; records nothing. `None` when the rows are better moved run by
+    /// run: every source is a plain copy and `copies` is false, or a source can only be copied (it
+    /// is not bound as storage, or too large to bind).
     pub(crate) fn prepare_gpu_scatter(
         &mut self,
         layer: usize,
         slabs: &[GpuSlab<'_>],
         map: &[u32],
+        copies: bool,
     ) -> Result<Option<Vec<Scatter>>> {
         let n_new = map.len();
         let mut jobs = Vec::with_capacity(slabs.len());
         for (slot, slab) in slabs.iter().enumerate() {
             let src = self.source_of(layer, slot, slab, slab.offset, slab.shape);
             let dst = self.destination(layer, slot);
-            let mut job = source::plan_source(layer, slot, &src, &dst, n_new)?;
+            jobs.push(source::plan_source(layer, slot, &src, &dst, n_new)?);
+        }
+        if !copies && !jobs.iter().any(|j| matches!(j, SourceJob::Kernel { .. })) {
+            return Ok(None);
+        }
+        for (slot, job) in jobs.iter_mut().enumerate() {
+            let src = self.source_of(
+                layer,
+                slot,
+                &slabs[slot],
+                slabs[slot].offset,
+                slabs[slot].shape,
+            );
+            let dst = self.destination(layer, slot);
             if let SourceJob::Copy { .. } = job {
                 // A copy cannot scatter; the kernel moves the same bits when it may bind the source.
                 let bound = Source {
@@ -39,11 +54,10 @@ impl KvCache {
                     ..src
                 };
                 match source::plan_source(layer, slot, &bound, &dst, n_new) {
-                    Ok(kernel @ SourceJob::Kernel { .. }) => job = kernel,
+                    Ok(kernel @ SourceJob::Kernel { .. }) => *job = kernel,
                     _ => return Ok(None),
                 }
             }
-            jobs.push(job);
         }
         let upload = self.uploads.push(&self.queue, bytemuck::cast_slice(map));
         let mut scatters = Vec::with_capacity(jobs.len());
@@ -126,7 +140,8 @@ impl KvCache {
                 params,
                 bind_offset: 0,
                 bind_size: size,
-                vec4: storage == DType::F32 && row_words.is_multiple_of(4),
+                // Rows start on 16-byte boundaries of the upload.
+                vec4: row_words.is_multiple_of(4),
             };
             let slab = GpuSlab {
                 buffer: &upload.buffer,

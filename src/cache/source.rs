@@ -171,14 +171,16 @@ pub(crate) fn plan_source(
     let end_word = ((last_element + 1) * esize).div_ceil(4);
     let align = dst.min_offset_alignment.max(4);
     let bind_offset = first_word * 4 / align * align;
-    // The 16-byte path: an f32 source whose rows are contiguous runs starting on 16-byte boundaries
-    // (binding offsets are multiples of 16), into rows of whole 16-byte vectors.
+    // The 16-byte path: an f32 source, or a 16-bit source of the storage type, whose rows are
+    // contiguous runs starting on 16-byte boundaries (binding offsets are multiples of 16), into rows
+    // of whole 16-byte vectors.
     let seq_stride = if n_new > 1 { strides[0] as u64 } else { 0 };
     let row_words = dst.row_bytes / 4;
-    let vec4 = src.dtype == DType::F32
+    let per_vec = 16 / esize;
+    let vec4 = (src.dtype == DType::F32 || src.dtype == dst.storage)
         && matches!(dims.as_slice(), [(_, 1)])
-        && src.offset.is_multiple_of(4)
-        && seq_stride.is_multiple_of(4)
+        && src.offset.is_multiple_of(per_vec)
+        && seq_stride.is_multiple_of(per_vec)
         && row_words.is_multiple_of(4)
         && (end_word * 4).next_multiple_of(16) <= src.buffer_size;
     let bind_end = if vec4 {
@@ -297,6 +299,30 @@ mod tests {
         assert_eq!(bind_offset, 256);
         assert_eq!((params.rank, params.shape[0], params.stride[0]), (1, 32, 1));
         assert_eq!((params.seq_stride, params.src_offset), (128, 0));
+    }
+
+    #[test]
+    fn strided_16_bit_rows_of_the_storage_type_take_the_16_byte_path() {
+        // K of [tokens, q 64 | k 32 | v 32] f16 into f16 [4 heads, 8]: whole vectors of 8 halves.
+        let (shape, strides) = ([5, 4, 8], [128, 8, 1]);
+        let plan = |offset: u64, dtype: DType| {
+            let job = plan_source(
+                1,
+                0,
+                &src(5 * 128 * 2, dtype, offset, &shape, Some(&strides)),
+                &dst(DType::F16, 32),
+                5,
+            )
+            .unwrap();
+            let SourceJob::Kernel { vec4, .. } = job else {
+                panic!("{job:?}")
+            };
+            vec4
+        };
+        assert!(plan(64, DType::F16));
+        // Rows starting inside a vector, or a type to convert: element by element.
+        assert!(!plan(68, DType::F16));
+        assert!(!plan(64, DType::BF16));
     }
 
     #[test]

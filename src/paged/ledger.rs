@@ -448,6 +448,16 @@ mod tests {
         .unwrap()
     }
 
+    #[test]
+    fn the_last_sequence_id_is_refused_and_changes_nothing() {
+        let mut l = PageLedger::new(&spec(8), 2, 4);
+        l.next_id = u32::MAX - 1;
+        assert_eq!(l.add(), Ok(SeqId(u32::MAX - 1)));
+        let before = l.clone();
+        assert_eq!(l.add(), Err(Error::SequenceIdsExhausted));
+        assert_eq!(l, before);
+    }
+
     /// Pool contents by (layer, pool row): a value naming what was written there.
     type Pool = HashMap<(usize, usize), u64>;
 

@@ -46,12 +46,33 @@ pub struct PagedCache {
     /// The table row of each sequence, and the rows free for reuse.
     table_rows: BTreeMap<SeqId, usize>,
     free_rows: Vec<usize>,
-    /// Rows the table buffer holds.
+    /// Rows the table buffer holds, and the most one storage binding holds.
     row_capacity: usize,
+    most_rows: usize,
+    scatter: ScatterChoice,
 }
 
-/// Runs of one append written one by one at most; more are scattered by one dispatch per slot.
-const DIRECT_RUNS: usize = 2;
+/// How an append's rows reach their pages; see [`PagedCache::set_scatter`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ScatterChoice {
+    /// Per call, whichever moves the rows with less overhead on this adapter (see the README).
+    #[default]
+    Auto,
+    /// One scattered dispatch per slot for every append that has rows (a GPU source that can only
+    /// be copied still moves run by run).
+    Always,
+    /// Run by run: `Queue::write_buffer`, or one copy or slab-write dispatch, per run of a page.
+    Never,
+}
+
+/// `Auto`: runs above which host rows are uploaded once and scattered, on a GPU (on a CPU adapter a
+/// `write_buffer` is a plain memory copy: host rows always go straight into their pages).
+const HOST_RUNS: usize = 8;
+/// `Auto`: runs above which GPU rows that could be copied run by run are scattered instead, on a
+/// GPU and on a CPU adapter (where one dispatch costs about a hundred copies). GPU rows that need the
+/// slab-write kernel anyway are scattered whenever they make more than one run.
+const COPY_RUNS_GPU: usize = 16;
+const COPY_RUNS_CPU: usize = 128;
 
 /// The pool row of each of a slab's `rows` rows, from the runs (`(first slab row, run)`) covering
 /// them. Pool rows fit a u32: the pool fits one binding.
@@ -138,8 +159,16 @@ impl PagedCache {
         })?;
         let mut store = KvCache::with_kernels(kernels, pool)?;
         let ledger = PageLedger::new(&spec, page_size, n_pages);
-        let table_width = spec.max_seq_len().div_ceil(page_size);
-        let table = table_buffer(store.device(), table_width, FIRST_TABLE_ROWS);
+        // A sequence holds at most every page of the pool: a table row has room for that many, so
+        // one row fits a binding whenever the pool does.
+        let table_width = spec.max_seq_len().div_ceil(page_size).min(n_pages).max(1);
+        let most_rows = usize::try_from(limits.max_slot_bytes() / (table_width as u64 * 4))
+            .unwrap_or(usize::MAX);
+        if most_rows == 0 {
+            return Err(Error::TooManySequences { most: 0 });
+        }
+        let first_rows = FIRST_TABLE_ROWS.min(most_rows);
+        let table = table_buffer(store.device(), table_width, first_rows);
         store.set_page_table(table.clone());
         Ok(Self {
             store,
@@ -150,7 +179,9 @@ impl PagedCache {
             table_width,
             table_rows: BTreeMap::new(),
             free_rows: Vec::new(),
-            row_capacity: FIRST_TABLE_ROWS,
+            row_capacity: first_rows,
+            most_rows,
+            scatter: ScatterChoice::Auto,
         })
     }
 
@@ -180,14 +211,10 @@ impl PagedCache {
         }
         let row = self.table_rows.len();
         if row == self.row_capacity {
-            let rows = self.row_capacity * 2;
-            let limit = DeviceLimits::from_wgpu(&self.device().limits()).max_slot_bytes();
-            if (rows * self.table_width * 4) as u64 > limit {
-                return Err(Error::TooManySequences {
-                    live: row,
-                    most: row,
-                });
+            if row == self.most_rows {
+                return Err(Error::TooManySequences { most: row });
             }
+            let rows = (self.row_capacity * 2).min(self.most_rows);
             let table = table_buffer(self.device(), self.table_width, rows);
             let mut encoder = self.encoder("kvgpu page table growth");
             encoder.copy_buffer_to_buffer(&self.table, 0, &table, 0, self.table.size());
@@ -209,6 +236,13 @@ impl PagedCache {
             self.queue()
                 .write_buffer(&self.table, at, bytemuck::cast_slice(&pages[from..]));
         }
+    }
+
+    /// How appends move their rows into pages: run by run, or by one scattered dispatch per slot
+    /// from one upload of the rows and a destination-row map ([`ScatterChoice::Auto`] by default).
+    /// Both store the same bits; the choice is only a matter of speed.
+    pub fn set_scatter(&mut self, choice: ScatterChoice) {
+        self.scatter = choice;
     }
 
     /// The layers, storage type and longest sequence.
@@ -375,9 +409,9 @@ impl PagedCache {
     }
 
     /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
-    /// come first. Rows in more than [`DIRECT_RUNS`] runs are uploaded once and scattered by one
-    /// dispatch per slot, submitted with the copies; fewer go straight into their pages with
-    /// `Queue::write_buffer` (landing at the next submission, after the copies).
+    /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
+    /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
+    /// (landing at the next submission, after the copies).
     fn write_host(&mut self, layer: usize, slabs: &[HostSlab<'_>], plans: &[PagedPlan]) {
         let runs: Vec<_> = plans
             .iter()
@@ -391,7 +425,12 @@ impl PagedCache {
                 self.record_copies(encoder, &plan.copies);
             }
         }
-        let scattered = runs.len() > DIRECT_RUNS && {
+        let scatter = match self.scatter {
+            ScatterChoice::Always => !runs.is_empty(),
+            ScatterChoice::Never => false,
+            ScatterChoice::Auto => !self.kernels().is_cpu() && runs.len() > HOST_RUNS,
+        };
+        let scattered = scatter && {
             let encoder = encoder.get_or_insert_with(|| self.encoder("kvgpu paged append"));
             self.store.record_host_scatter(
                 encoder,
@@ -467,9 +506,9 @@ impl PagedCache {
     }
 
     /// Checks GPU slabs of `rows` rows against `plans` (every source check first), records each
-    /// plan's private copies, then the moves, and commits the plans. Rows in more than
-    /// [`DIRECT_RUNS`] runs move by one scattered dispatch per slot when every source can be bound;
-    /// fewer, or sources that can only be copied, move run by run.
+    /// plan's private copies, then the moves, and commits the plans. Rows scatter by one dispatch
+    /// per slot when [`PagedCache::set_scatter`] says so and every source can be bound; otherwise
+    /// they move run by run.
     fn record_gpu(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -483,9 +522,20 @@ impl PagedCache {
             .flat_map(|p| p.runs.iter().copied())
             .filter(|(_, run)| run.n_rows > 0)
             .collect();
-        let scatters = if runs.len() > DIRECT_RUNS {
-            self.store
-                .prepare_gpu_scatter(layer, slabs, &row_map(rows, &runs))?
+        let copy_runs = if self.kernels().is_cpu() {
+            COPY_RUNS_CPU
+        } else {
+            COPY_RUNS_GPU
+        };
+        // (scatter at all, scatter rows that could be copied run by run)
+        let (scatter, copies) = match self.scatter {
+            ScatterChoice::Always => (!runs.is_empty(), true),
+            ScatterChoice::Never => (false, false),
+            ScatterChoice::Auto => (runs.len() > 1, runs.len() > copy_runs),
+        };
+        let scatters = if scatter {
+            let map = row_map(rows, &runs);
+            self.store.prepare_gpu_scatter(layer, slabs, &map, copies)?
         } else {
             None
         };

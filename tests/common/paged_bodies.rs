@@ -351,6 +351,15 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
         } else {
             ids[rng.below(ids.len())]
         };
+        // Rows reach their pages run by run or scattered, as the pool would choose or forced: the
+        // same bits either way.
+        c.set_scatter(
+            [
+                ScatterChoice::Auto,
+                ScatterChoice::Always,
+                ScatterChoice::Never,
+            ][rng.below(3)],
+        );
         let before = c.ledger().clone();
         // Every fourth operation is watched: the whole pool is read before it, and again if it is
         // refused.
@@ -992,6 +1001,31 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
         (pool.n_pages(), pool.free_pages(), pool.page_size()),
         (8, 8, 16)
     );
+    // Page tables within one binding: on a device of 16 KiB bindings, a pool of 1,024 one-row
+    // pages has rows of 1,024 entries (a sequence may hold every page; `max_seq_len` is larger), so
+    // the table holds four sequences. A fifth is refused and changes nothing; a removed one's row is
+    // taken again.
+    let small = super::gpu_with_limits(
+        g,
+        wgpu::Limits {
+            max_storage_buffer_binding_size: 16 << 10,
+            ..wgpu::Limits::default()
+        },
+    )
+    .await;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1, 1)], DType::F32, 1 << 20).unwrap();
+    let mut pool = PagedCache::new(&small.device, &small.queue, spec, 1, 1024).unwrap();
+    let seqs: Vec<SeqId> = (0..4).map(|_| pool.add_sequence().unwrap()).collect();
+    let before = pool.ledger().clone();
+    assert_eq!(
+        pool.add_sequence().unwrap_err(),
+        Error::TooManySequences { most: 4 }
+    );
+    let forked = pool.fork(seqs[0], 0).unwrap_err();
+    assert_eq!(forked, Error::TooManySequences { most: 4 });
+    assert_eq!(pool.ledger(), &before);
+    pool.remove(seqs[1]).unwrap();
+    pool.add_sequence().unwrap();
 }
 
 /// A GPU source of another device is refused by a pool's append as by a cache's (natively the call
@@ -1062,6 +1096,8 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
         let trailing = |layer: usize| trailing_of(&spec, layer);
         let make = || PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 3, 14).unwrap();
         let (mut one, mut all) = (make(), make());
+        // One by one as the pool chooses, the batch always scattered.
+        all.set_scatter(ScatterChoice::Always);
         // The same history in both: s0 with 7 rows, s1 forked from it at 5, s2 empty.
         let mut ids = Vec::new();
         for c in [&mut one, &mut all] {
@@ -1285,17 +1321,23 @@ pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
     );
 }
 
-/// A step of many sequences lands as one scattered dispatch per slot (more than two runs) from every
-/// kind of source: host rows of the storage type and of f32, GPU rows of the storage type (bound, or
+/// A step of many sequences lands scattered (one dispatch per slot), run by run, or as the pool
+/// chooses, from every kind of source: host rows of the storage type and of f32, GPU rows of the storage type (bound, or
 /// copy-only, which moves run by run instead) and converted f32 rows. Each sequence's rows, read
 /// through its page table, equal the values rounded to the storage type.
 pub async fn scattered_appends_take_every_source(g: &Gpu) {
     // Even widths, so 16-bit rows of the storage type can also be plain copies.
     let layers = vec![LayerSpec::kv(1, 2, 4), LayerSpec::mla(6, 2)];
-    for dtype in DType::ALL {
+    let choices = [
+        ScatterChoice::Always,
+        ScatterChoice::Never,
+        ScatterChoice::Auto,
+    ];
+    for (dtype, choice) in DType::ALL.into_iter().flat_map(|d| choices.map(|c| (d, c))) {
         let spec = CacheSpec::new(layers.clone(), dtype, 24).unwrap();
         let widths = widths_of(&spec);
         let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 40).unwrap();
+        c.set_scatter(choice);
         let seqs: Vec<SeqId> = (0..4).map(|_| c.add_sequence().unwrap()).collect();
         let batch = [(seqs[0], 3), (seqs[1], 1), (seqs[2], 4), (seqs[3], 2)];
         let total = 10;
@@ -1395,7 +1437,10 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                         .iter()
                         .zip(rows)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{dtype}, {kind}: {seq} layer {layer} slot {slot}");
+                assert!(
+                    same,
+                    "{dtype} {choice:?}, {kind}: {seq} layer {layer} slot {slot}"
+                );
             }
         }
         let pages: usize = [15usize, 5, 20, 10].iter().map(|r| r.div_ceil(2)).sum();

@@ -115,6 +115,11 @@ pub fn kernels_for(g: &Gpu) -> std::sync::Arc<kvgpu::Kernels> {
 /// per storage binding, 256 MiB per buffer). Natively it comes from `g`'s adapter; a browser adapter
 /// makes one device, so there it gets an adapter of its own.
 pub async fn default_limits_gpu(g: &Gpu) -> Gpu {
+    gpu_with_limits(g, wgpu::Limits::default()).await
+}
+
+/// A second device with `limits` (lower ones make size limits cheap to reach).
+pub async fn gpu_with_limits(g: &Gpu, limits: wgpu::Limits) -> Gpu {
     #[cfg(target_arch = "wasm32")]
     let adapter = {
         let _ = g;
@@ -130,11 +135,11 @@ pub async fn default_limits_gpu(g: &Gpu) -> Gpu {
     let adapter = g.adapter.clone();
     let (device, queue) = adapter
         .request_device(&wgpu::DeviceDescriptor {
-            required_limits: wgpu::Limits::default(),
+            required_limits: limits,
             ..Default::default()
         })
         .await
-        .expect("a device with WebGPU's default limits");
+        .expect("a device with the limits asked for");
     let gpu = Gpu {
         adapter,
         device,
@@ -570,39 +575,48 @@ pub async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_paramet
     assert_eq!(snapshot(&c).await, m.words);
 }
 
-/// f16 / bf16 rows of 7 elements (4 words, one padding half) from an f32 source whose rows start on
-/// 16-byte boundaries (row stride 8): the path that moves whole 16-byte vectors must leave the padding
-/// half of every row zero. The whole buffer is compared with the CPU twin.
+/// f16 / bf16 rows of 7 elements (4 words, one padding half) from an f32 source, or a source of the
+/// storage type, whose rows start on 16-byte boundaries (row stride 8): the path that moves whole
+/// 16-byte vectors must leave the padding half of every row zero. The whole buffer is compared with
+/// the CPU twin.
 pub async fn the_16_byte_path_leaves_the_padding_half_zero(g: &Gpu) {
     let kernels = Kernels::new(&g.device, &g.queue).unwrap();
-    for dtype in [DType::F16, DType::BF16] {
+    for (dtype, from) in [
+        (DType::F16, DType::F32),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::BF16),
+    ] {
         let n = 5;
         let mut c = one_slot(&kernels, 7, dtype, 8);
         let mut m = CpuCache::new(c.spec());
-        // Rows of 8 floats, the 8th of each a non-zero value that must not land in the padding.
-        let src: Vec<u32> = (0..n * 8).map(|i| (1.0 + i as f32).to_bits()).collect();
+        // Rows of 8 elements, the 8th of each a non-zero value that must not land in the padding.
+        let values: Vec<u32> = (0..n * 8)
+            .map(|i| reference::f32_to_bits(1.0 + i as f32, from))
+            .collect();
+        let src = reference::pack_rows(&values, from, 8);
         let buf = buffer_with(&g.device, &src, USAGE).await;
         let shape = [n, 7];
         c.append_gpu(
             0,
             &[GpuSlab {
                 buffer: &buf,
-                dtype: DType::F32,
+                dtype: from,
                 offset: 0,
                 shape: &shape,
                 strides: Some(&[8, 1]),
             }],
         )
         .unwrap();
-        let bits = reference::slab_write(&src, DType::F32, 0, &shape, &[8, 1], dtype);
+        let bits = reference::slab_write(&values, from, 0, &shape, &[8, 1], dtype);
         m.words[0][0][..bits.len()].copy_from_slice(&bits);
-        assert_eq!(snapshot(&c).await, m.words, "{dtype}");
+        assert_eq!(snapshot(&c).await, m.words, "{dtype} from {from}");
         let words = c.read_full_words_async(0, 0).await.unwrap();
         for row in 0..n {
             assert_eq!(
                 words[row * 4 + 3] >> 16,
                 0,
-                "{dtype}: padding half of row {row}"
+                "{dtype} from {from}: padding half of row {row}"
             );
         }
     }
