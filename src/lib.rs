@@ -82,6 +82,7 @@ mod paged;
 mod placement;
 pub mod reference;
 mod seq;
+mod snapshot;
 mod spec;
 mod verify;
 
@@ -96,11 +97,13 @@ pub use codec::{DType, HostData};
 pub use device::read_buffer;
 pub use device::{Gpu, INSTALL_HINT, read_buffer_async};
 pub use error::{
-    AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SourceProblem, SpecProblem,
+    AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SnapshotProblem, SourceProblem,
+    SpecProblem,
 };
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger, SeqId};
 pub use paged::{PageLedger, PagedCache};
 pub use placement::Run;
+pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
 pub use verify::verify_buffer;

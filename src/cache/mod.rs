@@ -4,6 +4,7 @@
 mod gpu_append;
 mod read;
 mod slabs;
+mod snapshot;
 mod source;
 mod zero;
 

@@ -14,6 +14,7 @@
 //! appends to its forks.
 
 mod ledger;
+mod snapshot;
 
 use std::sync::Arc;
 
