@@ -62,6 +62,13 @@
 //! that return pages, an admission check, and attention through the page tables over one sequence
 //! ([`Kv::Sequence`]) or a ragged batch of sequences in one dispatch pair ([`Kv::Batch`]).
 //!
+//! A sequence moves between processes, machines and backends as a snapshot: a versioned,
+//! checksummed byte format of its committed rows ([`KvCache::export_async`],
+//! [`PagedCache::export_sequence_async`]) that restores bit for bit into an empty cache or as a new
+//! pool sequence of the same storage type and slot shapes ([`KvCache::import`],
+//! [`PagedCache::import_sequence`]); truncated, corrupt or incompatible bytes are refused with
+//! [`Error::Snapshot`] and change nothing. [`SnapshotHeader`] documents the format.
+//!
 //! Ordering: host appends take effect at the next queue submission, before the commands submitted with
 //! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
 //! rows that must survive it. Any number of operations may be recorded between two submissions: every

@@ -4,33 +4,7 @@
 //! ([`crate::KvCache::export_async`], [`crate::KvCache::import`],
 //! [`crate::PagedCache::export_sequence_async`], [`crate::PagedCache::import_sequence`]). No wgpu.
 //!
-//! # Format, version 1
-//! Little-endian throughout.
-//!
-//! | bytes | field |
-//! |---|---|
-//! | 8 | magic `KVGPUSNP` |
-//! | 4 | format version (`u32`, 1) |
-//! | 4 | header length `h` (`u32`): the bytes of the header that follow |
-//! | `h` | header (below) |
-//! | 4 | CRC-32 of every byte before it (magic to header) |
-//! | ... | rows: for each layer, for each of its slots, `len` rows exactly as stored |
-//! | 4 | CRC-32 of every byte before it (the whole snapshot) |
-//!
-//! The header: storage type (`u32`: 0 f32, 1 f16, 2 bf16), `max_seq_len` of the source (`u64`;
-//! a pool's longest sequence), `len` (`u64`, committed rows), page size (`u64`, 0 for a
-//! single-sequence cache), the number of layers (`u32`), then per layer its number of slots (`u32`)
-//! and per slot its name (`u32` byte length, UTF-8) and trailing shape (`u32` rank, `u64` each
-//! dimension). A row is stored as in the cache: f32 as is, 16-bit types packed two to a word (low
-//! half first), each row padded with zeros to a multiple of 4 bytes; layers without slots take no
-//! bytes.
-//!
-//! A snapshot restores into a cache or pool whose storage type, layer count and slot shapes equal
-//! its own (slot names, capacity and page size may differ; the rows must fit). No type conversion is
-//! offered: a restore is bit-identical or refused. Parsing checks, in order: the magic, the
-//! version, the header's length and checksum, the header itself, the total length, the checksum of
-//! the whole, then compatibility with the destination — so a truncated snapshot is
-//! [`SnapshotProblem::Truncated`] wherever it is cut, and a flipped bit fails a checksum.
+//! The format is documented on [`SnapshotHeader`] (the public face of this module).
 
 use std::io::Write;
 
@@ -48,6 +22,35 @@ pub const SNAPSHOT_VERSION: u32 = 1;
 const PREFIX: usize = 16;
 
 /// What a snapshot's header says: the source's spec, its committed rows and page size.
+///
+/// # Format, version 1
+/// Little-endian throughout.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 8 | magic `KVGPUSNP` |
+/// | 4 | format version (`u32`, 1) |
+/// | 4 | header length `h` (`u32`): the bytes of the header that follow |
+/// | `h` | header (below) |
+/// | 4 | CRC-32 of every byte before it (magic to header) |
+/// | ... | rows: for each layer, for each of its slots, `len` rows exactly as stored |
+/// | 4 | CRC-32 of every byte before it (the whole snapshot) |
+///
+/// The header: storage type (`u32`: 0 f32, 1 f16, 2 bf16), `max_seq_len` of the source (`u64`;
+/// a pool's longest sequence), `len` (`u64`, committed rows), page size (`u64`, 0 for a
+/// single-sequence cache), the number of layers (`u32`), then per layer its number of slots (`u32`)
+/// and per slot its name (`u32` byte length, UTF-8) and trailing shape (`u32` rank, `u64` each
+/// dimension). A row is stored as in the cache: f32 as is, 16-bit types packed two to a word (low
+/// half first), each row padded with zeros to a multiple of 4 bytes; layers without slots take no
+/// bytes.
+///
+/// A snapshot restores into a cache or pool whose storage type, layer count and slot shapes equal
+/// its own (slot names, capacity and page size may differ; the rows must fit). No type conversion is
+/// offered: a restore is bit-identical or refused. Parsing checks, in order: the magic, the
+/// version, the header's length and checksum, the header itself, the total length, the checksum of
+/// the whole, then compatibility with the destination — so a truncated snapshot is
+/// [`SnapshotProblem::Truncated`] wherever it is cut, and a flipped bit is a bad magic, another
+/// version or a failed checksum.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SnapshotHeader {
     /// Layers, slot names and trailing shapes, storage type and `max_seq_len` of the source.
