@@ -528,7 +528,7 @@ mod tests {
     #[test]
     fn every_truncation_is_refused_as_truncated() {
         let spec = spec(DType::F16);
-        let (bytes, _) = fabricated(&spec, 4, 2);
+        let (bytes, rows_at) = fabricated(&spec, 4, 2);
         for cut in 0..bytes.len() {
             match problem_of(Snapshot::parse_for(&bytes[..cut], &spec)) {
                 SnapshotProblem::Truncated { needed, got } => {
@@ -538,12 +538,25 @@ mod tests {
                 p => panic!("cut at {cut}: {p}"),
             }
         }
+        let e = Snapshot::parse_for(&bytes[..20], &spec).err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "snapshot: truncated: 20 bytes, but at least {} are needed",
+                rows_at
+            )
+        );
         let mut longer = bytes.clone();
         longer.push(0);
-        assert!(matches!(
-            problem_of(Snapshot::parse_for(&longer, &spec)),
-            SnapshotProblem::TrailingBytes { .. }
-        ));
+        let e = Snapshot::parse_for(&longer, &spec).err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "snapshot: {} bytes, but the snapshot ends after {}",
+                bytes.len() + 1,
+                bytes.len()
+            )
+        );
     }
 
     #[test]
