@@ -177,13 +177,13 @@ impl<'a> Snapshot<'a> {
 
 /// Streams a snapshot into `out`: the header first, then each slot's rows in order, then the
 /// checksum, never holding more than the caller's current slot.
-pub(crate) struct SnapshotWriter<'w, W: Write> {
+pub(crate) struct SnapshotWriter<'w, W: Write + ?Sized> {
     out: &'w mut W,
     crc: Crc32,
     written: u64,
 }
 
-impl<'w, W: Write> SnapshotWriter<'w, W> {
+impl<'w, W: Write + ?Sized> SnapshotWriter<'w, W> {
     /// Writes the header of a snapshot of `len` rows of a cache of `spec` (`page_size` 0 for a
     /// single-sequence cache).
     pub(crate) fn new(
@@ -521,6 +521,44 @@ mod tests {
             assert_eq!(
                 snap.sections[0][0].as_ptr() as usize - bytes.as_ptr() as usize,
                 rows_at
+            );
+        }
+    }
+
+    #[test]
+    fn a_failing_writer_is_a_typed_error() {
+        /// Takes `left` bytes, then fails.
+        struct Full {
+            left: usize,
+        }
+        impl Write for Full {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                if self.left == 0 {
+                    return Err(std::io::Error::other("disk full"));
+                }
+                let n = buf.len().min(self.left);
+                self.left -= n;
+                Ok(n)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let spec = spec(DType::F32);
+        let (bytes, rows_at) = fabricated(&spec, 2, 8);
+        for left in [0, 10, rows_at + 3, bytes.len() - 1] {
+            let out: &mut dyn Write = &mut Full { left };
+            let result = SnapshotWriter::new(out, &spec, 2, 0).and_then(|mut w| {
+                w.rows(&bytes[rows_at..bytes.len() - 4])?;
+                w.finish()
+            });
+            let problem = match result {
+                Err(Error::Snapshot { problem }) => problem,
+                r => panic!("{left}: {r:?}"),
+            };
+            assert!(
+                matches!(&problem, SnapshotProblem::Write { reason } if reason == "disk full"),
+                "{left}: {problem}"
             );
         }
     }

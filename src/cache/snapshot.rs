@@ -13,7 +13,7 @@ impl KvCache {
     /// Writes a snapshot of the committed rows to `out` and returns its length in bytes. Pending
     /// rows of the current step are not part of it. The rows are read back one slot at a time, so
     /// besides what `out` keeps at most one slot's committed rows are held on the host.
-    pub async fn export_async<W: Write>(&self, out: &mut W) -> Result<u64> {
+    pub async fn export_async<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
         let len = self.len();
         let mut writer = SnapshotWriter::new(out, &self.spec, len, 0)?;
         for (layer, slots) in self.slots.iter().enumerate() {
@@ -41,7 +41,7 @@ impl KvCache {
 
     /// [`KvCache::export_async`], blocking.
     #[cfg(not(target_arch = "wasm32"))]
-    pub fn export<W: Write>(&self, out: &mut W) -> Result<u64> {
+    pub fn export<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
         pollster::block_on(self.export_async(out))
     }
 

@@ -13,7 +13,11 @@ impl PagedCache {
     /// Writes a snapshot of the committed rows of `seq` to `out` (as [`crate::KvCache::export_async`]:
     /// pending rows are not part of it) and returns its length in bytes. Each slot's rows are
     /// gathered from the sequence's pages on the GPU and read back in one map, one slot at a time.
-    pub async fn export_sequence_async<W: Write>(&self, seq: SeqId, out: &mut W) -> Result<u64> {
+    pub async fn export_sequence_async<W: Write + ?Sized>(
+        &self,
+        seq: SeqId,
+        out: &mut W,
+    ) -> Result<u64> {
         let len = self.ledger.len(seq)?;
         let pages = self.ledger.pages(seq)?;
         let p = self.page_size();
@@ -51,7 +55,7 @@ impl PagedCache {
 
     /// [`PagedCache::export_sequence_async`], blocking.
     #[cfg(not(target_arch = "wasm32"))]
-    pub fn export_sequence<W: Write>(&self, seq: SeqId, out: &mut W) -> Result<u64> {
+    pub fn export_sequence<W: Write + ?Sized>(&self, seq: SeqId, out: &mut W) -> Result<u64> {
         pollster::block_on(self.export_sequence_async(seq, out))
     }
 

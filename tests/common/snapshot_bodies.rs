@@ -109,7 +109,7 @@ fn pool(g: &Gpu, spec: CacheSpec, page_size: usize, n_pages: usize) -> PagedCach
 pub async fn snapshots_round_trip_bit_for_bit(g: &Gpu) {
     let mut rng = Xorshift::new(12);
     for dtype in DType::ALL {
-        for round in 0..6 {
+        for round in 0..10 {
             let spec = random_spec(&mut rng, dtype);
             let what = format!("{dtype} round {round}");
             let mut c = cache_on(g, spec.clone());
