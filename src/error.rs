@@ -394,6 +394,9 @@ pub enum SnapshotProblem {
     /// The writer the snapshot was exported to failed.
     #[error("writing failed: {reason}")]
     Write { reason: String },
+    /// The reader a snapshot was imported from failed.
+    #[error("reading failed: {reason}")]
+    Read { reason: String },
 }
 
 /// Why a GPU source cannot be read as described ([`Error::SourceLayout`]).

@@ -66,7 +66,8 @@
 //! checksummed byte format of its committed rows ([`KvCache::export_async`],
 //! [`PagedCache::export_sequence_async`]) that restores bit for bit into an empty cache or as a new
 //! pool sequence of the same storage type and slot shapes ([`KvCache::import`],
-//! [`PagedCache::import_sequence`]); truncated, corrupt or incompatible bytes are refused with
+//! [`PagedCache::import_sequence`], or piece by piece with [`KvCache::import_stream`] and
+//! [`PagedCache::import_sequence_stream`]); truncated, corrupt or incompatible bytes are refused with
 //! [`Error::Snapshot`] and change nothing. [`SnapshotHeader`] documents the format.
 //!
 //! Ordering: host appends take effect at the next queue submission, before the commands submitted with
@@ -98,7 +99,7 @@ mod verify;
 pub use wgpu;
 
 pub use attention::{Attention, AttentionOptions, KernelChoice, Kv, MlaQueries, Output, Queries};
-pub use cache::{GpuSlab, HostSlab, KvCache, SlotView};
+pub use cache::{CacheImport, GpuSlab, HostSlab, KvCache, SlotView};
 pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]
 pub use device::read_buffer;
@@ -109,7 +110,7 @@ pub use error::{
 };
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger, SeqId};
-pub use paged::{PageLedger, PagedCache};
+pub use paged::{PageLedger, PagedCache, SequenceImport};
 pub use placement::Run;
 pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};

@@ -140,6 +140,7 @@ browser_tests!(snapshot_bodies:
     refused_snapshots_change_nothing,
     snapshots_move_between_devices,
     the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend,
+    streamed_imports_match_whole_ones,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

@@ -17,6 +17,8 @@ use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
 pub use slabs::{GpuSlab, HostSlab, SlotView};
+pub use snapshot::CacheImport;
+pub(crate) use snapshot::{StagedRows, pump};
 use zero::ZeroRange;
 
 struct SlotBuffer {

@@ -1,13 +1,14 @@
 //! Snapshots of a single-sequence cache: its committed rows exported as the bytes of
 //! [`crate::snapshot`], and restored into an empty cache of a compatible spec.
 
-use std::io::Write;
+use std::io::{Read, Write};
 
 use super::KvCache;
 use crate::device::read_range;
 use crate::error::{Error, Result, SnapshotProblem};
+use crate::ledger::AppendPlan;
 use crate::placement::Run;
-use crate::snapshot::{Snapshot, SnapshotWriter};
+use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
 
 impl KvCache {
     /// Writes a snapshot of the committed rows to `out` and returns its length in bytes. Pending
@@ -59,6 +60,41 @@ impl KvCache {
     /// next queue submission, like host appends. Returns the rows restored.
     pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
+        self.check_empty()?;
+        let plans = self.plan_import(snap.header.len)?;
+        for plan in &plans {
+            let [run] = plan.runs();
+            for (slot, rows) in snap.sections[plan.layer].iter().enumerate() {
+                self.write_stored(plan.layer, slot, &[(0, run)], rows);
+            }
+        }
+        self.commit_import(plans, snap.header.len)
+    }
+
+    /// [`KvCache::import`] of a snapshot that arrives in pieces: [`CacheImport::push`] each piece,
+    /// then [`CacheImport::finish`]. The host holds one piece (and a word) at a time; the rows wait
+    /// in GPU staging buffers (as large as the snapshot's rows) until the whole snapshot checks out,
+    /// and only then are copied into the cache, so a refusal still changes nothing. A snapshot of
+    /// another storage type or shape, and one that does not fit, are refused as soon as its header
+    /// arrives.
+    pub fn import_stream(&mut self) -> Result<CacheImport<'_>> {
+        self.check_empty()?;
+        Ok(CacheImport {
+            stream: SnapshotStream::new(&self.spec),
+            cache: self,
+            staged: None,
+        })
+    }
+
+    /// [`KvCache::import_stream`] from a reader (a file), in pieces of 1 MiB.
+    pub fn import_from(&mut self, reader: impl Read) -> Result<usize> {
+        let mut import = self.import_stream()?;
+        pump(reader, |piece| import.push(piece))?;
+        import.finish()
+    }
+
+    /// Refuses a cache with committed or pending rows.
+    fn check_empty(&self) -> Result<()> {
         let pending = (0..self.spec.n_layers())
             .filter_map(|l| self.ledger.pending(l).ok())
             .max()
@@ -71,7 +107,11 @@ impl KvCache {
                 },
             });
         }
-        let len = snap.header.len;
+        Ok(())
+    }
+
+    /// The appends of `len` rows to every layer with slots, checked against the capacity.
+    fn plan_import(&self, len: usize) -> Result<Vec<AppendPlan>> {
         let shapes: Vec<Vec<Vec<usize>>> = self
             .spec
             .layers()
@@ -83,22 +123,39 @@ impl KvCache {
                     .collect()
             })
             .collect();
-        let plans = (0..self.spec.n_layers())
+        (0..self.spec.n_layers())
             .filter(|&l| !shapes[l].is_empty())
             .map(|l| {
                 self.ledger
                     .plan_append_with(l, shapes[l].len(), |s| &shapes[l][s])
             })
-            .collect::<Result<Vec<_>>>()?;
+            .collect()
+    }
+
+    /// Commits the planned appends of an import and its `len` rows.
+    fn commit_import(&mut self, plans: Vec<AppendPlan>, len: usize) -> Result<usize> {
         for plan in plans {
-            let [run] = plan.runs();
-            for (slot, rows) in snap.sections[plan.layer].iter().enumerate() {
-                self.write_stored(plan.layer, slot, &[(0, run)], rows);
-            }
             self.ledger.commit_append(plan);
         }
         self.ledger.advance(len)?;
         Ok(len)
+    }
+
+    /// Records copies of staged rows (`(first staged row, run)`) into a slot buffer.
+    pub(crate) fn record_staged(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slot: usize,
+        runs: &[(usize, Run)],
+        staging: &wgpu::Buffer,
+    ) {
+        let sb = &self.slots[layer][slot];
+        for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
+            let (offset, size) = sb.placement.bytes(run);
+            let from = sb.placement.offset(*first);
+            encoder.copy_buffer_to_buffer(staging, from, &sb.buffer, offset, size);
+        }
     }
 
     /// Writes stored rows (the layout of [`KvCache::read_words_async`]) into `runs` of a slot
@@ -128,6 +185,213 @@ impl KvCache {
             let from = first * row_bytes;
             self.queue
                 .write_buffer(&sb.buffer, offset, &rows[from..from + size as usize]);
+        }
+    }
+}
+
+/// Reads `reader` to its end in pieces of 1 MiB, handing each to `push`.
+pub(crate) fn pump(mut reader: impl Read, mut push: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+    let mut piece = vec![0u8; 1 << 20];
+    loop {
+        let n = match reader.read(&mut piece) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(Error::Snapshot {
+                    problem: SnapshotProblem::Read {
+                        reason: e.to_string(),
+                    },
+                });
+            }
+        };
+        push(&piece[..n])?;
+    }
+}
+
+/// A snapshot being restored into an empty cache piece by piece ([`KvCache::import_stream`]).
+pub struct CacheImport<'c> {
+    cache: &'c mut KvCache,
+    stream: SnapshotStream,
+    staged: Option<StagedRows>,
+}
+
+impl std::fmt::Debug for CacheImport<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheImport").finish_non_exhaustive()
+    }
+}
+
+impl CacheImport<'_> {
+    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, and
+    /// the cache is unchanged.
+    pub fn push(&mut self, piece: &[u8]) -> Result<()> {
+        let mut sink = CacheSink {
+            cache: self.cache,
+            staged: &mut self.staged,
+        };
+        self.stream.push(piece, &mut sink)
+    }
+
+    /// Checks the length and the checksum of the whole, then copies the staged rows into the cache
+    /// (in a submission of its own) and commits them. Returns the rows restored.
+    pub fn finish(self) -> Result<usize> {
+        let header = self.stream.finish()?;
+        let plans = self.cache.plan_import(header.len)?;
+        if let Some(mut staged) = self.staged {
+            staged.flush();
+            let mut encoder = self.cache.encoder("kvgpu snapshot import");
+            for plan in &plans {
+                let [run] = plan.runs();
+                for slot in 0..self.cache.slots[plan.layer].len() {
+                    if let Some(buffer) = staged.buffer(plan.layer, slot) {
+                        self.cache.record_staged(
+                            &mut encoder,
+                            plan.layer,
+                            slot,
+                            &[(0, run)],
+                            buffer,
+                        );
+                    }
+                }
+            }
+            self.cache.queue.submit([encoder.finish()]);
+        }
+        self.cache.commit_import(plans, header.len)
+    }
+}
+
+struct CacheSink<'a> {
+    cache: &'a KvCache,
+    staged: &'a mut Option<StagedRows>,
+}
+
+impl RowSink for CacheSink<'_> {
+    fn header(&mut self, header: &SnapshotHeader) -> Result<()> {
+        self.cache.plan_import(header.len)?;
+        *self.staged = Some(StagedRows::new(
+            &self.cache.device,
+            &self.cache.queue,
+            header,
+        ));
+        Ok(())
+    }
+
+    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+        if let Some(staged) = self.staged {
+            staged.rows(layer, slot, offset, bytes);
+        }
+    }
+}
+
+/// Host bytes gathered before a `write_buffer` into staging (whole words), and the bytes written
+/// between two flushing submissions (which let wgpu release its own copies of them).
+const STAGE_PIECE: usize = 1 << 20;
+const SUBMIT_EVERY: u64 = 16 << 20;
+
+/// A streamed snapshot's rows, kept in one GPU staging buffer per slot until the snapshot checks
+/// out. Row padding is written as zeros.
+pub(crate) struct StagedRows {
+    queue: wgpu::Queue,
+    /// Per layer, per slot: its staging buffer (none for no rows), row bytes and element bytes.
+    buffers: Vec<Vec<(Option<wgpu::Buffer>, usize, usize)>>,
+    /// Bytes not yet written, of slot `at.0, at.1` from byte `at.2`.
+    pending: Vec<u8>,
+    at: (usize, usize, u64),
+    unsubmitted: u64,
+}
+
+impl StagedRows {
+    pub(crate) fn new(device: &wgpu::Device, queue: &wgpu::Queue, header: &SnapshotHeader) -> Self {
+        let spec = &header.spec;
+        let buffers = spec
+            .layers()
+            .iter()
+            .map(|layer| {
+                layer
+                    .slots
+                    .iter()
+                    .map(|slot| {
+                        let row_bytes =
+                            crate::codec::padded_row_bytes(slot.row_elems(), spec.dtype());
+                        let size = row_bytes * header.len as u64;
+                        let buffer = (size > 0).then(|| {
+                            device.create_buffer(&wgpu::BufferDescriptor {
+                                label: Some("kvgpu snapshot staging"),
+                                size,
+                                usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+                                mapped_at_creation: false,
+                            })
+                        });
+                        let used = slot.row_elems() * spec.dtype().size();
+                        (buffer, row_bytes as usize, used)
+                    })
+                    .collect()
+            })
+            .collect();
+        Self {
+            queue: queue.clone(),
+            buffers,
+            pending: Vec::new(),
+            at: (0, 0, 0),
+            unsubmitted: 0,
+        }
+    }
+
+    pub(crate) fn buffer(&self, layer: usize, slot: usize) -> Option<&wgpu::Buffer> {
+        self.buffers.get(layer)?.get(slot)?.0.as_ref()
+    }
+
+    /// Bytes `[offset, offset + bytes.len())` of a slot's rows; pieces arrive in order.
+    pub(crate) fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+        let (l, s, at) = self.at;
+        if (l, s) != (layer, slot) || at + self.pending.len() as u64 != offset {
+            self.flush();
+            self.at = (layer, slot, offset);
+        }
+        self.pending.extend_from_slice(bytes);
+        if self.pending.len() >= STAGE_PIECE {
+            self.write(self.pending.len() & !3);
+        }
+    }
+
+    /// Writes every pending byte (a slot's rows end on a whole word).
+    pub(crate) fn flush(&mut self) {
+        debug_assert!(self.pending.len().is_multiple_of(4));
+        self.write(self.pending.len() & !3);
+        self.pending.clear();
+    }
+
+    /// Writes the first `n` pending bytes (a multiple of 4), padding zeroed.
+    fn write(&mut self, n: usize) {
+        let (layer, slot, at) = self.at;
+        let Some((Some(buffer), row_bytes, used)) =
+            self.buffers.get(layer).and_then(|l| l.get(slot))
+        else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        let (row_bytes, used) = (*row_bytes as u64, *used as u64);
+        if used < row_bytes {
+            let end = at + n as u64;
+            let mut row = at - at % row_bytes;
+            while row < end {
+                let (lo, hi) = ((row + used).max(at), (row + row_bytes).min(end));
+                if lo < hi {
+                    self.pending[(lo - at) as usize..(hi - at) as usize].fill(0);
+                }
+                row += row_bytes;
+            }
+        }
+        self.queue.write_buffer(buffer, at, &self.pending[..n]);
+        self.pending.drain(..n);
+        self.at.2 += n as u64;
+        self.unsubmitted += n as u64;
+        if self.unsubmitted >= SUBMIT_EVERY {
+            self.queue.submit(std::iter::empty());
+            self.unsubmitted = 0;
         }
     }
 }

@@ -1,13 +1,15 @@
 //! Snapshots of one sequence of a paged pool: its committed rows gathered through its page table
 //! into the bytes of [`crate::snapshot`], and a snapshot restored as a new sequence.
 
-use std::io::Write;
+use std::io::{Read, Write};
 
-use super::PagedCache;
+use super::ledger::PagedPlan;
+use super::{PageLedger, PagedCache};
+use crate::cache::{StagedRows, pump};
 use crate::device::read_ranges;
 use crate::error::{Error, Result};
 use crate::seq::SeqId;
-use crate::snapshot::{Snapshot, SnapshotWriter};
+use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
 
 impl PagedCache {
     /// Writes a snapshot of the committed rows of `seq` to `out` (as [`crate::KvCache::export_async`]:
@@ -73,8 +75,40 @@ impl PagedCache {
     /// at the next queue submission, like host appends.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
-        let len = snap.header.len;
-        // Planned on a copy of the ledger, which replaces it once everything is written.
+        let plan = self.plan_import(snap.header.len)?;
+        let row = self.take_table_row()?;
+        for p in &plan.plans {
+            for (slot, rows) in snap.sections[p.layer].iter().enumerate() {
+                self.store.write_stored(p.layer, slot, &p.runs, rows);
+            }
+        }
+        Ok(self.commit_import(plan, row))
+    }
+
+    /// [`PagedCache::import_sequence`] of a snapshot that arrives in pieces:
+    /// [`SequenceImport::push`] each piece, then [`SequenceImport::finish`] (as
+    /// [`crate::KvCache::import_stream`]: the rows wait in GPU staging buffers until the whole
+    /// checks out, and a snapshot that is incompatible or needs more pages than are free is refused
+    /// as soon as its header arrives).
+    pub fn import_sequence_stream(&mut self) -> SequenceImport<'_> {
+        SequenceImport {
+            stream: SnapshotStream::new(&self.spec),
+            pool: self,
+            staged: None,
+            plan: None,
+        }
+    }
+
+    /// [`PagedCache::import_sequence_stream`] from a reader (a file), in pieces of 1 MiB.
+    pub fn import_sequence_from(&mut self, reader: impl Read) -> Result<SeqId> {
+        let mut import = self.import_sequence_stream();
+        pump(reader, |piece| import.push(piece))?;
+        import.finish()
+    }
+
+    /// A new sequence of `len` rows in every layer with slots, planned on a copy of the ledger
+    /// (admission, pages, the longest sequence), which replaces it once the rows are written.
+    fn plan_import(&self, len: usize) -> Result<ImportPlan> {
         let mut ledger = self.ledger.clone();
         let seq = ledger.add()?;
         ledger.admits(&[(seq, len)])?;
@@ -93,15 +127,99 @@ impl PagedCache {
             plans.push(plan);
         }
         ledger.advance(seq, len)?;
-        let row = self.take_table_row()?;
-        for plan in &plans {
-            for (slot, rows) in snap.sections[plan.layer].iter().enumerate() {
-                self.store.write_stored(plan.layer, slot, &plan.runs, rows);
+        Ok(ImportPlan { ledger, seq, plans })
+    }
+
+    /// Installs a planned import whose rows are written, in table row `row`.
+    fn commit_import(&mut self, plan: ImportPlan, row: usize) -> SeqId {
+        self.ledger = plan.ledger;
+        self.table_rows.insert(plan.seq, row);
+        self.write_table(plan.seq, 0);
+        plan.seq
+    }
+}
+
+/// A checked import: the ledger with the new sequence, and where its rows go.
+struct ImportPlan {
+    ledger: PageLedger,
+    seq: SeqId,
+    plans: Vec<PagedPlan>,
+}
+
+/// A snapshot being restored as a new pool sequence piece by piece
+/// ([`PagedCache::import_sequence_stream`]).
+pub struct SequenceImport<'p> {
+    pool: &'p mut PagedCache,
+    stream: SnapshotStream,
+    staged: Option<StagedRows>,
+    plan: Option<ImportPlan>,
+}
+
+impl std::fmt::Debug for SequenceImport<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceImport").finish_non_exhaustive()
+    }
+}
+
+impl SequenceImport<'_> {
+    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, and
+    /// the pool is unchanged.
+    pub fn push(&mut self, piece: &[u8]) -> Result<()> {
+        let mut sink = PoolSink {
+            pool: self.pool,
+            staged: &mut self.staged,
+            plan: &mut self.plan,
+        };
+        self.stream.push(piece, &mut sink)
+    }
+
+    /// Checks the length and the checksum of the whole, then copies the staged rows into fresh
+    /// pages (in a submission of its own) and returns the new sequence.
+    pub fn finish(self) -> Result<SeqId> {
+        let header = self.stream.finish()?;
+        let plan = match self.plan {
+            Some(plan) => plan,
+            None => self.pool.plan_import(header.len)?,
+        };
+        let row = self.pool.take_table_row()?;
+        if let Some(mut staged) = self.staged {
+            staged.flush();
+            let mut encoder = self.pool.encoder("kvgpu snapshot import");
+            for p in &plan.plans {
+                for slot in 0..self.pool.spec.layers()[p.layer].slots.len() {
+                    if let Some(buffer) = staged.buffer(p.layer, slot) {
+                        self.pool
+                            .store
+                            .record_staged(&mut encoder, p.layer, slot, &p.runs, buffer);
+                    }
+                }
             }
+            self.pool.queue().submit([encoder.finish()]);
         }
-        self.ledger = ledger;
-        self.table_rows.insert(seq, row);
-        self.write_table(seq, 0);
-        Ok(seq)
+        Ok(self.pool.commit_import(plan, row))
+    }
+}
+
+struct PoolSink<'a> {
+    pool: &'a PagedCache,
+    staged: &'a mut Option<StagedRows>,
+    plan: &'a mut Option<ImportPlan>,
+}
+
+impl RowSink for PoolSink<'_> {
+    fn header(&mut self, header: &SnapshotHeader) -> Result<()> {
+        *self.plan = Some(self.pool.plan_import(header.len)?);
+        *self.staged = Some(StagedRows::new(
+            self.pool.device(),
+            self.pool.queue(),
+            header,
+        ));
+        Ok(())
+    }
+
+    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+        if let Some(staged) = self.staged {
+            staged.rows(layer, slot, offset, bytes);
+        }
     }
 }

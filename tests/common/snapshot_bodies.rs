@@ -631,3 +631,172 @@ pub async fn snapshots_move_between_devices(g: &Gpu) {
     restore_on_another_device(g, &other).await;
     restore_on_another_device(&other, g).await;
 }
+
+/// Pushes `bytes` into a streamed cache import in pseudo-random pieces (some empty, some of one
+/// byte); the first refusal, or the rows restored.
+fn push_cache(c: &mut KvCache, bytes: &[u8], seed: u64) -> Result<usize> {
+    let mut import = c.import_stream()?;
+    for piece in pieces(bytes, seed) {
+        import.push(piece)?;
+    }
+    import.finish()
+}
+
+/// [`push_cache`] for a pool sequence.
+fn push_pool(p: &mut PagedCache, bytes: &[u8], seed: u64) -> Result<SeqId> {
+    let mut import = p.import_sequence_stream();
+    for piece in pieces(bytes, seed) {
+        import.push(piece)?;
+    }
+    import.finish()
+}
+
+/// `bytes` cut into pseudo-random pieces: empty, single bytes, short and long ones.
+fn pieces(bytes: &[u8], seed: u64) -> Vec<&[u8]> {
+    let mut rng = Xorshift::new(seed);
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let n = match rng.below(5) {
+            0 => 0,
+            1 => 1,
+            2 => rng.below(16),
+            3 => rng.below(4096),
+            _ => rng.below(3 << 20),
+        }
+        .min(bytes.len() - at);
+        out.push(&bytes[at..at + n]);
+        at += n;
+    }
+    out
+}
+
+/// Streamed imports (pieces of any size, and `import_from` a reader) restore what whole imports
+/// restore, into caches and pool sequences, for pseudo-random caches of every storage type and a
+/// snapshot of 17 MiB (past the staging piece and the flushing submission); a stream refused at
+/// its header (another shape, no room, too few pages) or at its end (cut short, a flipped bit)
+/// changes nothing.
+pub async fn streamed_imports_match_whole_ones(g: &Gpu) {
+    let mut rng = Xorshift::new(31);
+    for dtype in DType::ALL {
+        for round in 0..4 {
+            let what = format!("{dtype} round {round}");
+            let spec = random_spec(&mut rng, dtype);
+            let mut c = cache_on(g, spec.clone());
+            let len = rng.below(spec.max_seq_len() + 1);
+            fill(&mut c, len, &mut rng);
+            let bytes = c.snapshot_async().await.unwrap();
+            let want = words(&c, len).await;
+            let mut a = cache_on(g, spec.clone());
+            assert_eq!(push_cache(&mut a, &bytes, round).unwrap(), len, "{what}");
+            assert_eq!(words(&a, len).await, want, "{what}: streamed into a cache");
+            let mut b = cache_on(g, spec.clone());
+            b.import_from(std::io::Cursor::new(&bytes)).unwrap();
+            assert_eq!(words(&b, len).await, want, "{what}: from a reader");
+            let mut p = pool(g, spec.clone(), 1 + rng.below(4), len.max(1));
+            let seq = push_pool(&mut p, &bytes, round + 7).unwrap();
+            assert_eq!(
+                seq_words(&p, seq).await,
+                want,
+                "{what}: streamed into a pool"
+            );
+            let seq = p.import_sequence_from(std::io::Cursor::new(&[][..]));
+            assert!(matches!(
+                seq,
+                Err(Error::Snapshot {
+                    problem: SnapshotProblem::Truncated { needed: 16, got: 0 }
+                })
+            ));
+        }
+    }
+
+    // 17 MiB: 70,000 rows of 64 f32, and an odd f16 slot whose padding lands across pieces.
+    let spec = CacheSpec::new(
+        vec![LayerSpec::new(vec![
+            SlotSpec::new("wide", &[64]),
+            SlotSpec::new("odd", &[3]),
+        ])],
+        DType::F32,
+        70_000,
+    )
+    .unwrap();
+    let mut c = cache_on(g, spec.clone());
+    append_random(&mut c, 0, 70_000, 4);
+    c.advance(70_000).unwrap();
+    let bytes = c.snapshot_async().await.unwrap();
+    assert!(bytes.len() > 17 << 20);
+    let mut a = cache_on(g, spec.clone());
+    push_cache(&mut a, &bytes, 3).unwrap();
+    assert_eq!(words(&a, 70_000).await, words(&c, 70_000).await, "17 MiB");
+
+    // Refusals: at the header, and at the end, each leaving the destination as it was.
+    let spec = attention_spec(DType::F16);
+    let mut src = cache_on(g, spec.clone());
+    fill(&mut src, 9, &mut rng);
+    let bytes = src.snapshot_async().await.unwrap();
+    let mut cache = cache_on(g, spec.clone());
+    fill(&mut cache, 4, &mut rng);
+    cache.truncate(0).unwrap();
+    // A pool with room for it, and one with two pages too few.
+    let mut p = pool(g, spec.clone(), PAGE, 8);
+    let mut tight = pool(g, spec.clone(), PAGE, 5);
+    for q in [&mut p, &mut tight] {
+        let held = q.add_sequence().unwrap();
+        grow(q, held, 10, 3);
+    }
+    let (cache_before, pool_before) = (all_words(&cache).await, pool_words(&p).await);
+    let (cache_ledger, pool_ledger) = (cache.ledger().clone(), p.ledger().clone());
+    let (tight_before, tight_ledger) = (pool_words(&tight).await, tight.ledger().clone());
+    let mut flipped = bytes.clone();
+    flipped[bytes.len() - 9] ^= 4;
+    for (what, bad) in [
+        ("cut short", bytes[..bytes.len() - 3].to_vec()),
+        ("a flipped bit", flipped),
+    ] {
+        let e = problem_of(push_cache(&mut cache, &bad, 1), what);
+        assert!(
+            matches!(
+                e,
+                SnapshotProblem::Truncated { .. } | SnapshotProblem::ChecksumMismatch { .. }
+            ),
+            "{what}: {e}"
+        );
+        let e = problem_of(push_pool(&mut p, &bad, 2), what);
+        assert!(
+            matches!(
+                e,
+                SnapshotProblem::Truncated { .. } | SnapshotProblem::ChecksumMismatch { .. }
+            ),
+            "{what}: {e}"
+        );
+    }
+    // Too few pages and too little room are known from the header: the first push refuses.
+    let mut import = tight.import_sequence_stream();
+    let e = import.push(&bytes[..200]).unwrap_err();
+    assert_eq!(e, Error::OutOfPages { needed: 3, free: 2 });
+    assert_eq!(
+        import.push(&bytes[200..]).unwrap_err(),
+        e,
+        "a refusal is final"
+    );
+    assert_eq!(import.finish().unwrap_err(), e);
+    let mut small = cache_on(g, with_capacity(&spec, 8));
+    let mut import = small.import_stream().unwrap();
+    let e = import.push(&bytes).unwrap_err();
+    assert!(matches!(e, Error::CapacityExceeded { .. }), "{e}");
+    let mut other = cache_on(g, attention_spec(DType::BF16));
+    let e = problem_of(push_cache(&mut other, &bytes, 5), "bf16 cache");
+    assert!(matches!(e, SnapshotProblem::DType { .. }), "{e}");
+
+    assert_eq!(cache.ledger(), &cache_ledger, "cache ledger");
+    assert_eq!(p.ledger(), &pool_ledger, "pool ledger");
+    assert_eq!(all_words(&cache).await, cache_before, "cache bytes");
+    assert_eq!(pool_words(&p).await, pool_before, "pool bytes");
+    assert_eq!(tight.ledger(), &tight_ledger, "tight pool ledger");
+    assert_eq!(pool_words(&tight).await, tight_before, "tight pool bytes");
+
+    // A cache that is not empty is refused before anything arrives.
+    append_random(&mut cache, 0, 1, 1);
+    let e = problem_of(cache.import_stream().map(drop), "pending");
+    assert_eq!(e, SnapshotProblem::NotEmpty { len: 0, pending: 1 });
+}

@@ -6,7 +6,11 @@
 //!
 //! The format is documented on [`SnapshotHeader`] (the public face of this module).
 
+mod stream;
+
 use std::io::Write;
+
+pub(crate) use stream::{RowSink, SnapshotStream};
 
 use crate::codec::{DType, padded_row_bytes};
 use crate::error::{Error, Result, SnapshotProblem};
@@ -454,7 +458,7 @@ mod tests {
         assert_eq!(c.finish(), 0xCBF4_3926);
     }
 
-    fn spec(dtype: DType) -> CacheSpec {
+    pub(super) fn spec(dtype: DType) -> CacheSpec {
         CacheSpec::new(
             vec![
                 LayerSpec::kv(2, 3, 3),
@@ -469,7 +473,7 @@ mod tests {
 
     /// A snapshot of `len` rows of pseudo-random stored bytes (zero padding), and where its rows
     /// start.
-    fn fabricated(spec: &CacheSpec, len: usize, seed: u64) -> (Vec<u8>, usize) {
+    pub(super) fn fabricated(spec: &CacheSpec, len: usize, seed: u64) -> (Vec<u8>, usize) {
         let mut out = Vec::new();
         let mut w = SnapshotWriter::new(&mut out, spec, len, 0).unwrap();
         let mut rng = Xorshift::new(seed);
