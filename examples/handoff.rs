@@ -11,6 +11,7 @@
 #![cfg_attr(target_arch = "wasm32", no_main)]
 #![cfg(not(target_arch = "wasm32"))]
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -276,23 +277,29 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
     let gpu = Gpu::from_env_blocking()?;
     println!("adapter: {}", gpu.describe());
     let start = Instant::now();
-    let bytes = std::fs::read(input)?;
-    let header = SnapshotHeader::parse(&bytes)?;
+    // The header (the first few KiB) says the storage type and length...
+    let mut prefix = Vec::new();
+    std::fs::File::open(input)?
+        .take(1 << 20)
+        .read_to_end(&mut prefix)?;
+    let header = SnapshotHeader::parse(&prefix)?;
     let (len, dtype) = (header.len, header.spec.dtype());
-    // The model's own shapes, with room for the decode: a snapshot of another model is refused.
+    // ...and the cache has the model's own shapes, with room for the decode: a snapshot of another
+    // model is refused as soon as its header arrives.
     let spec = CacheSpec::preset(model.name(), dtype, len + tokens)?;
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
-    cache.import(&bytes)?;
+    // Streamed from the file in pieces, checked as they arrive, committed once the checksum holds.
+    cache.import_from(std::fs::File::open(input)?)?;
     gpu.device.poll(wgpu::PollType::wait_indefinitely())?;
     let secs = start.elapsed().as_secs_f64();
+    let size = header.total_bytes();
     println!(
-        "restore: {} bytes ({:.2} MiB), {len} tokens of {} {dtype} read and uploaded in {:.3} s \
-         ({:.1} MiB/s)",
-        bytes.len(),
-        mib(bytes.len() as u64),
+        "restore: {size} bytes ({:.2} MiB), {len} tokens of {} {dtype} streamed and uploaded in \
+         {:.3} s ({:.1} MiB/s)",
+        mib(size),
         model.name(),
         secs,
-        mib(bytes.len() as u64) / secs.max(1e-9)
+        mib(size) / secs.max(1e-9)
     );
     // Every restored row, bit for bit, against the rows regenerated on the host.
     let mut ok = true;
