@@ -6,6 +6,7 @@ mod read;
 mod slabs;
 mod snapshot;
 mod source;
+mod staged;
 mod zero;
 
 use std::sync::{Arc, OnceLock};
@@ -18,7 +19,8 @@ use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
 pub use slabs::{GpuSlab, HostSlab, SlotView};
 pub use snapshot::CacheImport;
-pub(crate) use snapshot::{StagedRows, pump};
+pub(crate) use snapshot::pump;
+pub(crate) use staged::StagedRows;
 use zero::ZeroRange;
 
 struct SlotBuffer {
