@@ -247,6 +247,18 @@ pub(crate) async fn read_range(
     offset: u64,
     size: u64,
 ) -> std::result::Result<Vec<u8>, String> {
+    read_ranges(device, queue, buffer, &[(offset, size)]).await
+}
+
+/// Copies checked ranges `(offset, size)` of `buffer` to the host, one after the other, in one
+/// submission and one map (a sequence's pages gathered from a pool buffer, say).
+pub(crate) async fn read_ranges(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    buffer: &wgpu::Buffer,
+    ranges: &[(u64, u64)],
+) -> std::result::Result<Vec<u8>, String> {
+    let size: u64 = ranges.iter().map(|r| r.1).sum();
     if size == 0 {
         return Ok(Vec::new());
     }
@@ -263,7 +275,11 @@ pub(crate) async fn read_range(
     let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
         label: Some("kvgpu readback"),
     });
-    encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, size);
+    let mut at = 0;
+    for &(offset, n) in ranges.iter().filter(|r| r.1 > 0) {
+        encoder.copy_buffer_to_buffer(buffer, offset, &staging, at, n);
+        at += n;
+    }
     let commands = encoder.finish();
     if let Some(e) = scope.pop().await {
         return Err(format!("wgpu refused the copy: {e}"));

@@ -326,6 +326,77 @@ pub enum Error {
         layer: usize,
         problem: AttentionProblem,
     },
+
+    /// A snapshot that cannot be written, read or restored here: truncated, corrupt, of another
+    /// format version, of an incompatible spec, or a destination that is not empty.
+    #[error("snapshot: {problem}")]
+    Snapshot { problem: SnapshotProblem },
+}
+
+/// Why a snapshot is refused ([`Error::Snapshot`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SnapshotProblem {
+    /// The bytes do not start with the snapshot magic `KVGPUSNP`.
+    #[error("not a kvgpu snapshot (the bytes do not start with KVGPUSNP)")]
+    BadMagic,
+    /// A format version this kvgpu does not read.
+    #[error("format version {found}; this kvgpu reads version {supported}")]
+    UnsupportedVersion { found: u32, supported: u32 },
+    /// The bytes end before the snapshot does.
+    #[error("truncated: {got} bytes, but at least {needed} are needed")]
+    Truncated { needed: u64, got: u64 },
+    /// Bytes follow the end of the snapshot.
+    #[error("{got} bytes, but the snapshot ends after {expected}")]
+    TrailingBytes { expected: u64, got: u64 },
+    /// A stored checksum differs from the bytes' (`section`: `header` or `snapshot`).
+    #[error(
+        "the {section} checksum is {stored:#010x} but the bytes give {computed:#010x}: corrupt"
+    )]
+    ChecksumMismatch {
+        section: &'static str,
+        stored: u32,
+        computed: u32,
+    },
+    /// A header whose checksum is right but whose contents are not a cache spec.
+    #[error("malformed header: {detail}")]
+    MalformedHeader { detail: String },
+    /// The snapshot's storage type differs from the destination's (no conversion is offered).
+    #[error("it stores {snapshot} and the destination stores {cache}; no conversion is offered")]
+    DType { snapshot: DType, cache: DType },
+    /// The snapshot has another number of layers than the destination.
+    #[error("it has {snapshot} layers and the destination {cache}")]
+    LayerCount { snapshot: usize, cache: usize },
+    /// A layer with another number of slots than the destination's.
+    #[error("layer {layer} has {snapshot} slots in the snapshot and {cache} in the destination")]
+    SlotCount {
+        layer: usize,
+        snapshot: usize,
+        cache: usize,
+    },
+    /// A slot with another trailing shape than the destination's.
+    #[error(
+        "layer {layer} slot {slot} has trailing shape {snapshot:?} in the snapshot and {cache:?} in \
+         the destination"
+    )]
+    SlotShape {
+        layer: usize,
+        slot: usize,
+        snapshot: Vec<usize>,
+        cache: Vec<usize>,
+    },
+    /// A single-sequence cache restores only into an empty cache (`reset_fast` it first).
+    #[error(
+        "the destination cache holds {len} committed and {pending} pending rows; a snapshot \
+         restores into an empty cache (reset it first)"
+    )]
+    NotEmpty { len: usize, pending: usize },
+    /// The writer the snapshot was exported to failed.
+    #[error("writing failed: {reason}")]
+    Write { reason: String },
+    /// The reader a snapshot was imported from failed.
+    #[error("reading failed: {reason}")]
+    Read { reason: String },
 }
 
 /// Why a GPU source cannot be read as described ([`Error::SourceLayout`]).

@@ -62,6 +62,14 @@
 //! that return pages, an admission check, and attention through the page tables over one sequence
 //! ([`Kv::Sequence`]) or a ragged batch of sequences in one dispatch pair ([`Kv::Batch`]).
 //!
+//! A sequence moves between processes, machines and backends as a snapshot: a versioned,
+//! checksummed byte format of its committed rows ([`KvCache::export_async`],
+//! [`PagedCache::export_sequence_async`]) that restores bit for bit into an empty cache or as a new
+//! pool sequence of the same storage type and slot shapes ([`KvCache::import`],
+//! [`PagedCache::import_sequence`], or piece by piece with [`KvCache::import_stream`] and
+//! [`PagedCache::import_sequence_stream`]); truncated, corrupt or incompatible bytes are refused with
+//! [`Error::Snapshot`] and change nothing. [`SnapshotHeader`] documents the format.
+//!
 //! Ordering: host appends take effect at the next queue submission, before the commands submitted with
 //! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
 //! rows that must survive it. Any number of operations may be recorded between two submissions: every
@@ -82,6 +90,7 @@ mod paged;
 mod placement;
 pub mod reference;
 mod seq;
+mod snapshot;
 mod spec;
 mod verify;
 
@@ -90,17 +99,19 @@ mod verify;
 pub use wgpu;
 
 pub use attention::{Attention, AttentionOptions, KernelChoice, Kv, MlaQueries, Output, Queries};
-pub use cache::{GpuSlab, HostSlab, KvCache, SlotView};
+pub use cache::{CacheImport, GpuSlab, HostSlab, KvCache, SlotView};
 pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]
 pub use device::read_buffer;
 pub use device::{Gpu, INSTALL_HINT, read_buffer_async};
 pub use error::{
-    AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SourceProblem, SpecProblem,
+    AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SnapshotProblem, SourceProblem,
+    SpecProblem,
 };
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger, SeqId};
-pub use paged::{PageLedger, PagedCache, ScatterChoice};
+pub use paged::{PageLedger, PagedCache, ScatterChoice, SequenceImport};
 pub use placement::Run;
+pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
 pub use verify::verify_buffer;

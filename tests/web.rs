@@ -2,8 +2,9 @@
 //! wasm32-unknown-unknown`, flags in `webdriver.json`; `.ci/browser` runs it with a longer timeout).
 //! Every test opens the browser's adapter and fails when there is none. The tests run the async
 //! bodies of `common/` that the native suites run too (`tests/core.rs`, `gpu_source.rs`,
-//! `attention.rs`, `limits.rs`, `safety.rs`), with the same helpers and the one tolerance
-//! `shared::TOL`; a check that cannot run in a browser is an ignored test that says why.
+//! `attention.rs`, `limits.rs`, `safety.rs`, `paged.rs`, `snapshot.rs`), with the same helpers and
+//! the one tolerance `shared::TOL`; a check that cannot run in a browser is an ignored test that
+//! says why.
 #![cfg(target_arch = "wasm32")]
 
 #[path = "common/shared.rs"]
@@ -129,6 +130,18 @@ browser_tests!(paged_bodies:
     batched_appends_match_one_by_one,
     many_sequences_grow_the_page_table,
     scattered_appends_take_every_source,
+);
+
+// tests/snapshot.rs (its Vulkan-to-OpenGL test is native only; here snapshots move between two
+// WebGPU devices, and the pinned bytes of a seeded cache show SwiftShader writes what Vulkan and
+// OpenGL write).
+browser_tests!(snapshot_bodies:
+    snapshots_round_trip_bit_for_bit,
+    pool_sequences_and_forks_round_trip,
+    refused_snapshots_change_nothing,
+    snapshots_move_between_devices,
+    the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend,
+    streamed_imports_match_whole_ones,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

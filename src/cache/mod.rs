@@ -5,7 +5,9 @@ mod gpu_append;
 mod read;
 mod scatter;
 mod slabs;
+mod snapshot;
 mod source;
+mod staged;
 mod zero;
 
 use std::sync::{Arc, OnceLock};
@@ -17,6 +19,9 @@ use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
 pub use slabs::{GpuSlab, HostSlab, SlotView};
+pub use snapshot::CacheImport;
+pub(crate) use snapshot::pump;
+pub(crate) use staged::StagedRows;
 use zero::ZeroRange;
 
 struct SlotBuffer {

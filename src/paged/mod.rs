@@ -14,6 +14,7 @@
 //! appends to its forks.
 
 mod ledger;
+mod snapshot;
 
 use std::sync::Arc;
 
@@ -27,6 +28,7 @@ use crate::seq::SeqId;
 use crate::spec::{CacheSpec, DeviceLimits};
 pub use ledger::PageLedger;
 use ledger::{PageCopy, PagedPlan};
+pub use snapshot::SequenceImport;
 use std::collections::BTreeMap;
 
 /// Many sequences in one pool of GPU memory; see the module docs.

@@ -1,0 +1,286 @@
+//! Snapshots of a single-sequence cache: its committed rows exported as the bytes of
+//! [`crate::snapshot`], and restored into an empty cache of a compatible spec.
+
+use std::io::{Read, Write};
+
+use super::KvCache;
+use super::staged::StagedRows;
+use crate::device::read_range;
+use crate::error::{Error, Result, SnapshotProblem};
+use crate::ledger::AppendPlan;
+use crate::placement::Run;
+use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
+
+impl KvCache {
+    /// Writes a snapshot of the committed rows to `out` and returns its length in bytes. Pending
+    /// rows of the current step are not part of it. The rows are read back one slot at a time, so
+    /// besides what `out` keeps at most one slot's committed rows are held on the host.
+    pub async fn export_async<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
+        let len = self.len();
+        let mut writer = SnapshotWriter::new(out, &self.spec, len, 0)?;
+        for (layer, slots) in self.slots.iter().enumerate() {
+            for (slot, sb) in slots.iter().enumerate() {
+                let size = sb.placement.offset(len);
+                let rows = read_range(&self.device, &self.queue, &sb.buffer, 0, size)
+                    .await
+                    .map_err(|reason| Error::Readback {
+                        layer,
+                        slot,
+                        reason,
+                    })?;
+                writer.rows(&rows)?;
+            }
+        }
+        writer.finish()
+    }
+
+    /// A snapshot of the committed rows (see [`KvCache::export_async`]) in one `Vec`.
+    pub async fn snapshot_async(&self) -> Result<Vec<u8>> {
+        let mut bytes = Vec::new();
+        self.export_async(&mut bytes).await?;
+        Ok(bytes)
+    }
+
+    /// [`KvCache::export_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn export<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
+        pollster::block_on(self.export_async(out))
+    }
+
+    /// [`KvCache::snapshot_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn snapshot(&self) -> Result<Vec<u8>> {
+        pollster::block_on(self.snapshot_async())
+    }
+
+    /// Restores a snapshot into this cache, which must be empty (no committed or pending rows):
+    /// afterwards it holds the snapshot's rows, bit for bit, and its length. Everything is checked
+    /// first — the bytes ([`Error::Snapshot`]: truncated, corrupt, another version, another
+    /// storage type or shape, a cache that is not empty) and the capacity
+    /// ([`Error::CapacityExceeded`]) — and a refusal changes nothing. The rows reach the GPU at the
+    /// next queue submission, like host appends. Returns the rows restored.
+    pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
+        let snap = Snapshot::parse_for(bytes, &self.spec)?;
+        self.check_empty()?;
+        let plans = self.plan_import(snap.header.len)?;
+        for plan in &plans {
+            let [run] = plan.runs();
+            for (slot, rows) in snap.sections[plan.layer].iter().enumerate() {
+                self.write_stored(plan.layer, slot, &[(0, run)], rows);
+            }
+        }
+        self.commit_import(plans, snap.header.len)
+    }
+
+    /// [`KvCache::import`] of a snapshot that arrives in pieces: [`CacheImport::push`] each piece,
+    /// then [`CacheImport::finish`]. The host holds one piece (and a word) at a time; the rows wait
+    /// in GPU staging buffers (as large as the snapshot's rows) until the whole snapshot checks out,
+    /// and only then are copied into the cache, so a refusal still changes nothing. A snapshot of
+    /// another storage type or shape, and one that does not fit, are refused as soon as its header
+    /// arrives.
+    pub fn import_stream(&mut self) -> Result<CacheImport<'_>> {
+        self.check_empty()?;
+        Ok(CacheImport {
+            stream: SnapshotStream::new(&self.spec),
+            cache: self,
+            staged: None,
+        })
+    }
+
+    /// [`KvCache::import_stream`] from a reader (a file), in pieces of 1 MiB.
+    pub fn import_from(&mut self, reader: impl Read) -> Result<usize> {
+        let mut import = self.import_stream()?;
+        pump(reader, |piece| import.push(piece))?;
+        import.finish()
+    }
+
+    /// Refuses a cache with committed or pending rows.
+    fn check_empty(&self) -> Result<()> {
+        let pending = (0..self.spec.n_layers())
+            .filter_map(|l| self.ledger.pending(l).ok())
+            .max()
+            .unwrap_or(0);
+        if !self.is_empty() || pending > 0 {
+            return Err(Error::Snapshot {
+                problem: SnapshotProblem::NotEmpty {
+                    len: self.len(),
+                    pending,
+                },
+            });
+        }
+        Ok(())
+    }
+
+    /// The appends of `len` rows to every layer with slots, checked against the capacity.
+    fn plan_import(&self, len: usize) -> Result<Vec<AppendPlan>> {
+        let shapes: Vec<Vec<Vec<usize>>> = self
+            .spec
+            .layers()
+            .iter()
+            .map(|l| {
+                l.slots
+                    .iter()
+                    .map(|s| [&[len][..], &s.trailing].concat())
+                    .collect()
+            })
+            .collect();
+        (0..self.spec.n_layers())
+            .filter(|&l| !shapes[l].is_empty())
+            .map(|l| {
+                self.ledger
+                    .plan_append_with(l, shapes[l].len(), |s| &shapes[l][s])
+            })
+            .collect()
+    }
+
+    /// Commits the planned appends of an import and its `len` rows.
+    fn commit_import(&mut self, plans: Vec<AppendPlan>, len: usize) -> Result<usize> {
+        for plan in plans {
+            self.ledger.commit_append(plan);
+        }
+        self.ledger.advance(len)?;
+        Ok(len)
+    }
+
+    /// Records copies of staged rows (`(first staged row, run)`) into a slot buffer.
+    pub(crate) fn record_staged(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slot: usize,
+        runs: &[(usize, Run)],
+        staging: &wgpu::Buffer,
+    ) {
+        let sb = &self.slots[layer][slot];
+        for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
+            let (offset, size) = sb.placement.bytes(run);
+            let from = sb.placement.offset(*first);
+            encoder.copy_buffer_to_buffer(staging, from, &sb.buffer, offset, size);
+        }
+    }
+
+    /// Writes stored rows (the layout of [`KvCache::read_words_async`]) into `runs` of a slot
+    /// buffer (`(first row of rows, run)`), with any row padding written as zeros.
+    pub(crate) fn write_stored(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        runs: &[(usize, Run)],
+        rows: &[u8],
+    ) {
+        let sb = &self.slots[layer][slot];
+        let row_bytes = sb.placement.row_bytes as usize;
+        let used = sb.row_elems * self.spec.dtype().size();
+        let rows = if used < row_bytes {
+            self.scratch.clear();
+            self.scratch.extend_from_slice(rows);
+            for row in self.scratch.chunks_exact_mut(row_bytes) {
+                row[used..].fill(0);
+            }
+            &self.scratch[..]
+        } else {
+            rows
+        };
+        for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
+            let (offset, size) = sb.placement.bytes(run);
+            let from = first * row_bytes;
+            self.queue
+                .write_buffer(&sb.buffer, offset, &rows[from..from + size as usize]);
+        }
+    }
+}
+
+/// Reads `reader` to its end in pieces of 1 MiB, handing each to `push`.
+pub(crate) fn pump(mut reader: impl Read, mut push: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+    let mut piece = vec![0u8; 1 << 20];
+    loop {
+        let n = match reader.read(&mut piece) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(Error::Snapshot {
+                    problem: SnapshotProblem::Read {
+                        reason: e.to_string(),
+                    },
+                });
+            }
+        };
+        push(&piece[..n])?;
+    }
+}
+
+/// A snapshot being restored into an empty cache piece by piece ([`KvCache::import_stream`]).
+pub struct CacheImport<'c> {
+    cache: &'c mut KvCache,
+    stream: SnapshotStream,
+    staged: Option<StagedRows>,
+}
+
+impl std::fmt::Debug for CacheImport<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CacheImport").finish_non_exhaustive()
+    }
+}
+
+impl CacheImport<'_> {
+    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, and
+    /// the cache is unchanged.
+    pub fn push(&mut self, piece: &[u8]) -> Result<()> {
+        let mut sink = CacheSink {
+            cache: self.cache,
+            staged: &mut self.staged,
+        };
+        self.stream.push(piece, &mut sink)
+    }
+
+    /// Checks the length and the checksum of the whole, then copies the staged rows into the cache
+    /// (in a submission of its own) and commits them. Returns the rows restored.
+    pub fn finish(self) -> Result<usize> {
+        let header = self.stream.finish()?;
+        let plans = self.cache.plan_import(header.len)?;
+        if let Some(mut staged) = self.staged {
+            staged.flush();
+            let mut encoder = self.cache.encoder("kvgpu snapshot import");
+            for plan in &plans {
+                let [run] = plan.runs();
+                for slot in 0..self.cache.slots[plan.layer].len() {
+                    if let Some(buffer) = staged.buffer(plan.layer, slot) {
+                        self.cache.record_staged(
+                            &mut encoder,
+                            plan.layer,
+                            slot,
+                            &[(0, run)],
+                            buffer,
+                        );
+                    }
+                }
+            }
+            self.cache.queue.submit([encoder.finish()]);
+        }
+        self.cache.commit_import(plans, header.len)
+    }
+}
+
+struct CacheSink<'a> {
+    cache: &'a KvCache,
+    staged: &'a mut Option<StagedRows>,
+}
+
+impl RowSink for CacheSink<'_> {
+    fn header(&mut self, header: &SnapshotHeader) -> Result<()> {
+        self.cache.plan_import(header.len)?;
+        *self.staged = Some(StagedRows::new(
+            &self.cache.device,
+            &self.cache.queue,
+            header,
+        ));
+        Ok(())
+    }
+
+    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+        if let Some(staged) = self.staged {
+            staged.rows(layer, slot, offset, bytes);
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! A streamed snapshot's rows on their way into a cache: kept in GPU staging buffers, one per
+//! slot, until the whole snapshot checks out, then copied into place by the caller.
+
+use crate::codec::padded_row_bytes;
+use crate::snapshot::SnapshotHeader;
+
+/// Host bytes gathered before a `write_buffer` into staging (whole words), and the bytes written
+/// between two flushing submissions (which let wgpu release its own copies of them).
+const STAGE_PIECE: usize = 1 << 20;
+const SUBMIT_EVERY: u64 = 16 << 20;
+
+/// A streamed snapshot's rows, kept in one GPU staging buffer per slot until the snapshot checks
+/// out. Row padding is written as zeros.
+pub(crate) struct StagedRows {
+    queue: wgpu::Queue,
+    /// Per layer, per slot: its staging buffer (none for no rows), row bytes and element bytes.
+    buffers: Vec<Vec<(Option<wgpu::Buffer>, usize, usize)>>,
+    /// Bytes not yet written, of slot `at.0, at.1` from byte `at.2`.
+    pending: Vec<u8>,
+    at: (usize, usize, u64),
+    unsubmitted: u64,
+}
+
+impl StagedRows {
+    pub(crate) fn new(device: &wgpu::Device, queue: &wgpu::Queue, header: &SnapshotHeader) -> Self {
+        let spec = &header.spec;
+        let buffers = spec
+            .layers()
+            .iter()
+            .map(|layer| {
+                layer
+                    .slots
+                    .iter()
+                    .map(|slot| {
+                        let row_bytes = padded_row_bytes(slot.row_elems(), spec.dtype());
+                        let size = row_bytes * header.len as u64;
+                        let buffer = (size > 0).then(|| {
+                            device.create_buffer(&wgpu::BufferDescriptor {
+                                label: Some("kvgpu snapshot staging"),
+                                size,
+                                usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+                                mapped_at_creation: false,
+                            })
+                        });
+                        let used = slot.row_elems() * spec.dtype().size();
+                        (buffer, row_bytes as usize, used)
+                    })
+                    .collect()
+            })
+            .collect();
+        Self {
+            queue: queue.clone(),
+            buffers,
+            pending: Vec::new(),
+            at: (0, 0, 0),
+            unsubmitted: 0,
+        }
+    }
+
+    pub(crate) fn buffer(&self, layer: usize, slot: usize) -> Option<&wgpu::Buffer> {
+        self.buffers.get(layer)?.get(slot)?.0.as_ref()
+    }
+
+    /// Bytes `[offset, offset + bytes.len())` of a slot's rows; pieces arrive in order.
+    pub(crate) fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+        let (l, s, at) = self.at;
+        if (l, s) != (layer, slot) || at + self.pending.len() as u64 != offset {
+            self.flush();
+            self.at = (layer, slot, offset);
+        }
+        self.pending.extend_from_slice(bytes);
+        if self.pending.len() >= STAGE_PIECE {
+            self.write(self.pending.len() & !3);
+        }
+    }
+
+    /// Writes every pending byte (a slot's rows end on a whole word).
+    pub(crate) fn flush(&mut self) {
+        debug_assert!(self.pending.len().is_multiple_of(4));
+        self.write(self.pending.len() & !3);
+        self.pending.clear();
+    }
+
+    /// Writes the first `n` pending bytes (a multiple of 4), padding zeroed.
+    fn write(&mut self, n: usize) {
+        let (layer, slot, at) = self.at;
+        let Some((Some(buffer), row_bytes, used)) =
+            self.buffers.get(layer).and_then(|l| l.get(slot))
+        else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        let (row_bytes, used) = (*row_bytes as u64, *used as u64);
+        if used < row_bytes {
+            let end = at + n as u64;
+            let mut row = at - at % row_bytes;
+            while row < end {
+                let (lo, hi) = ((row + used).max(at), (row + row_bytes).min(end));
+                if lo < hi {
+                    self.pending[(lo - at) as usize..(hi - at) as usize].fill(0);
+                }
+                row += row_bytes;
+            }
+        }
+        self.queue.write_buffer(buffer, at, &self.pending[..n]);
+        self.pending.drain(..n);
+        self.at.2 += n as u64;
+        self.unsubmitted += n as u64;
+        if self.unsubmitted >= SUBMIT_EVERY {
+            self.queue.submit(std::iter::empty());
+            self.unsubmitted = 0;
+        }
+    }
+}

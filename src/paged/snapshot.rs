@@ -1,0 +1,225 @@
+//! Snapshots of one sequence of a paged pool: its committed rows gathered through its page table
+//! into the bytes of [`crate::snapshot`], and a snapshot restored as a new sequence.
+
+use std::io::{Read, Write};
+
+use super::ledger::PagedPlan;
+use super::{PageLedger, PagedCache};
+use crate::cache::{StagedRows, pump};
+use crate::device::read_ranges;
+use crate::error::{Error, Result};
+use crate::seq::SeqId;
+use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
+
+impl PagedCache {
+    /// Writes a snapshot of the committed rows of `seq` to `out` (as [`crate::KvCache::export_async`]:
+    /// pending rows are not part of it) and returns its length in bytes. Each slot's rows are
+    /// gathered from the sequence's pages on the GPU and read back in one map, one slot at a time.
+    pub async fn export_sequence_async<W: Write + ?Sized>(
+        &self,
+        seq: SeqId,
+        out: &mut W,
+    ) -> Result<u64> {
+        let len = self.ledger.len(seq)?;
+        let pages = self.ledger.pages(seq)?;
+        let p = self.page_size();
+        let mut writer = SnapshotWriter::new(out, &self.spec, len, p)?;
+        for layer in 0..self.spec.n_layers() {
+            for slot in 0..self.spec.layers()[layer].slots.len() {
+                let view = self.store.full_view(layer, slot)?;
+                let row_bytes = view.row_bytes;
+                let ranges: Vec<(u64, u64)> = (0..len.div_ceil(p))
+                    .map(|i| {
+                        let rows = (len - i * p).min(p) as u64;
+                        let first = pages[i] as u64 * p as u64;
+                        (first * row_bytes, rows * row_bytes)
+                    })
+                    .collect();
+                let rows = read_ranges(self.device(), self.queue(), view.buffer, &ranges)
+                    .await
+                    .map_err(|reason| Error::Readback {
+                        layer,
+                        slot,
+                        reason,
+                    })?;
+                writer.rows(&rows)?;
+            }
+        }
+        writer.finish()
+    }
+
+    /// A snapshot of `seq` (see [`PagedCache::export_sequence_async`]) in one `Vec`.
+    pub async fn snapshot_sequence_async(&self, seq: SeqId) -> Result<Vec<u8>> {
+        let mut bytes = Vec::new();
+        self.export_sequence_async(seq, &mut bytes).await?;
+        Ok(bytes)
+    }
+
+    /// [`PagedCache::export_sequence_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn export_sequence<W: Write + ?Sized>(&self, seq: SeqId, out: &mut W) -> Result<u64> {
+        pollster::block_on(self.export_sequence_async(seq, out))
+    }
+
+    /// [`PagedCache::snapshot_sequence_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn snapshot_sequence(&self, seq: SeqId) -> Result<Vec<u8>> {
+        pollster::block_on(self.snapshot_sequence_async(seq))
+    }
+
+    /// Restores a snapshot (of a pool's sequence or of a single-sequence cache; the page size may
+    /// differ) as a new sequence of fresh pages, holding its rows bit for bit. Everything is checked
+    /// first — the bytes ([`Error::Snapshot`]), the pages and the longest sequence (as
+    /// [`PagedCache::admits`]: [`Error::OutOfPages`], [`Error::CapacityExceeded`]) and the page
+    /// table ([`Error::TooManySequences`]) — and a refusal changes nothing. The rows reach the GPU
+    /// at the next queue submission, like host appends.
+    pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
+        let snap = Snapshot::parse_for(bytes, &self.spec)?;
+        let plan = self.plan_import(snap.header.len)?;
+        let row = self.take_table_row()?;
+        for p in &plan.plans {
+            for (slot, rows) in snap.sections[p.layer].iter().enumerate() {
+                self.store.write_stored(p.layer, slot, &p.runs, rows);
+            }
+        }
+        Ok(self.commit_import(plan, row))
+    }
+
+    /// [`PagedCache::import_sequence`] of a snapshot that arrives in pieces:
+    /// [`SequenceImport::push`] each piece, then [`SequenceImport::finish`] (as
+    /// [`crate::KvCache::import_stream`]: the rows wait in GPU staging buffers until the whole
+    /// checks out, and a snapshot that is incompatible or needs more pages than are free is refused
+    /// as soon as its header arrives).
+    pub fn import_sequence_stream(&mut self) -> SequenceImport<'_> {
+        SequenceImport {
+            stream: SnapshotStream::new(&self.spec),
+            pool: self,
+            staged: None,
+            plan: None,
+        }
+    }
+
+    /// [`PagedCache::import_sequence_stream`] from a reader (a file), in pieces of 1 MiB.
+    pub fn import_sequence_from(&mut self, reader: impl Read) -> Result<SeqId> {
+        let mut import = self.import_sequence_stream();
+        pump(reader, |piece| import.push(piece))?;
+        import.finish()
+    }
+
+    /// A new sequence of `len` rows in every layer with slots, planned on a copy of the ledger
+    /// (admission, pages, the longest sequence), which replaces it once the rows are written.
+    fn plan_import(&self, len: usize) -> Result<ImportPlan> {
+        let mut ledger = self.ledger.clone();
+        let seq = ledger.add()?;
+        ledger.admits(&[(seq, len)])?;
+        let mut plans = Vec::new();
+        for (layer, spec) in self.spec.layers().iter().enumerate() {
+            if spec.slots.is_empty() {
+                continue;
+            }
+            let shapes: Vec<Vec<usize>> = spec
+                .slots
+                .iter()
+                .map(|s| [&[len][..], &s.trailing].concat())
+                .collect();
+            let plan = ledger.plan_append(seq, layer, shapes.len(), |s| &shapes[s])?;
+            ledger.commit_append(&plan);
+            plans.push(plan);
+        }
+        ledger.advance(seq, len)?;
+        Ok(ImportPlan { ledger, seq, plans })
+    }
+
+    /// Installs a planned import whose rows are written, in table row `row`.
+    fn commit_import(&mut self, plan: ImportPlan, row: usize) -> SeqId {
+        self.ledger = plan.ledger;
+        self.table_rows.insert(plan.seq, row);
+        self.write_table(plan.seq, 0);
+        plan.seq
+    }
+}
+
+/// A checked import: the ledger with the new sequence, and where its rows go.
+struct ImportPlan {
+    ledger: PageLedger,
+    seq: SeqId,
+    plans: Vec<PagedPlan>,
+}
+
+/// A snapshot being restored as a new pool sequence piece by piece
+/// ([`PagedCache::import_sequence_stream`]).
+pub struct SequenceImport<'p> {
+    pool: &'p mut PagedCache,
+    stream: SnapshotStream,
+    staged: Option<StagedRows>,
+    plan: Option<ImportPlan>,
+}
+
+impl std::fmt::Debug for SequenceImport<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceImport").finish_non_exhaustive()
+    }
+}
+
+impl SequenceImport<'_> {
+    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, and
+    /// the pool is unchanged.
+    pub fn push(&mut self, piece: &[u8]) -> Result<()> {
+        let mut sink = PoolSink {
+            pool: self.pool,
+            staged: &mut self.staged,
+            plan: &mut self.plan,
+        };
+        self.stream.push(piece, &mut sink)
+    }
+
+    /// Checks the length and the checksum of the whole, then copies the staged rows into fresh
+    /// pages (in a submission of its own) and returns the new sequence.
+    pub fn finish(self) -> Result<SeqId> {
+        let header = self.stream.finish()?;
+        let plan = match self.plan {
+            Some(plan) => plan,
+            None => self.pool.plan_import(header.len)?,
+        };
+        let row = self.pool.take_table_row()?;
+        if let Some(mut staged) = self.staged {
+            staged.flush();
+            let mut encoder = self.pool.encoder("kvgpu snapshot import");
+            for p in &plan.plans {
+                for slot in 0..self.pool.spec.layers()[p.layer].slots.len() {
+                    if let Some(buffer) = staged.buffer(p.layer, slot) {
+                        self.pool
+                            .store
+                            .record_staged(&mut encoder, p.layer, slot, &p.runs, buffer);
+                    }
+                }
+            }
+            self.pool.queue().submit([encoder.finish()]);
+        }
+        Ok(self.pool.commit_import(plan, row))
+    }
+}
+
+struct PoolSink<'a> {
+    pool: &'a PagedCache,
+    staged: &'a mut Option<StagedRows>,
+    plan: &'a mut Option<ImportPlan>,
+}
+
+impl RowSink for PoolSink<'_> {
+    fn header(&mut self, header: &SnapshotHeader) -> Result<()> {
+        *self.plan = Some(self.pool.plan_import(header.len)?);
+        *self.staged = Some(StagedRows::new(
+            self.pool.device(),
+            self.pool.queue(),
+            header,
+        ));
+        Ok(())
+    }
+
+    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+        if let Some(staged) = self.staged {
+            staged.rows(layer, slot, offset, bytes);
+        }
+    }
+}

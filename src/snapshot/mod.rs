@@ -1,0 +1,763 @@
+//! Snapshots: one sequence's committed rows as a versioned, checksummed byte format that restores
+//! bit for bit into any cache or pool of a compatible spec, on any backend. This module owns the
+//! format (writing, parsing, checking); the caches read and write the rows
+//! ([`crate::KvCache::export_async`], [`crate::KvCache::import`],
+//! [`crate::PagedCache::export_sequence_async`], [`crate::PagedCache::import_sequence`]). No wgpu.
+//!
+//! The format is documented on [`SnapshotHeader`] (the public face of this module).
+
+mod stream;
+
+use std::io::Write;
+
+pub(crate) use stream::{RowSink, SnapshotStream};
+
+use crate::codec::{DType, padded_row_bytes};
+use crate::error::{Error, Result, SnapshotProblem};
+use crate::spec::{CacheSpec, LayerSpec, SlotSpec};
+
+/// The first 8 bytes of every snapshot.
+pub const SNAPSHOT_MAGIC: [u8; 8] = *b"KVGPUSNP";
+
+/// The format version this kvgpu writes and reads.
+pub const SNAPSHOT_VERSION: u32 = 1;
+
+/// Magic, version and header length: the bytes before the header.
+const PREFIX: usize = 16;
+
+/// What a snapshot's header says: the source's spec, its committed rows and page size.
+///
+/// # Format, version 1
+/// Little-endian throughout.
+///
+/// | bytes | field |
+/// |---|---|
+/// | 8 | magic `KVGPUSNP` |
+/// | 4 | format version (`u32`, 1) |
+/// | 4 | header length `h` (`u32`): the bytes of the header that follow |
+/// | `h` | header (below) |
+/// | 4 | CRC-32 of every byte before it (magic to header) |
+/// | ... | rows: for each layer, for each of its slots, `len` rows exactly as stored |
+/// | 4 | CRC-32 of every byte before it (the whole snapshot) |
+///
+/// The header: storage type (`u32`: 0 f32, 1 f16, 2 bf16), `max_seq_len` of the source (`u64`;
+/// a pool's longest sequence), `len` (`u64`, committed rows), page size (`u64`, 0 for a
+/// single-sequence cache), the number of layers (`u32`), then per layer its number of slots (`u32`)
+/// and per slot its name (`u32` byte length, UTF-8) and trailing shape (`u32` rank, `u64` each
+/// dimension). A row is stored as in the cache: f32 as is, 16-bit types packed two to a word (low
+/// half first), each row padded with zeros to a multiple of 4 bytes; layers without slots take no
+/// bytes.
+///
+/// A snapshot restores into a cache or pool whose storage type, layer count and slot shapes equal
+/// its own (slot names, capacity and page size may differ; the rows must fit). No type conversion is
+/// offered: a restore is bit-identical or refused. Parsing checks, in order: the magic, the
+/// version, the header's length and checksum, the header itself, the total length, the checksum of
+/// the whole, then compatibility with the destination — so a truncated snapshot is
+/// [`SnapshotProblem::Truncated`] wherever it is cut, and a flipped bit is a bad magic, another
+/// version or a failed checksum.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotHeader {
+    /// Layers, slot names and trailing shapes, storage type and `max_seq_len` of the source.
+    pub spec: CacheSpec,
+    /// Committed rows of the sequence.
+    pub len: usize,
+    /// Rows per page of the source pool; 0 for a single-sequence cache.
+    pub page_size: usize,
+}
+
+impl SnapshotHeader {
+    /// Reads and checks the header of `bytes` (magic, version, header checksum); not the rows, so a
+    /// file's first bytes are enough. [`SnapshotHeader::total_bytes`] says how long the whole is.
+    pub fn parse(bytes: &[u8]) -> Result<Self> {
+        parse_header(bytes).map(|(header, _)| header)
+    }
+
+    /// Bytes of the rows of one slot.
+    fn section_bytes(&self, layer: usize, slot: usize) -> u64 {
+        padded_row_bytes(
+            self.spec.layers()[layer].slots[slot].row_elems(),
+            self.spec.dtype(),
+        ) * self.len as u64
+    }
+
+    /// Bytes of every slot's rows.
+    pub fn rows_bytes(&self) -> u64 {
+        self.spec.bytes_per_token() * self.len as u64
+    }
+
+    /// Bytes of the whole snapshot: header, rows and checksums.
+    pub fn total_bytes(&self) -> u64 {
+        // The header and its checksum, the rows, the checksum of the whole.
+        (encode_header(&self.spec, self.len, self.page_size).len() as u64 + 4)
+            .saturating_add(self.rows_bytes())
+            .saturating_add(4)
+    }
+
+    /// Refuses a destination whose storage type, layers or slot shapes differ, naming the first
+    /// difference (names, capacity and page size may differ).
+    pub fn check_compatible(&self, dest: &CacheSpec) -> Result<()> {
+        let refuse = |problem| Err(Error::Snapshot { problem });
+        let src = &self.spec;
+        if src.dtype() != dest.dtype() {
+            return refuse(SnapshotProblem::DType {
+                snapshot: src.dtype(),
+                cache: dest.dtype(),
+            });
+        }
+        if src.n_layers() != dest.n_layers() {
+            return refuse(SnapshotProblem::LayerCount {
+                snapshot: src.n_layers(),
+                cache: dest.n_layers(),
+            });
+        }
+        for (layer, (a, b)) in src.layers().iter().zip(dest.layers()).enumerate() {
+            if a.slots.len() != b.slots.len() {
+                return refuse(SnapshotProblem::SlotCount {
+                    layer,
+                    snapshot: a.slots.len(),
+                    cache: b.slots.len(),
+                });
+            }
+            for (slot, (x, y)) in a.slots.iter().zip(&b.slots).enumerate() {
+                if x.trailing != y.trailing {
+                    return refuse(SnapshotProblem::SlotShape {
+                        layer,
+                        slot,
+                        snapshot: x.trailing.clone(),
+                        cache: y.trailing.clone(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A whole snapshot, checked (header, length, checksum) and compatible with a destination: the
+/// header and the stored bytes of each slot's rows.
+pub(crate) struct Snapshot<'a> {
+    pub header: SnapshotHeader,
+    /// Per layer, per slot, `len` stored rows.
+    pub sections: Vec<Vec<&'a [u8]>>,
+}
+
+impl<'a> Snapshot<'a> {
+    /// Checks everything a restore into `dest` needs but room: see the module docs for the order.
+    pub(crate) fn parse_for(bytes: &'a [u8], dest: &CacheSpec) -> Result<Self> {
+        let (header, rows_at) = parse_header(bytes)?;
+        let total = (rows_at as u64)
+            .checked_add(header.rows_bytes())
+            .and_then(|t| t.checked_add(4))
+            .ok_or_else(|| malformed("its rows come to more bytes than can be counted".into()))?;
+        let got = bytes.len() as u64;
+        if got < total {
+            return problem(SnapshotProblem::Truncated { needed: total, got });
+        }
+        if got > total {
+            return problem(SnapshotProblem::TrailingBytes {
+                expected: total,
+                got,
+            });
+        }
+        let end = bytes.len() - 4;
+        check_crc(bytes, end, "snapshot")?;
+        header.check_compatible(dest)?;
+        let mut at = rows_at;
+        let sections = (0..header.spec.n_layers())
+            .map(|l| {
+                (0..header.spec.layers()[l].slots.len())
+                    .map(|s| {
+                        // Fits: the total above counted every section.
+                        let n = header.section_bytes(l, s) as usize;
+                        at += n;
+                        &bytes[at - n..at]
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(Self { header, sections })
+    }
+}
+
+/// Streams a snapshot into `out`: the header first, then each slot's rows in order, then the
+/// checksum, never holding more than the caller's current slot.
+pub(crate) struct SnapshotWriter<'w, W: Write + ?Sized> {
+    out: &'w mut W,
+    crc: Crc32,
+    written: u64,
+}
+
+impl<'w, W: Write + ?Sized> SnapshotWriter<'w, W> {
+    /// Writes the header of a snapshot of `len` rows of a cache of `spec` (`page_size` 0 for a
+    /// single-sequence cache).
+    pub(crate) fn new(
+        out: &'w mut W,
+        spec: &CacheSpec,
+        len: usize,
+        page_size: usize,
+    ) -> Result<Self> {
+        let mut w = Self {
+            out,
+            crc: Crc32::new(),
+            written: 0,
+        };
+        let mut header = encode_header(spec, len, page_size);
+        let crc = crc32(&header);
+        header.extend_from_slice(&crc.to_le_bytes());
+        w.put(&header)?;
+        Ok(w)
+    }
+
+    /// Writes the next slot's stored rows.
+    pub(crate) fn rows(&mut self, bytes: &[u8]) -> Result<()> {
+        self.put(bytes)
+    }
+
+    /// Writes the checksum; returns the snapshot's length in bytes.
+    pub(crate) fn finish(mut self) -> Result<u64> {
+        let crc = self.crc.finish();
+        self.put(&crc.to_le_bytes())?;
+        self.out.flush().map_err(write_error)?;
+        Ok(self.written)
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> Result<()> {
+        self.crc.update(bytes);
+        self.written += bytes.len() as u64;
+        self.out.write_all(bytes).map_err(write_error)
+    }
+}
+
+fn write_error(e: std::io::Error) -> Error {
+    Error::Snapshot {
+        problem: SnapshotProblem::Write {
+            reason: e.to_string(),
+        },
+    }
+}
+
+fn problem<T>(problem: SnapshotProblem) -> Result<T> {
+    Err(Error::Snapshot { problem })
+}
+
+fn malformed(detail: String) -> Error {
+    Error::Snapshot {
+        problem: SnapshotProblem::MalformedHeader { detail },
+    }
+}
+
+/// Magic, version, header length, header: everything the header checksum covers.
+fn encode_header(spec: &CacheSpec, len: usize, page_size: usize) -> Vec<u8> {
+    let mut body = Vec::new();
+    body.extend_from_slice(&spec.dtype().code().to_le_bytes());
+    for n in [spec.max_seq_len(), len, page_size] {
+        body.extend_from_slice(&(n as u64).to_le_bytes());
+    }
+    body.extend_from_slice(&(spec.n_layers() as u32).to_le_bytes());
+    for layer in spec.layers() {
+        body.extend_from_slice(&(layer.slots.len() as u32).to_le_bytes());
+        for slot in &layer.slots {
+            body.extend_from_slice(&(slot.name.len() as u32).to_le_bytes());
+            body.extend_from_slice(slot.name.as_bytes());
+            body.extend_from_slice(&(slot.trailing.len() as u32).to_le_bytes());
+            for &d in &slot.trailing {
+                body.extend_from_slice(&(d as u64).to_le_bytes());
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(PREFIX + body.len());
+    out.extend_from_slice(&SNAPSHOT_MAGIC);
+    out.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// Compares the CRC-32 of `bytes[..end]` with the one stored at `end`.
+fn check_crc(bytes: &[u8], end: usize, section: &'static str) -> Result<()> {
+    let (stored, computed) = (u32_at(bytes, end), crc32(&bytes[..end]));
+    if stored != computed {
+        return problem(SnapshotProblem::ChecksumMismatch {
+            section,
+            stored,
+            computed,
+        });
+    }
+    Ok(())
+}
+
+/// The header of `bytes` and where the rows start.
+fn parse_header(bytes: &[u8]) -> Result<(SnapshotHeader, usize)> {
+    let got = bytes.len() as u64;
+    let shown = bytes.len().min(SNAPSHOT_MAGIC.len());
+    if bytes[..shown] != SNAPSHOT_MAGIC[..shown] {
+        return problem(SnapshotProblem::BadMagic);
+    }
+    if bytes.len() >= 12 && u32_at(bytes, 8) != SNAPSHOT_VERSION {
+        return problem(SnapshotProblem::UnsupportedVersion {
+            found: u32_at(bytes, 8),
+            supported: SNAPSHOT_VERSION,
+        });
+    }
+    if bytes.len() < PREFIX {
+        return problem(SnapshotProblem::Truncated {
+            needed: PREFIX as u64,
+            got,
+        });
+    }
+    let body_len = u32_at(bytes, 12) as u64;
+    let needed = PREFIX as u64 + body_len + 4;
+    if got < needed {
+        return problem(SnapshotProblem::Truncated { needed, got });
+    }
+    let end = PREFIX + body_len as usize;
+    check_crc(bytes, end, "header")?;
+    let header = parse_body(&bytes[PREFIX..end])?;
+    Ok((header, end + 4))
+}
+
+/// Reads header fields, each refused as malformed where the header runs out.
+struct Fields<'a>(&'a [u8]);
+
+impl Fields<'_> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&[u8]> {
+        if self.0.len() < n {
+            return Err(malformed(format!("the header ends inside {what}")));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// A `u64` that must fit `usize` on this machine.
+    fn size(&mut self, what: &str) -> Result<usize> {
+        let b = self.take(8, what)?;
+        let n = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+        usize::try_from(n).map_err(|_| malformed(format!("{what} {n} does not fit this machine")))
+    }
+}
+
+fn parse_body(body: &[u8]) -> Result<SnapshotHeader> {
+    let mut f = Fields(body);
+    let code = f.u32("the storage type")?;
+    let dtype = DType::ALL
+        .into_iter()
+        .find(|d| d.code() == code)
+        .ok_or_else(|| malformed(format!("unknown storage type code {code}")))?;
+    let max_seq_len = f.size("max_seq_len")?;
+    let len = f.size("the length")?;
+    let page_size = f.size("the page size")?;
+    let n_layers = f.u32("the layer count")?;
+    // Each layer takes at least 4 header bytes, so this loop is bounded by the header's length.
+    let mut layers = Vec::new();
+    for layer in 0..n_layers {
+        let n_slots = f.u32(&format!("layer {layer}'s slot count"))?;
+        let mut slots = Vec::new();
+        for slot in 0..n_slots {
+            let what = format!("layer {layer} slot {slot}");
+            let name_len = f.u32(&what)? as usize;
+            let name = std::str::from_utf8(f.take(name_len, &what)?)
+                .map_err(|_| malformed(format!("{what}: its name is not UTF-8")))?
+                .to_string();
+            let rank = f.u32(&what)?;
+            let trailing = (0..rank)
+                .map(|_| f.size(&format!("{what}'s shape")))
+                .collect::<Result<Vec<_>>>()?;
+            slots.push(SlotSpec { name, trailing });
+        }
+        layers.push(LayerSpec::new(slots));
+    }
+    if !f.0.is_empty() {
+        return Err(malformed(format!(
+            "{} bytes follow the last layer",
+            f.0.len()
+        )));
+    }
+    let spec = CacheSpec::new(layers, dtype, max_seq_len)
+        .map_err(|e| malformed(format!("its spec is invalid: {e}")))?;
+    if len > max_seq_len {
+        return Err(malformed(format!(
+            "{len} rows exceed its max_seq_len of {max_seq_len}"
+        )));
+    }
+    Ok(SnapshotHeader {
+        spec,
+        len,
+        page_size,
+    })
+}
+
+/// CRC-32 (IEEE 802.3, reflected, polynomial 0xEDB88320), as zlib and PNG compute it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Crc32(u32);
+
+const CRC_TABLE: [u32; 256] = {
+    let mut table = [0u32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let mut c = i as u32;
+        let mut k = 0;
+        while k < 8 {
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+            k += 1;
+        }
+        table[i] = c;
+        i += 1;
+    }
+    table
+};
+
+impl Crc32 {
+    pub(crate) fn new() -> Self {
+        Self(!0)
+    }
+
+    pub(crate) fn update(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = CRC_TABLE[((self.0 ^ b as u32) & 0xff) as usize] ^ (self.0 >> 8);
+        }
+    }
+
+    pub(crate) fn finish(self) -> u32 {
+        !self.0
+    }
+}
+
+/// The CRC-32 of `bytes`.
+pub(crate) fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = Crc32::new();
+    c.update(bytes);
+    c.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::Xorshift;
+
+    #[test]
+    fn crc32_matches_the_standard_check_value() {
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32(b""), 0);
+        let mut c = Crc32::new();
+        c.update(b"1234");
+        c.update(b"56789");
+        assert_eq!(c.finish(), 0xCBF4_3926);
+    }
+
+    pub(super) fn spec(dtype: DType) -> CacheSpec {
+        CacheSpec::new(
+            vec![
+                LayerSpec::kv(2, 3, 3),
+                LayerSpec::empty(),
+                LayerSpec::new(vec![SlotSpec::new("odd", &[5])]),
+            ],
+            dtype,
+            9,
+        )
+        .unwrap()
+    }
+
+    /// A snapshot of `len` rows of pseudo-random stored bytes (zero padding), and where its rows
+    /// start.
+    pub(super) fn fabricated(spec: &CacheSpec, len: usize, seed: u64) -> (Vec<u8>, usize) {
+        let mut out = Vec::new();
+        let mut w = SnapshotWriter::new(&mut out, spec, len, 0).unwrap();
+        let mut rng = Xorshift::new(seed);
+        for l in 0..spec.n_layers() {
+            for s in 0..spec.layers()[l].slots.len() {
+                let row = spec.row_bytes(l, s).unwrap() as usize;
+                let used = spec.layers()[l].slots[s].row_elems() * spec.dtype().size();
+                let mut bytes = vec![0u8; row * len];
+                for r in 0..len {
+                    for b in &mut bytes[r * row..r * row + used] {
+                        *b = rng.below(256) as u8;
+                    }
+                }
+                w.rows(&bytes).unwrap();
+            }
+        }
+        let written = w.finish().unwrap();
+        assert_eq!(written, out.len() as u64);
+        let rows_at = encode_header(spec, len, 0).len() + 4;
+        (out, rows_at)
+    }
+
+    fn problem_of(r: Result<Snapshot<'_>>) -> SnapshotProblem {
+        match r {
+            Err(Error::Snapshot { problem }) => problem,
+            Err(e) => panic!("not a snapshot problem: {e}"),
+            Ok(_) => panic!("accepted"),
+        }
+    }
+
+    #[test]
+    fn written_snapshots_parse_back() {
+        for dtype in DType::ALL {
+            let spec = spec(dtype);
+            let (bytes, rows_at) = fabricated(&spec, 7, 1);
+            let snap = Snapshot::parse_for(&bytes, &spec).unwrap();
+            assert_eq!(snap.header.spec, spec);
+            assert_eq!(snap.header.len, 7);
+            assert_eq!(snap.header.total_bytes(), bytes.len() as u64);
+            assert_eq!(
+                SnapshotHeader::parse(&bytes[..rows_at]).unwrap(),
+                snap.header
+            );
+            assert_eq!(snap.sections[1].len(), 0);
+            assert_eq!(
+                snap.sections[2][0].len(),
+                7 * spec.row_bytes(2, 0).unwrap() as usize
+            );
+            assert_eq!(
+                snap.sections[0][0].as_ptr() as usize - bytes.as_ptr() as usize,
+                rows_at
+            );
+        }
+    }
+
+    #[test]
+    fn a_failing_writer_is_a_typed_error() {
+        /// Takes `left` bytes, then fails.
+        struct Full {
+            left: usize,
+        }
+        impl Write for Full {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                if self.left == 0 {
+                    return Err(std::io::Error::other("disk full"));
+                }
+                let n = buf.len().min(self.left);
+                self.left -= n;
+                Ok(n)
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let spec = spec(DType::F32);
+        let (bytes, rows_at) = fabricated(&spec, 2, 8);
+        for left in [0, 10, rows_at + 3, bytes.len() - 1] {
+            let out: &mut dyn Write = &mut Full { left };
+            let result = SnapshotWriter::new(out, &spec, 2, 0).and_then(|mut w| {
+                w.rows(&bytes[rows_at..bytes.len() - 4])?;
+                w.finish()
+            });
+            let problem = match result {
+                Err(Error::Snapshot { problem }) => problem,
+                r => panic!("{left}: {r:?}"),
+            };
+            assert!(
+                matches!(&problem, SnapshotProblem::Write { reason } if reason == "disk full"),
+                "{left}: {problem}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_truncation_is_refused_as_truncated() {
+        let spec = spec(DType::F16);
+        let (bytes, rows_at) = fabricated(&spec, 4, 2);
+        for cut in 0..bytes.len() {
+            match problem_of(Snapshot::parse_for(&bytes[..cut], &spec)) {
+                SnapshotProblem::Truncated { needed, got } => {
+                    assert_eq!(got, cut as u64);
+                    assert!(needed > got && needed <= bytes.len() as u64, "cut {cut}");
+                }
+                p => panic!("cut at {cut}: {p}"),
+            }
+        }
+        let e = Snapshot::parse_for(&bytes[..20], &spec).err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "snapshot: truncated: 20 bytes, but at least {} are needed",
+                rows_at
+            )
+        );
+        let mut longer = bytes.clone();
+        longer.push(0);
+        let e = Snapshot::parse_for(&longer, &spec).err().unwrap();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "snapshot: {} bytes, but the snapshot ends after {}",
+                bytes.len() + 1,
+                bytes.len()
+            )
+        );
+    }
+
+    #[test]
+    fn every_bit_flip_is_refused_by_what_it_hits() {
+        let spec = spec(DType::BF16);
+        let (bytes, rows_at) = fabricated(&spec, 3, 3);
+        for at in 0..bytes.len() {
+            for bit in 0..8 {
+                let mut bad = bytes.clone();
+                bad[at] ^= 1 << bit;
+                let p = problem_of(Snapshot::parse_for(&bad, &spec));
+                let ok = match at {
+                    0..8 => p == SnapshotProblem::BadMagic,
+                    8..12 => matches!(p, SnapshotProblem::UnsupportedVersion { .. }),
+                    // The header length: longer than the bytes, or the wrong bytes checksummed.
+                    12..16 => matches!(
+                        p,
+                        SnapshotProblem::Truncated { .. }
+                            | SnapshotProblem::ChecksumMismatch {
+                                section: "header",
+                                ..
+                            }
+                    ),
+                    _ if at < rows_at => matches!(
+                        p,
+                        SnapshotProblem::ChecksumMismatch {
+                            section: "header",
+                            ..
+                        }
+                    ),
+                    _ => matches!(
+                        p,
+                        SnapshotProblem::ChecksumMismatch {
+                            section: "snapshot",
+                            ..
+                        }
+                    ),
+                };
+                assert!(ok, "byte {at} bit {bit}: {p}");
+            }
+        }
+    }
+
+    #[test]
+    fn garbage_is_refused_without_panicking() {
+        let spec = spec(DType::F32);
+        let (good, rows_at) = fabricated(&spec, 2, 4);
+        let mut rng = Xorshift::new(5);
+        for round in 0..2000 {
+            let n = rng.below(200);
+            let mut bytes: Vec<u8> = (0..n).map(|_| rng.below(256) as u8).collect();
+            // Half keep a valid prefix, so the parser gets past the magic and version.
+            if round % 2 == 1 {
+                let keep = rng.below(rows_at + 1);
+                bytes.splice(0..0, good[..keep].iter().copied());
+            }
+            assert!(Snapshot::parse_for(&bytes, &spec).is_err());
+            let _ = SnapshotHeader::parse(&bytes);
+        }
+    }
+
+    #[test]
+    fn malformed_headers_with_valid_checksums_are_refused() {
+        let spec = spec(DType::F32);
+        // A header whose checksum is right but whose contents are not: rebuilt around each body.
+        let with_body = |body: &[u8]| {
+            let mut b = SNAPSHOT_MAGIC.to_vec();
+            b.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
+            b.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            b.extend_from_slice(body);
+            let crc = crc32(&b);
+            b.extend_from_slice(&crc.to_le_bytes());
+            b
+        };
+        let good = encode_header(&spec, 2, 0)[PREFIX..].to_vec();
+        let mut cases: Vec<Vec<u8>> = vec![Vec::new(), good[..good.len() - 1].to_vec()];
+        let mut unknown_type = good.clone();
+        unknown_type[0] = 9;
+        cases.push(unknown_type);
+        let mut too_long = good.clone();
+        too_long[12] = 10; // len 10 > max_seq_len 9
+        cases.push(too_long);
+        let mut extra = good.clone();
+        extra.push(0);
+        cases.push(extra);
+        let mut many_layers = good.clone();
+        many_layers[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
+        cases.push(many_layers);
+        for body in cases {
+            let p = match SnapshotHeader::parse(&with_body(&body)) {
+                Err(Error::Snapshot { problem }) => problem,
+                r => panic!("{r:?}"),
+            };
+            assert!(matches!(p, SnapshotProblem::MalformedHeader { .. }), "{p}");
+        }
+    }
+
+    #[test]
+    fn incompatible_destinations_are_named() {
+        let spec = spec(DType::F32);
+        let (bytes, _) = fabricated(&spec, 2, 6);
+        let other = |layers, dtype| CacheSpec::new(layers, dtype, 9).unwrap();
+        let cases = [
+            (other(spec.layers().to_vec(), DType::F16), "dtype"),
+            (other(spec.layers()[..2].to_vec(), DType::F32), "layers"),
+            (
+                other(
+                    vec![
+                        LayerSpec::kv(2, 3, 3),
+                        LayerSpec::kv(1, 1, 1),
+                        LayerSpec::mla(5, 1),
+                    ],
+                    DType::F32,
+                ),
+                "slots",
+            ),
+            (
+                other(
+                    vec![
+                        LayerSpec::kv(2, 3, 3),
+                        LayerSpec::empty(),
+                        LayerSpec::new(vec![SlotSpec::new("odd", &[5, 1])]),
+                    ],
+                    DType::F32,
+                ),
+                "shape",
+            ),
+        ];
+        for (dest, what) in cases {
+            let p = problem_of(Snapshot::parse_for(&bytes, &dest));
+            let ok = match what {
+                "dtype" => matches!(p, SnapshotProblem::DType { .. }),
+                "layers" => matches!(p, SnapshotProblem::LayerCount { .. }),
+                "slots" => matches!(p, SnapshotProblem::SlotCount { layer: 1, .. }),
+                _ => matches!(
+                    p,
+                    SnapshotProblem::SlotShape {
+                        layer: 2,
+                        slot: 0,
+                        ..
+                    }
+                ),
+            };
+            assert!(ok, "{what}: {p}");
+        }
+        // Names and capacity may differ.
+        let renamed = CacheSpec::new(
+            vec![
+                LayerSpec::new(vec![
+                    SlotSpec::new("a", &[2, 3]),
+                    SlotSpec::new("b", &[2, 3]),
+                ]),
+                LayerSpec::empty(),
+                LayerSpec::new(vec![SlotSpec::new("c", &[5])]),
+            ],
+            DType::F32,
+            100,
+        )
+        .unwrap();
+        assert!(Snapshot::parse_for(&bytes, &renamed).is_ok());
+    }
+}
