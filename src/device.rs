@@ -258,46 +258,92 @@ pub(crate) async fn read_ranges(
     buffer: &wgpu::Buffer,
     ranges: &[(u64, u64)],
 ) -> std::result::Result<Vec<u8>, String> {
-    let size: u64 = ranges.iter().map(|r| r.1).sum();
-    if size == 0 {
-        return Ok(Vec::new());
+    match Readback::start(device, queue, buffer, ranges).await? {
+        Some(readback) => readback.finish(device, <[u8]>::to_vec).await,
+        None => Ok(Vec::new()),
     }
-    let staging = device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("kvgpu readback"),
-        size,
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
-    // Recorded in an error scope, so a buffer of another device is an error here, not a wgpu panic
-    // (or a silent zero read inside an error scope of the app's). The scope is awaited: in a browser
-    // it answers only in a later task.
-    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
-    let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-        label: Some("kvgpu readback"),
-    });
-    let mut at = 0;
-    for &(offset, n) in ranges.iter().filter(|r| r.1 > 0) {
-        encoder.copy_buffer_to_buffer(buffer, offset, &staging, at, n);
-        at += n;
+}
+
+/// A readback under way: the copy of some ranges of a buffer is submitted and its staging buffer is
+/// being mapped. Starting the next one before finishing this lets the device copy while the host
+/// works on these bytes (an export checksums and writes one slot while the next is read back).
+pub(crate) struct Readback {
+    staging: wgpu::Buffer,
+    index: wgpu::SubmissionIndex,
+    mapped: Receiver<std::result::Result<(), wgpu::BufferAsyncError>>,
+}
+
+impl Readback {
+    /// Submits the copy of checked ranges `(offset, size)` of `buffer`, one after the other, into a
+    /// staging buffer and asks for its mapping; `None` when they hold no byte.
+    pub(crate) async fn start(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        buffer: &wgpu::Buffer,
+        ranges: &[(u64, u64)],
+    ) -> std::result::Result<Option<Self>, String> {
+        let size: u64 = ranges.iter().map(|r| r.1).sum();
+        if size == 0 {
+            return Ok(None);
+        }
+        let staging = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu readback"),
+            size,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        // Recorded in an error scope, so a buffer of another device is an error here, not a wgpu
+        // panic (or a silent zero read inside an error scope of the app's). The scope is awaited:
+        // in a browser it answers only in a later task.
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("kvgpu readback"),
+        });
+        let mut at = 0;
+        for &(offset, n) in ranges.iter().filter(|r| r.1 > 0) {
+            encoder.copy_buffer_to_buffer(buffer, offset, &staging, at, n);
+            at += n;
+        }
+        let commands = encoder.finish();
+        if let Some(e) = scope.pop().await {
+            return Err(format!("wgpu refused the copy: {e}"));
+        }
+        let index = queue.submit([commands]);
+        let (tx, mapped) = oneshot();
+        staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
+        Ok(Some(Self {
+            staging,
+            index,
+            mapped,
+        }))
     }
-    let commands = encoder.finish();
-    if let Some(e) = scope.pop().await {
-        return Err(format!("wgpu refused the copy: {e}"));
+
+    /// Waits for this readback alone (not for work submitted after it) and hands its bytes to `f`.
+    pub(crate) async fn finish<T>(
+        self,
+        device: &wgpu::Device,
+        f: impl FnOnce(&[u8]) -> T,
+    ) -> std::result::Result<T, String> {
+        #[cfg(not(target_arch = "wasm32"))]
+        device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(self.index),
+                timeout: None,
+            })
+            .map_err(|e| e.to_string())?;
+        #[cfg(target_arch = "wasm32")]
+        let _ = (device, self.index);
+        self.mapped.await.map_err(|e| e.to_string())?;
+        let out = {
+            let view = self
+                .staging
+                .get_mapped_range(..)
+                .map_err(|e| e.to_string())?;
+            f(&view)
+        };
+        self.staging.unmap();
+        Ok(out)
     }
-    queue.submit([commands]);
-    let (tx, rx) = oneshot();
-    staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
-    #[cfg(not(target_arch = "wasm32"))]
-    device
-        .poll(wgpu::PollType::wait_indefinitely())
-        .map_err(|e| e.to_string())?;
-    rx.await.map_err(|e| e.to_string())?;
-    let bytes = staging
-        .get_mapped_range(..)
-        .map_err(|e| e.to_string())?
-        .to_vec();
-    staging.unmap();
-    Ok(bytes)
 }
 
 #[cfg(test)]

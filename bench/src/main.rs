@@ -12,6 +12,7 @@ mod recorded;
 mod refs;
 mod report;
 mod slab;
+mod snapshot;
 mod timing;
 
 use anyhow::{Context, Result, bail};
@@ -83,12 +84,12 @@ fn main() -> Result<()> {
             "--only" => {
                 only = Some(
                     args.next()
-                        .context("--only needs slab, decode, attention or paged")?,
+                        .context("--only needs slab, decode, attention, paged or snapshot")?,
                 )
             }
             "-h" | "--help" => {
                 println!(
-                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|paged]\n  \
+                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|paged|snapshot]\n  \
                      adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME\n\
                      kvgpu-bench --plot-from JSON [--plot PATH]\n  \
                      redraws the plot from a recorded run (a JSON written by --json) without measuring"
@@ -124,24 +125,29 @@ fn main() -> Result<()> {
 
     let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if wanted("slab") {
-        eprintln!("[1/5] slab writes and references");
+        eprintln!("[1/6] slab writes and references");
         slab::run(&gpu, &timer, &cfg, &mut rows, &roof)?;
     }
     if wanted("decode") {
-        eprintln!("[2/5] decode append steps, peers, reset");
+        eprintln!("[2/6] decode append steps, peers, reset");
         decode::run(&gpu, &timer, &cfg, &mut rows, &mut steps)?;
     }
     if wanted("attention") {
-        eprintln!("[3/5] attention");
+        eprintln!("[3/6] attention");
         attn::run(&gpu, &timer, &cfg, &mut rows, &mut attention, &roof)?;
     }
     drop(roof);
     if wanted("paged") {
-        eprintln!("[4/5] the paged pool: batched decode, scattered append step, fork");
+        eprintln!("[4/6] the paged pool: batched decode, scattered append step, fork");
         paged::run(&gpu, &timer, &cfg, &mut rows)?;
     }
 
-    eprintln!("[5/5] report");
+    if wanted("snapshot") {
+        eprintln!("[5/6] snapshots: export and import against plain readback and upload");
+        snapshot::run(&gpu, &timer, &cfg, &mut rows)?;
+    }
+
+    eprintln!("[6/6] report");
     let title = format!("kvgpu on {} ({:?})", info.name, info.backend);
     plot::write(&plot_path, &title, &steps, &attention)?;
     let table = report::table(&rows);

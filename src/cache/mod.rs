@@ -20,7 +20,7 @@ use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
 pub use slabs::{GpuSlab, HostSlab, SlotView};
 pub use snapshot::CacheImport;
-pub(crate) use snapshot::pump;
+pub(crate) use snapshot::{SlotRows, pump, write_slots};
 pub(crate) use staged::StagedRows;
 use zero::ZeroRange;
 

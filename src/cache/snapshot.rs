@@ -5,32 +5,90 @@ use std::io::{Read, Write};
 
 use super::KvCache;
 use super::staged::StagedRows;
-use crate::device::read_range;
+use crate::device::Readback;
 use crate::error::{Error, Result, SnapshotProblem};
 use crate::ledger::AppendPlan;
 use crate::placement::Run;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
 
+/// Where one slot's rows of a snapshot lie: byte ranges of a slot buffer, in order.
+pub(crate) struct SlotRows<'a> {
+    pub layer: usize,
+    pub slot: usize,
+    pub buffer: &'a wgpu::Buffer,
+    pub ranges: Vec<(u64, u64)>,
+}
+
+impl SlotRows<'_> {
+    fn refused(&self, reason: String) -> Error {
+        Error::Readback {
+            layer: self.layer,
+            slot: self.slot,
+            reason,
+        }
+    }
+}
+
+/// Starts the readback of one slot's rows.
+async fn start_slot(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    s: &SlotRows<'_>,
+) -> Result<Option<Readback>> {
+    Readback::start(device, queue, s.buffer, &s.ranges)
+        .await
+        .map_err(|reason| s.refused(reason))
+}
+
+/// Reads back each slot's rows in turn and hands them to `writer`; the next slot's copy runs
+/// while one is checksummed and written, so at most two slots' rows are held (mapped) at once.
+pub(crate) async fn write_slots<W: Write + ?Sized>(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    writer: &mut SnapshotWriter<'_, W>,
+    slots: &[SlotRows<'_>],
+) -> Result<()> {
+    let mut next = match slots.first() {
+        Some(s) => start_slot(device, queue, s).await?,
+        None => None,
+    };
+    for (i, s) in slots.iter().enumerate() {
+        let current = next.take();
+        if let Some(following) = slots.get(i + 1) {
+            next = start_slot(device, queue, following).await?;
+        }
+        if let Some(readback) = current {
+            readback
+                .finish(device, |rows| writer.rows(rows))
+                .await
+                .map_err(|reason| s.refused(reason))??;
+        }
+    }
+    Ok(())
+}
+
 impl KvCache {
     /// Writes a snapshot of the committed rows to `out` and returns its length in bytes. Pending
-    /// rows of the current step are not part of it. The rows are read back one slot at a time, so
-    /// besides what `out` keeps at most one slot's committed rows are held on the host.
+    /// rows of the current step are not part of it. The rows are read back one slot at a time, the
+    /// next slot's copy running while this one is checksummed and written, so besides what `out`
+    /// keeps at most two slots' committed rows are held (mapped) on the host.
     pub async fn export_async<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
         let len = self.len();
         let mut writer = SnapshotWriter::new(out, &self.spec, len, 0)?;
-        for (layer, slots) in self.slots.iter().enumerate() {
-            for (slot, sb) in slots.iter().enumerate() {
-                let size = sb.placement.offset(len);
-                let rows = read_range(&self.device, &self.queue, &sb.buffer, 0, size)
-                    .await
-                    .map_err(|reason| Error::Readback {
-                        layer,
-                        slot,
-                        reason,
-                    })?;
-                writer.rows(&rows)?;
-            }
-        }
+        let slots: Vec<SlotRows<'_>> = self
+            .slots
+            .iter()
+            .enumerate()
+            .flat_map(|(layer, slots)| {
+                slots.iter().enumerate().map(move |(slot, sb)| SlotRows {
+                    layer,
+                    slot,
+                    buffer: &sb.buffer,
+                    ranges: vec![(0, sb.placement.offset(len))],
+                })
+            })
+            .collect();
+        write_slots(&self.device, &self.queue, &mut writer, &slots).await?;
         writer.finish()
     }
 

@@ -5,9 +5,8 @@ use std::io::{Read, Write};
 
 use super::ledger::PagedPlan;
 use super::{PageLedger, PagedCache};
-use crate::cache::{StagedRows, pump};
-use crate::device::read_ranges;
-use crate::error::{Error, Result};
+use crate::cache::{SlotRows, StagedRows, pump, write_slots};
+use crate::error::Result;
 use crate::seq::SeqId;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
 
@@ -24,6 +23,8 @@ impl PagedCache {
         let pages = self.ledger.pages(seq)?;
         let p = self.page_size();
         let mut writer = SnapshotWriter::new(out, &self.spec, len, p)?;
+        // Each slot's rows through the sequence's pages.
+        let mut slots = Vec::new();
         for layer in 0..self.spec.n_layers() {
             for slot in 0..self.spec.layers()[layer].slots.len() {
                 let view = self.store.full_view(layer, slot)?;
@@ -35,16 +36,15 @@ impl PagedCache {
                         (first * row_bytes, rows * row_bytes)
                     })
                     .collect();
-                let rows = read_ranges(self.device(), self.queue(), view.buffer, &ranges)
-                    .await
-                    .map_err(|reason| Error::Readback {
-                        layer,
-                        slot,
-                        reason,
-                    })?;
-                writer.rows(&rows)?;
+                slots.push(SlotRows {
+                    layer,
+                    slot,
+                    buffer: view.buffer,
+                    ranges,
+                });
             }
         }
+        write_slots(self.device(), self.queue(), &mut writer, &slots).await?;
         writer.finish()
     }
 

@@ -1001,10 +1001,11 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
         (pool.n_pages(), pool.free_pages(), pool.page_size()),
         (8, 8, 16)
     );
-    // Page tables within one binding: on a device of 16 KiB bindings, a pool of 1,024 one-row
-    // pages has rows of 1,024 entries (a sequence may hold every page; `max_seq_len` is larger), so
+    // Page tables within one binding of `limit` bytes: a pool of `limit / 16` one-row pages has
+    // table rows of as many entries (a sequence may hold every page; `max_seq_len` is larger), so
     // the table holds four sequences. A fifth is refused and changes nothing; a removed one's row is
-    // taken again.
+    // taken again. Natively on a device of 16 KiB bindings; a browser gives every device WebGPU's
+    // default limits at least (128 MiB).
     let small = super::gpu_with_limits(
         g,
         wgpu::Limits {
@@ -1013,8 +1014,9 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
         },
     )
     .await;
-    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1, 1)], DType::F32, 1 << 20).unwrap();
-    let mut pool = PagedCache::new(&small.device, &small.queue, spec, 1, 1024).unwrap();
+    let n_pages = (small.limits().max_slot_bytes() / 16) as usize;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1, 1)], DType::F32, 2 * n_pages).unwrap();
+    let mut pool = PagedCache::new(&small.device, &small.queue, spec, 1, n_pages).unwrap();
     let seqs: Vec<SeqId> = (0..4).map(|_| pool.add_sequence().unwrap()).collect();
     let before = pool.ledger().clone();
     assert_eq!(
