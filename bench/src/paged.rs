@@ -40,8 +40,11 @@ fn layer() -> LayerSpec {
 }
 
 /// Ragged lengths: uniform in `[16, 2 · mean - 16]`, and one sequence of `LONGEST` rows in batches
-/// of eight or more.
+/// of eight or more; a lone sequence has `mean` rows.
 fn lengths(n: usize, mean: usize) -> Vec<usize> {
+    if n == 1 {
+        return vec![mean];
+    }
     let mut rng = Xorshift::new(n as u64 * 7919 + mean as u64);
     (0..n)
         .map(|i| {

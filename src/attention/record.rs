@@ -168,15 +168,21 @@ impl Attention {
         let [n_q, n_heads, d_a] = job.q_a.shape;
         let d_b = job.q_b.map_or(0, |q| q.shape[2]);
         let visible = rows.visible;
-        match rows.ragged {
-            None if n_q == 0 || n_q > visible => {
+        match (rows.ragged, rows.single) {
+            (None, Some(batch)) if batch != n_q => {
+                return request(AttentionProblem::BatchRows {
+                    batch,
+                    queries: n_q,
+                });
+            }
+            (None, _) if n_q == 0 || n_q > visible => {
                 return Err(Error::QueryRows {
                     layer,
                     n_q,
                     visible,
                 });
             }
-            Some(table) if table.len() != n_q => {
+            (Some(table), _) if table.len() != n_q => {
                 return request(AttentionProblem::BatchRows {
                     batch: table.len(),
                     queries: n_q,
@@ -384,6 +390,9 @@ pub(super) struct Rows<'a> {
     pub paging: Option<Paging>,
     /// A batch of sequences: per query, its own row and first page-table entry.
     pub ragged: Option<&'a [[u32; 2]]>,
+    /// The queries a batch of one sequence declares (read as that sequence's last rows, without a
+    /// query table).
+    pub single: Option<usize>,
 }
 
 impl<'a> Rows<'a> {
@@ -403,6 +412,7 @@ impl<'a> Rows<'a> {
             visible: cache.visible(layer)?,
             paging: None,
             ragged: None,
+            single: None,
         })
     }
 
@@ -413,6 +423,7 @@ impl<'a> Rows<'a> {
             visible: pool.visible(seq, layer)?,
             paging: Some(pool.paging(seq)?),
             ragged: None,
+            single: None,
         })
     }
 
@@ -424,6 +435,13 @@ impl<'a> Rows<'a> {
         batch: &[(SeqId, usize)],
         table: &'a mut Vec<[u32; 2]>,
     ) -> Result<Self> {
+        if let &[(seq, n_q)] = batch {
+            // One sequence: its last n_q rows, as `Kv::Sequence` reads them (no query table).
+            return Ok(Self {
+                single: Some(n_q),
+                ..Self::of_sequence(pool, seq, layer)?
+            });
+        }
         let mut longest = 0;
         let mut paging = None;
         for &(seq, n_q) in batch {
@@ -454,6 +472,7 @@ impl<'a> Rows<'a> {
             visible: longest,
             paging: Some(paging),
             ragged: Some(table),
+            single: None,
         })
     }
 }
