@@ -189,6 +189,26 @@ pub fn host_bits(data: HostData<'_>, storage: DType) -> Vec<u32> {
     }
 }
 
+/// Host rows as stored: the data's own bytes when they already are (the storage type, rows of whole
+/// words), else encoded into `scratch`.
+pub(crate) fn stored_bytes<'a>(
+    data: HostData<'a>,
+    storage: DType,
+    row_elems: usize,
+    scratch: &'a mut Vec<u8>,
+) -> &'a [u8] {
+    let unpadded = (row_elems * storage.size()).is_multiple_of(4);
+    match data {
+        HostData::F32(d) if storage == DType::F32 => bytemuck::cast_slice(d),
+        HostData::F16(d) if storage == DType::F16 && unpadded => bytemuck::cast_slice(d),
+        HostData::BF16(d) if storage == DType::BF16 && unpadded => bytemuck::cast_slice(d),
+        data => {
+            encode_rows(data, storage, row_elems, scratch);
+            scratch
+        }
+    }
+}
+
 /// Encodes host rows into the stored byte layout, reusing `out`'s allocation.
 pub(crate) fn encode_rows(data: HostData<'_>, storage: DType, row_elems: usize, out: &mut Vec<u8>) {
     out.clear();

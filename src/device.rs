@@ -247,18 +247,7 @@ pub(crate) async fn read_range(
     offset: u64,
     size: u64,
 ) -> std::result::Result<Vec<u8>, String> {
-    read_ranges(device, queue, buffer, &[(offset, size)]).await
-}
-
-/// Copies checked ranges `(offset, size)` of `buffer` to the host, one after the other, in one
-/// submission and one map (a sequence's pages gathered from a pool buffer, say).
-pub(crate) async fn read_ranges(
-    device: &wgpu::Device,
-    queue: &wgpu::Queue,
-    buffer: &wgpu::Buffer,
-    ranges: &[(u64, u64)],
-) -> std::result::Result<Vec<u8>, String> {
-    match Readback::start(device, queue, buffer, ranges).await? {
+    match Readback::start(device, queue, buffer, &[(offset, size)]).await? {
         Some(readback) => readback.finish(device, <[u8]>::to_vec).await,
         None => Ok(Vec::new()),
     }

@@ -12,7 +12,7 @@ mod zero;
 
 use std::sync::{Arc, OnceLock};
 
-use crate::codec::{DType, HostData, encode_rows, padded_row_bytes, row_elems};
+use crate::codec::{DType, padded_row_bytes, row_elems, stored_bytes};
 use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing};
 use crate::ledger::{AppendPlan, Ledger};
@@ -356,16 +356,7 @@ impl KvCache {
             if runs.iter().all(|(_, run)| run.n_rows == 0) {
                 continue;
             }
-            let unpadded = (sb.row_elems * storage.size()).is_multiple_of(4);
-            let bytes: &[u8] = match slab.data {
-                HostData::F32(d) if storage == DType::F32 => bytemuck::cast_slice(d),
-                HostData::F16(d) if unpadded => bytemuck::cast_slice(d),
-                HostData::BF16(d) if unpadded => bytemuck::cast_slice(d),
-                data => {
-                    encode_rows(data, storage, sb.row_elems, &mut self.scratch);
-                    &self.scratch
-                }
-            };
+            let bytes = stored_bytes(slab.data, storage, sb.row_elems, &mut self.scratch);
             let row_bytes = sb.placement.row_bytes as usize;
             for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
                 let (offset, size) = sb.placement.bytes(run);

@@ -4,7 +4,7 @@
 
 use super::source::{self, Source, SourceJob};
 use super::{GpuSlab, HostSlab, KvCache};
-use crate::codec::{DType, HostData, encode_rows};
+use crate::codec::{DType, stored_bytes};
 use crate::error::Result;
 use crate::kernels::{WriteParams, grid};
 
@@ -33,27 +33,20 @@ impl KvCache {
         for (slot, slab) in slabs.iter().enumerate() {
             let src = self.source_of(layer, slot, slab, slab.offset, slab.shape);
             let dst = self.destination(layer, slot);
-            jobs.push(source::plan_source(layer, slot, &src, &dst, n_new)?);
+            let job = source::plan_source(layer, slot, &src, &dst, n_new)?;
+            jobs.push((src, dst, job));
         }
-        if !copies && !jobs.iter().any(|j| matches!(j, SourceJob::Kernel { .. })) {
+        if !copies && !jobs.iter().any(|j| matches!(j.2, SourceJob::Kernel { .. })) {
             return Ok(None);
         }
-        for (slot, job) in jobs.iter_mut().enumerate() {
-            let src = self.source_of(
-                layer,
-                slot,
-                &slabs[slot],
-                slabs[slot].offset,
-                slabs[slot].shape,
-            );
-            let dst = self.destination(layer, slot);
+        for (slot, (src, dst, job)) in jobs.iter_mut().enumerate() {
             if let SourceJob::Copy { .. } = job {
                 // A copy cannot scatter; the kernel moves the same bits when it may bind the source.
                 let bound = Source {
                     usage: src.usage - wgpu::BufferUsages::COPY_SRC,
-                    ..src
+                    ..*src
                 };
-                match source::plan_source(layer, slot, &bound, &dst, n_new) {
+                match source::plan_source(layer, slot, &bound, dst, n_new) {
                     Ok(kernel @ SourceJob::Kernel { .. }) => *job = kernel,
                     _ => return Ok(None),
                 }
@@ -61,7 +54,7 @@ impl KvCache {
         }
         let upload = self.uploads.push(&self.queue, bytemuck::cast_slice(map));
         let mut scatters = Vec::with_capacity(jobs.len());
-        for (slot, job) in jobs.into_iter().enumerate() {
+        for (slot, (.., job)) in jobs.into_iter().enumerate() {
             let group =
                 self.prepare_source(layer, slot, &slabs[slot], &job, Some(&upload.buffer))?;
             if let (SourceJob::Kernel { params, vec4, .. }, Some(group)) = (job, group) {
@@ -99,18 +92,12 @@ impl KvCache {
             bytes.resize(bytes.len().next_multiple_of(16), 0);
             starts.push(bytes.len() as u64);
             let row_elems = self.slots[layer][slot].row_elems;
-            let unpadded = (row_elems * storage.size()).is_multiple_of(4);
-            match slab.data {
-                HostData::F32(d) if storage == DType::F32 => {
-                    bytes.extend_from_slice(bytemuck::cast_slice(d))
-                }
-                HostData::F16(d) if unpadded => bytes.extend_from_slice(bytemuck::cast_slice(d)),
-                HostData::BF16(d) if unpadded => bytes.extend_from_slice(bytemuck::cast_slice(d)),
-                data => {
-                    encode_rows(data, storage, row_elems, &mut self.scratch);
-                    bytes.extend_from_slice(&self.scratch);
-                }
-            }
+            bytes.extend_from_slice(stored_bytes(
+                slab.data,
+                storage,
+                row_elems,
+                &mut self.scratch,
+            ));
         }
         bytes.resize(bytes.len().next_multiple_of(16), 0);
         if bytes.len() as u64 > self.max_binding {
@@ -136,12 +123,13 @@ impl KvCache {
             };
             params.shape[0] = sb.row_elems as u32;
             params.stride[0] = 1;
+            // Rows start on 16-byte boundaries of the upload.
+            let vec4 = row_words.is_multiple_of(4);
             let job = SourceJob::Kernel {
                 params,
                 bind_offset: 0,
                 bind_size: size,
-                // Rows start on 16-byte boundaries of the upload.
-                vec4: row_words.is_multiple_of(4),
+                vec4,
             };
             let slab = GpuSlab {
                 buffer: &upload.buffer,
@@ -154,7 +142,6 @@ impl KvCache {
             // cannot fail.
             if let Ok(Some(group)) =
                 self.prepare_source(layer, slot, &slab, &job, Some(&upload.buffer))
-                && let SourceJob::Kernel { vec4, .. } = job
             {
                 let scatter = Scatter {
                     src_dtype: storage,

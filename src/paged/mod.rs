@@ -76,6 +76,15 @@ const HOST_RUNS: usize = 8;
 const COPY_RUNS_GPU: usize = 16;
 const COPY_RUNS_CPU: usize = 128;
 
+/// The runs of `plans` that move rows (`(first slab row, run)`), in slab order.
+fn moving_runs(plans: &[PagedPlan]) -> Vec<(usize, Run)> {
+    plans
+        .iter()
+        .flat_map(|p| p.runs.iter().copied())
+        .filter(|(_, run)| run.n_rows > 0)
+        .collect()
+}
+
 /// The pool row of each of a slab's `rows` rows, from the runs (`(first slab row, run)`) covering
 /// them. Pool rows fit a u32: the pool fits one binding.
 fn row_map(rows: usize, runs: &[(usize, Run)]) -> Vec<u32> {
@@ -415,11 +424,7 @@ impl PagedCache {
     /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
     /// (landing at the next submission, after the copies).
     fn write_host(&mut self, layer: usize, slabs: &[HostSlab<'_>], plans: &[PagedPlan]) {
-        let runs: Vec<_> = plans
-            .iter()
-            .flat_map(|p| p.runs.iter().copied())
-            .filter(|(_, run)| run.n_rows > 0)
-            .collect();
+        let runs = moving_runs(plans);
         let mut encoder = None;
         if plans.iter().any(|p| !p.copies.is_empty()) {
             let encoder = encoder.insert(self.encoder("kvgpu page copy"));
@@ -519,11 +524,7 @@ impl PagedCache {
         rows: usize,
         plans: &[PagedPlan],
     ) -> Result<()> {
-        let runs: Vec<_> = plans
-            .iter()
-            .flat_map(|p| p.runs.iter().copied())
-            .filter(|(_, run)| run.n_rows > 0)
-            .collect();
+        let runs = moving_runs(plans);
         let copy_runs = if self.kernels().is_cpu() {
             COPY_RUNS_CPU
         } else {
