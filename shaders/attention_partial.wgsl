@@ -8,7 +8,8 @@
 // The score of a row is `q_a · a + q_b · b` over two slots: GQA uses slot a = K and no b (d_b = 0); MLA
 // uses a = compressed_kv and b = k_pe with one KV "head". Values come from slot v (V, or compressed_kv).
 // 16-bit storage is read as packed words (low half first) and unpacked with integer bit operations
-// (exact, subnormals included; no shader-f16 or packed-float built-in needed).
+// (exact, subnormals included; no shader-f16 or packed-float built-in needed). Quantized storage
+// (q8_0, q4_0, fp8; src/codec.rs) is dequantized four elements at a time, exactly as the CPU twin.
 //
 // The pipelines are built without WebGPU's zeroing of workgroup memory (see src/kernels/mod.rs): every
 // workgroup variable here is written before it is read, by the same invocation or before a barrier.
@@ -78,6 +79,106 @@ fn half_at(w: u32, hi: bool) -> f32 {
     return bitcast<f32>(sign | select(mag + (112u << 23u), mag | 0x7f800000u, exp == 0x7c00u));
 }
 
+// fp8 e4m3 byte as f32 (exact; 0x7f / 0xff are NaN).
+fn e4m3(b: u32) -> f32 {
+    let sign = (b & 0x80u) << 24u;
+    let e = (b >> 3u) & 0xfu;
+    let m = b & 7u;
+    if e == 0u {
+        let v = f32(m) * 0.001953125;
+        return select(v, -v, sign != 0u);
+    }
+    return bitcast<f32>(sign | select(((e + 120u) << 23u) | (m << 20u), 0x7fc00000u, e == 15u && m == 7u));
+}
+
+// Quantized rows: the word holding element `i`'s value, and, in a row of `elems` elements, the word
+// holding its block's scale (after the values).
+fn qword(i: u32) -> u32 {
+    return select(i >> 2u, i >> 3u, DTYPE == Q4_0);
+}
+
+fn sword(elems: u32, i: u32) -> u32 {
+    return select(elems >> 2u, elems >> 3u, DTYPE == Q4_0) + (i >> 6u);
+}
+
+// Element `i` of a quantized row from its value word `w` and scale word `s`.
+fn deq(w: u32, s: u32, i: u32) -> f32 {
+    if DTYPE == F8E4M3 {
+        return e4m3((w >> (8u * (i & 3u))) & 0xffu);
+    }
+    let d = half_at(s, ((i >> 5u) & 1u) == 1u);
+    if DTYPE == Q8_0 {
+        return f32(bitcast<i32>(w << (24u - 8u * (i & 3u))) >> 24u) * d;
+    }
+    return (f32((w >> (4u * (i & 7u))) & 0xfu) - 8.0) * d;
+}
+
+// Elements [i, i + 4) (i a multiple of 4) of a quantized row from their value word and scale word.
+fn deq4(w: u32, s: u32, i: u32) -> vec4<f32> {
+    if DTYPE == F8E4M3 {
+        return vec4<f32>(e4m3(w & 0xffu), e4m3((w >> 8u) & 0xffu), e4m3((w >> 16u) & 0xffu), e4m3(w >> 24u));
+    }
+    let d = half_at(s, ((i >> 5u) & 1u) == 1u);
+    if DTYPE == Q8_0 {
+        let v = vec4<i32>(bitcast<i32>(w << 24u), bitcast<i32>(w << 16u), bitcast<i32>(w << 8u), bitcast<i32>(w));
+        return vec4<f32>(v >> vec4<u32>(24u)) * d;
+    }
+    let n = (vec4<u32>(w) >> (vec4<u32>(4u * (i & 7u)) + vec4<u32>(0u, 4u, 8u, 12u))) & vec4<u32>(0xfu);
+    return (vec4<f32>(n) - vec4<f32>(8.0)) * d;
+}
+
+// Elements [i, i + m) (m <= 4) of row `row` of quantized slot a, b or v, zero beyond.
+fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
+    let base = row * p.row_words_a;
+    let elems = p.n_kv * p.d_a;
+    if m == 4u && (i & 3u) == 0u {
+        var s = 0u;
+        if DTYPE != F8E4M3 {
+            s = slot_a[base + sword(elems, i)];
+        }
+        return deq4(slot_a[base + qword(i)], s, i);
+    }
+    var v = vec4<f32>(0.0);
+    for (var k = 0u; k < m; k++) {
+        v[k] = deq(slot_a[base + qword(i + k)], slot_a[base + sword(elems, i + k)], i + k);
+    }
+    return v;
+}
+
+fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
+    let base = row * p.row_words_b;
+    let elems = p.n_kv * p.d_b;
+    if m == 4u && (i & 3u) == 0u {
+        var s = 0u;
+        if DTYPE != F8E4M3 {
+            s = slot_b[base + sword(elems, i)];
+        }
+        return deq4(slot_b[base + qword(i)], s, i);
+    }
+    var v = vec4<f32>(0.0);
+    for (var k = 0u; k < m; k++) {
+        v[k] = deq(slot_b[base + qword(i + k)], slot_b[base + sword(elems, i + k)], i + k);
+    }
+    return v;
+}
+
+fn quad_v(row: u32, i: u32, m: u32) -> vec4<f32> {
+    let base = row * p.row_words_v;
+    let elems = p.n_kv * p.d_v;
+    if m == 4u && (i & 3u) == 0u {
+        var s = 0u;
+        if DTYPE != F8E4M3 {
+            s = slot_v[base + sword(elems, i)];
+        }
+        return deq4(slot_v[base + qword(i)], s, i);
+    }
+    var v = vec4<f32>(0.0);
+    for (var k = 0u; k < m; k++) {
+        v[k] = deq(slot_v[base + qword(i + k)], slot_v[base + sword(elems, i + k)], i + k);
+    }
+    return v;
+}
+
 // Element `e` of row `row` of slot v.
 fn v_elem(row: u32, e: u32) -> f32 {
     if DTYPE == F32 {
@@ -88,6 +189,9 @@ fn v_elem(row: u32, e: u32) -> f32 {
 
 // Elements [e, e + m) of row `row` of slot v (m <= 4), zero beyond.
 fn v_quad(row: u32, e: u32, m: u32) -> vec4<f32> {
+    if DTYPE >= Q8_0 {
+        return quad_v(row, e, m);
+    }
     let base = row * p.row_words_v;
     if DTYPE == F32 {
         if m == 4u {
@@ -122,6 +226,26 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
     // The query view's head and element strides.
     let sh = p.view_a.z;
     let se = p.view_a.w;
+    if DTYPE >= Q8_0 {
+        for (var e = 0u; e < d; e += 4u) {
+            let m = min(4u, d - e);
+            var x: array<vec4<f32>, 8>;
+            for (var k = 0u; k < RPL; k++) {
+                x[k] = quad_a(rows[k], e0 + e, m);
+            }
+            for (var h = 0u; h < HB; h++) {
+                let at = q0 + h * sh + e * se;
+                var q = vec4<f32>(0.0);
+                for (var j = 0u; j < m; j++) {
+                    q[j] = q_a[at + j * se];
+                }
+                for (var k = 0u; k < RPL; k++) {
+                    (*acc)[k * HB + h] += dot(q, x[k]);
+                }
+            }
+        }
+        return;
+    }
     if DTYPE == F32 {
         // Four elements per step (so a step's loop iterations serve four elements), then the rest.
         let d4 = d & ~3u;
@@ -213,6 +337,26 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
     // The query view's head and element strides.
     let sh = p.view_b.z;
     let se = p.view_b.w;
+    if DTYPE >= Q8_0 {
+        for (var e = 0u; e < d; e += 4u) {
+            let m = min(4u, d - e);
+            var x: array<vec4<f32>, 8>;
+            for (var k = 0u; k < RPL; k++) {
+                x[k] = quad_b(rows[k], e0 + e, m);
+            }
+            for (var h = 0u; h < HB; h++) {
+                let at = q0 + h * sh + e * se;
+                var q = vec4<f32>(0.0);
+                for (var j = 0u; j < m; j++) {
+                    q[j] = q_b[at + j * se];
+                }
+                for (var k = 0u; k < RPL; k++) {
+                    (*acc)[k * HB + h] += dot(q, x[k]);
+                }
+            }
+        }
+        return;
+    }
     if DTYPE == F32 {
         // Four elements per step (so a step's loop iterations serve four elements), then the rest.
         let d4 = d & ~3u;
@@ -294,14 +438,23 @@ fn q_elem_b(q: u32, e0: u32, d: u32, i: u32) -> f32 {
     return 0.0;
 }
 
-// Elements per stored word.
-fn per_word() -> u32 {
-    return select(2u, 1u, DTYPE == F32);
+// A row of `elems` elements fits `rw` stored words (the block types: whole blocks, values and scales).
+fn row_fits(elems: u32, rw: u32) -> bool {
+    if DTYPE == F32 {
+        return elems <= rw;
+    }
+    if DTYPE == F16 || DTYPE == BF16 {
+        return elems <= rw * 2u;
+    }
+    if DTYPE == F8E4M3 {
+        return elems <= rw * 4u;
+    }
+    let scales = (elems / 32u + 1u) / 2u;
+    return elems % 32u == 0u && elems / select(4u, 8u, DTYPE == Q4_0) + scales <= rw;
 }
 
 // Every index this dispatch can touch is inside its binding; checked once, up front, on uniform values.
 fn in_bounds() -> bool {
-    let pw = per_word();
     let parts = p.n_chunks * p.q_count * p.n_heads;
     return HB >= 1u && HB <= HEADS && RPL >= 1u && RPL <= 8u && RPL * HB <= 32u && p.group % HB == 0u && p.n_batches * HB == p.group
         && queries_fit(parts) && p.n_kv * p.group == p.n_heads
@@ -309,9 +462,9 @@ fn in_bounds() -> bool {
         && p.chunk_len % (TILE * RPL) == 0u
         && view_fits(p.view_a, p.n_q, p.n_heads, p.d_a, arrayLength(&q_a))
         && view_fits(p.view_b, p.n_q, p.n_heads, p.d_b, arrayLength(&q_b))
-        && p.n_kv * p.d_a <= p.row_words_a * pw && rows_fit(p.row_words_a, arrayLength(&slot_a))
-        && p.n_kv * p.d_b <= p.row_words_b * pw && rows_fit(p.row_words_b, arrayLength(&slot_b))
-        && p.n_kv * p.d_v <= p.row_words_v * pw && rows_fit(p.row_words_v, arrayLength(&slot_v))
+        && row_fits(p.n_kv * p.d_a, p.row_words_a) && rows_fit(p.row_words_a, arrayLength(&slot_a))
+        && row_fits(p.n_kv * p.d_b, p.row_words_b) && rows_fit(p.row_words_b, arrayLength(&slot_b))
+        && row_fits(p.n_kv * p.d_v, p.row_words_v) && rows_fit(p.row_words_v, arrayLength(&slot_v))
         && parts * 2u <= arrayLength(&stats) && parts * p.d_v <= arrayLength(&part);
 }
 

@@ -1,9 +1,12 @@
 // Slab-write kernel: copies `n_rows` rows from a strided GPU source into rows of one slot buffer,
 // converting the element type: consecutive rows from `dst_word_offset` on, or, in the scatter variant,
 // row `r` into the destination row that entry `map_word + r` of `rows` names (a paged pool's page
-// rows, for the rows of many sequences in one dispatch). One invocation writes one 32-bit word of the destination, so the
-// two halves of a packed 16-bit word are never written by two invocations. All conversions are done on
-// the bit patterns with integer arithmetic: exact, round-to-nearest-even, no flush of subnormals.
+// rows, for the rows of many sequences in one dispatch). One invocation writes one 32-bit word of the
+// destination, so the two halves of a packed 16-bit word are never written by two invocations. All
+// conversions are done on the bit patterns with integer arithmetic: exact, round-to-nearest-even, no
+// flush of subnormals. Quantized storage is written by `main_quant` (one invocation per pair of blocks
+// or per fp8 word) from element sources, or moved as stored words by `main` when the source already
+// holds stored rows (an upload of host rows the CPU quantized).
 
 override SRC_DTYPE: u32 = 0u;
 override DST_DTYPE: u32 = 0u;
@@ -69,7 +72,7 @@ fn src_index(row: u32, e: u32) -> u32 {
 // some value of the buffer, or zero), so there is no check here: a branch per load costs on SIMD
 // adapters.
 fn load_bits(i: u32) -> u32 {
-    if SRC_DTYPE == F32 {
+    if SRC_DTYPE == F32 || SRC_DTYPE >= Q8_0 {
         return src[i];
     }
     return (src[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu;
@@ -165,7 +168,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         let row = w / p.row_words;
         let word = w - row * p.row_words;
         var out = 0u;
-        if DST_DTYPE == F32 {
+        if DST_DTYPE == F32 || DST_DTYPE >= Q8_0 {
+            // f32, or stored quantized words moved as they are (the host passes words as elements).
             out = convert(load_bits(src_index(row, word)));
         } else {
             // Two elements per word; the second one's index follows from the first in the usual
@@ -214,7 +218,10 @@ fn main_vec4(@builtin(global_invocation_id) gid: vec3<u32>) {
         let c = v - row * row_vecs;
         let base = (p.src_offset + row * p.seq_stride) / 4u;
         var out: vec4<u32>;
-        if SRC_DTYPE != F32 {
+        if SRC_DTYPE >= Q8_0 {
+            // Stored quantized words, moved as they are (the host passes words as elements).
+            out = src4[base + c];
+        } else if SRC_DTYPE != F32 {
             // 16-bit elements of the storage type, 8 per vector, moved as they are.
             out = src4[(p.src_offset + row * p.seq_stride) / 8u + c];
             if 8u * c + 8u > p.row_elems {
@@ -243,6 +250,179 @@ fn main_vec4(@builtin(global_invocation_id) gid: vec3<u32>) {
         }
         if d < dst_len {
             dst4[d] = out;
+        }
+    }
+}
+
+// Source element `e` of row `row` as f32 bits.
+fn src_f32_bits(row: u32, e: u32) -> u32 {
+    let bits = load_bits(src_index(row, e));
+    if SRC_DTYPE == F16 {
+        return f16_to_f32_bits(bits);
+    }
+    if SRC_DTYPE == BF16 {
+        return bf16_to_f32_bits(bits);
+    }
+    return bits;
+}
+
+// A value as the block types see it: NaN as 0, infinities as the largest finite f32 of their sign.
+fn finite_at(row: u32, e: u32) -> f32 {
+    let b = src_f32_bits(row, e);
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return 0.0;
+    }
+    return bitcast<f32>(select(b, (b & 0x80000000u) | 0x7f7fffffu, a == 0x7f800000u));
+}
+
+// fp8 e4m3 of f32 bits: nearest even, saturating at +-448, NaN kept (as `f32_to_e4m3` in codec.rs).
+fn f32_to_e4m3(b: u32) -> u32 {
+    let sign = (b >> 24u) & 0x80u;
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return sign | 0x7fu;
+    }
+    if a >= 0x43e00000u {
+        return sign | 0x7eu;
+    }
+    if a >= 0x3c800000u {
+        let n = a - (120u << 23u);
+        return sign | min((n + 0x7ffffu + ((n >> 20u) & 1u)) >> 20u, 0x7eu);
+    }
+    let shift = u32(clamp(141 - i32(a >> 23u), 1, 31));
+    let full = (a & 0x007fffffu) | 0x00800000u;
+    let round_bit = 1u << (shift - 1u);
+    let up = select(0u, 1u, (full & round_bit) != 0u && (full & (3u * round_bit - 1u)) != 0u);
+    return sign | ((full >> shift) + up);
+}
+
+// f16 bits of a block scale: saturating at +-65504, and a zero scale is +0 whatever its sign.
+fn scale_bits(d: f32) -> u32 {
+    let h = f32_to_f16_bits(bitcast<u32>(d));
+    if (h & 0x7fffu) == 0u {
+        return 0u;
+    }
+    return select(h, h - 1u, (h & 0x7fffu) == 0x7c00u);
+}
+
+// floor(a / d + 0.5) for d > 0 and a small quotient, decided by exact products around an estimate
+// (as `round_div` in codec.rs).
+fn round_div(a: f32, d: f32) -> i32 {
+    var q = i32(floor(a * (1.0 / d) + 0.5));
+    let hi = (f32(q) + 0.5) * d;
+    let lo = (f32(q) - 0.5) * d;
+    if a >= hi {
+        q += 1;
+    } else if a < lo {
+        q -= 1;
+    }
+    return q;
+}
+
+fn put(d: u32, w: u32, len: u32) {
+    if d < len {
+        dst[d] = w;
+    }
+}
+
+// Quantizes block `b` of row `row` into the row at word `base` (its value words) and returns the
+// block's scale bits.
+fn quantize_block(row: u32, b: u32, base: u32, len: u32) -> u32 {
+    var x: array<f32, 32>;
+    for (var i = 0u; i < 32u; i++) {
+        x[i] = finite_at(row, 32u * b + i);
+    }
+    if DST_DTYPE == Q8_0 {
+        var amax = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            amax = max(amax, abs(x[i]));
+        }
+        // amax * (1 / 127), the constant spelled by its bits as in codec.rs.
+        let d_bits = scale_bits(amax * bitcast<f32>(0x3c010204u));
+        let d = bitcast<f32>(f16_to_f32_bits(d_bits));
+        for (var w = 0u; w < 8u; w++) {
+            var out = 0u;
+            for (var j = 0u; j < 4u; j++) {
+                let v = x[4u * w + j];
+                let a = abs(v);
+                var m = 0;
+                if d != 0.0 {
+                    m = select(clamp(round_div(a, d), 0, 127), 127, a >= 126.5 * d);
+                }
+                m = select(m, -m, v < 0.0);
+                out |= (u32(m) & 0xffu) << (8u * j);
+            }
+            put(base + 8u * b + w, out, len);
+        }
+        return d_bits;
+    }
+    // q4_0: the first element of largest magnitude sets the scale m / -8.
+    var amax = 0.0;
+    var mx = 0.0;
+    for (var i = 0u; i < 32u; i++) {
+        if abs(x[i]) > amax {
+            amax = abs(x[i]);
+            mx = x[i];
+        }
+    }
+    let d_bits = scale_bits(mx * -0.125);
+    let d = bitcast<f32>(f16_to_f32_bits(d_bits));
+    let ad = abs(d);
+    for (var w = 0u; w < 4u; w++) {
+        var out = 0u;
+        for (var j = 0u; j < 8u; j++) {
+            let v = x[8u * w + j];
+            var q = 8;
+            if d != 0.0 {
+                let y = select(-v, v, d > 0.0);
+                var k = round_div(y, ad);
+                k = select(k, 7, y >= 6.5 * ad);
+                k = select(k, -8, y < -7.5 * ad);
+                q = clamp(k, -8, 7) + 8;
+            }
+            out |= u32(q) << (4u * j);
+        }
+        put(base + 4u * b + w, out, len);
+    }
+    return d_bits;
+}
+
+// Quantized storage from a source of element type: one invocation writes one unit of a row: for
+// q8_0 and q4_0 a pair of blocks (their values and the scale word they share), for fp8 one word of
+// four elements.
+@compute @workgroup_size(256)
+fn main_quant(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let nb = p.row_elems / 32u;
+    let units = select((nb + 1u) / 2u, p.row_words, DST_DTYPE == F8E4M3);
+    let total = p.n_rows * units;
+    let len = arrayLength(&dst);
+    for (var u = gid.x; u < total; u += p.thread_stride) {
+        let row = u / units;
+        let k = u - row * units;
+        var base = p.dst_word_offset + row * p.row_words;
+        if SCATTER {
+            base = rows[p.map_word + row] * p.row_words;
+        }
+        if DST_DTYPE == F8E4M3 {
+            var out = 0u;
+            for (var j = 0u; j < 4u; j++) {
+                let e = 4u * k + j;
+                if e < p.row_elems {
+                    out |= f32_to_e4m3(src_f32_bits(row, e)) << (8u * j);
+                }
+            }
+            put(base + k, out, len);
+        } else {
+            let values = select(nb * 4u, nb * 8u, DST_DTYPE == Q8_0);
+            var scales = 0u;
+            for (var h = 0u; h < 2u; h++) {
+                let b = 2u * k + h;
+                if b < nb {
+                    scales |= quantize_block(row, b, base, len) << (16u * h);
+                }
+            }
+            put(base + values + k, scales, len);
         }
     }
 }

@@ -140,7 +140,7 @@ pub enum Error {
     /// Host data of an element type that cannot go into this cache's storage type.
     #[error(
         "layer {layer} slot {slot}: source element type {got} cannot be stored as {expected} \
-         (pass f32, or data already in {expected})"
+         (pass f32, or data already in {expected}; quantized storage takes f32, f16 or bf16)"
     )]
     SourceDType {
         layer: usize,
@@ -410,6 +410,12 @@ pub enum SourceProblem {
         rank: usize,
         shape: Vec<usize>,
     },
+    /// GPU sources hold elements (f32, f16 or bf16); quantized rows cannot be read element by element.
+    #[error(
+        "the source is declared {dtype}; GPU sources hold f32, f16 or bf16 elements (quantized \
+         storage quantizes them on append)"
+    )]
+    QuantizedSource { dtype: DType },
     /// The source is the destination slot's own buffer.
     #[error("the source is the destination slot's own buffer")]
     IsDestination,
@@ -479,6 +485,20 @@ pub enum SpecProblem {
         name: String,
         trailing: Vec<usize>,
         max_seq_len: usize,
+    },
+    /// A block-quantized type needs the innermost trailing dimension to be whole blocks (none is
+    /// padded: a padded block would cost its whole scale and values for a few elements).
+    #[error(
+        "layer {layer} slot {slot} ({name}): innermost dimension {width} is not a multiple of \
+         {dtype}'s block of {block} elements"
+    )]
+    BlockWidth {
+        layer: usize,
+        slot: usize,
+        name: String,
+        width: usize,
+        dtype: DType,
+        block: usize,
     },
     #[error("the {n_layers} layers x {max_seq_len} rows come to more bytes than kvgpu can count")]
     TotalTooLarge { n_layers: usize, max_seq_len: usize },

@@ -8,7 +8,7 @@
 use crate::codec::DType;
 pub use crate::codec::{
     bits_to_f32, convert_bits, decode_rows, f32_to_bits, host_bits, pack_rows, round_trip,
-    unpack_rows,
+    round_trip_rows, unpack_rows,
 };
 
 /// The product of `dims`, or `None` when it overflows `usize`.
@@ -172,9 +172,9 @@ impl CpuCache {
 
     /// Stored words of a row of `row_elems` elements (padded to a word), unless that overflows.
     fn row_words_of(row_elems: usize, dtype: DType) -> Option<usize> {
-        row_elems
-            .checked_mul(dtype.size())
-            .map(|bytes| bytes.div_ceil(4))
+        dtype
+            .row_bytes(row_elems.next_multiple_of(dtype.block().unwrap_or(1)))
+            .and_then(|bytes| usize::try_from(bytes / 4).ok())
     }
 
     /// Elements per row and stored words per row of a slot, when `row_elems` has it.

@@ -123,6 +123,20 @@ impl CacheSpec {
                         trailing: slot.trailing.clone(),
                     });
                 }
+                if let Some(block) = dtype.block() {
+                    // Blocks never straddle two heads (or two of any outer axis).
+                    let width = slot.trailing.last().copied().unwrap_or(1);
+                    if !width.is_multiple_of(block) {
+                        return invalid(SpecProblem::BlockWidth {
+                            layer: l,
+                            slot: s,
+                            name: slot.name.clone(),
+                            width,
+                            dtype,
+                            block,
+                        });
+                    }
+                }
                 // Rows of at most u32::MAX elements, so that row bytes fit u64 before anything multiplies.
                 let too_large = row_elems(&slot.trailing)
                     .filter(|&e| e <= u32::MAX as usize)

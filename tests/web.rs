@@ -107,6 +107,7 @@ browser_tests!(source_bodies:
 
 // tests/attention.rs.
 browser_tests!(attention_bodies:
+    quantized_storage_matches_the_reference,
     attention_over_4096_rows_splits_the_sequence,
     attention_sees_the_rows_left_by_truncate_and_reset,
     many_calls_with_different_parameters_share_one_encoder,
@@ -142,6 +143,14 @@ browser_tests!(snapshot_bodies:
     snapshots_move_between_devices,
     the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend,
     streamed_imports_match_whole_ones,
+);
+
+// tests/quant.rs.
+browser_tests!(quant_bodies:
+    host_rows_are_stored_as_the_twin_quantizes_them,
+    gpu_sources_are_quantized_as_the_twin_does,
+    quantized_specs_and_sources_are_checked,
+    quantized_caches_take_the_bytes_they_promise,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

@@ -288,14 +288,16 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     }
 }
 
-const STREAM_SHAPES: &str = "needs every head dimension a multiple of one 16-byte vector (4 f32 or 8 \
-                             16-bit elements), rows of whole vectors, and few enough elements per lane";
+const STREAM_SHAPES: &str = "needs f32, f16 or bf16 storage (quantized storage is read by the tiled \
+                             kernel), every head dimension a multiple of one 16-byte vector (4 f32 or \
+                             8 16-bit elements), rows of whole vectors, and few enough elements per lane";
 
 /// The streaming kernel for this call, when its shape allows one: every slice a whole number of
 /// 16-byte vectors, and the lane's registers within [`LANE_FLOATS`] for at least one head per team.
 pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> Option<StreamKey> {
     let u = stream::per_vec(s.dtype);
-    if s.d_a == 0
+    if s.dtype.is_quantized()
+        || s.d_a == 0
         || [s.d_a, s.d_b, s.d_v].iter().any(|d| d % u != 0)
         || s.row_words.iter().any(|w| w % 4 != 0)
     {

@@ -348,7 +348,8 @@ impl Gen {
     /// Exact conversions of 16-bit storage (the even and odd elements of a 16-byte vector).
     fn unpack(&mut self) {
         match self.key.dtype {
-            DType::F32 => {}
+            // Quantized storage never gets a streaming key (plan::stream_key).
+            DType::F32 | DType::Q8_0 | DType::Q4_0 | DType::F8E4M3 => {}
             DType::BF16 => {
                 line!(
                     self,

@@ -4,7 +4,7 @@
 use super::source::{self, Destination, Source, SourceJob};
 use super::{GpuSlab, KvCache};
 use crate::error::{Error, Result};
-use crate::kernels::{grid, scoped};
+use crate::kernels::{grid, scoped, write_outputs};
 use crate::ledger::AppendPlan;
 use crate::placement::Run;
 
@@ -283,8 +283,7 @@ impl KvCache {
                 },
                 Some(group),
             ) => {
-                let words = size / 4;
-                let outputs = if vec4 { words / 4 } else { words };
+                let outputs = write_outputs(&params, slab.dtype, storage, vec4);
                 let (groups, stride) = grid(outputs, self.max_workgroups);
                 params.thread_stride = stride;
                 params.dst_word_offset = (dst_offset / 4) as u32;

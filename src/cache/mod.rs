@@ -320,7 +320,8 @@ impl KvCache {
         let storage = self.spec.dtype();
         for (slot, slab) in slabs.iter().enumerate() {
             let got = slab.data.dtype();
-            if got != DType::F32 && got != storage {
+            // Quantized storage quantizes any element type; the others take f32 or their own type.
+            if got != DType::F32 && got != storage && !storage.is_quantized() {
                 return Err(Error::SourceDType {
                     layer,
                     slot,

@@ -6,7 +6,7 @@ use super::source::{self, Source, SourceJob};
 use super::{GpuSlab, HostSlab, KvCache};
 use crate::codec::{DType, stored_bytes};
 use crate::error::Result;
-use crate::kernels::{WriteParams, grid};
+use crate::kernels::{WriteParams, grid, write_outputs};
 
 /// One slot's checked and bound scattered move.
 pub(crate) struct Scatter {
@@ -106,22 +106,27 @@ impl KvCache {
         }
         let upload = self.uploads.push(&self.queue, &bytes);
         self.upload_bytes = bytes;
-        let esize = storage.size() as u64;
         let size = upload.buffer.size();
         for (slot, start) in starts.into_iter().enumerate() {
             let sb = &self.slots[layer][slot];
             let row_words = sb.placement.row_bytes / 4;
+            // Quantized rows were quantized on the host: the kernel moves their words as elements.
+            let (esize, row_elems) = if storage.is_quantized() {
+                (4, row_words as usize)
+            } else {
+                (storage.size() as u64, sb.row_elems)
+            };
             let mut params = WriteParams {
                 src_offset: ((upload.offset + start) / esize) as u32,
                 seq_stride: (sb.placement.row_bytes / esize) as u32,
                 n_rows: map.len() as u32,
-                row_elems: sb.row_elems as u32,
+                row_elems: row_elems as u32,
                 row_words: row_words as u32,
                 rank: 1,
                 map_word: (upload.offset / 4) as u32,
                 ..Default::default()
             };
-            params.shape[0] = sb.row_elems as u32;
+            params.shape[0] = row_elems as u32;
             params.stride[0] = 1;
             // Rows start on 16-byte boundaries of the upload.
             let vec4 = row_words.is_multiple_of(4);
@@ -167,8 +172,7 @@ impl KvCache {
     }
 
     fn record_scatter(&mut self, encoder: &mut wgpu::CommandEncoder, s: Scatter) {
-        let words = s.params.n_rows as u64 * s.params.row_words as u64;
-        let outputs = if s.vec4 { words / 4 } else { words };
+        let outputs = write_outputs(&s.params, s.src_dtype, self.spec.dtype(), s.vec4);
         let (groups, thread_stride) = grid(outputs, self.max_workgroups);
         let params = WriteParams {
             thread_stride,

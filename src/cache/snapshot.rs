@@ -5,6 +5,7 @@ use std::io::{Read, Write};
 
 use super::KvCache;
 use super::staged::StagedRows;
+use crate::codec::used_row_bytes;
 use crate::device::Readback;
 use crate::error::{Error, Result, SnapshotProblem};
 use crate::ledger::AppendPlan;
@@ -228,7 +229,7 @@ impl KvCache {
     ) {
         let sb = &self.slots[layer][slot];
         let row_bytes = sb.placement.row_bytes as usize;
-        let used = sb.row_elems * self.spec.dtype().size();
+        let used = used_row_bytes(sb.row_elems, self.spec.dtype()) as usize;
         let rows = if used < row_bytes {
             self.scratch.clear();
             self.scratch.extend_from_slice(rows);

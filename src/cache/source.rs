@@ -103,6 +103,11 @@ pub(crate) fn plan_source(
             shape: src.shape.to_vec(),
         }));
     }
+    if src.dtype.is_quantized() {
+        return Err(layout_err(SourceProblem::QuantizedSource {
+            dtype: src.dtype,
+        }));
+    }
     if src.is_destination {
         return Err(layout_err(SourceProblem::IsDestination));
     }
@@ -178,6 +183,7 @@ pub(crate) fn plan_source(
     let row_words = dst.row_bytes / 4;
     let per_vec = 16 / esize;
     let vec4 = (src.dtype == DType::F32 || src.dtype == dst.storage)
+        && !dst.storage.is_quantized()
         && matches!(dims.as_slice(), [(_, 1)])
         && src.offset.is_multiple_of(per_vec)
         && seq_stride.is_multiple_of(per_vec)

@@ -1,7 +1,7 @@
 //! A streamed snapshot's rows on their way into a cache: kept in GPU staging buffers, one per
 //! slot, until the whole snapshot checks out, then copied into place by the caller.
 
-use crate::codec::padded_row_bytes;
+use crate::codec::{padded_row_bytes, used_row_bytes};
 use crate::snapshot::SnapshotHeader;
 
 /// Host bytes gathered before a `write_buffer` into staging (whole words), and the bytes written
@@ -42,7 +42,7 @@ impl StagedRows {
                                 mapped_at_creation: false,
                             })
                         });
-                        let used = slot.row_elems() * spec.dtype().size();
+                        let used = used_row_bytes(slot.row_elems(), spec.dtype()) as usize;
                         (buffer, row_bytes as usize, used)
                     })
                     .collect()

@@ -42,6 +42,20 @@ pub(crate) fn grid(threads: u64, max_workgroups: u32) -> (u32, u32) {
     (groups, groups * WORKGROUP_SIZE)
 }
 
+/// Invocations a slab-write dispatch of `params` needs: one per destination word (or 16-byte vector),
+/// or, quantizing, one per pair of blocks (fp8: per word) of each row.
+pub(crate) fn write_outputs(params: &WriteParams, src: DType, dst: DType, vec4: bool) -> u64 {
+    let rows = params.n_rows as u64;
+    let words = rows * params.row_words as u64;
+    if dst.is_quantized() && src != dst && dst.block().is_some() {
+        rows * (params.row_elems as u64 / 32).div_ceil(2)
+    } else if vec4 {
+        words / 4
+    } else {
+        words
+    }
+}
+
 /// A compute-visible storage binding of any size.
 fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
     wgpu::BindGroupLayoutEntry {
@@ -288,7 +302,13 @@ impl Kernels {
                     ("DST_DTYPE", dst.code() as f64),
                     ("SCATTER", f64::from(u8::from(scatter))),
                 ];
-                let entry = if vec4 { "main_vec4" } else { "main" };
+                let entry = if dst.is_quantized() && src != dst {
+                    "main_quant"
+                } else if vec4 {
+                    "main_vec4"
+                } else {
+                    "main"
+                };
                 self.write.pipeline(&self.device, entry, &constants)
             })
             .clone()

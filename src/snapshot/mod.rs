@@ -349,7 +349,7 @@ impl Fields<'_> {
 fn parse_body(body: &[u8]) -> Result<SnapshotHeader> {
     let mut f = Fields(body);
     let code = f.u32("the storage type")?;
-    let dtype = DType::ALL
+    let dtype = DType::STORAGE
         .into_iter()
         .find(|d| d.code() == code)
         .ok_or_else(|| malformed(format!("unknown storage type code {code}")))?;
@@ -427,6 +427,7 @@ pub(crate) fn crc32(bytes: &[u8]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::used_row_bytes;
     use crate::reference::Xorshift;
 
     #[test]
@@ -461,7 +462,8 @@ mod tests {
         for l in 0..spec.n_layers() {
             for s in 0..spec.layers()[l].slots.len() {
                 let row = spec.row_bytes(l, s).unwrap() as usize;
-                let used = spec.layers()[l].slots[s].row_elems() * spec.dtype().size();
+                let used =
+                    used_row_bytes(spec.layers()[l].slots[s].row_elems(), spec.dtype()) as usize;
                 let mut bytes = vec![0u8; row * len];
                 for r in 0..len {
                     for b in &mut bytes[r * row..r * row + used] {

@@ -41,6 +41,8 @@ pub mod memory_bodies;
 pub mod model_bodies;
 #[path = "paged_bodies.rs"]
 pub mod paged_bodies;
+#[path = "quant_bodies.rs"]
+pub mod quant_bodies;
 #[path = "snapshot_bodies.rs"]
 pub mod snapshot_bodies;
 #[path = "source_bodies.rs"]

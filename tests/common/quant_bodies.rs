@@ -1,0 +1,320 @@
+//! Quantized storage (q8_0, q4_0, fp8 e4m3): every append path stores the bits the CPU twin
+//! (`kvgpu::reference::pack_rows`) computes, on random rows and on the inputs where quantizers go wrong
+//! (ties, zeros of both signs, subnormals, huge values, infinities, NaN), and reads return exactly the
+//! dequantized values. One async body per scenario, run natively by `tests/quant.rs` and in the
+//! browser by `tests/web.rs`. Attention over quantized storage is in `attention_bodies.rs`, pools and
+//! snapshots in their own bodies.
+
+use super::{buffer_with, cache_on, values};
+use kvgpu::reference::{self, CpuCache};
+use kvgpu::wgpu;
+use kvgpu::*;
+
+/// Inputs that stress a quantizer, two blocks of 32: the first is q8_0's ties (its largest value
+/// 127 makes the scale exactly 1, so `k + 0.5` lies halfway) and q4_0's (its first largest value -8
+/// gives the scale 1), the second the special values.
+fn edge_rows() -> Vec<f32> {
+    let mut ties = vec![
+        127.0, -8.0, 0.5, 1.5, 2.5, -2.5, -0.5, 126.5, -126.5, 125.5, 3.5, 6.5, -7.5, 7.5, 0.0,
+        -0.0,
+    ];
+    ties.extend((0..16).map(|i| i as f32 * 7.25 - 60.0));
+    let specials = [
+        0.0,
+        -0.0,
+        1e-45,
+        -1e-40,
+        1e-39,
+        f32::MAX,
+        -f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -f32::NAN,
+        448.0,
+        464.0,
+        -500.0,
+        1e5,
+        1.0625,
+        1.1875,
+        0.0029296875,
+        -0.0009765625,
+        65504.0 * 127.0,
+        8.3e6,
+        1e-8,
+        -3e-7,
+        0.015625,
+        0.013671875,
+        240.0,
+        -232.0,
+        2.0,
+        -2.0,
+        0.1,
+        -0.3,
+        1e30,
+    ];
+    [ties, specials.to_vec()].concat()
+}
+
+/// A layer of K `[2, 32]` and V `[1, 64]`: rows of 64 elements, whole blocks, two blocks per row.
+fn layer() -> LayerSpec {
+    LayerSpec::new(vec![
+        SlotSpec::new("k", &[2, 32]),
+        SlotSpec::new("v", &[1, 64]),
+    ])
+}
+
+/// Host data of `dtype` holding `x` (rounded to it).
+enum Owned {
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+    BF16(Vec<half::bf16>),
+}
+
+impl Owned {
+    fn of(x: &[f32], dtype: DType) -> Self {
+        match dtype {
+            DType::F16 => Owned::F16(x.iter().map(|&v| half::f16::from_f32(v)).collect()),
+            DType::BF16 => Owned::BF16(x.iter().map(|&v| half::bf16::from_f32(v)).collect()),
+            _ => Owned::F32(x.to_vec()),
+        }
+    }
+
+    fn slab<'a>(&'a self, shape: &'a [usize]) -> HostSlab<'a> {
+        match self {
+            Owned::F32(d) => HostSlab::f32(d, shape),
+            Owned::F16(d) => HostSlab::f16(d, shape),
+            Owned::BF16(d) => HostSlab::bf16(d, shape),
+        }
+    }
+
+    fn data(&self) -> HostData<'_> {
+        match self {
+            Owned::F32(d) => HostData::F32(d),
+            Owned::F16(d) => HostData::F16(d),
+            Owned::BF16(d) => HostData::BF16(d),
+        }
+    }
+}
+
+/// Host rows of every element type, edge rows among random ones, are stored as the twin quantizes
+/// them, and `read_f32` returns the twin's dequantized values bit for bit.
+pub async fn host_rows_are_stored_as_the_twin_quantizes_them(g: &Gpu) {
+    for dtype in DType::QUANTIZED {
+        for from in DType::ALL {
+            let spec = CacheSpec::new(vec![layer(); 2], dtype, 16).unwrap();
+            let mut c = cache_on(g, spec.clone());
+            let mut m = CpuCache::new(&spec);
+            let mut at = 0;
+            for (step, n) in [2usize, 1, 5].into_iter().enumerate() {
+                for l in 0..2 {
+                    let mut x = values(7 + (step * 2 + l) as u64, n * 64);
+                    if step == 0 {
+                        x.splice(..64, edge_rows());
+                    }
+                    let owned = Owned::of(&x, from);
+                    let shapes = [[n, 2, 32], [n, 1, 64]];
+                    c.append(l, &[owned.slab(&shapes[0]), owned.slab(&shapes[1])])
+                        .unwrap();
+                    let bits = reference::host_bits(owned.data(), dtype);
+                    m.write_rows(l, 0, at, &bits);
+                    m.write_rows(l, 1, at, &bits);
+                }
+                c.advance(n).unwrap();
+                at += n;
+            }
+            let what = format!("{from} rows into {dtype}");
+            for l in 0..2 {
+                for s in 0..2 {
+                    let want_words = &m.words[l][s][..at * m.row_words(l, s)];
+                    assert_eq!(
+                        c.read_words_async(l, s).await.unwrap(),
+                        want_words,
+                        "{what}: layer {l} slot {s}"
+                    );
+                    let got = c.read_f32_async(l, s).await.unwrap();
+                    let want = m.read_f32(l, s, at);
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same && got.len() == want.len(), "{what}: read_f32");
+                }
+            }
+            // Quantization keeps the values close: every finite, moderate input of the random rows
+            // is within half a step of the block's scale (q8_0 1/254 of the block's largest
+            // magnitude, q4_0 1/16, fp8 1/16 relative).
+            let x = values(11, 64);
+            let kept = reference::round_trip_rows(&x, dtype, 64);
+            for (block, (xs, ks)) in x.chunks(32).zip(kept.chunks(32)).enumerate() {
+                let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+                for (&v, &k) in xs.iter().zip(ks) {
+                    let bound = match dtype {
+                        DType::Q8_0 => amax / 254.0 * 1.01,
+                        DType::Q4_0 => amax / 16.0 * 1.01,
+                        _ => v.abs() / 16.0 + 1e-3,
+                    };
+                    assert!(
+                        (v - k).abs() <= bound,
+                        "{dtype} block {block}: {v} kept as {k}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// GPU sources of every element type, strided (a fused QKV buffer) and plain, are quantized by the
+/// slab-write kernel into the bits the twin computes, edge values included.
+pub async fn gpu_sources_are_quantized_as_the_twin_does(g: &Gpu) {
+    const USAGE: wgpu::BufferUsages =
+        wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
+    let n = 3;
+    // A fused row: 32 query elements, K [2, 32], V [1, 64].
+    let width = 32 + 64 + 64;
+    for dtype in DType::QUANTIZED {
+        for from in DType::ALL {
+            let spec = CacheSpec::new(vec![layer()], dtype, 8).unwrap();
+            let mut c = cache_on(g, spec.clone());
+            let mut x = values(21, n * width);
+            x.splice(32..96, edge_rows());
+            x.splice(width + 96..width + 160, edge_rows());
+            let bits: Vec<u32> = x.iter().map(|&v| reference::f32_to_bits(v, from)).collect();
+            let words = if from == DType::F32 {
+                bits.clone()
+            } else {
+                reference::pack_rows(&bits, from, bits.len())
+            };
+            let buf = buffer_with(&g.device, &words, USAGE).await;
+            let (ks, vs) = ([n, 2, 32], [n, 1, 64]);
+            let (kst, vst) = ([width, 32, 1], [width, 64, 1]);
+            let k = GpuSlab {
+                buffer: &buf,
+                dtype: from,
+                offset: 32,
+                shape: &ks,
+                strides: Some(&kst),
+            };
+            let v = GpuSlab {
+                offset: 96,
+                shape: &vs,
+                strides: Some(&vst),
+                ..k
+            };
+            c.append_gpu(0, &[k, v]).unwrap();
+            let what = format!("{from} GPU source into {dtype}");
+            let want_k = reference::slab_write(&bits, from, 32, &ks, &kst, dtype);
+            let want_v = reference::slab_write(&bits, from, 96, &vs, &vst, dtype);
+            assert_eq!(c.read_words_async(0, 0).await.unwrap(), want_k, "{what}: K");
+            assert_eq!(c.read_words_async(0, 1).await.unwrap(), want_v, "{what}: V");
+            // The same rows from the host store the same bits.
+            let mut h = cache_on(g, spec.clone());
+            let row = |off: usize, w: usize| -> Vec<f32> {
+                (0..n)
+                    .flat_map(|r| &x[r * width + off..r * width + off + w])
+                    .map(|&v| reference::round_trip(v, from))
+                    .collect()
+            };
+            let (hk, hv) = (row(32, 64), row(96, 64));
+            h.append(0, &[HostSlab::f32(&hk, &ks), HostSlab::f32(&hv, &vs)])
+                .unwrap();
+            assert_eq!(
+                h.read_words_async(0, 0).await.unwrap(),
+                want_k,
+                "{what}: host K"
+            );
+            assert_eq!(
+                h.read_words_async(0, 1).await.unwrap(),
+                want_v,
+                "{what}: host V"
+            );
+        }
+    }
+}
+
+/// Block types refuse a row whose innermost dimension is not whole blocks, at spec time, naming the
+/// width and the block; fp8 takes any width. A GPU source declared quantized is refused before
+/// anything is recorded.
+pub async fn quantized_specs_and_sources_are_checked(g: &Gpu) {
+    for dtype in [DType::Q8_0, DType::Q4_0] {
+        let e = CacheSpec::new(vec![LayerSpec::kv(4, 48, 32)], dtype, 8).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::InvalidSpec {
+                    problem: SpecProblem::BlockWidth {
+                        layer: 0,
+                        slot: 0,
+                        width: 48,
+                        block: 32,
+                        ..
+                    }
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("48") && e.to_string().contains("32"),
+            "{e}"
+        );
+    }
+    let spec = CacheSpec::new(vec![LayerSpec::kv(3, 5, 7)], DType::F8E4M3, 8).unwrap();
+    assert_eq!(spec.row_bytes(0, 0).unwrap(), 16);
+    assert_eq!(spec.row_bytes(0, 1).unwrap(), 24);
+    // An fp8 cache of odd widths round-trips host rows like the twin.
+    let mut c = cache_on(g, spec.clone());
+    let mut m = CpuCache::new(&spec);
+    super::append_both(&mut c, &mut m, 0, 3, 5);
+    super::assert_matches(&c, &m).await;
+
+    let spec = CacheSpec::new(vec![layer()], DType::Q8_0, 8).unwrap();
+    let mut c = cache_on(g, spec);
+    let before = super::snapshot(&c).await;
+    let buf = buffer_with(&g.device, &[0u32; 256], super::USAGE).await;
+    const KS: [usize; 3] = [1, 2, 32];
+    const VS: [usize; 3] = [1, 1, 64];
+    for declared in DType::QUANTIZED {
+        let slab = |shape: &'static [usize]| GpuSlab {
+            buffer: &buf,
+            dtype: declared,
+            offset: 0,
+            shape,
+            strides: None,
+        };
+        let e = c.append_gpu(0, &[slab(&KS), slab(&VS)]).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::SourceLayout {
+                    problem: SourceProblem::QuantizedSource { .. },
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    assert_eq!(c.visible(0).unwrap(), 0);
+    assert_eq!(super::snapshot(&c).await, before, "a refused append wrote");
+}
+
+/// Bytes per token of real models' caches against f16.
+pub async fn quantized_caches_take_the_bytes_they_promise(_g: &Gpu) {
+    for (preset, q8, q4, f8) in [
+        ("llama3-8b", 0.53125, 0.28125, 0.5),
+        ("deepseek-v2-lite", 0.53125, 0.28125, 0.5),
+    ] {
+        let per = |dtype| {
+            CacheSpec::preset(preset, dtype, 4096)
+                .unwrap()
+                .bytes_per_token()
+        };
+        let f16 = per(DType::F16) as f64;
+        for (dtype, want) in [(DType::Q8_0, q8), (DType::Q4_0, q4), (DType::F8E4M3, f8)] {
+            let ratio = per(dtype) as f64 / f16;
+            assert!(
+                (ratio - want).abs() < 1e-9,
+                "{preset} {dtype}: {ratio} of f16, want {want}"
+            );
+        }
+    }
+}
