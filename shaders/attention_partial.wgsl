@@ -131,7 +131,9 @@ fn deq4(w: u32, s: u32, i: u32) -> vec4<f32> {
 fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
     let base = row * p.row_words_a;
     let elems = p.n_kv * p.d_a;
-    if m == 4u && (i & 3u) == 0u {
+    // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
+    // compiled for fp8 only.
+    if DTYPE != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
         if DTYPE != F8E4M3 {
             s = slot_a[base + sword(elems, i)];
@@ -148,7 +150,9 @@ fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
 fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
     let base = row * p.row_words_b;
     let elems = p.n_kv * p.d_b;
-    if m == 4u && (i & 3u) == 0u {
+    // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
+    // compiled for fp8 only.
+    if DTYPE != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
         if DTYPE != F8E4M3 {
             s = slot_b[base + sword(elems, i)];
@@ -165,7 +169,9 @@ fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
 fn quad_v(row: u32, i: u32, m: u32) -> vec4<f32> {
     let base = row * p.row_words_v;
     let elems = p.n_kv * p.d_v;
-    if m == 4u && (i & 3u) == 0u {
+    // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
+    // compiled for fp8 only.
+    if DTYPE != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
         if DTYPE != F8E4M3 {
             s = slot_v[base + sword(elems, i)];
@@ -236,8 +242,12 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             for (var h = 0u; h < HB; h++) {
                 let at = q0 + h * sh + e * se;
                 var q = vec4<f32>(0.0);
-                for (var j = 0u; j < m; j++) {
-                    q[j] = q_a[at + j * se];
+                if DTYPE != F8E4M3 || m == 4u {
+                    q = vec4<f32>(q_a[at], q_a[at + se], q_a[at + 2u * se], q_a[at + 3u * se]);
+                } else {
+                    for (var j = 0u; j < m; j++) {
+                        q[j] = q_a[at + j * se];
+                    }
                 }
                 for (var k = 0u; k < RPL; k++) {
                     (*acc)[k * HB + h] += dot(q, x[k]);
@@ -347,8 +357,12 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             for (var h = 0u; h < HB; h++) {
                 let at = q0 + h * sh + e * se;
                 var q = vec4<f32>(0.0);
-                for (var j = 0u; j < m; j++) {
-                    q[j] = q_b[at + j * se];
+                if DTYPE != F8E4M3 || m == 4u {
+                    q = vec4<f32>(q_b[at], q_b[at + se], q_b[at + 2u * se], q_b[at + 3u * se]);
+                } else {
+                    for (var j = 0u; j < m; j++) {
+                        q[j] = q_b[at + j * se];
+                    }
                 }
                 for (var k = 0u; k < RPL; k++) {
                     (*acc)[k * HB + h] += dot(q, x[k]);

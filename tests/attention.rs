@@ -34,7 +34,6 @@ fn read(buffer: &wgpu::Buffer) -> Vec<f32> {
 
 common::shared_tests!(attention_bodies, serial: serial;
     gqa_matches_the_reference_for_every_dtype,
-    quantized_storage_matches_the_reference,
     attention_over_4096_rows_splits_the_sequence,
     mla_matches_the_reference_for_every_dtype,
     attention_sees_the_rows_left_by_truncate_and_reset,

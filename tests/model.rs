@@ -35,7 +35,7 @@ proptest! {
 
     #[test]
     fn random_operations_match_the_model(
-        dtype in prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)],
+        dtype in prop::sample::select(DType::STORAGE.to_vec()),
         ops in prop::collection::vec(op(), 1..16),
     ) {
         pollster::block_on(random_operations_match_the_model_body(gpu(), dtype, &ops));

@@ -1,9 +1,14 @@
 //! Quantized storage (q8_0, q4_0, fp8 e4m3) on the adapter chosen by `WGPU_BACKEND`: every append path
-//! against the CPU twin bit for bit, edge inputs included, and the checks of specs and sources. The
-//! bodies live in `common/quant_bodies.rs`; the browser suite (`tests/web.rs`) runs the same ones.
+//! against the CPU twin bit for bit, edge inputs included, the checks of specs and sources, and GQA and
+//! MLA attention over them. The bodies live in `common/quant_bodies.rs` and
+//! `common/attention_bodies.rs`; the browser suite (`tests/web.rs`) runs the same ones. Pools and
+//! snapshots of quantized storage are tested with the others (`tests/paged.rs`, `tests/snapshot.rs`).
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
+
+// Attention over quantized storage (its body is with the other attention bodies).
+common::shared_tests!(attention_bodies: quantized_storage_matches_the_reference);
 
 common::shared_tests!(quant_bodies:
     host_rows_are_stored_as_the_twin_quantizes_them,

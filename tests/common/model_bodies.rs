@@ -42,17 +42,13 @@ struct Model {
     slotted: Vec<bool>,
 }
 
+/// Odd widths, or whole blocks of 32 for the block-quantized types.
 fn spec(dtype: DType) -> CacheSpec {
-    CacheSpec::new(
-        vec![
-            LayerSpec::mla(5, 3),
-            LayerSpec::empty(),
-            LayerSpec::kv(2, 3, 1),
-        ],
-        dtype,
-        CAPACITY,
-    )
-    .unwrap()
+    let (mla, kv) = match dtype.block() {
+        Some(b) => (LayerSpec::mla(b, b), LayerSpec::kv(2, b, b)),
+        None => (LayerSpec::mla(5, 3), LayerSpec::kv(2, 3, 1)),
+    };
+    CacheSpec::new(vec![mla, LayerSpec::empty(), kv], dtype, CAPACITY).unwrap()
 }
 
 /// Applies `ops` to a cache on `g` and to the model, checking the outcome of every operation, the
@@ -122,7 +118,16 @@ pub async fn random_operations_match_the_model(g: &Gpu, dtype: DType, ops: &[Op]
                     .iter()
                     .map(|s| s.trailing.clone())
                     .collect();
-                let src: Vec<u32> = values(seed, 64).into_iter().map(f32::to_bits).collect();
+                // Every other row of the widest slot, after one leading element.
+                let widest = trailing
+                    .iter()
+                    .map(|t| t.iter().product())
+                    .max()
+                    .unwrap_or(0);
+                let src: Vec<u32> = values(seed, (1 + 2 * n * widest).max(64))
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect();
                 let buf = g
                     .device
                     .create_buffer_init(&wgpu::util::BufferInitDescriptor {
@@ -256,10 +261,10 @@ pub fn pseudo_random_ops(seed: u64, n: usize) -> Vec<Op> {
         .collect()
 }
 
-/// 24 sequences of 1 to 15 operations from [`pseudo_random_ops`], every dtype in turn.
+/// 24 sequences of 1 to 15 operations from [`pseudo_random_ops`], every storage type in turn.
 pub async fn pseudo_random_operations_match_the_model(g: &Gpu) {
     for case in 0..24u64 {
-        let dtype = DType::ALL[case as usize % 3];
+        let dtype = DType::STORAGE[case as usize % DType::STORAGE.len()];
         let ops = pseudo_random_ops(case + 1, 1 + (case as usize * 7) % 15);
         super::note!("case {case}, {dtype}: {ops:?}");
         random_operations_match_the_model(g, dtype, &ops).await;

@@ -15,17 +15,13 @@ const PAGE: usize = 3;
 const PAGES: usize = 12;
 const MAX_LEN: usize = 20;
 
+/// Odd widths, or whole blocks of 32 for the block-quantized types.
 fn spec(dtype: DType) -> CacheSpec {
-    CacheSpec::new(
-        vec![
-            LayerSpec::kv(2, 3, 3),
-            LayerSpec::empty(),
-            LayerSpec::mla(5, 2),
-        ],
-        dtype,
-        MAX_LEN,
-    )
-    .unwrap()
+    let (kv, mla) = match dtype.block() {
+        Some(b) => (LayerSpec::kv(2, b, b), LayerSpec::mla(2 * b, b)),
+        None => (LayerSpec::kv(2, 3, 3), LayerSpec::mla(5, 2)),
+    };
+    CacheSpec::new(vec![kv, LayerSpec::empty(), mla], dtype, MAX_LEN).unwrap()
 }
 
 /// Elements per row of every slot of `spec`, per layer.
@@ -205,6 +201,9 @@ async fn check_attention(
     seed: u64,
     what: &str,
 ) {
+    // K/V widths of layer 0 and the latent and rope widths of layer 2.
+    let width_of = |l: usize, s: usize| *c.spec().layers()[l].slots[s].trailing.last().unwrap();
+    let (dk, r, rope) = (width_of(0, 0), width_of(2, 0), width_of(2, 1));
     for (layer, heads) in [(0, 4), (2, 2)] {
         let batch: Vec<(SeqId, usize)> = m
             .seqs
@@ -218,24 +217,27 @@ async fn check_attention(
         }
         let n = batch.len();
         let opts = AttentionOptions::default();
-        let (q, q2) = (values(seed, n * heads * 5), values(seed + 1, n * heads * 2));
+        let (q, q2) = (
+            values(seed, n * heads * r.max(dk)),
+            values(seed + 1, n * heads * rope),
+        );
         let qb = super::f32_buffer(&g.device, &q).await;
         let q2b = super::f32_buffer(&g.device, &q2).await;
-        let width = if layer == 0 { 3 } else { 5 };
+        let width = if layer == 0 { dk } else { r };
         let out = super::output(&g.device, n * heads * width).await;
         if layer == 0 {
             att.gqa(
                 Kv::Batch(c, &batch),
                 0,
-                Queries::new(&qb, n, heads, 3),
+                Queries::new(&qb, n, heads, dk),
                 &out,
                 &opts,
             )
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         } else {
             let mla = MlaQueries {
-                latent: Queries::new(&qb, n, heads, 5),
-                rope: Queries::new(&q2b, n, heads, 2),
+                latent: Queries::new(&qb, n, heads, r),
+                rope: Queries::new(&q2b, n, heads, rope),
             };
             att.mla(Kv::Batch(c, &batch), 2, mla, &out, &opts)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -244,14 +246,14 @@ async fn check_attention(
         for (i, (id, _)) in batch.iter().enumerate() {
             let rows = &m.seqs[id].rows[layer];
             let want = if layer == 0 {
-                let qi = &q[i * heads * 3..(i + 1) * heads * 3];
-                reference::attention_gqa(qi, [1, heads, 3], &rows[0], &rows[1], 2, 3, &opts)
+                let qi = &q[i * heads * dk..(i + 1) * heads * dk];
+                reference::attention_gqa(qi, [1, heads, dk], &rows[0], &rows[1], 2, dk, &opts)
             } else {
                 let (ql, qr) = (
-                    &q[i * heads * 5..(i + 1) * heads * 5],
-                    &q2[i * heads * 2..(i + 1) * heads * 2],
+                    &q[i * heads * r..(i + 1) * heads * r],
+                    &q2[i * heads * rope..(i + 1) * heads * rope],
                 );
-                reference::attention_mla(ql, qr, [1, heads, 5], &rows[0], &rows[1], 2, &opts)
+                reference::attention_mla(ql, qr, [1, heads, r], &rows[0], &rows[1], rope, &opts)
             };
             let part = &got[i * heads * width..(i + 1) * heads * width];
             super::assert_close(
@@ -273,8 +275,9 @@ fn rows_for(
 ) -> Vec<(Vec<f32>, Vec<f32>)> {
     (0..2)
         .map(|slot| {
-            let v = values(seed * 7 + slot as u64, n * m.row_elems[layer][slot]);
-            let kept = v.iter().map(|&x| reference::round_trip(x, dtype)).collect();
+            let w = m.row_elems[layer][slot];
+            let v = values(seed * 7 + slot as u64, n * w);
+            let kept = reference::round_trip_rows(&v, dtype, w);
             (v, kept)
         })
         .collect()
@@ -599,11 +602,15 @@ fn row_count(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
-/// Every storage type, two seeds each (one in the browser, where each readback waits for a later
-/// task).
+/// Every storage type, two seeds each for the element types and one for the quantized ones (one in
+/// the browser, where each readback waits for a later task).
 pub async fn paged_pool_matches_the_model(g: &Gpu) {
-    let seeds = if cfg!(target_arch = "wasm32") { 1 } else { 2 };
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
+        let seeds = if cfg!(target_arch = "wasm32") || dtype.is_quantized() {
+            1
+        } else {
+            2
+        };
         for seed in 1..=seeds {
             paged_run_matches_the_model(g, dtype, seed, 400).await;
         }
@@ -665,7 +672,8 @@ async fn step(g: &Gpu, c: &mut PagedCache, seq: SeqId, n: usize, seed: u64, gpu:
         }
         kept.push(
             vals.iter()
-                .map(|v| v.iter().map(|&x| reference::round_trip(x, dtype)).collect())
+                .zip(&slots)
+                .map(|(v, t)| reference::round_trip_rows(v, dtype, t.iter().product()))
                 .collect(),
         );
     }
@@ -700,13 +708,15 @@ fn prefix(rows: &SeqRows, n: usize, widths: &[Vec<usize>]) -> SeqRows {
 /// GPU sources), decode and chunked queries, window and soft-cap. Refused calls name the cause.
 pub async fn paged_attention_matches_the_reference(g: &Gpu) {
     const N_KV: usize = 2;
-    const D: usize = 8;
-    const R: usize = 16;
-    const ROPE: usize = 8;
     const HEADS: usize = 4;
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
+        // Whole blocks of 32 for the block-quantized types.
+        let (d, r, rope) = match dtype.block() {
+            Some(b) => (b, b, b),
+            None => (8, 16, 8),
+        };
         let spec = CacheSpec::new(
-            vec![LayerSpec::kv(N_KV, D, D), LayerSpec::mla(R, ROPE)],
+            vec![LayerSpec::kv(N_KV, d, d), LayerSpec::mla(r, rope)],
             dtype,
             64,
         )
@@ -743,6 +753,12 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let mut att = Attention::with_kernels(super::kernels_for(g));
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
+            if dtype.is_quantized() && choice != KernelChoice::Tiled {
+                // The streaming kernels do not read quantized storage: refused up front.
+                let e = att.prepare_paged(&c, HEADS).unwrap_err();
+                assert!(matches!(e, Error::AttentionRequest { .. }), "{e}");
+                continue;
+            }
             // The paged pipelines, ahead of the calls: once, for every attention layer.
             let e = att.prepare_paged(&c, 3).unwrap_err();
             assert!(matches!(e, Error::HeadGroups { layer: 0, .. }), "{e}");
@@ -762,24 +778,24 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                     };
                     let what = format!("{dtype} {choice:?} {seq} ({visible} rows) n_q {n_q}");
                     // GQA, layer 0.
-                    let q = values(visible as u64 + 50, n_q * HEADS * D);
+                    let q = values(visible as u64 + 50, n_q * HEADS * d);
                     let qb = super::f32_buffer(&g.device, &q).await;
-                    let out = super::output(&g.device, n_q * HEADS * D).await;
+                    let out = super::output(&g.device, n_q * HEADS * d).await;
                     att.gqa(
                         Kv::Sequence(&c, seq),
                         0,
-                        Queries::new(&qb, n_q, HEADS, D),
+                        Queries::new(&qb, n_q, HEADS, d),
                         &out,
                         &options,
                     )
                     .unwrap();
                     let want = reference::attention_gqa(
                         &q,
-                        [n_q, HEADS, D],
+                        [n_q, HEADS, d],
                         &rows[0][0],
                         &rows[0][1],
                         N_KV,
-                        D,
+                        d,
                         &options,
                     );
                     super::assert_close(
@@ -788,26 +804,26 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                         &format!("{what} GQA"),
                     );
                     // MLA, layer 1.
-                    let ql = values(visible as u64 + 60, n_q * HEADS * R);
-                    let qr = values(visible as u64 + 70, n_q * HEADS * ROPE);
+                    let ql = values(visible as u64 + 60, n_q * HEADS * r);
+                    let qr = values(visible as u64 + 70, n_q * HEADS * rope);
                     let (lb, rb_) = (
                         super::f32_buffer(&g.device, &ql).await,
                         super::f32_buffer(&g.device, &qr).await,
                     );
-                    let out = super::output(&g.device, n_q * HEADS * R).await;
+                    let out = super::output(&g.device, n_q * HEADS * r).await;
                     let q = MlaQueries {
-                        latent: Queries::new(&lb, n_q, HEADS, R),
-                        rope: Queries::new(&rb_, n_q, HEADS, ROPE),
+                        latent: Queries::new(&lb, n_q, HEADS, r),
+                        rope: Queries::new(&rb_, n_q, HEADS, rope),
                     };
                     att.mla(Kv::Sequence(&c, seq), 1, q, &out, &options)
                         .unwrap();
                     let want = reference::attention_mla(
                         &ql,
                         &qr,
-                        [n_q, HEADS, R],
+                        [n_q, HEADS, r],
                         &rows[1][0],
                         &rows[1][1],
-                        ROPE,
+                        rope,
                         &options,
                     );
                     super::assert_close(
@@ -824,6 +840,9 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let total: usize = batch.iter().map(|b| b.1).sum();
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
+            if dtype.is_quantized() && choice != KernelChoice::Tiled {
+                continue; // Refused, as checked above.
+            }
             for (window, soft_cap) in [(None, None), (Some(6), Some(4.0))] {
                 let options = AttentionOptions {
                     window,
@@ -831,28 +850,28 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                     scale: None,
                 };
                 let what = format!("{dtype} {choice:?} batch {batch:?} window {window:?}");
-                let q = values(500, total * HEADS * D);
+                let q = values(500, total * HEADS * d);
                 let qb = super::f32_buffer(&g.device, &q).await;
-                let out = super::output(&g.device, total * HEADS * D).await;
+                let out = super::output(&g.device, total * HEADS * d).await;
                 att.gqa(
                     Kv::Batch(&c, &batch),
                     0,
-                    Queries::new(&qb, total, HEADS, D),
+                    Queries::new(&qb, total, HEADS, d),
                     &out,
                     &options,
                 )
                 .unwrap();
                 let got = super::read_f32(g, &out).await;
-                let ql = values(600, total * HEADS * R);
-                let qr = values(700, total * HEADS * ROPE);
+                let ql = values(600, total * HEADS * r);
+                let qr = values(700, total * HEADS * rope);
                 let (lb, rb_) = (
                     super::f32_buffer(&g.device, &ql).await,
                     super::f32_buffer(&g.device, &qr).await,
                 );
-                let out_mla = super::output(&g.device, total * HEADS * R).await;
+                let out_mla = super::output(&g.device, total * HEADS * r).await;
                 let queries = MlaQueries {
-                    latent: Queries::new(&lb, total, HEADS, R),
-                    rope: Queries::new(&rb_, total, HEADS, ROPE),
+                    latent: Queries::new(&lb, total, HEADS, r),
+                    rope: Queries::new(&rb_, total, HEADS, rope),
                 };
                 att.mla(Kv::Batch(&c, &batch), 1, queries, &out_mla, &options)
                     .unwrap();
@@ -860,26 +879,26 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                 let mut at = 0;
                 for &(seq, n_q) in &batch {
                     let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
-                    let (x, y) = (at * HEADS * D, (at + n_q) * HEADS * D);
+                    let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
                     let want = reference::attention_gqa(
                         &q[x..y],
-                        [n_q, HEADS, D],
+                        [n_q, HEADS, d],
                         &rows[0][0],
                         &rows[0][1],
                         N_KV,
-                        D,
+                        d,
                         &options,
                     );
                     super::assert_close(&got[x..y], &want, &format!("{what}: {seq} GQA"));
-                    let (x, y) = (at * HEADS * R, (at + n_q) * HEADS * R);
-                    let (xr, yr) = (at * HEADS * ROPE, (at + n_q) * HEADS * ROPE);
+                    let (x, y) = (at * HEADS * r, (at + n_q) * HEADS * r);
+                    let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
                     let want = reference::attention_mla(
                         &ql[x..y],
                         &qr[xr..yr],
-                        [n_q, HEADS, R],
+                        [n_q, HEADS, r],
                         &rows[1][0],
                         &rows[1][1],
-                        ROPE,
+                        rope,
                         &options,
                     );
                     super::assert_close(&got_mla[x..y], &want, &format!("{what}: {seq} MLA"));
@@ -889,14 +908,14 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         }
         // A batch whose counts do not add up to the queries, or with too many queries for a
         // sequence, is refused and writes nothing.
-        let q = super::f32_buffer(&g.device, &values(1, 64 * HEADS * D)).await;
-        let out = super::output(&g.device, 64 * HEADS * D).await;
+        let q = super::f32_buffer(&g.device, &values(1, 64 * HEADS * d)).await;
+        let out = super::output(&g.device, 64 * HEADS * d).await;
         let dflt = AttentionOptions::default();
         let e = att
             .gqa(
                 Kv::Batch(&c, &batch),
                 0,
-                Queries::new(&q, total + 1, HEADS, D),
+                Queries::new(&q, total + 1, HEADS, d),
                 &out,
                 &dflt,
             )
@@ -915,7 +934,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             .gqa(
                 Kv::Batch(&c, &[]),
                 0,
-                Queries::new(&q, 1, HEADS, D),
+                Queries::new(&q, 1, HEADS, d),
                 &out,
                 &dflt,
             )
@@ -926,7 +945,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             .gqa(
                 Kv::Batch(&c, &too_many),
                 0,
-                Queries::new(&q, 2 + c.len(b).unwrap(), HEADS, D),
+                Queries::new(&q, 2 + c.len(b).unwrap(), HEADS, d),
                 &out,
                 &dflt,
             )
@@ -942,7 +961,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             .gqa(
                 Kv::Sequence(&c, c2),
                 0,
-                Queries::new(&q, 1, HEADS, D),
+                Queries::new(&q, 1, HEADS, d),
                 &out,
                 &dflt,
             )
@@ -953,7 +972,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             .gqa(
                 Kv::Sequence(&c, b),
                 0,
-                Queries::new(&q, n, HEADS, D),
+                Queries::new(&q, n, HEADS, d),
                 &out,
                 &dflt,
             )
@@ -1087,13 +1106,12 @@ pub async fn paged_sources_of_another_device_are_refused(g: &Gpu) {
 /// they share, a sequence named twice, parts crossing pages. A batch whose counts do not add up, that
 /// names an unknown sequence, or that runs out of pages part way is refused whole, changing nothing.
 pub async fn batched_appends_match_one_by_one(g: &Gpu) {
-    for dtype in DType::ALL {
-        let spec = CacheSpec::new(
-            vec![LayerSpec::kv(2, 4, 4), LayerSpec::mla(5, 2)],
-            dtype,
-            40,
-        )
-        .unwrap();
+    for dtype in DType::STORAGE {
+        let layers = match dtype.block() {
+            Some(b) => vec![LayerSpec::kv(1, b, b), LayerSpec::mla(b, b)],
+            None => vec![LayerSpec::kv(2, 4, 4), LayerSpec::mla(5, 2)],
+        };
+        let spec = CacheSpec::new(layers, dtype, 40).unwrap();
         let widths = widths_of(&spec);
         let trailing = |layer: usize| trailing_of(&spec, layer);
         let make = || PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 3, 14).unwrap();
@@ -1328,15 +1346,22 @@ pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
 /// copy-only, which moves run by run instead) and converted f32 rows. Each sequence's rows, read
 /// through its page table, equal the values rounded to the storage type.
 pub async fn scattered_appends_take_every_source(g: &Gpu) {
-    // Even widths, so 16-bit rows of the storage type can also be plain copies.
-    let layers = vec![LayerSpec::kv(1, 2, 4), LayerSpec::mla(6, 2)];
     let choices = [
         ScatterChoice::Always,
         ScatterChoice::Never,
         ScatterChoice::Auto,
     ];
-    for (dtype, choice) in DType::ALL.into_iter().flat_map(|d| choices.map(|c| (d, c))) {
-        let spec = CacheSpec::new(layers.clone(), dtype, 24).unwrap();
+    for (dtype, choice) in DType::STORAGE
+        .into_iter()
+        .flat_map(|d| choices.map(|c| (d, c)))
+    {
+        // Even widths, so 16-bit rows of the storage type can also be plain copies; whole blocks for
+        // the block-quantized types.
+        let layers = match dtype.block() {
+            Some(b) => vec![LayerSpec::kv(1, b, b), LayerSpec::mla(2 * b, b)],
+            None => vec![LayerSpec::kv(1, 2, 4), LayerSpec::mla(6, 2)],
+        };
+        let spec = CacheSpec::new(layers, dtype, 24).unwrap();
         let widths = widths_of(&spec);
         let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 40).unwrap();
         c.set_scatter(choice);
@@ -1353,6 +1378,12 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
             "gpu f32",
         ];
         for (round, kind) in kinds.iter().enumerate() {
+            // GPU sources hold elements: quantized storage takes its "storage" rows as f16 (converted
+            // and quantized by the kernel), and has no copy-only source (every row needs the kernel).
+            let f16_source = dtype.is_quantized() && *kind == "gpu storage";
+            if dtype.is_quantized() && *kind == "gpu copy-only" {
+                continue;
+            }
             for (layer, widths) in widths.iter().enumerate() {
                 let shapes: Vec<Vec<usize>> = trailing_of(&spec, layer)
                     .iter()
@@ -1362,10 +1393,17 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                     .iter()
                     .enumerate()
                     .map(|(k, &w)| {
-                        values(
+                        let v = values(
                             1000 * round as u64 + 10 * layer as u64 + k as u64,
                             total * w,
-                        )
+                        );
+                        if f16_source {
+                            v.iter()
+                                .map(|&x| reference::round_trip(x, DType::F16))
+                                .collect()
+                        } else {
+                            v
+                        }
                     })
                     .collect();
                 let bits: Vec<Vec<u32>> = data
@@ -1394,6 +1432,7 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                     c.append_batch(layer, &batch, &slabs).unwrap();
                 } else {
                     let (src_dtype, usage) = match *kind {
+                        "gpu storage" if f16_source => (DType::F16, super::USAGE),
                         "gpu storage" => (dtype, super::USAGE),
                         "gpu copy-only" => (dtype, wgpu::BufferUsages::COPY_SRC),
                         _ => (DType::F32, super::USAGE),
@@ -1402,6 +1441,13 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                     for (k, &w) in widths.iter().enumerate() {
                         let words = match src_dtype {
                             DType::F32 => data[k].iter().map(|x| x.to_bits()).collect(),
+                            DType::F16 if f16_source => {
+                                let h: Vec<u32> = data[k]
+                                    .iter()
+                                    .map(|&x| reference::f32_to_bits(x, DType::F16))
+                                    .collect();
+                                reference::pack_rows(&h, DType::F16, w)
+                            }
                             _ => reference::pack_rows(&bits[k], dtype, w),
                         };
                         bufs.push(buffer_with(&g.device, &words, usage).await);
@@ -1421,9 +1467,11 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                 for &(seq, n) in &batch {
                     for (k, &w) in widths.iter().enumerate() {
                         want.entry((seq, layer, k)).or_default().extend(
-                            data[k][first * w..(first + n) * w]
-                                .iter()
-                                .map(|&x| reference::round_trip(x, dtype)),
+                            reference::round_trip_rows(
+                                &data[k][first * w..(first + n) * w],
+                                dtype,
+                                w,
+                            ),
                         );
                     }
                     first += n;
@@ -1445,11 +1493,12 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                 );
             }
         }
-        let pages: usize = [15usize, 5, 20, 10].iter().map(|r| r.div_ceil(2)).sum();
-        assert_eq!(
-            c.pages_in_use(),
-            pages,
-            "{dtype}: five steps of 3, 1, 4, 2 rows"
-        );
+        // Five steps of 3, 1, 4, 2 rows (four for quantized storage, without copy-only sources).
+        let rounds = if dtype.is_quantized() { 4 } else { 5 };
+        let pages: usize = [3usize, 1, 4, 2]
+            .iter()
+            .map(|r| (r * rounds).div_ceil(2))
+            .sum();
+        assert_eq!(c.pages_in_use(), pages, "{dtype}: {rounds} steps");
     }
 }

@@ -14,15 +14,20 @@ use std::sync::Arc;
 fn random_spec(rng: &mut Xorshift, dtype: DType) -> CacheSpec {
     loop {
         let n_layers = 1 + rng.below(4);
+        // Innermost dimensions of whole blocks for the block-quantized types.
+        let b = dtype.block().unwrap_or(1);
         let mut dim = |n: usize| 1 + rng.below(n);
         let layers: Vec<LayerSpec> = (0..n_layers)
             .map(|_| match dim(4) {
                 1 => LayerSpec::empty(),
-                2 => LayerSpec::kv(dim(3), dim(9), dim(9)),
-                3 => LayerSpec::mla(dim(17), dim(5)),
+                2 => LayerSpec::kv(dim(3), b * dim(9), b * dim(9)),
+                3 => LayerSpec::mla(b * dim(17), b * dim(5)),
                 _ => {
                     let rank = dim(4) - 1;
-                    let trailing: Vec<usize> = (0..rank).map(|_| dim(4)).collect();
+                    let mut trailing: Vec<usize> = (0..rank).map(|_| dim(4)).collect();
+                    if let Some(last) = trailing.last_mut() {
+                        *last *= b;
+                    }
                     LayerSpec::new(vec![SlotSpec::new("x", &trailing)])
                 }
             })
@@ -108,7 +113,7 @@ fn pool(g: &Gpu, spec: CacheSpec, page_size: usize, n_pages: usize) -> PagedCach
 /// snapshot equals the first one byte for byte.
 pub async fn snapshots_round_trip_bit_for_bit(g: &Gpu) {
     let mut rng = Xorshift::new(12);
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
         for round in 0..10 {
             let spec = random_spec(&mut rng, dtype);
             let what = format!("{dtype} round {round}");
@@ -162,40 +167,49 @@ pub async fn snapshots_round_trip_bit_for_bit(g: &Gpu) {
 const PAGE: usize = 4;
 
 fn attention_spec(dtype: DType) -> CacheSpec {
-    CacheSpec::new(
-        vec![
-            LayerSpec::kv(2, 8, 5),
-            LayerSpec::empty(),
-            LayerSpec::mla(7, 3),
-        ],
-        dtype,
-        32,
-    )
-    .unwrap()
+    // Whole blocks of 32 for the block-quantized types.
+    let (kv, mla) = match dtype.block() {
+        Some(b) => (LayerSpec::kv(2, b, b), LayerSpec::mla(2 * b, b)),
+        None => (LayerSpec::kv(2, 8, 5), LayerSpec::mla(7, 3)),
+    };
+    CacheSpec::new(vec![kv, LayerSpec::empty(), mla], dtype, 32).unwrap()
 }
 
-/// Attention of the last `n_q` rows of layers 0 (GQA, 4 heads) and 2 (MLA, 2 heads) over `kv`,
-/// against the twins over `rows` (per layer, per slot, the stored values as f32).
+/// Attention of the last `n_q` rows of layers 0 (GQA, 4 heads) and 2 (MLA, 2 heads) of
+/// [`attention_spec`] over `kv`, against the twins over `rows` (per layer, per slot, the stored
+/// values as f32).
 async fn check_attention(g: &Gpu, kv: Kv<'_>, rows: &[Vec<Vec<f32>>], n_q: usize, what: &str) {
     let mut att = Attention::with_kernels(kernels_for(g));
     let opts = AttentionOptions::default();
-    for (layer, heads, d, width) in [(0, 4, 8, 5), (2, 2, 7, 7)] {
+    let spec = match kv {
+        Kv::Cache(c) => c.spec(),
+        Kv::Sequence(p, _) | Kv::Batch(p, _) => p.spec(),
+    };
+    let width_of = |l: usize, s: usize| *spec.layers()[l].slots[s].trailing.last().unwrap();
+    let (d_k, d_v, r, rope) = (
+        width_of(0, 0),
+        width_of(0, 1),
+        width_of(2, 0),
+        width_of(2, 1),
+    );
+    for (layer, heads, d, width) in [(0, 4, d_k, d_v), (2, 2, r, r)] {
         let q = values(layer as u64 + 5, n_q * heads * d);
-        let q2 = values(layer as u64 + 6, n_q * heads * 3);
+        let q2 = values(layer as u64 + 6, n_q * heads * rope);
         let qb = super::f32_buffer(&g.device, &q).await;
         let q2b = super::f32_buffer(&g.device, &q2).await;
         let out = super::output(&g.device, n_q * heads * width).await;
         let want = if layer == 0 {
             att.gqa(kv, 0, Queries::new(&qb, n_q, heads, d), &out, &opts)
                 .unwrap();
-            reference::attention_gqa(&q, [n_q, heads, d], &rows[0][0], &rows[0][1], 2, 5, &opts)
+            reference::attention_gqa(&q, [n_q, heads, d], &rows[0][0], &rows[0][1], 2, d_v, &opts)
         } else {
             let mla = MlaQueries {
                 latent: Queries::new(&qb, n_q, heads, d),
-                rope: Queries::new(&q2b, n_q, heads, 3),
+                rope: Queries::new(&q2b, n_q, heads, rope),
             };
             att.mla(kv, 2, mla, &out, &opts).unwrap();
-            reference::attention_mla(&q, &q2, [n_q, heads, d], &rows[2][0], &rows[2][1], 3, &opts)
+            let (latent, pe) = (&rows[2][0], &rows[2][1]);
+            reference::attention_mla(&q, &q2, [n_q, heads, d], latent, pe, rope, &opts)
         };
         let got = super::read_f32(g, &out).await;
         assert_close(&got, &want, &format!("{what}: layer {layer} attention"));
@@ -246,7 +260,7 @@ fn grow(c: &mut PagedCache, seq: SeqId, n: usize, seed: u64) {
 /// the rows are the same bit for bit, and attention over every copy matches the twins over the
 /// originals' rows. The forked snapshot restores into pages of its own.
 pub async fn pool_sequences_and_forks_round_trip(g: &Gpu) {
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
         note!("-- {dtype}");
         let spec = attention_spec(dtype);
         let mut p = pool(g, spec.clone(), PAGE, 24);
@@ -323,7 +337,7 @@ fn problem_of<T: std::fmt::Debug>(r: Result<T>, what: &str) -> SnapshotProblem {
 /// destination's bytes nor its ledger change.
 pub async fn refused_snapshots_change_nothing(g: &Gpu) {
     let mut rng = Xorshift::new(7);
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
         let spec = attention_spec(dtype);
         let mut src = cache_on(g, spec.clone());
         fill(&mut src, 9, &mut rng);
@@ -386,7 +400,7 @@ pub async fn refused_snapshots_change_nothing(g: &Gpu) {
         let mut longer = bytes.clone();
         longer.extend_from_slice(&[0; 4]);
         cases.push(("4 more bytes".into(), longer, "trailing"));
-        for other in DType::ALL.into_iter().filter(|&d| d != dtype) {
+        for other in DType::STORAGE.into_iter().filter(|&d| d != dtype) {
             let mut c = cache_on(g, attention_spec(other));
             fill(&mut c, 2, &mut rng);
             cases.push((
@@ -395,16 +409,10 @@ pub async fn refused_snapshots_change_nothing(g: &Gpu) {
                 "dtype",
             ));
         }
-        let narrower = CacheSpec::new(
-            vec![
-                LayerSpec::kv(2, 8, 5),
-                LayerSpec::empty(),
-                LayerSpec::mla(6, 3),
-            ],
-            dtype,
-            32,
-        )
-        .unwrap();
+        // attention_spec with a narrower latent slot.
+        let mut layers = attention_spec(dtype).layers().to_vec();
+        layers[2].slots[0].trailing[0] -= dtype.block().unwrap_or(1);
+        let narrower = CacheSpec::new(layers, dtype, 32).unwrap();
         let mut c = cache_on(g, narrower);
         fill(&mut c, 2, &mut rng);
         cases.push((
@@ -569,7 +577,7 @@ pub async fn restore_on_another_device(from: &Gpu, to: &Gpu) {
     let pool = |k: &Arc<Kernels>, spec: &CacheSpec, page_size, n_pages| {
         PagedCache::with_kernels(k.clone(), spec.clone(), page_size, n_pages).unwrap()
     };
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
         let spec = attention_spec(dtype);
         let c = seeded(from, &kf, spec.clone()).await;
         let bytes = c.snapshot_async().await.unwrap();
@@ -610,6 +618,9 @@ pub async fn the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend(g: &Gpu
         (DType::F32, 1751, 0xcad1_678e),
         (DType::F16, 1003, 0xc24b_8734),
         (DType::BF16, 1003, 0x9b99_00fc),
+        (DType::Q8_0, 2807, 0x0620_d4ac),
+        (DType::Q4_0, 1575, 0x8ff4_2065),
+        (DType::F8E4M3, 607, 0x58f0_f2d4),
     ];
     for (dtype, size, checksum) in pinned {
         let c = seeded(g, &kernels_for(g), attention_spec(dtype)).await;
@@ -678,7 +689,7 @@ fn pieces(bytes: &[u8], seed: u64) -> Vec<&[u8]> {
 /// changes nothing.
 pub async fn streamed_imports_match_whole_ones(g: &Gpu) {
     let mut rng = Xorshift::new(31);
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
         for round in 0..4 {
             let what = format!("{dtype} round {round}");
             let spec = random_spec(&mut rng, dtype);
