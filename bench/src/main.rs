@@ -8,6 +8,7 @@ mod attn;
 mod decode;
 mod paged;
 mod plot;
+mod quant;
 mod recorded;
 mod refs;
 mod report;
@@ -82,14 +83,14 @@ fn main() -> Result<()> {
                 plot_from = Some(args.next().context("--plot-from needs a JSON path")?)
             }
             "--only" => {
-                only = Some(
-                    args.next()
-                        .context("--only needs slab, decode, attention, paged or snapshot")?,
-                )
+                only =
+                    Some(args.next().context(
+                        "--only needs slab, decode, attention, paged, snapshot or quant",
+                    )?)
             }
             "-h" | "--help" => {
                 println!(
-                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|paged|snapshot]\n  \
+                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|paged|snapshot|quant]\n  \
                      adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME\n\
                      kvgpu-bench --plot-from JSON [--plot PATH]\n  \
                      redraws the plot from a recorded run (a JSON written by --json) without measuring"
@@ -125,29 +126,34 @@ fn main() -> Result<()> {
 
     let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if wanted("slab") {
-        eprintln!("[1/6] slab writes and references");
+        eprintln!("[1/7] slab writes and references");
         slab::run(&gpu, &timer, &cfg, &mut rows, &roof)?;
     }
     if wanted("decode") {
-        eprintln!("[2/6] decode append steps, peers, reset");
+        eprintln!("[2/7] decode append steps, peers, reset");
         decode::run(&gpu, &timer, &cfg, &mut rows, &mut steps)?;
     }
     if wanted("attention") {
-        eprintln!("[3/6] attention");
+        eprintln!("[3/7] attention");
         attn::run(&gpu, &timer, &cfg, &mut rows, &mut attention, &roof)?;
     }
     drop(roof);
     if wanted("paged") {
-        eprintln!("[4/6] the paged pool: batched decode, scattered append step, fork");
+        eprintln!("[4/7] the paged pool: batched decode, scattered append step, fork");
         paged::run(&gpu, &timer, &cfg, &mut rows)?;
     }
 
     if wanted("snapshot") {
-        eprintln!("[5/6] snapshots: export and import against plain readback and upload");
+        eprintln!("[5/7] snapshots: export and import against plain readback and upload");
         snapshot::run(&gpu, &timer, &cfg, &mut rows)?;
     }
 
-    eprintln!("[6/6] report");
+    if wanted("quant") {
+        eprintln!("[6/7] quantized storage: bytes, accuracy, attention and appends against f16");
+        quant::run(&gpu, &timer, &cfg, &mut rows)?;
+    }
+
+    eprintln!("[7/7] report");
     let title = format!("kvgpu on {} ({:?})", info.name, info.backend);
     plot::write(&plot_path, &title, &steps, &attention)?;
     let table = report::table(&rows);

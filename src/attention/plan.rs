@@ -288,19 +288,21 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     }
 }
 
-const STREAM_SHAPES: &str = "needs f32, f16 or bf16 storage (quantized storage is read by the tiled \
-                             kernel), every head dimension a multiple of one 16-byte vector (4 f32 or \
-                             8 16-bit elements), rows of whole vectors, and few enough elements per lane";
+const STREAM_SHAPES: &str = "needs every head dimension a multiple of one 16-byte vector (4 f32, 8 \
+                             16-bit, 16 q8_0 or fp8, or 32 q4_0 elements), rows of whole vectors \
+                             (q8_0 and q4_0 rows may end inside one), and few enough elements per lane";
 
 /// The streaming kernel for this call, when its shape allows one: every slice a whole number of
 /// 16-byte vectors, and the lane's registers within [`LANE_FLOATS`] for at least one head per team.
 pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> Option<StreamKey> {
     let u = stream::per_vec(s.dtype);
-    if s.dtype.is_quantized()
-        || s.d_a == 0
-        || [s.d_a, s.d_b, s.d_v].iter().any(|d| d % u != 0)
-        || s.row_words.iter().any(|w| w % 4 != 0)
-    {
+    if s.d_a == 0 || [s.d_a, s.d_b, s.d_v].iter().any(|d| d % u != 0) {
+        return None;
+    }
+    // Rows that are not whole vectors are read as words: only the block types' scales end inside a
+    // vector (every head dimension here is whole vectors).
+    let narrow = s.row_words.map(|w| w % 4 != 0);
+    if narrow.iter().any(|&n| n) && s.dtype.block().is_none() {
         return None;
     }
     let (lanes, sum) = match (subgroups, dev.subgroup) {
@@ -329,6 +331,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> O
         v_from_a: s.v_from_a,
         sum,
         rows: s.row_mode(),
+        narrow,
     })
 }
 

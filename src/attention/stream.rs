@@ -3,7 +3,8 @@
 //!
 //! One workgroup is one *team* of `lanes` invocations; it takes one chunk of the visible rows, one KV
 //! head and `heads` of the query heads that share it, for one query. The lanes split every row
-//! between them in 16-byte loads (`vec4<u32>`: four f32 or eight 16-bit elements), lane `l` taking
+//! between them in 16-byte loads (`vec4<u32>`: four f32, eight 16-bit, sixteen q8_0 or fp8, or 32
+//! q4_0 elements; the block types also load the vector holding that vector's scale), lane `l` taking
 //! the vectors `l, l + lanes, l + 2 lanes, ...` of the head's slice, so each lane keeps only its own
 //! elements of the queries and of the output in registers. Per row, each lane's partial dot products
 //! are summed over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes`
@@ -46,11 +47,30 @@ pub(crate) struct StreamKey {
     pub sum: TeamSum,
     /// How the kernel finds a query's rows.
     pub rows: RowMode,
+    /// Slots a, b and v whose rows are not whole 16-byte vectors (block-quantized rows whose scales
+    /// end inside one, such as DeepSeek's q8_0 `k_pe` of 68 bytes): bound as words, each vector
+    /// loaded as four words.
+    pub narrow: [bool; 3],
 }
 
-/// Elements in one 16-byte vector of `dtype` storage.
+/// Elements in one 16-byte vector of `dtype` storage (of the values, for the block types).
 pub(crate) fn per_vec(dtype: DType) -> usize {
-    if dtype == DType::F32 { 4 } else { 8 }
+    match dtype {
+        DType::F32 => 4,
+        DType::F16 | DType::BF16 => 8,
+        DType::Q8_0 | DType::F8E4M3 => 16,
+        DType::Q4_0 => 32,
+    }
+}
+
+/// For the block types, the 16-byte value vectors that share one vector of scales (q8_0: 16 vectors
+/// of 16 elements are 8 blocks, 8 f16 scales; q4_0: 8 vectors of one block each).
+fn vecs_per_scale_vec(dtype: DType) -> Option<u32> {
+    match dtype {
+        DType::Q8_0 => Some(16),
+        DType::Q4_0 => Some(8),
+        _ => None,
+    }
 }
 
 /// One slice of a row (a head's `d` elements) as the lanes see it.
@@ -113,12 +133,8 @@ pub(crate) fn source(key: &StreamKey, prelude: &str, rows: &str) -> String {
     g.out
 }
 
-/// The bindings of pass 1, as `shaders/attention_partial.wgsl` declares them, the slots read as
-/// 16-byte vectors.
+/// The bindings of pass 1 after the slots, as `shaders/attention_partial.wgsl` declares them.
 const BINDINGS: &str = "\
-@group(0) @binding(0) var<storage, read> slot_a: array<vec4<u32>>;
-@group(0) @binding(1) var<storage, read> slot_b: array<vec4<u32>>;
-@group(0) @binding(2) var<storage, read> slot_v: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> table: array<u32>;
 @group(1) @binding(0) var<storage, read> q_a: array<f32>;
 @group(1) @binding(1) var<storage, read> q_b: array<f32>;
@@ -152,13 +168,19 @@ impl Gen {
         }
     }
 
+    /// f32 vectors per 16-byte vector of storage: part `c` holds elements `c, P + c, 2P + c, 3P + c`
+    /// of it (`P` parts).
+    fn n_parts(&self) -> u32 {
+        self.u() / 4
+    }
+
     /// Register names of the f32 vectors of step `j` of a slice: one for f32, the even and odd
-    /// elements for 16-bit storage.
+    /// elements for 16-bit storage, one per byte (q8_0, fp8) or nibble (q4_0) of a word.
     fn parts(&self, name: &str, j: u32) -> Vec<String> {
-        if self.key.dtype == DType::F32 {
-            vec![format!("{name}{j}")]
-        } else {
-            vec![format!("{name}{j}e"), format!("{name}{j}o")]
+        match self.n_parts() {
+            1 => vec![format!("{name}{j}")],
+            2 => vec![format!("{name}{j}e"), format!("{name}{j}o")],
+            n => (0..n).map(|c| format!("{name}{j}_{c}")).collect(),
         }
     }
 
@@ -174,6 +196,14 @@ impl Gen {
         line!(self, "const ROWS: u32 = {}u;", k.rows.code());
         if k.rows == RowMode::Ragged && k.sum != TeamSum::Subgroup {
             line!(self, "var<workgroup> query_row: vec2<u32>;");
+        }
+        // The slots, read as 16-byte vectors (narrow ones as words).
+        for (i, slot) in ["a", "b", "v"].into_iter().enumerate() {
+            let ty = if k.narrow[i] { "u32" } else { "vec4<u32>" };
+            line!(
+                self,
+                "@group(0) @binding({i}) var<storage, read> slot_{slot}: array<{ty}>;"
+            );
         }
         self.out.push_str(BINDINGS);
         if k.sum == TeamSum::Shared {
@@ -259,10 +289,10 @@ impl Gen {
                 for j in 0..s.steps() {
                     let names = self.parts(&format!("{q}{h}_"), j);
                     let guard = self.guard(s, j);
-                    let (f32s, u) = (k.dtype == DType::F32, self.u());
+                    let (parts, u) = (self.n_parts(), self.u());
                     for (c, name) in names.iter().enumerate() {
                         let e = |i: u32| -> String {
-                            let i = if f32s { i } else { 2 * i + c as u32 };
+                            let i = parts * i + c as u32;
                             format!(
                                 "{q}[{q}{h}_base + ((lane + {}u) * {u}u + {i}u) * {q}_se]",
                                 j * k.lanes
@@ -294,9 +324,19 @@ impl Gen {
         line!(self, "    let ua = kv * {}u + lane;", a.vecs);
         line!(self, "    let ub = kv * {}u + lane;", b.vecs);
         line!(self, "    let uv = kv * {}u + lane;", v.vecs);
-        line!(self, "    let rva = p.row_words_a / 4u;");
-        line!(self, "    let rvb = p.row_words_b / 4u;");
-        line!(self, "    let rvv = p.row_words_v / 4u;");
+        // Row strides in vectors (narrow slots: in words), and, for the block types, the first
+        // vector (narrow: word) of a row's scales, after its values.
+        for (i, s) in [&a, &b, &v].into_iter().enumerate() {
+            let (unit, values) = if k.narrow[i] {
+                ("", 4 * s.vecs)
+            } else {
+                (" / 4u", s.vecs)
+            };
+            line!(self, "    let rv{} = p.row_words_{}{unit};", s.slot, s.slot);
+            if vecs_per_scale_vec(k.dtype).is_some() {
+                line!(self, "    let sv{} = p.n_kv * {values}u;", s.slot);
+            }
+        }
         if k.sum == TeamSum::Shared {
             line!(self, "    var par = 0u;");
         }
@@ -322,13 +362,10 @@ impl Gen {
                 let guard = self.guard(&v, j);
                 let at = format!("o{h}_base + (lane + {}u) * {}u", j * k.lanes, self.u());
                 let names = self.parts(&format!("o{h}_"), j);
+                let parts = self.n_parts();
                 let mut body = String::new();
                 for i in 0..self.u() {
-                    let (name, c) = if k.dtype == DType::F32 {
-                        (&names[0], i)
-                    } else {
-                        (&names[(i % 2) as usize], i / 2)
-                    };
+                    let (name, c) = (&names[(i % parts) as usize], i / parts);
                     let _ = write!(body, "part[{at} + {i}u] = {name}[{c}]; ");
                 }
                 line!(self, "    if {guard} {{ {body}}}");
@@ -345,11 +382,56 @@ impl Gen {
         }
     }
 
-    /// Exact conversions of 16-bit storage (the even and odd elements of a 16-byte vector).
+    /// Exact conversions of 16-bit and quantized storage (the parts of a 16-byte vector), as the CPU
+    /// twin decodes them.
     fn unpack(&mut self) {
         match self.key.dtype {
-            // Quantized storage never gets a streaming key (plan::stream_key).
-            DType::F32 | DType::Q8_0 | DType::Q4_0 | DType::F8E4M3 => {}
+            DType::F32 => {}
+            DType::Q8_0 | DType::Q4_0 => {
+                // A block's f16 scale: half `hi` of word `word` of a vector of scales (exact).
+                line!(
+                    self,
+                    "fn scale_of(s: vec4<u32>, word: u32, hi: u32) -> f32 {{"
+                );
+                line!(self, "    let h = (s[word] >> (16u * hi)) & 0xffffu;");
+                line!(self, "    let ex = h & 0x7c00u;");
+                line!(
+                    self,
+                    "    let mag = select(bitcast<f32>(((h & 0x7fffu) << 13u) + (112u << 23u)), f32(h & 0x3ffu) * 5.9604644775390625e-8, ex == 0u);"
+                );
+                line!(self, "    return select(mag, -mag, (h & 0x8000u) != 0u);");
+                line!(self, "}}");
+            }
+            DType::F8E4M3 => {
+                // e4m3: rebias normal exponents, scale subnormals; 0x7f (with either sign) is NaN.
+                line!(self, "fn e4m3x4(b: vec4<u32>) -> vec4<f32> {{");
+                line!(
+                    self,
+                    "    let sign = (b & vec4<u32>(0x80u)) << vec4<u32>(24u);"
+                );
+                line!(self, "    let em = b & vec4<u32>(0x7fu);");
+                line!(
+                    self,
+                    "    let normal = bitcast<vec4<f32>>(sign | ((em << vec4<u32>(20u)) + vec4<u32>(120u << 23u)));"
+                );
+                line!(
+                    self,
+                    "    let tiny = vec4<f32>(em & vec4<u32>(7u)) * 0.001953125;"
+                );
+                line!(
+                    self,
+                    "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
+                );
+                line!(
+                    self,
+                    "    let nan = bitcast<vec4<f32>>(sign | vec4<u32>(0x7fc00000u));"
+                );
+                line!(
+                    self,
+                    "    return select(select(normal, sub, em < vec4<u32>(8u)), nan, em == vec4<u32>(0x7fu));"
+                );
+                line!(self, "}}");
+            }
             DType::BF16 => {
                 line!(
                     self,
@@ -433,11 +515,27 @@ impl Gen {
             self,
             "        && view_fits(p.view_b, p.n_q, p.n_heads, p.d_b, arrayLength(&q_b))"
         );
-        for s in [a, b, v] {
+        for (i, s) in [a, b, v].into_iter().enumerate() {
             let rw = format!("p.row_words_{}", s.slot);
+            if k.narrow[i] {
+                // Words: the values, then one f16 scale per 32 elements.
+                line!(
+                    self,
+                    "        && p.n_kv * {}u + (p.n_kv * {}u + 63u) / 64u <= {rw} && rows_fit({rw}, arrayLength(&slot_{}))",
+                    4 * s.vecs,
+                    s.vecs * self.u(),
+                    s.slot
+                );
+                continue;
+            }
+            // The block types' scales follow the values: one vector per `per` value vectors.
+            let scales = match vecs_per_scale_vec(k.dtype) {
+                Some(per) => format!(" + (p.n_kv * {}u + {}u) / {per}u", s.vecs, per - 1),
+                None => String::new(),
+            };
             line!(
                 self,
-                "        && {rw} % 4u == 0u && p.n_kv * {}u <= {rw} / 4u && rows_fit({rw} / 4u, arrayLength(&slot_{}))",
+                "        && {rw} % 4u == 0u && p.n_kv * {}u{scales} <= {rw} / 4u && rows_fit({rw} / 4u, arrayLength(&slot_{}))",
                 s.vecs,
                 s.slot
             );
@@ -476,7 +574,57 @@ impl Gen {
                 }
                 let at = format!("sr * {stride} + {base} + {}u", j * k.lanes);
                 let src = format!("slot_{}", s.slot);
-                if f32s {
+                if k.dtype.is_quantized() {
+                    let narrow = k.narrow[["a", "b", "v"]
+                        .iter()
+                        .position(|&x| x == s.slot)
+                        .unwrap_or(0)];
+                    let vi = format!("({base} + {}u)", j * k.lanes);
+                    let mut body = if narrow {
+                        format!(
+                            "let i = sr * {stride} + {vi} * 4u; let w = vec4<u32>({src}[i], {src}[i + 1u], {src}[i + 2u], {src}[i + 3u]); "
+                        )
+                    } else {
+                        format!("let w = {src}[{at}]; ")
+                    };
+                    if let Some(per) = vecs_per_scale_vec(k.dtype) {
+                        // Value vector `vi` of the row lies in block vi / 2 (q8_0) or vi (q4_0),
+                        // whose scale is half `hi` of scale word vi / 4 (q8_0) or vi / 2 (q4_0).
+                        let (sw, hi) = if k.dtype == DType::Q8_0 {
+                            (format!("{vi} / 4u"), format!("({vi} / 2u) % 2u"))
+                        } else {
+                            (format!("{vi} / 2u"), format!("{vi} % 2u"))
+                        };
+                        let scale = if narrow {
+                            format!(
+                                "scale_of(vec4<u32>({src}[sr * {stride} + sv{} + {sw}]), 0u, {hi})",
+                                s.slot
+                            )
+                        } else {
+                            format!(
+                                "scale_of({src}[sr * {stride} + sv{} + {vi} / {per}u], ({sw}) % 4u, {hi})",
+                                s.slot
+                            )
+                        };
+                        let _ = write!(body, "let d = {scale}; ");
+                    }
+                    for (c, n) in names.iter().enumerate() {
+                        let c = c as u32;
+                        let part = match k.dtype {
+                            DType::Q8_0 => format!(
+                                "vec4<f32>(bitcast<vec4<i32>>(w << vec4<u32>({}u)) >> vec4<u32>(24u)) * d",
+                                24 - 8 * c
+                            ),
+                            DType::Q4_0 => format!(
+                                "(vec4<f32>((w >> vec4<u32>({}u)) & vec4<u32>(0xfu)) - vec4<f32>(8.0)) * d",
+                                4 * c
+                            ),
+                            _ => format!("e4m3x4((w >> vec4<u32>({}u)) & vec4<u32>(0xffu))", 8 * c),
+                        };
+                        let _ = write!(body, "{n} = {part}; ");
+                    }
+                    line!(g, "        if {guard} {{ {body}}}");
+                } else if f32s {
                     line!(
                         g,
                         "        if {guard} {{ {} = bitcast<vec4<f32>>({src}[{at}]); }}",
@@ -572,7 +720,7 @@ mod tests {
     #[test]
     fn every_generated_kernel_validates() {
         let mut checked = 0;
-        for dtype in DType::ALL {
+        for dtype in DType::STORAGE {
             let u = per_vec(dtype) as u32;
             for sum in [TeamSum::Subgroup, TeamSum::Shared] {
                 for lanes in [4, 8, 16, 32, 64] {
@@ -596,7 +744,16 @@ mod tests {
                             if floats > crate::attention::plan::LANE_FLOATS {
                                 continue;
                             }
-                            for rows in [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged] {
+                            let narrows: &[[bool; 3]] = if dtype.block().is_some() {
+                                &[[false; 3], [true, true, false], [false, false, true]]
+                            } else {
+                                &[[false; 3]]
+                            };
+                            for (rows, &narrow) in
+                                [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged]
+                                    .into_iter()
+                                    .flat_map(|r| narrows.iter().map(move |n| (r, n)))
+                            {
                                 let key = StreamKey {
                                     dtype,
                                     lanes,
@@ -607,6 +764,7 @@ mod tests {
                                     v_from_a,
                                     sum,
                                     rows,
+                                    narrow,
                                 };
                                 let text = source(&key, PRELUDE, ROWS);
                                 let module =
@@ -626,6 +784,6 @@ mod tests {
                 }
             }
         }
-        assert!(checked > 900, "{checked} kernels");
+        assert!(checked > 1800, "{checked} kernels");
     }
 }

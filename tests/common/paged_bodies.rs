@@ -753,8 +753,10 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let mut att = Attention::with_kernels(super::kernels_for(g));
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
-            if dtype.is_quantized() && choice != KernelChoice::Tiled {
-                // The streaming kernels do not read quantized storage: refused up front.
+            let takes = |l| super::attention_bodies::streamable_layer(&spec, l);
+            if choice != KernelChoice::Tiled && !(takes(0) && takes(1)) {
+                // Rows of a forced streaming kernel must be whole 16-byte vectors: refused up front
+                // (quantized rows of these widths are not).
                 let e = att.prepare_paged(&c, HEADS).unwrap_err();
                 assert!(matches!(e, Error::AttentionRequest { .. }), "{e}");
                 continue;
@@ -840,7 +842,8 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let total: usize = batch.iter().map(|b| b.1).sum();
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
-            if dtype.is_quantized() && choice != KernelChoice::Tiled {
+            let takes = |l| super::attention_bodies::streamable_layer(&spec, l);
+            if choice != KernelChoice::Tiled && !(takes(0) && takes(1)) {
                 continue; // Refused, as checked above.
             }
             for (window, soft_cap) in [(None, None), (Some(6), Some(4.0))] {
