@@ -648,7 +648,14 @@ mod tests {
         for model in Model::value_variants() {
             let value = model.to_possible_value().unwrap();
             assert_eq!(value.get_name(), model.name());
-            for dtype in [Storage::F32, Storage::F16, Storage::Bf16] {
+            for dtype in [
+                Storage::F32,
+                Storage::F16,
+                Storage::Bf16,
+                Storage::Q8_0,
+                Storage::Q4_0,
+                Storage::Fp8,
+            ] {
                 let spec = CacheSpec::preset(model.name(), dtype.into(), MAX_PROMPT + MAX_TOKENS);
                 assert!(spec.is_ok(), "{}: {spec:?}", model.name());
             }

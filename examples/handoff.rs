@@ -157,10 +157,7 @@ fn check(gpu: &Gpu, cache: &KvCache, model: Model, step: u64) -> kvgpu::Result<(
     let (len, dtype) = (cache.len(), spec.dtype());
     let stored = |l: usize, s: usize| -> Vec<f32> {
         let width = spec.layers()[l].slots[s].row_elems();
-        rows(l, s, 0, len, width)
-            .into_iter()
-            .map(|x| reference::round_trip(x, dtype))
-            .collect()
+        reference::round_trip_rows(&rows(l, s, 0, len, width), dtype, width)
     };
     let buffer = |data: &[f32]| {
         gpu.device

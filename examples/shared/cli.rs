@@ -42,12 +42,20 @@ impl Model {
     }
 }
 
-/// The cache's element type.
+/// The cache's storage type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Storage {
     F32,
     F16,
     Bf16,
+    /// blocks of 32: an f16 scale and 8-bit values (1.0625 bytes per element)
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// blocks of 32: an f16 scale and 4-bit values (0.5625 bytes per element)
+    #[value(name = "q4_0")]
+    Q4_0,
+    /// 8-bit float e4m3 (1 byte per element)
+    Fp8,
 }
 
 impl From<Storage> for DType {
@@ -56,6 +64,9 @@ impl From<Storage> for DType {
             Storage::F32 => DType::F32,
             Storage::F16 => DType::F16,
             Storage::Bf16 => DType::BF16,
+            Storage::Q8_0 => DType::Q8_0,
+            Storage::Q4_0 => DType::Q4_0,
+            Storage::Fp8 => DType::F8E4M3,
         }
     }
 }
