@@ -632,7 +632,10 @@ mod tests {
     fn unknown_dtype_lists_the_types() {
         let (kind, msg) = refusal(&["--dtype", "f8"]);
         assert_eq!(kind, ErrorKind::InvalidValue);
-        assert!(msg.contains("[possible values: f32, f16, bf16]"), "{msg}");
+        assert!(
+            msg.contains("[possible values: f32, f16, bf16, q8_0, q4_0, fp8]"),
+            "{msg}"
+        );
     }
 
     #[test]
