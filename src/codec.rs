@@ -1,31 +1,31 @@
 //! Element types and their stored encodings: the one place that knows how a value becomes stored bits,
 //! how rows are packed into 32-bit words and padded, and how they come back. The cache, the CPU twins
 //! and the errors speak through it; callers ask for a row's stored bytes, never for an element's.
-//!
-//! # Quantized storage
-//! Three storage types hold fewer bytes than f16 (see [`DType::Q8_0`], [`DType::Q4_0`],
-//! [`DType::F8E4M3`]). Apps still hand in and read back f32, f16 or bf16; the cache quantizes on every
-//! append path and attention and readback dequantize. A row of a block type is laid out as
-//! `[values][scales]`: first every element's value (q8_0: one signed byte each, element `i` at byte
-//! `i`; q4_0: one 4-bit value each, element `i` in bits `4 * (i % 8)` of word `i / 8`, stored as
-//! `q + 8`), then one f16 scale per block of 32 elements, two to a word, low half first, the row
-//! padded to a whole word. Element `i` is `q_i * scale[i / 32]` (q4_0: `(stored_i - 8) * scale`),
-//! exact in f32. fp8 rows hold one byte per element, element `i` at byte `i`.
-//!
-//! Quantization is defined so that every adapter computes the same bits (no division, whose WGSL
-//! precision is loose, decides a value): q8_0 takes `d = f16(max|x| * (1/127))` and `q = round(x / d)`
-//! (half away from zero) decided by exact products; q4_0 takes llama.cpp's `d = f16(m / -8)` where
-//! `m` is the block's first element of largest magnitude and `q = clamp(floor(x / d + 8.5), 0, 15)`.
-//! A scale that would overflow f16 saturates to 65504. NaN inputs quantize as 0 and infinities as
-//! `±f32::MAX` in the block types; fp8 (e4m3, "fn": no infinities) rounds to nearest even, saturates
-//! at `±448` (infinities included) and keeps NaN as NaN (`0x7f` with the sign).
+//! Quantized storage is described on [`DType`].
 
 use std::fmt;
 
 use half::{bf16, f16};
 
-/// Element type of the stored cache. 16-bit types are packed two to a `u32` word; the quantized
-/// storage types are described in the [module docs](self#quantized-storage).
+/// Element type of the stored cache. 16-bit types are packed two to a `u32` word.
+///
+/// # Quantized storage
+/// Three storage types hold fewer bytes than f16 (see [`DType::Q8_0`], [`DType::Q4_0`],
+/// [`DType::F8E4M3`]). Apps still hand in and read back f32, f16 or bf16; the cache quantizes on every
+/// append path and attention and readback dequantize. A row of a block type is laid out as
+/// `[values][scales]`: first every element's value (q8_0: one signed byte each, element `i` at byte
+/// `i`; q4_0: one 4-bit value each, element `i` in bits `4 * (i % 8)` of word `i / 8`, stored as
+/// `q + 8`), then one f16 scale per block of 32 elements, two to a word, low half first, the row
+/// padded to a whole word. Element `i` is `q_i * scale[i / 32]` (q4_0: `(stored_i - 8) * scale`),
+/// exact in f32. fp8 rows hold one byte per element, element `i` at byte `i`.
+///
+/// Quantization is defined so that every adapter computes the same bits (no division, whose WGSL
+/// precision is loose, decides a value): q8_0 takes `d = f16(max|x| * (1/127))` and `q = round(x / d)`
+/// (half away from zero) decided by exact products; q4_0 takes llama.cpp's `d = f16(m / -8)` where
+/// `m` is the block's first element of largest magnitude and `q = clamp(floor(x / d + 8.5), 0, 15)`.
+/// A scale that would overflow f16 saturates to 65504. NaN inputs quantize as 0 and infinities as
+/// `±f32::MAX` in the block types; fp8 (e4m3, "fn": no infinities) rounds to nearest even, saturates
+/// at `±448` (infinities included) and keeps NaN as NaN (`0x7f` with the sign).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -439,7 +439,7 @@ fn block_elem(row: &[u32], dtype: DType, blocks: usize, i: usize) -> f32 {
 
 /// Packs row-major element bits (one element per entry) into stored words: whole rows of `row_elems`
 /// elements, 16-bit types two per word low half first, fp8 four per word, the block types quantized
-/// (see the [module docs](self#quantized-storage)), each row padded to a whole word.
+/// (see [`DType`]), each row padded to a whole word.
 pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     if dtype == DType::F32 {
         return bits.to_vec();

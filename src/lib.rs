@@ -37,7 +37,8 @@
 //!
 //! The contract:
 //! - `append(layer, slabs)` takes one slab `[n_new, ...trailing]` per slot, in slot order; rows land at
-//!   `len + pending[layer]`. From the host ([`HostSlab`], f32 or the storage type) the rows go through
+//!   `len + pending[layer]`. From the host ([`HostSlab`], f32 or the storage type; any of f32, f16 and
+//!   bf16 for quantized storage) the rows go through
 //!   `Queue::write_buffer`; from GPU buffers ([`GpuSlab`], any element type and strides) they are copied
 //!   or converted by the slab-write kernel inside the caller's encoder.
 //! - `advance(n)` commits `n` rows once every layer with slots holds exactly `n` pending rows.
@@ -56,6 +57,10 @@
 //!   that fits, rather than split.
 //! - 16-bit types are stored packed in `u32` words and rows are padded to 4 bytes, so every adapter works
 //!   without `shader-f16`; f32 → f16/bf16 conversion rounds to nearest even, bit-identical to `half`.
+//! - Quantized storage ([`DType::Q8_0`], [`DType::Q4_0`], [`DType::F8E4M3`]) takes 0.53, 0.28 or 0.5 of
+//!   f16's bytes: appends quantize (host rows on the CPU, GPU rows in the slab-write kernel), attention
+//!   and reads dequantize, and every adapter stores the bits the CPU twin computes. The layout and the
+//!   rounding are documented on [`DType`], `kvgpu::reference` has the twins.
 //!
 //! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
 //! fork by sharing pages (a write into a shared page copies it for the writer), truncate and removal

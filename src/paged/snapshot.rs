@@ -69,9 +69,9 @@ impl PagedCache {
 
     /// Restores a snapshot (of a pool's sequence or of a single-sequence cache; the page size may
     /// differ) as a new sequence of fresh pages, holding its rows bit for bit. Everything is checked
-    /// first — the bytes ([`Error::Snapshot`]), the pages and the longest sequence (as
-    /// [`PagedCache::admits`]: [`Error::OutOfPages`], [`Error::CapacityExceeded`]) and the page
-    /// table ([`Error::TooManySequences`]) — and a refusal changes nothing. The rows reach the GPU
+    /// first — the bytes ([`Error::Snapshot`](crate::Error::Snapshot)), the pages and the longest sequence (as
+    /// [`PagedCache::admits`]: [`Error::OutOfPages`](crate::Error::OutOfPages), [`Error::CapacityExceeded`](crate::Error::CapacityExceeded)) and the page
+    /// table ([`Error::TooManySequences`](crate::Error::TooManySequences)) — and a refusal changes nothing. The rows reach the GPU
     /// at the next queue submission, like host appends.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
