@@ -390,19 +390,25 @@ fn packed_row_words(dtype: DType, row_elems: usize) -> usize {
 
 /// Quantizes one row of f32 element bits into `out` (a row of [`block_row_words`]).
 fn pack_block_row(bits: &[u32], dtype: DType, out: &mut [u32]) {
-    let blocks = bits.len().div_ceil(QUANT_BLOCK);
+    quantize_row(|i| f32::from_bits(bits[i]), bits.len(), dtype, out);
+}
+
+/// Quantizes one row of `elems` values (element `i` is `x(i)`; a last block cut short is padded with
+/// zeros) into `out`, a zeroed row of [`block_row_words`].
+fn quantize_row(x: impl Fn(usize) -> f32, elems: usize, dtype: DType, out: &mut [u32]) {
+    let blocks = elems.div_ceil(QUANT_BLOCK);
     let value_words = if dtype == DType::Q8_0 {
         blocks * 8
     } else {
         blocks * 4
     };
     for b in 0..blocks {
-        let mut x = [0.0f32; QUANT_BLOCK];
-        for (i, v) in x.iter_mut().enumerate() {
-            *v = bits
-                .get(b * QUANT_BLOCK + i)
-                .map_or(0.0, |&w| f32::from_bits(w));
+        let mut block = [0.0f32; QUANT_BLOCK];
+        let n = (elems - b * QUANT_BLOCK).min(QUANT_BLOCK);
+        for (i, v) in block[..n].iter_mut().enumerate() {
+            *v = x(b * QUANT_BLOCK + i);
         }
+        let x = block;
         let d = if dtype == DType::Q8_0 {
             let (d, q) = quantize_q8(&x);
             for (i, &v) in q.iter().enumerate() {
@@ -537,8 +543,19 @@ pub(crate) fn stored_bytes<'a>(
 /// Encodes host rows into the stored byte layout, reusing `out`'s allocation.
 pub(crate) fn encode_rows(data: HostData<'_>, storage: DType, row_elems: usize, out: &mut Vec<u8>) {
     out.clear();
-    if storage.is_quantized() {
-        let words = pack_rows(&host_bits(data, storage), storage, row_elems);
+    if storage.block().is_some() {
+        // Straight from the host values into the stored words, row by row.
+        let row_words = block_row_words(storage, row_elems);
+        let rows = data.len().checked_div(row_elems).unwrap_or(0);
+        let mut words = vec![0u32; rows * row_words];
+        for (r, row) in words.chunks_exact_mut(row_words).enumerate() {
+            let at = r * row_elems;
+            match data {
+                HostData::F32(d) => quantize_row(|i| d[at + i], row_elems, storage, row),
+                HostData::F16(d) => quantize_row(|i| d[at + i].to_f32(), row_elems, storage, row),
+                HostData::BF16(d) => quantize_row(|i| d[at + i].to_f32(), row_elems, storage, row),
+            }
+        }
         out.extend_from_slice(bytemuck::cast_slice(&words));
         return;
     }
@@ -556,14 +573,15 @@ pub(crate) fn encode_rows(data: HostData<'_>, storage: DType, row_elems: usize, 
             .iter()
             .enumerate()
             .for_each(|(i, &x)| put(i, f32_to_bits(x, storage))),
+        // Data of the storage type as it is; f16 or bf16 into fp8 converted.
         HostData::F16(d) => d
             .iter()
             .enumerate()
-            .for_each(|(i, x)| put(i, x.to_bits() as u32)),
+            .for_each(|(i, x)| put(i, convert_bits(x.to_bits() as u32, DType::F16, storage))),
         HostData::BF16(d) => d
             .iter()
             .enumerate()
-            .for_each(|(i, x)| put(i, x.to_bits() as u32)),
+            .for_each(|(i, x)| put(i, convert_bits(x.to_bits() as u32, DType::BF16, storage))),
     }
 }
 
