@@ -1,6 +1,9 @@
 //! Appends from GPU buffers: strided sources (fused QKV, head-major), element type conversion matching
-//! `half` bit for bit, odd widths, the contiguous copy path, and refused sources. One async body per
-//! scenario, run natively by `tests/gpu_source.rs` and in the browser by `tests/web.rs`.
+//! `half` bit for bit, odd widths, the contiguous copy path, and refused sources. Sources hold element
+//! types (f32, f16, bf16); the caches they go into are of every storage type (quantized ones with
+//! whole-block widths for q8_0 and q4_0), except where a test is about the copy of same-typed rows.
+//! One async body per scenario, run natively by `tests/gpu_source.rs` and in the browser by
+//! `tests/web.rs`.
 
 use super::{append_both, buffer_with, cache_on, snapshot, values};
 use kvgpu::reference::{self, CpuCache};
@@ -20,6 +23,12 @@ async fn source(g: &Gpu, bits: &[u32], dtype: DType, usage: wgpu::BufferUsages) 
 const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE;
 const BOTH: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
 
+/// A head dimension for `dtype`: `odd` for the types stored element by element, one block of 32 for
+/// the block types (q8_0, q4_0), which refuse any other width.
+fn head_dim(dtype: DType, odd: usize) -> usize {
+    dtype.block().unwrap_or(odd)
+}
+
 /// Element bits of pseudo-random values in `dtype`.
 fn bits_of(seed: u64, n: usize, dtype: DType) -> Vec<u32> {
     values(seed, n)
@@ -28,12 +37,13 @@ fn bits_of(seed: u64, n: usize, dtype: DType) -> Vec<u32> {
         .collect()
 }
 pub async fn fused_qkv_k_and_v_go_straight_into_the_cache(g: &Gpu) {
-    let (heads, dim, q_dim, n) = (4, 8, 64, 5);
-    let kv_dim = heads * dim;
-    let width = q_dim + 2 * kv_dim;
+    let (heads, q_dim, n) = (4, 64, 5);
     for src_dtype in DType::ALL {
-        for dtype in DType::ALL {
-            note!("-- {dtype}");
+        for dtype in DType::STORAGE {
+            note!("-- {dtype} from {src_dtype}");
+            let dim = head_dim(dtype, 8);
+            let kv_dim = heads * dim;
+            let width = q_dim + 2 * kv_dim;
             let spec = CacheSpec::new(vec![LayerSpec::kv(heads, dim, dim); 2], dtype, 12).unwrap();
             let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
             let qkv = bits_of(7, n * width, src_dtype);
@@ -74,9 +84,10 @@ pub async fn fused_qkv_k_and_v_go_straight_into_the_cache(g: &Gpu) {
 
 pub async fn head_major_source_is_transposed_into_rows(g: &Gpu) {
     // A [heads, seq, dim] tensor; take tokens 3..6 of every head.
-    let (heads, seq, dim, start, n) = (3, 10, 6, 3, 3);
-    for dtype in DType::ALL {
+    let (heads, seq, start, n) = (3, 10, 3, 3);
+    for dtype in DType::STORAGE {
         note!("-- {dtype}");
+        let dim = head_dim(dtype, 6);
         let spec = CacheSpec::new(
             vec![LayerSpec::new(vec![SlotSpec::new("k", &[heads, dim])])],
             dtype,
@@ -98,13 +109,15 @@ pub async fn head_major_source_is_transposed_into_rows(g: &Gpu) {
         c.append_gpu(0, &[slab]).unwrap();
         let want = reference::slab_write(&src, DType::F32, start * dim, &shape, &strides, dtype);
         assert_eq!(c.read_words_async(0, 0).await.unwrap(), want);
-        // Spot-check the transpose itself: row 1, head 2, element 4 is token 4 of head 2.
+        // Spot-check the transpose itself: row 1, head 2, element 4 is token 4 of head 2 (rounded
+        // with its row, which for the block types decides its block's scale).
         let got = c.read_f32_async(0, 0).await.unwrap();
-        let expect = reference::round_trip(
-            f32::from_bits(src[2 * seq * dim + (start + 1) * dim + 4]),
-            dtype,
-        );
-        assert_eq!(got[heads * dim + 2 * dim + 4], expect);
+        let row_1: Vec<f32> = (0..heads * dim)
+            .map(|i| f32::from_bits(src[(i / dim) * seq * dim + (start + 1) * dim + i % dim]))
+            .collect();
+        let expect = reference::round_trip_rows(&row_1, dtype, heads * dim);
+        assert_eq!(got[heads * dim + 2 * dim + 4], expect[2 * dim + 4]);
+        assert_eq!(got[heads * dim..2 * heads * dim], expect[..]);
     }
 }
 
@@ -175,10 +188,15 @@ pub async fn conversion_matches_half_bit_for_bit(g: &Gpu) {
         };
         let buf = source(g, &src_bits, src_dtype, STORAGE).await;
         // Rows of 7 elements (odd: the last word of a 16-bit row is half padding) take the word path;
-        // rows of 8 from an f32 source take the 16-byte path.
-        for width in [7, 8] {
-            for dtype in DType::ALL {
-                note!("-- {dtype}");
+        // rows of 8 from an f32 source take the 16-byte path. The block types quantize rows of one
+        // and of three blocks (the last word of scales half padding) from the same tricky values.
+        for dtype in DType::STORAGE {
+            let widths = match dtype.block() {
+                Some(b) => [b, 3 * b],
+                None => [7, 8],
+            };
+            for width in widths {
+                note!("-- {dtype} from {src_dtype}, rows of {width}");
                 let rows = n / width;
                 let spec = CacheSpec::new(
                     vec![LayerSpec::new(vec![SlotSpec::new("x", &[width])])],
@@ -199,6 +217,11 @@ pub async fn conversion_matches_half_bit_for_bit(g: &Gpu) {
                 let want =
                     reference::slab_write(&src_bits, src_dtype, 0, &shape, &[width, 1], dtype);
                 let got = c.read_words_async(0, 0).await.unwrap();
+                assert_eq!(
+                    got.len(),
+                    want.len(),
+                    "{src_dtype} -> {dtype}, width {width}"
+                );
                 let bad = got.iter().zip(&want).position(|(g, w)| g != w);
                 assert_eq!(
                     bad, None,
@@ -223,6 +246,9 @@ pub async fn conversion_matches_half_bit_for_bit(g: &Gpu) {
     }
 }
 
+/// A GPU source of the storage type, contiguous, copied as it is. Only the element types: a GPU source
+/// holds elements, so quantized storage has no same-typed source (one declared quantized is refused,
+/// in `quant_bodies.rs`).
 pub async fn contiguous_same_type_and_odd_offsets(g: &Gpu) {
     for dtype in DType::ALL {
         note!("-- {dtype}");
@@ -484,12 +510,17 @@ pub async fn many_recorded_appends_in_one_encoder(g: &Gpu) {
 
 /// A host prefill, then decode steps whose K and V come strided out of a fused QKV buffer on the GPU:
 /// rows of 2 x 3 take the slab-write kernel's word path, rows of 2 x 8 at 16-byte offsets its 16-byte
-/// path. The views grow by one row per append; every word matches the model.
+/// path (into f32, f16 and bf16; quantized storage, fp8 included, is written by the quantizing
+/// kernel, whatever the offsets). The block types take rows of 2 x 32, from an offset of 13 elements
+/// and from a 16-byte one. The views grow by one row per append; every word matches the model.
 pub async fn gqa_prefill_then_decode_from_fused_qkv(g: &Gpu) {
-    for ((heads, dim, q_dim), dtype) in [(2usize, 3usize, 12usize), (2, 8, 16)]
-        .into_iter()
-        .flat_map(|shape| DType::ALL.map(|d| (shape, d)))
-    {
+    for ((heads, dim, q_dim), dtype) in DType::STORAGE.into_iter().flat_map(|d| {
+        let shapes = match d.block() {
+            Some(b) => [(2usize, b, 13usize), (2, b, 16)],
+            None => [(2, 3, 12), (2, 8, 16)],
+        };
+        shapes.map(|shape| (shape, d))
+    }) {
         note!("-- {dtype}, {heads} x {dim}");
         let kv_dim = heads * dim;
         let width = q_dim + 2 * kv_dim;
