@@ -3,7 +3,9 @@
 //! without the usage they need, the destination slot as its own source. Every call must return `Ok` or
 //! a typed [`Error`] of the expected variant, never panic; every refusal must leave the ledger and every
 //! GPU word as they were. wgpu's default error handler panics on any validation error, and every
-//! recorded case is submitted, so a case that lets one reach wgpu fails too.
+//! recorded case is submitted, so a case that lets one reach wgpu fails too. The sweeps run for every
+//! storage type, the quantized ones included (q8_0 and q4_0 with whole blocks of 32 as innermost
+//! widths, fp8 with the odd widths of the others).
 //!
 //! Each sweep collects its failures (panics included) and reports them all at once, with the input.
 //! The tests after the sweeps are the defects the first run of these sweeps found, one each. The
@@ -272,21 +274,44 @@ fn specs_presets_and_names_refuse_hostile_descriptions() {
         }
         trailings.extend(next);
     }
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
+        // Widths that are whole blocks for the block types (q8_0, q4_0), which refuse any other.
+        let b = dtype.block().unwrap_or(1);
         for trailing in &trailings {
             for cap in [0, 1, 4, 1 << 40, MAX] {
                 let what = format!("{dtype} {trailing:?} x {cap}");
                 let elems = trailing.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-                let bytes = elems
-                    .and_then(|e| (e as u64).checked_mul(dtype.size() as u64))
+                // Stored bytes of a row, from the layouts of kvgpu::codec's module docs: the block
+                // types hold their values (a byte, or half a byte) and an f16 scale per block.
+                let used = elems.and_then(|e| {
+                    let e = e as u64;
+                    match dtype {
+                        DType::Q8_0 => e.checked_add(2 * (e / 32)),
+                        DType::Q4_0 => Some(e / 2 + 2 * (e / 32)),
+                        _ => e.checked_mul(dtype.size() as u64),
+                    }
+                });
+                let bytes = used
                     .and_then(|b| b.checked_next_multiple_of(4))
                     .and_then(|b| b.checked_mul(cap as u64));
+                let width = trailing.last().copied().unwrap_or(1);
+                let whole_blocks = width.is_multiple_of(b);
                 let valid = cap > 0
                     && !trailing.contains(&0)
+                    && whole_blocks
                     && elems.is_some_and(|e| e <= u32::MAX as usize)
                     && bytes.is_some_and(|b| b <= u64::MAX / 4);
                 let expect = if valid {
                     Expect::Ok
+                } else if cap > 0 && !trailing.contains(&0) && !whole_blocks {
+                    Expect::Refused("InvalidSpec (BlockWidth)", |e| {
+                        matches!(
+                            e,
+                            Error::InvalidSpec {
+                                problem: SpecProblem::BlockWidth { block: 32, .. }
+                            }
+                        )
+                    })
                 } else {
                     refused!(InvalidSpec)
                 };
@@ -305,7 +330,7 @@ fn specs_presets_and_names_refuse_hostile_descriptions() {
             ("only empty layers", vec![LayerSpec::empty(); 3]),
             (
                 "a zero dimension in the last layer",
-                vec![LayerSpec::kv(1, 1, 1), LayerSpec::mla(0, 1)],
+                vec![LayerSpec::kv(1, b, b), LayerSpec::mla(0, b)],
             ),
             ("kv(0, 0, 0)", vec![LayerSpec::kv(0, 0, 0)]),
         ] {
@@ -314,7 +339,7 @@ fn specs_presets_and_names_refuse_hostile_descriptions() {
             });
         }
         for name in ["", "\0", "x\u{0}y", &"ß".repeat(4096)] {
-            let layers = vec![LayerSpec::new(vec![SlotSpec::new(name, &[2])])];
+            let layers = vec![LayerSpec::new(vec![SlotSpec::new(name, &[2 * b])])];
             if let Some(spec) = s.call("odd slot name", Expect::Ok, || {
                 CacheSpec::new(layers, dtype, 2)
             }) {
@@ -328,7 +353,7 @@ fn specs_presets_and_names_refuse_hostile_descriptions() {
                 Expect::Ok
             };
             s.call(&format!("uniform({n})"), expect, || {
-                CacheSpec::uniform(n, LayerSpec::mla(4, 2), dtype, 2)
+                CacheSpec::uniform(n, LayerSpec::mla(4 * b, 2 * b), dtype, 2)
             });
         }
         let presets = ["llama3-8b", "qwen3-0.6b", "deepseek-v2-lite", "hybrid"];
@@ -356,6 +381,11 @@ fn specs_presets_and_names_refuse_hostile_descriptions() {
         ("f32", Some(DType::F32)),
         ("F16", Some(DType::F16)),
         ("bF16", Some(DType::BF16)),
+        ("Q8_0", Some(DType::Q8_0)),
+        ("q4_0", Some(DType::Q4_0)),
+        ("FP8", Some(DType::F8E4M3)),
+        ("q8", None),
+        ("q4_0 ", None),
         ("", None),
         (" f32", None),
         ("f32\0", None),
@@ -403,15 +433,35 @@ fn gpu_open_takes_any_adapter_name() {
 }
 
 /// Layers that cover every kind of slot: GQA with odd widths, no slots, MLA, rank 0 and nine trailing
-/// axes (more than a strided GPU source may keep unmerged).
-fn hostile_layers() -> Vec<LayerSpec> {
+/// axes (more than a strided GPU source may keep unmerged). The block types (q8_0, q4_0) take whole
+/// blocks as innermost widths: GQA heads of one and two blocks, MLA of two and one, a row of one
+/// block where the others have rank 0 (which they refuse), and the ninth axis of the deep slot one
+/// block wide.
+fn hostile_layers(dtype: DType) -> Vec<LayerSpec> {
+    let (d_k, d_v, r, p) = gqa_mla_dims(dtype);
+    let (last, one): (&str, &[usize]) = match dtype.block() {
+        Some(b) => ("one block", &[b]),
+        None => ("scalar", &[]),
+    };
+    let mut deep = vec![2; 9];
+    if let Some(b) = dtype.block() {
+        deep[8] = b;
+    }
     vec![
-        LayerSpec::kv(2, 3, 5),
+        LayerSpec::kv(2, d_k, d_v),
         LayerSpec::empty(),
-        LayerSpec::mla(4, 2),
-        LayerSpec::new(vec![SlotSpec::new("scalar", &[])]),
-        LayerSpec::new(vec![SlotSpec::new("deep", &[2; 9])]),
+        LayerSpec::mla(r, p),
+        LayerSpec::new(vec![SlotSpec::new(last, one)]),
+        LayerSpec::new(vec![SlotSpec::new("deep", &deep)]),
     ]
+}
+
+/// `(d_k, d_v, latent, rope)` of the GQA layer 0 and the MLA layer 2 of [`hostile_layers`].
+fn gqa_mla_dims(dtype: DType) -> (usize, usize, usize, usize) {
+    match dtype.block() {
+        Some(b) => (b, 2 * b, 2 * b, b),
+        None => (3, 5, 4, 2),
+    }
 }
 
 const CAPACITY: usize = 4;
@@ -419,7 +469,7 @@ const COMMITTED: usize = 2;
 
 /// A cache with `COMMITTED` rows in every layer, and the host data of those rows per layer and slot.
 fn filled(dtype: DType) -> (KvCache, Vec<Vec<Vec<f32>>>) {
-    let mut c = cache(CacheSpec::new(hostile_layers(), dtype, CAPACITY).unwrap());
+    let mut c = cache(CacheSpec::new(hostile_layers(dtype), dtype, CAPACITY).unwrap());
     let data = (0..c.spec().n_layers())
         .map(|l| append_random(&mut c, l, COMMITTED, 7 + l as u64))
         .collect();
@@ -433,7 +483,8 @@ fn assert_committed_rows_intact(s: &mut Sweep, c: &KvCache, data: &[Vec<Vec<f32>
     for (l, slots) in data.iter().enumerate() {
         for (slot, d) in slots.iter().enumerate() {
             let got = c.read_f32(l, slot).unwrap();
-            let want: Vec<f32> = d.iter().map(|&x| reference::round_trip(x, dtype)).collect();
+            let row_elems = c.spec().layers()[l].slots[slot].row_elems();
+            let want = reference::round_trip_rows(d, dtype, row_elems);
             let rows = want.len();
             if got.get(..rows) != Some(&want[..]) {
                 s.fail(
@@ -498,7 +549,7 @@ fn host_appends_and_ledger_operations_refuse_hostile_values() {
             },
         );
     }
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
         let (mut c, data) = filled(dtype);
         let n_layers = c.spec().n_layers();
         let remaining = CAPACITY - COMMITTED;
@@ -598,13 +649,14 @@ fn host_appends_and_ledger_operations_refuse_hostile_values() {
                         c.append(layer, &slabs)
                     });
                 }
-                // Data of a 16-bit type: stored as is when it is the storage type, refused otherwise.
+                // Data of a 16-bit type: stored as is when it is the storage type, quantized into
+                // quantized storage, refused otherwise.
                 let f16s = vec![half::f16::from_f32(0.5); elems];
                 let bf16s = vec![half::bf16::from_f32(0.5); elems];
                 for held in [DType::F16, DType::BF16] {
                     let mut slabs = base.clone();
                     slabs[slot] = typed_slab(held, &sh[slot], &f16s, &bf16s);
-                    let expect = if held == dtype {
+                    let expect = if held == dtype || dtype.is_quantized() {
                         Expect::Ok
                     } else {
                         refused!(SourceDType)
@@ -707,8 +759,9 @@ fn host_appends_and_ledger_operations_refuse_hostile_values() {
             });
         }
         let what = format!("{dtype} plan_append of MAX rows");
+        let max_rows = shapes(&c, 0, MAX);
         s.on_cache(&mut c, &what, refused!(CapacityExceeded), |c| {
-            c.ledger().plan_append(0, &[&[MAX, 2, 3], &[MAX, 2, 5]])
+            c.ledger().plan_append(0, &[&max_rows[0], &max_rows[1]])
         });
         // The pending row is visible to layer 0 only; the empty layer sees the committed rows.
         s.on_cache(&mut c, &w("views of visible rows"), Expect::Ok, |c| {
@@ -797,12 +850,14 @@ fn gpu_appends_refuse_hostile_sources() {
     let storage_only = buffer(&words, U::STORAGE);
     let copy_only = buffer(&words, U::COPY_SRC);
     let neither = buffer(&words, U::COPY_DST | U::UNIFORM);
-    let mappable = sized(4096, U::MAP_READ | U::COPY_DST);
+    // As large as `big`, so the widest slot (the deep one of the block types, 8,192 elements) is
+    // refused for the usage, not for the size.
+    let mappable = sized(80_000, U::MAP_READ | U::COPY_DST);
     let empty = sized(0, USAGE);
     let two_bytes = sized(2, USAGE);
     let foreign = buffer_on(foreign_device, &words, USAGE);
     let mut parity = 0usize;
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
         let (mut c, data) = filled(dtype);
         let other = cache(c.spec().clone());
         for layer in [0, 2, 3, 4] {
@@ -841,6 +896,22 @@ fn gpu_appends_refuse_hostile_sources() {
             let copyable = dtype == DType::F32;
             let oob = refused!(SourceOutOfBounds);
             let layout = refused!(SourceLayout);
+            // A source declared as the storage type: the element types take it (a slot of the same
+            // type is copied, or read by the kernel); GPU sources hold elements, so one declared
+            // quantized is refused.
+            let same_type = if dtype.is_quantized() {
+                Expect::Refused("SourceLayout (QuantizedSource)", |e| {
+                    matches!(
+                        e,
+                        Error::SourceLayout {
+                            problem: SourceProblem::QuantizedSource { .. },
+                            ..
+                        }
+                    )
+                })
+            } else {
+                Expect::Ok
+            };
             let b = base(&big);
             let on = |buffer| GpuSlab { buffer, ..b };
             let at = |offset| GpuSlab { offset, ..b };
@@ -879,8 +950,9 @@ fn gpu_appends_refuse_hostile_sources() {
                 (
                     "a slot of another cache",
                     held(dtype, &other_slot),
-                    Expect::Ok,
+                    same_type,
                 ),
+                ("declared as the storage type", held(dtype, &big), same_type),
                 ("offset past the end", at(20_001 - elems as u64), oob),
                 ("offset u64::MAX", at(u64::MAX), oob),
                 ("offset u64::MAX / 4", at(u64::MAX / 4), oob),
@@ -932,7 +1004,7 @@ fn gpu_appends_refuse_hostile_sources() {
                 cases.push((
                     "the other slot of the layer",
                     held(dtype, sibling),
-                    Expect::Ok,
+                    same_type,
                 ));
             }
             for (case, slab, expect) in cases {
@@ -1065,16 +1137,21 @@ fn attention_refuses_hostile_requests() {
     let g = gpu();
     let (foreign_device, foreign_queue) = other_device();
     let mut s = Sweep::new("attention");
-    let q_data = values(21, 64);
-    let q = f32_buffer(&q_data, USAGE);
     let tiny = sized(4, USAGE);
     let empty = sized(0, USAGE);
-    let no_storage = f32_buffer(&q_data, U::COPY_SRC | U::COPY_DST);
-    let uniform = f32_buffer(&q_data, U::UNIFORM | U::COPY_DST);
-    let foreign = buffer_on(foreign_device, bytemuck::cast_slice(&q_data), USAGE);
-    let out = f32_buffer(&[-7.0; 64], USAGE);
     let mut parity = 0usize;
-    for dtype in DType::ALL {
+    for dtype in DType::STORAGE {
+        // The head dimensions of layers 0 (GQA: d_k, d_v) and 2 (MLA: latent r, rope p), and buffers
+        // of `n` floats for queries and outputs: 64 for the odd widths, 512 for the block types'
+        // whole blocks (room for 4 query heads of d_k and an output of 4 heads of d_v beside them).
+        let (dk, dv, r, p) = gqa_mla_dims(dtype);
+        let n = if dtype.block().is_some() { 512 } else { 64 };
+        let q_data = values(21, n);
+        let q = f32_buffer(&q_data, USAGE);
+        let no_storage = f32_buffer(&q_data, U::COPY_SRC | U::COPY_DST);
+        let uniform = f32_buffer(&q_data, U::UNIFORM | U::COPY_DST);
+        let foreign = buffer_on(foreign_device, bytemuck::cast_slice(&q_data), USAGE);
+        let out = f32_buffer(&vec![-7.0; n], USAGE);
         let (mut c, _) = filled(dtype);
         let mut att = Attention::for_cache(&c);
         let q_copy = f32_buffer(&q_data, USAGE);
@@ -1110,17 +1187,17 @@ fn attention_refuses_hostile_requests() {
         let request = refused!(AttentionRequest);
         let not_attention = refused!(NotAttentionLayer);
         let mut calls = vec![
-            gqa("valid", [1, 4, 3], Expect::Ok),
-            gqa("every visible row a query", [visible, 4, 3], Expect::Ok),
-            gqa("MHA-like group of 1", [1, 2, 3], Expect::Ok),
-            gqa("no queries", [0, 4, 3], rows),
-            gqa("one query more than visible", [visible + 1, 4, 3], rows),
-            gqa("MAX queries", [MAX, 4, 3], rows),
-            gqa("no heads", [1, 0, 3], heads),
-            gqa("3 heads over 2 KV heads", [1, 3, 3], heads),
-            gqa("MAX heads", [1, MAX, 3], heads),
-            gqa("MAX - 1 heads", [1, MAX - 1, 3], unusable),
-            gqa("d_k 2", [1, 4, 2], qshape),
+            gqa("valid", [1, 4, dk], Expect::Ok),
+            gqa("every visible row a query", [visible, 4, dk], Expect::Ok),
+            gqa("MHA-like group of 1", [1, 2, dk], Expect::Ok),
+            gqa("no queries", [0, 4, dk], rows),
+            gqa("one query more than visible", [visible + 1, 4, dk], rows),
+            gqa("MAX queries", [MAX, 4, dk], rows),
+            gqa("no heads", [1, 0, dk], heads),
+            gqa("3 heads over 2 KV heads", [1, 3, dk], heads),
+            gqa("MAX heads", [1, MAX, dk], heads),
+            gqa("MAX - 1 heads", [1, MAX - 1, dk], unusable),
+            gqa("d_k one short", [1, 4, dk - 1], qshape),
             gqa("d_k 0", [1, 4, 0], qshape),
             gqa("d_k MAX", [1, 4, MAX], qshape),
             gqa("all MAX", [MAX, MAX, MAX], Expect::Either),
@@ -1135,26 +1212,33 @@ fn attention_refuses_hostile_requests() {
         ] {
             calls.push(Call {
                 layer,
-                ..gqa(&format!("GQA of layer {layer}"), [1, 4, 3], expect)
+                ..gqa(&format!("GQA of layer {layer}"), [1, 4, dk], expect)
             });
         }
+        // The K slot's bytes as queries: taken where they hold 4 x d_k floats (f32, f16 and bf16;
+        // the rows of fp8 and the block types are too few bytes).
+        let k_as_queries = if k.size() >= 4 * 4 * dk as u64 {
+            Expect::Ok
+        } else {
+            small
+        };
         for (what, buffer, expect) in [
             ("4-byte", &tiny, small),
             ("0-byte", &empty, small),
             ("non-STORAGE", &no_storage, unusable),
             ("UNIFORM", &uniform, unusable),
             ("foreign", &foreign, refused!(ForeignDevice)),
-            ("K slot", &k, Expect::Ok),
+            ("K slot", &k, k_as_queries),
         ] {
             calls.push(Call {
-                q: queries(buffer, [1, 4, 3]),
+                q: queries(buffer, [1, 4, dk]),
                 twin: false,
-                ..gqa(&format!("{what} queries"), [1, 4, 3], expect)
+                ..gqa(&format!("{what} queries"), [1, 4, dk], expect)
             });
             if what != "K slot" {
                 calls.push(Call {
                     out: Output::new(buffer),
-                    ..gqa(&format!("{what} output"), [1, 4, 3], expect)
+                    ..gqa(&format!("{what} output"), [1, 4, dk], expect)
                 });
             }
         }
@@ -1163,86 +1247,95 @@ fn attention_refuses_hostile_requests() {
                 out: Output::new(buffer),
                 ..gqa(
                     &format!("output into the {what} slot"),
-                    [1, 4, 3],
+                    [1, 4, dk],
                     refused!(AttentionBuffer | BufferTooSmall),
                 )
             });
         }
         calls.push(Call {
-            q: queries(&q_copy, [1, 4, 3]),
+            q: queries(&q_copy, [1, 4, dk]),
             out: Output::new(&q_copy),
-            ..gqa("output over its own queries", [1, 4, 3], unusable)
+            ..gqa("output over its own queries", [1, 4, dk], unusable)
         });
         // Offsets and strides of queries and output: anywhere in the buffer, never past it, never
         // overflowing, the output never overlapping itself or its queries.
-        let at = |offset: usize| queries(&q, [1, 4, 3]).at(offset);
-        let strided = |strides: [usize; 3]| queries(&q, [1, 4, 3]).with_strides(strides);
+        // The queries are [1, 4, d_k] in `n` floats.
+        let at = |offset: usize| queries(&q, [1, 4, dk]).at(offset);
+        let strided = |strides: [usize; 3]| queries(&q, [1, 4, dk]).with_strides(strides);
         for (what, view, expect) in [
             ("at element 1", at(1), Expect::Ok),
-            ("ending on the last element", at(52), Expect::Ok),
-            ("one element past the end", at(53), small),
+            ("ending on the last element", at(n - 4 * dk), Expect::Ok),
+            ("one element past the end", at(n - 4 * dk + 1), small),
             ("at MAX", at(MAX), unusable),
             ("at MAX / 4", at(MAX / 4), unusable),
             ("with head stride MAX", strided([0, MAX, 1]), unusable),
             (
                 "with element stride MAX / 2",
-                strided([0, 3, MAX / 2]),
+                strided([0, dk, MAX / 2]),
                 unusable,
             ),
             ("with every head the same", strided([0, 0, 1]), Expect::Ok),
             (
                 "with a query stride MAX over one query",
-                strided([MAX, 3, 1]),
+                strided([MAX, dk, 1]),
                 Expect::Ok,
             ),
         ] {
             calls.push(Call {
                 q: view,
                 twin: false,
-                ..gqa(&format!("queries {what}"), [1, 4, 3], expect)
+                ..gqa(&format!("queries {what}"), [1, 4, dk], expect)
             });
         }
-        // The output is [1, 4, 5] (d_v = 5) in 64 floats.
+        // The output is [1, 4, d_v] in `n` floats.
         let out_at = |offset: usize| Output::new(&out).at(offset);
         let out_strided = |strides: [usize; 3]| Output::new(&out).with_strides(strides);
         for (what, view, expect) in [
             ("at element 1", out_at(1), Expect::Ok),
-            ("ending on the last element", out_at(44), Expect::Ok),
-            ("one element past the end", out_at(45), small),
+            ("ending on the last element", out_at(n - 4 * dv), Expect::Ok),
+            ("one element past the end", out_at(n - 4 * dv + 1), small),
             ("at MAX", out_at(MAX), unusable),
             ("at MAX / 4", out_at(MAX / 4), unusable),
             ("with head stride MAX", out_strided([0, MAX, 1]), unusable),
             (
                 "with element stride MAX / 2",
-                out_strided([0, 5, MAX / 2]),
+                out_strided([0, dv, MAX / 2]),
                 unusable,
             ),
             ("with every head the same", out_strided([0, 0, 1]), unusable),
             (
                 "with a query stride MAX over one query",
-                out_strided([MAX, 5, 1]),
+                out_strided([MAX, dv, 1]),
                 Expect::Ok,
             ),
         ] {
             calls.push(Call {
                 out: view,
                 twin: false,
-                ..gqa(&format!("output {what}"), [1, 4, 3], expect)
+                ..gqa(&format!("output {what}"), [1, 4, dk], expect)
             });
         }
+        // The queries take elements [0, 4 d_k) of `q_copy`; the output's 4 x d_v land after them or
+        // on them.
+        let (qe, oe) = (4 * dk, 4 * dv);
         for (what, offset, strides, expect) in [
-            ("one element apart", 12, [20, 1, 1], unusable),
-            ("heads on each other", 12, [20, 4, 1], unusable),
-            ("head-minor", 12, [20, 1, 4], Expect::Ok),
-            ("beside its queries", 12, [20, 5, 1], Expect::Ok),
-            ("one element into its queries", 11, [20, 5, 1], unusable),
-            ("head-major around its queries", 0, [5, 12, 1], unusable),
+            ("one element apart", qe, [oe, 1, 1], unusable),
+            ("heads on each other", qe, [oe, dv - 1, 1], unusable),
+            ("head-minor", qe, [oe, 1, 4], Expect::Ok),
+            ("beside its queries", qe, [oe, dv, 1], Expect::Ok),
+            (
+                "one element into its queries",
+                qe - 1,
+                [oe, dv, 1],
+                unusable,
+            ),
+            ("head-major around its queries", 0, [dv, qe, 1], unusable),
         ] {
             calls.push(Call {
-                q: queries(&q_copy, [1, 4, 3]),
+                q: queries(&q_copy, [1, 4, dk]),
                 out: Output::new(&q_copy).at(offset).with_strides(strides),
                 twin: false,
-                ..gqa(&format!("output {what}"), [1, 4, 3], expect)
+                ..gqa(&format!("output {what}"), [1, 4, dk], expect)
             });
         }
         // Writing into another layer's slot corrupts the cache behind the ledger; not refused today.
@@ -1251,7 +1344,7 @@ fn attention_refuses_hostile_requests() {
             twin: false,
             ..gqa(
                 "output into another layer's slot",
-                [1, 4, 3],
+                [1, 4, dk],
                 Expect::Either,
             )
         });
@@ -1298,34 +1391,34 @@ fn attention_refuses_hostile_requests() {
         for (what, options, expect) in options {
             calls.push(Call {
                 options,
-                ..gqa(&format!("GQA {what}"), [visible, 4, 3], expect)
+                ..gqa(&format!("GQA {what}"), [visible, 4, dk], expect)
             });
             calls.push(Call {
                 options,
-                ..mla(&format!("MLA {what}"), [1, 2, 4], [1, 2, 2], expect)
+                ..mla(&format!("MLA {what}"), [1, 2, r], [1, 2, p], expect)
             });
         }
         calls.extend([
-            mla("valid MLA", [visible, 2, 4], [visible, 2, 2], Expect::Ok),
-            mla("rope with another n_q", [1, 2, 4], [2, 2, 2], qshape),
-            mla("rope with other heads", [1, 2, 4], [1, 3, 2], qshape),
-            mla("rope of 3", [1, 2, 4], [1, 2, 3], qshape),
-            mla("rope of MAX", [1, 2, 4], [1, 2, MAX], qshape),
-            mla("latent of 3", [1, 2, 3], [1, 2, 2], qshape),
-            mla("no heads", [1, 0, 4], [1, 0, 2], heads),
-            mla("no queries", [0, 2, 4], [0, 2, 2], rows),
-            mla("MAX queries", [MAX, 2, 4], [MAX, 2, 2], rows),
-            mla("MAX heads", [1, MAX, 4], [1, MAX, 2], unusable),
+            mla("valid MLA", [visible, 2, r], [visible, 2, p], Expect::Ok),
+            mla("rope with another n_q", [1, 2, r], [2, 2, p], qshape),
+            mla("rope with other heads", [1, 2, r], [1, 3, p], qshape),
+            mla("rope one longer", [1, 2, r], [1, 2, p + 1], qshape),
+            mla("rope of MAX", [1, 2, r], [1, 2, MAX], qshape),
+            mla("latent one short", [1, 2, r - 1], [1, 2, p], qshape),
+            mla("no heads", [1, 0, r], [1, 0, p], heads),
+            mla("no queries", [0, 2, r], [0, 2, p], rows),
+            mla("MAX queries", [MAX, 2, r], [MAX, 2, p], rows),
+            mla("MAX heads", [1, MAX, r], [1, MAX, p], unusable),
             Call {
                 layer: 0,
-                ..mla("MLA of a GQA layer", [1, 2, 4], [1, 2, 2], not_attention)
+                ..mla("MLA of a GQA layer", [1, 2, r], [1, 2, p], not_attention)
             },
             Call {
                 layer: MAX,
                 ..mla(
                     "MLA of layer MAX",
-                    [1, 2, 4],
-                    [1, 2, 2],
+                    [1, 2, r],
+                    [1, 2, p],
                     refused!(LayerOutOfRange),
                 )
             },
@@ -1333,8 +1426,8 @@ fn attention_refuses_hostile_requests() {
                 out: Output::new(&c_kv),
                 ..mla(
                     "output into c_kv",
-                    [1, 2, 4],
-                    [1, 2, 2],
+                    [1, 2, r],
+                    [1, 2, p],
                     refused!(AttentionBuffer | BufferTooSmall),
                 )
             },
@@ -1342,8 +1435,8 @@ fn attention_refuses_hostile_requests() {
                 out: Output::new(&k_pe),
                 ..mla(
                     "output into k_pe",
-                    [1, 2, 4],
-                    [1, 2, 2],
+                    [1, 2, r],
+                    [1, 2, p],
                     refused!(AttentionBuffer | BufferTooSmall),
                 )
             },
@@ -1354,8 +1447,8 @@ fn attention_refuses_hostile_requests() {
             ("foreign", &foreign, refused!(ForeignDevice)),
         ] {
             calls.push(Call {
-                rope: Some(queries(buffer, [1, 2, 2])),
-                ..mla(&format!("{what} rope"), [1, 2, 4], [1, 2, 2], expect)
+                rope: Some(queries(buffer, [1, 2, p])),
+                ..mla(&format!("{what} rope"), [1, 2, r], [1, 2, p], expect)
             });
         }
         for call in calls {
@@ -1412,7 +1505,7 @@ fn attention_refuses_hostile_requests() {
                         &c.read_f32(0, 0).unwrap(),
                         &c.read_f32(0, 1).unwrap(),
                         2,
-                        5,
+                        dv,
                         &call.options,
                     ),
                     Some(rope) => reference::attention_mla(
@@ -1435,7 +1528,7 @@ fn attention_refuses_hostile_requests() {
         let mut elsewhere = Attention::new(foreign_device, foreign_queue).unwrap();
         let what = format!("{dtype} Attention of another device");
         s.on_cache(&mut c, &what, refused!(ForeignDevice), |c| {
-            elsewhere.gqa(c, 0, Queries::new(&foreign, 1, 4, 3), &foreign, &dflt)
+            elsewhere.gqa(c, 0, Queries::new(&foreign, 1, 4, dk), &foreign, &dflt)
         });
     }
     s.finish();
@@ -1593,7 +1686,7 @@ fn codec_and_reference_functions_take_any_input() {
         Ok(w)
     });
     s.call("CpuCache at its edges", Expect::Ok, || {
-        let spec = CacheSpec::new(hostile_layers(), DType::F16, 2)?;
+        let spec = CacheSpec::new(hostile_layers(DType::F16), DType::F16, 2)?;
         let mut m = CpuCache::new(&spec);
         for (layer, slot) in [(0, 0), (1, 0), (4, 0), (MAX, 0), (0, MAX)] {
             m.write_rows(layer, slot, 1, &[1; 2048]);
