@@ -375,7 +375,10 @@ fn quantize_q4(x: &[f32; QUANT_BLOCK]) -> (u32, [u8; QUANT_BLOCK]) {
 /// Words of one stored row of a block type: whole blocks (a width that is not is padded with zero
 /// elements here; specs refuse it).
 fn block_row_words(dtype: DType, row_elems: usize) -> usize {
-    (padded_row_bytes(row_elems.next_multiple_of(QUANT_BLOCK), dtype) / 4) as usize
+    // A width past the last whole block is a row no buffer holds.
+    row_elems
+        .checked_next_multiple_of(QUANT_BLOCK)
+        .map_or(usize::MAX, |e| (padded_row_bytes(e, dtype) / 4) as usize)
 }
 
 /// Words of one stored row as [`pack_rows`] writes it.
@@ -455,7 +458,10 @@ pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     }
     let row_words = packed_row_words(dtype, row_elems);
     let rows = bits.len() / row_elems;
-    let mut out = vec![0u32; rows * row_words];
+    let Some(total) = rows.checked_mul(row_words) else {
+        return Vec::new();
+    };
+    let mut out = vec![0u32; total];
     for (row, out) in bits
         .chunks_exact(row_elems)
         .zip(out.chunks_exact_mut(row_words))

@@ -173,7 +173,7 @@ impl CpuCache {
     /// Stored words of a row of `row_elems` elements (padded to a word), unless that overflows.
     fn row_words_of(row_elems: usize, dtype: DType) -> Option<usize> {
         dtype
-            .row_bytes(row_elems.next_multiple_of(dtype.block().unwrap_or(1)))
+            .row_bytes(row_elems.checked_next_multiple_of(dtype.block().unwrap_or(1))?)
             .and_then(|bytes| usize::try_from(bytes / 4).ok())
     }
 

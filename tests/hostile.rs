@@ -1640,13 +1640,6 @@ fn codec_and_reference_functions_take_any_input() {
         // Rows of any width, whole blocks (32) among them, and row counts up to two blocks; for the
         // block types the element bits are f32 bits (NaN and infinities among them).
         for row_elems in [0, 1, 2, 3, 5, 32, MAX / 2, MAX] {
-            // TODO(quant): for q8_0 and q4_0 a row of more than usize::MAX - 31 elements panics
-            // ("attempt to add with overflow": `row_elems.next_multiple_of(QUANT_BLOCK)` in
-            // `block_row_words`, src/codec.rs) in pack_rows, unpack_rows, decode_rows and
-            // round_trip_rows, where these functions must take any input. Excluded until fixed.
-            if dtype.block().is_some() && row_elems > MAX - 31 {
-                continue;
-            }
             for n in [0, 1, 5, 6, 7, 64] {
                 let bits: Vec<u32> = odd_bits.iter().cycle().take(n).copied().collect();
                 let what = format!("{dtype}: {n} elements in rows of {row_elems}");
@@ -1694,12 +1687,6 @@ fn codec_and_reference_functions_take_any_input() {
         s.call(&what, Expect::Ok, || {
             let g = reference::gather_strided(&src, offset, shape, strides);
             for dtype in DType::STORAGE {
-                // TODO(quant): slab_write into q8_0 or q4_0 of rows of usize::MAX elements (the
-                // shape [0, MAX]) panics in pack_rows, as above. Excluded until fixed.
-                let row = shape.get(1..).map(|t| t.iter().product::<usize>());
-                if dtype.block().is_some() && row.is_some_and(|r| r > MAX - 31) {
-                    continue;
-                }
                 let _ = reference::slab_write(&src, DType::F16, offset, shape, strides, dtype);
             }
             Ok(g)
@@ -1726,15 +1713,7 @@ fn codec_and_reference_functions_take_any_input() {
                     let _ = m.read_f32(layer, slot, MAX);
                     let _ = m.row_words(layer, slot);
                 }
-                // TODO(quant): for q8_0 and q4_0 a row width above usize::MAX - 31 panics in every
-                // method of CpuCache that sizes a row ("attempt to add with overflow":
-                // `row_elems.next_multiple_of(block)` in `CpuCache::row_words_of`, src/reference.rs).
-                // They take usize::MAX - 32 until that is fixed; the other types take usize::MAX.
-                m.row_elems[0][0] = if dtype.block().is_some() {
-                    MAX - 32
-                } else {
-                    MAX
-                };
+                m.row_elems[0][0] = MAX;
                 m.words.pop();
                 m.write_rows(0, 0, 0, &[1; 6]);
                 m.write_rows(4, 0, 0, &[1; 6]);
