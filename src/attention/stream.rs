@@ -3,8 +3,9 @@
 //!
 //! One workgroup is one *team* of `lanes` invocations; it takes one chunk of the visible rows, one KV
 //! head and `heads` of the query heads that share it, for one query. The lanes split every row
-//! between them in 16-byte loads (`vec4<u32>`: four f32, eight 16-bit, sixteen q8_0 or fp8, or 32
-//! q4_0 elements; the block types also load the vector holding that vector's scale), lane `l` taking
+//! between them in 16-byte loads (`vec4<u32>`: four f32, eight 16-bit, sixteen q8_0 or fp8 elements;
+//! q4_0 in 8-byte loads of sixteen, so that a head of 128 still spans eight lanes; the block types
+//! also load the vector holding that vector's scale), lane `l` taking
 //! the vectors `l, l + lanes, l + 2 lanes, ...` of the head's slice, so each lane keeps only its own
 //! elements of the queries and of the output in registers. Per row, each lane's partial dot products
 //! are summed over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes`
@@ -53,23 +54,38 @@ pub(crate) struct StreamKey {
     pub narrow: [bool; 3],
 }
 
-/// Elements in one 16-byte vector of `dtype` storage (of the values, for the block types).
+/// Elements in one vector (one load of [`unit_words`] words) of `dtype` storage (of the values, for
+/// the block types).
 pub(crate) fn per_vec(dtype: DType) -> usize {
     match dtype {
         DType::F32 => 4,
         DType::F16 | DType::BF16 => 8,
-        DType::Q8_0 | DType::F8E4M3 => 16,
-        DType::Q4_0 => 32,
+        DType::Q8_0 | DType::F8E4M3 | DType::Q4_0 => 16,
     }
 }
 
-/// For the block types, the 16-byte value vectors that share one vector of scales (q8_0: 16 vectors
-/// of 16 elements are 8 blocks, 8 f16 scales; q4_0: 8 vectors of one block each).
+/// Words in one vector: 4 (16 bytes), or 2 for q4_0, whose 16 bytes would hold 32 elements and leave
+/// half of an 8-lane team idle on a head of 128.
+pub(crate) fn unit_words(dtype: DType) -> u32 {
+    if dtype == DType::Q4_0 { 2 } else { 4 }
+}
+
+/// For the block types, the value vectors that share one vector of scales (both: vectors of 16
+/// elements, half a block; q8_0's vec4 holds 8 scales, q4_0's vec2 4).
 fn vecs_per_scale_vec(dtype: DType) -> Option<u32> {
     match dtype {
         DType::Q8_0 => Some(16),
         DType::Q4_0 => Some(8),
         _ => None,
+    }
+}
+
+/// The WGSL type of one vector of `dtype` storage.
+fn unit_type(dtype: DType) -> &'static str {
+    if unit_words(dtype) == 2 {
+        "vec2<u32>"
+    } else {
+        "vec4<u32>"
     }
 }
 
@@ -199,7 +215,11 @@ impl Gen {
         }
         // The slots, read as 16-byte vectors (narrow ones as words).
         for (i, slot) in ["a", "b", "v"].into_iter().enumerate() {
-            let ty = if k.narrow[i] { "u32" } else { "vec4<u32>" };
+            let ty = if k.narrow[i] {
+                "u32"
+            } else {
+                unit_type(k.dtype)
+            };
             line!(
                 self,
                 "@group(0) @binding({i}) var<storage, read> slot_{slot}: array<{ty}>;"
@@ -326,11 +346,12 @@ impl Gen {
         line!(self, "    let uv = kv * {}u + lane;", v.vecs);
         // Row strides in vectors (narrow slots: in words), and, for the block types, the first
         // vector (narrow: word) of a row's scales, after its values.
+        let uw = unit_words(k.dtype);
         for (i, s) in [&a, &b, &v].into_iter().enumerate() {
             let (unit, values) = if k.narrow[i] {
-                ("", 4 * s.vecs)
+                (String::new(), uw * s.vecs)
             } else {
-                (" / 4u", s.vecs)
+                (format!(" / {uw}u"), s.vecs)
             };
             line!(self, "    let rv{} = p.row_words_{}{unit};", s.slot, s.slot);
             if vecs_per_scale_vec(k.dtype).is_some() {
@@ -391,7 +412,8 @@ impl Gen {
                 // A block's f16 scale: half `hi` of word `word` of a vector of scales (exact).
                 line!(
                     self,
-                    "fn scale_of(s: vec4<u32>, word: u32, hi: u32) -> f32 {{"
+                    "fn scale_of(s: {}, word: u32, hi: u32) -> f32 {{",
+                    unit_type(self.key.dtype)
                 );
                 line!(self, "    let h = (s[word] >> (16u * hi)) & 0xffffu;");
                 line!(self, "    let ex = h & 0x7c00u;");
@@ -517,12 +539,13 @@ impl Gen {
         );
         for (i, s) in [a, b, v].into_iter().enumerate() {
             let rw = format!("p.row_words_{}", s.slot);
+            let uw = unit_words(k.dtype);
             if k.narrow[i] {
                 // Words: the values, then one f16 scale per 32 elements.
                 line!(
                     self,
                     "        && p.n_kv * {}u + (p.n_kv * {}u + 63u) / 64u <= {rw} && rows_fit({rw}, arrayLength(&slot_{}))",
-                    4 * s.vecs,
+                    uw * s.vecs,
                     s.vecs * self.u(),
                     s.slot
                 );
@@ -535,7 +558,7 @@ impl Gen {
             };
             line!(
                 self,
-                "        && {rw} % 4u == 0u && p.n_kv * {}u{scales} <= {rw} / 4u && rows_fit({rw} / 4u, arrayLength(&slot_{}))",
+                "        && {rw} % {uw}u == 0u && p.n_kv * {}u{scales} <= {rw} / {uw}u && rows_fit({rw} / {uw}u, arrayLength(&slot_{}))",
                 s.vecs,
                 s.slot
             );
@@ -580,7 +603,11 @@ impl Gen {
                         .position(|&x| x == s.slot)
                         .unwrap_or(0)];
                     let vi = format!("({base} + {}u)", j * k.lanes);
-                    let mut body = if narrow {
+                    let mut body = if narrow && k.dtype == DType::Q4_0 {
+                        format!(
+                            "let i = sr * {stride} + {vi} * 2u; let w = vec2<u32>({src}[i], {src}[i + 1u]); "
+                        )
+                    } else if narrow {
                         format!(
                             "let i = sr * {stride} + {vi} * 4u; let w = vec4<u32>({src}[i], {src}[i + 1u], {src}[i + 2u], {src}[i + 3u]); "
                         )
@@ -588,21 +615,18 @@ impl Gen {
                         format!("let w = {src}[{at}]; ")
                     };
                     if let Some(per) = vecs_per_scale_vec(k.dtype) {
-                        // Value vector `vi` of the row lies in block vi / 2 (q8_0) or vi (q4_0),
-                        // whose scale is half `hi` of scale word vi / 4 (q8_0) or vi / 2 (q4_0).
-                        let (sw, hi) = if k.dtype == DType::Q8_0 {
-                            (format!("{vi} / 4u"), format!("({vi} / 2u) % 2u"))
-                        } else {
-                            (format!("{vi} / 2u"), format!("{vi} % 2u"))
-                        };
+                        // Value vector `vi` of the row (16 elements) lies in block vi / 2, whose
+                        // scale is half `hi` of scale word vi / 4.
+                        let (sw, hi) = (format!("{vi} / 4u"), format!("({vi} / 2u) % 2u"));
+                        let (uw, ty) = (unit_words(k.dtype), unit_type(k.dtype));
                         let scale = if narrow {
                             format!(
-                                "scale_of(vec4<u32>({src}[sr * {stride} + sv{} + {sw}]), 0u, {hi})",
+                                "scale_of({ty}({src}[sr * {stride} + sv{} + {sw}]), 0u, {hi})",
                                 s.slot
                             )
                         } else {
                             format!(
-                                "scale_of({src}[sr * {stride} + sv{} + {vi} / {per}u], ({sw}) % 4u, {hi})",
+                                "scale_of({src}[sr * {stride} + sv{} + {vi} / {per}u], ({sw}) % {uw}u, {hi})",
                                 s.slot
                             )
                         };
@@ -615,9 +639,13 @@ impl Gen {
                                 "vec4<f32>(bitcast<vec4<i32>>(w << vec4<u32>({}u)) >> vec4<u32>(24u)) * d",
                                 24 - 8 * c
                             ),
+                            // Elements c, 4 + c (word 0) and 8 + c, 12 + c (word 1).
                             DType::Q4_0 => format!(
-                                "(vec4<f32>((w >> vec4<u32>({}u)) & vec4<u32>(0xfu)) - vec4<f32>(8.0)) * d",
-                                4 * c
+                                "(vec4<f32>((vec4<u32>(w.x, w.x, w.y, w.y) >> vec4<u32>({}u, {}u, {}u, {}u)) & vec4<u32>(0xfu)) - vec4<f32>(8.0)) * d",
+                                4 * c,
+                                4 * c + 16,
+                                4 * c,
+                                4 * c + 16
                             ),
                             _ => format!("e4m3x4((w >> vec4<u32>({}u)) & vec4<u32>(0xffu))", 8 * c),
                         };
