@@ -636,6 +636,19 @@ mod tests {
         out
     }
 
+    /// 200 blocks of moderate values, 200 of finite values of every magnitude, then `ties`.
+    fn blocks(seed: u64, ties: [f32; 32]) -> Vec<[f32; 32]> {
+        let moderate = crate::reference::pseudo_random(seed, 32 * 200, 3.0);
+        let wild = any_floats(32 * 200, seed + 1);
+        let mut all: Vec<[f32; 32]> = moderate
+            .chunks(32)
+            .chain(wild.chunks(32))
+            .map(|c| <[f32; 32]>::try_from(c).unwrap())
+            .collect();
+        all.push(ties);
+        all
+    }
+
     #[test]
     fn the_kernel_spells_one_over_127_with_these_bits() {
         assert_eq!(INV_127.to_bits(), 0x3c01_0204);
@@ -645,18 +658,10 @@ mod tests {
     /// to x / d, half away from zero, with d the stored f16 scale.
     #[test]
     fn q8_0_rounds_to_the_nearest_step_of_its_stored_scale() {
-        let mut blocks: Vec<[f32; 32]> = Vec::new();
-        let r = crate::reference::pseudo_random(3, 32 * 200, 3.0);
-        blocks.extend(r.chunks(32).map(|c| <[f32; 32]>::try_from(c).unwrap()));
-        let wild = any_floats(32 * 200, 4);
-        blocks.extend(wild.chunks(32).map(|c| <[f32; 32]>::try_from(c).unwrap()));
         // Exact ties: a largest value of 127 makes the scale 1.
-        let mut ties = [0.0f32; 32];
-        for (i, t) in ties.iter_mut().enumerate() {
-            *t = if i == 0 { 127.0 } else { i as f32 * 4.0 - 64.5 };
-        }
-        blocks.push(ties);
-        for x in &blocks {
+        let ties: [f32; 32] =
+            std::array::from_fn(|i| if i == 0 { 127.0 } else { i as f32 * 4.0 - 64.5 });
+        for x in &blocks(3, ties) {
             let (d_bits, q) = quantize_q8(x);
             let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
             let want_d = f16::from_f32(amax * INV_127);
@@ -695,17 +700,10 @@ mod tests {
     /// clamp(floor(x / d + 8.5), 0, 15).
     #[test]
     fn q4_0_follows_the_reference_definition() {
-        let mut blocks: Vec<[f32; 32]> = Vec::new();
-        let r = crate::reference::pseudo_random(5, 32 * 200, 3.0);
-        blocks.extend(r.chunks(32).map(|c| <[f32; 32]>::try_from(c).unwrap()));
-        let wild = any_floats(32 * 200, 6);
-        blocks.extend(wild.chunks(32).map(|c| <[f32; 32]>::try_from(c).unwrap()));
-        let mut ties = [0.0f32; 32];
-        for (i, t) in ties.iter_mut().enumerate() {
-            *t = if i == 0 { -8.0 } else { i as f32 * 0.5 - 8.0 };
-        }
-        blocks.push(ties);
-        for x in &blocks {
+        // Exact ties: a first largest value of -8 makes the scale 1.
+        let ties: [f32; 32] =
+            std::array::from_fn(|i| if i == 0 { -8.0 } else { i as f32 * 0.5 - 8.0 });
+        for x in &blocks(5, ties) {
             let (d_bits, q) = quantize_q4(x);
             let m = x
                 .iter()

@@ -251,34 +251,7 @@ pub async fn quantized_storage_matches_the_reference(g: &Gpu) {
         }
     }
     for dtype in DType::QUANTIZED {
-        let (n_heads, n_kv, d_k, d_v) = (4usize, 2usize, 32usize, 64usize);
-        let spec = CacheSpec::uniform(2, LayerSpec::kv(n_kv, d_k, d_v), dtype, 32).unwrap();
-        let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
-        let mut att = Attention::for_cache(&c);
-        for (step, n_q) in [9usize, 1, 1].into_iter().enumerate() {
-            for l in 0..2 {
-                append_both(&mut c, &mut m, l, n_q, 140 + (step * 2 + l) as u64);
-                let q = values(150 + (step * 2 + l) as u64, n_q * n_heads * d_k);
-                let q_buf = f32_buffer(&g.device, &q).await;
-                let out = output(&g.device, n_q * n_heads * d_v).await;
-                let options = AttentionOptions::default();
-                att.gqa(
-                    &c,
-                    l,
-                    Queries::new(&q_buf, n_q, n_heads, d_k),
-                    &out,
-                    &options,
-                )
-                .unwrap();
-                let visible = c.visible(l).unwrap();
-                let (k, v) = (m.read_f32(l, 0, visible), m.read_f32(l, 1, visible));
-                let want =
-                    reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, n_kv, d_v, &options);
-                let what = format!("{dtype} step {step} layer {l}");
-                assert_close(&read_f32(g, &out).await, &want, &what);
-            }
-            c.advance(n_q).unwrap();
-        }
+        gqa_prefill_and_decode(g, dtype, [4, 2, 32, 64], 140).await;
     }
 }
 
@@ -286,40 +259,46 @@ pub async fn quantized_storage_matches_the_reference(g: &Gpu) {
 /// token, attention on every layer at every step against the twin over an independent CPU model of
 /// the cache (not its read-back), so what the cache stores is checked too.
 async fn gqa_prefill_and_decode_match_an_independent_model(g: &Gpu) {
-    let (n_heads, n_kv, d_k, d_v) = (4usize, 2usize, 8usize, 6usize);
     for dtype in DType::ALL {
-        let spec = CacheSpec::uniform(2, LayerSpec::kv(n_kv, d_k, d_v), dtype, 32).unwrap();
-        let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
-        let mut att = Attention::for_cache(&c);
-        let mut worst = 0.0f32;
-        for (step, n_q) in [9usize, 1, 1, 1].into_iter().enumerate() {
-            for l in 0..2 {
-                append_both(&mut c, &mut m, l, n_q, 40 + (step * 2 + l) as u64);
-            }
-            for l in 0..2 {
-                let q = values(90 + (step * 2 + l) as u64, n_q * n_heads * d_k);
-                let q_buf = f32_buffer(&g.device, &q).await;
-                let out = output(&g.device, n_q * n_heads * d_v).await;
-                let options = AttentionOptions::default();
-                att.gqa(
-                    &c,
-                    l,
-                    Queries::new(&q_buf, n_q, n_heads, d_k),
-                    &out,
-                    &options,
-                )
-                .unwrap();
-                let visible = c.visible(l).unwrap();
-                let (k, v) = (m.read_f32(l, 0, visible), m.read_f32(l, 1, visible));
-                let want =
-                    reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, n_kv, d_v, &options);
-                let what = format!("{dtype} step {step} layer {l}");
-                worst = worst.max(assert_close(&read_f32(g, &out).await, &want, &what));
-            }
-            c.advance(n_q).unwrap();
-        }
-        note!("{dtype}: GQA prefill and decode, worst scaled error {worst:e}");
+        gqa_prefill_and_decode(g, dtype, [4, 2, 8, 6], 40).await;
     }
+}
+
+/// The steps of [`gqa_prefill_and_decode_match_an_independent_model`] for one storage type and
+/// `[n_heads, n_kv, d_k, d_v]`.
+async fn gqa_prefill_and_decode(g: &Gpu, dtype: DType, dims: [usize; 4], seed: u64) {
+    let [n_heads, n_kv, d_k, d_v] = dims;
+    let spec = CacheSpec::uniform(2, LayerSpec::kv(n_kv, d_k, d_v), dtype, 32).unwrap();
+    let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
+    let mut att = Attention::for_cache(&c);
+    let mut worst = 0.0f32;
+    for (step, n_q) in [9usize, 1, 1, 1].into_iter().enumerate() {
+        for l in 0..2 {
+            append_both(&mut c, &mut m, l, n_q, seed + (step * 2 + l) as u64);
+        }
+        for l in 0..2 {
+            let q = values(seed + 50 + (step * 2 + l) as u64, n_q * n_heads * d_k);
+            let q_buf = f32_buffer(&g.device, &q).await;
+            let out = output(&g.device, n_q * n_heads * d_v).await;
+            let options = AttentionOptions::default();
+            att.gqa(
+                &c,
+                l,
+                Queries::new(&q_buf, n_q, n_heads, d_k),
+                &out,
+                &options,
+            )
+            .unwrap();
+            let visible = c.visible(l).unwrap();
+            let (k, v) = (m.read_f32(l, 0, visible), m.read_f32(l, 1, visible));
+            let want =
+                reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, n_kv, d_v, &options);
+            let what = format!("{dtype} step {step} layer {l}");
+            worst = worst.max(assert_close(&read_f32(g, &out).await, &want, &what));
+        }
+        c.advance(n_q).unwrap();
+    }
+    note!("{dtype}: GQA prefill and decode, worst scaled error {worst:e}");
 }
 
 pub async fn attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
