@@ -772,7 +772,9 @@ mod tests {
                             if floats > crate::attention::plan::LANE_FLOATS {
                                 continue;
                             }
-                            let narrows: &[[bool; 3]] = if dtype.block().is_some() {
+                            // Slots read as words, for the block types at one lane count (the
+                            // loads do not depend on it; validating every count took a minute).
+                            let narrows: &[[bool; 3]] = if dtype.block().is_some() && lanes == 8 {
                                 &[[false; 3], [true, true, false], [false, false, true]]
                             } else {
                                 &[[false; 3]]
