@@ -91,18 +91,23 @@ impl DType {
     /// Bytes of one stored row of `elems` elements, padded up to a whole 4-byte word; `None` when a
     /// block type's row is not whole blocks or the size overflows.
     pub fn row_bytes(self, elems: usize) -> Option<u64> {
+        self.used_bytes(elems)?.checked_add(3).map(|b| b / 4 * 4)
+    }
+
+    /// Bytes of one stored row of `elems` elements before its padding (values, then the block
+    /// types' scales); `None` as for [`DType::row_bytes`].
+    fn used_bytes(self, elems: usize) -> Option<u64> {
         let e = elems as u64;
-        let used = match self {
+        match self {
             DType::Q8_0 | DType::Q4_0 => {
                 if !elems.is_multiple_of(QUANT_BLOCK) {
                     return None;
                 }
                 let values = if self == DType::Q8_0 { e } else { e / 2 };
-                values.checked_add(2 * (e / QUANT_BLOCK as u64))?
+                values.checked_add(2 * (e / QUANT_BLOCK as u64))
             }
-            _ => e.checked_mul(self.size() as u64)?,
-        };
-        used.checked_add(3).map(|b| b / 4 * 4)
+            _ => e.checked_mul(self.size() as u64),
+        }
     }
 
     /// The code the WGSL kernels and snapshots use for this type (`0` f32, `1` f16, `2` bf16, `3`
@@ -159,18 +164,9 @@ pub(crate) fn padded_row_bytes(elems: usize, dtype: DType) -> u64 {
 }
 
 /// Bytes of one stored row before its padding: the first byte a snapshot may find non-zero padding.
+/// Saturating, for rows the spec has already checked, as [`padded_row_bytes`].
 pub(crate) fn used_row_bytes(elems: usize, dtype: DType) -> u64 {
-    match dtype.block() {
-        Some(b) => {
-            let values = if dtype == DType::Q8_0 {
-                elems
-            } else {
-                elems / 2
-            };
-            (values + 2 * (elems / b)) as u64
-        }
-        None => (elems * dtype.size()) as u64,
-    }
+    dtype.used_bytes(elems).unwrap_or(u64::MAX / 4 * 4)
 }
 
 /// Host data for one slab: f32 (converted to the storage type) or data already in the storage type.

@@ -588,7 +588,7 @@ impl Gen {
             line!(self, "        }}");
             line!(self, "        let sr = page_base + r;");
         }
-        let load = |g: &mut Gen, s: &Slice, base: &str, stride: &str| {
+        let load = |g: &mut Gen, s: &Slice, narrow: bool, base: &str, stride: &str| {
             for j in 0..s.steps() {
                 let guard = g.guard(s, j);
                 let names = g.parts(&format!("x{}", s.slot), j);
@@ -598,10 +598,6 @@ impl Gen {
                 let at = format!("sr * {stride} + {base} + {}u", j * k.lanes);
                 let src = format!("slot_{}", s.slot);
                 if k.dtype.is_quantized() {
-                    let narrow = k.narrow[["a", "b", "v"]
-                        .iter()
-                        .position(|&x| x == s.slot)
-                        .unwrap_or(0)];
                     let vi = format!("({base} + {}u)", j * k.lanes);
                     let mut body = if narrow && k.dtype == DType::Q4_0 {
                         format!(
@@ -668,10 +664,10 @@ impl Gen {
                 }
             }
         };
-        load(self, a, "ua", "rva");
-        load(self, b, "ub", "rvb");
+        load(self, a, k.narrow[0], "ua", "rva");
+        load(self, b, k.narrow[1], "ub", "rvb");
         if !k.v_from_a {
-            load(self, v, "uv", "rvv");
+            load(self, v, k.narrow[2], "uv", "rvv");
         }
         for h in 0..k.heads {
             let mut terms = Vec::new();
