@@ -55,7 +55,8 @@ fn fill_paged(pool: &mut PagedCache, seq: SeqId, other: SeqId, rows: usize) -> R
     Ok(())
 }
 
-fn fill(cache: &mut KvCache, rows: usize) -> Result<()> {
+/// Fills layer 0 of `cache` to `rows` rows, 256 at a time.
+pub(crate) fn fill(cache: &mut KvCache, rows: usize) -> Result<()> {
     let widths: Vec<Vec<usize>> = cache.spec().layers()[0]
         .slots
         .iter()

@@ -173,27 +173,7 @@ fn attention(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Res
         for dtype in [DType::F16, DType::Q8_0, DType::Q4_0, DType::F8E4M3] {
             let spec = CacheSpec::new(vec![layer.clone()], dtype, max)?;
             let mut c = KvCache::new(&gpu.device, &gpu.queue, spec)?;
-            // Filled in pieces of 1,024 rows.
-            for (i, start) in (0..max).step_by(1024).enumerate() {
-                let n = 1024.min(max - start);
-                let shapes: Vec<Vec<usize>> = layer
-                    .slots
-                    .iter()
-                    .map(|s| [&[n][..], &s.trailing].concat())
-                    .collect();
-                let data: Vec<Vec<f32>> = shapes
-                    .iter()
-                    .enumerate()
-                    .map(|(s, sh)| values(sh.iter().product(), 100 + 2 * i + s))
-                    .collect();
-                let slabs: Vec<HostSlab> = data
-                    .iter()
-                    .zip(&shapes)
-                    .map(|(d, s)| HostSlab::f32(d, s))
-                    .collect();
-                c.append(0, &slabs)?;
-                c.advance(n)?;
-            }
+            crate::attn::fill(&mut c, max)?;
             let att = Attention::for_cache(&c);
             caches.push((dtype, c, att));
         }
