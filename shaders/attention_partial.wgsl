@@ -14,7 +14,10 @@
 // The pipelines are built without WebGPU's zeroing of workgroup memory (see src/kernels/mod.rs): every
 // workgroup variable here is written before it is read, by the same invocation or before a barrier.
 
-override DTYPE: u32 = 0u;
+// Storage types of slots a, b and v (K and V may differ).
+override DTYPE_A: u32 = 0u;
+override DTYPE_B: u32 = 0u;
+override DTYPE_V: u32 = 0u;
 // Query heads per workgroup: 1, 2, 4, 8 or 16, dividing the group. A constant per pipeline, so the
 // per-head loops have fixed trip counts and their accumulators stay in registers.
 override HB: u32 = 16u;
@@ -63,10 +66,11 @@ fn f16_subnormal(h: u32) -> f32 {
     return select(mag, -mag, (h & 0x8000u) != 0u);
 }
 
-// The low (hi = false) or high half of a packed word as f32.
-fn half_at(w: u32, hi: bool) -> f32 {
+// The low (hi = false) or high half of a packed word of type `t` as f32 (f16 for the block types'
+// scales).
+fn half_at(t: u32, w: u32, hi: bool) -> f32 {
     let h = select(w & 0xffffu, w >> 16u, hi);
-    if DTYPE == BF16 {
+    if t == BF16 {
         return bitcast<f32>(h << 16u);
     }
     let exp = h & 0x7c00u;
@@ -91,35 +95,36 @@ fn e4m3(b: u32) -> f32 {
     return bitcast<f32>(sign | select(((e + 120u) << 23u) | (m << 20u), 0x7fc00000u, e == 15u && m == 7u));
 }
 
-// Quantized rows: the word holding element `i`'s value, and, in a row of `elems` elements, the word
-// holding its block's scale (after the values).
-fn qword(i: u32) -> u32 {
-    return select(i >> 2u, i >> 3u, DTYPE == Q4_0);
+// Quantized rows of type `t`: the word holding element `i`'s value, and, in a row of `elems`
+// elements, the word holding its block's scale (after the values).
+fn qword(t: u32, i: u32) -> u32 {
+    return select(i >> 2u, i >> 3u, t == Q4_0);
 }
 
-fn sword(elems: u32, i: u32) -> u32 {
-    return select(elems >> 2u, elems >> 3u, DTYPE == Q4_0) + (i >> 6u);
+fn sword(t: u32, elems: u32, i: u32) -> u32 {
+    return select(elems >> 2u, elems >> 3u, t == Q4_0) + (i >> 6u);
 }
 
-// Element `i` of a quantized row from its value word `w` and scale word `s`.
-fn deq(w: u32, s: u32, i: u32) -> f32 {
-    if DTYPE == F8E4M3 {
+// Element `i` of a quantized row of type `t` from its value word `w` and scale word `s`.
+fn deq(t: u32, w: u32, s: u32, i: u32) -> f32 {
+    if t == F8E4M3 {
         return e4m3((w >> (8u * (i & 3u))) & 0xffu);
     }
-    let d = half_at(s, ((i >> 5u) & 1u) == 1u);
-    if DTYPE == Q8_0 {
+    let d = half_at(F16, s, ((i >> 5u) & 1u) == 1u);
+    if t == Q8_0 {
         return f32(bitcast<i32>(w << (24u - 8u * (i & 3u))) >> 24u) * d;
     }
     return (f32((w >> (4u * (i & 7u))) & 0xfu) - 8.0) * d;
 }
 
-// Elements [i, i + 4) (i a multiple of 4) of a quantized row from their value word and scale word.
-fn deq4(w: u32, s: u32, i: u32) -> vec4<f32> {
-    if DTYPE == F8E4M3 {
+// Elements [i, i + 4) (i a multiple of 4) of a quantized row of type `t` from their value word and
+// scale word.
+fn deq4(t: u32, w: u32, s: u32, i: u32) -> vec4<f32> {
+    if t == F8E4M3 {
         return vec4<f32>(e4m3(w & 0xffu), e4m3((w >> 8u) & 0xffu), e4m3((w >> 16u) & 0xffu), e4m3(w >> 24u));
     }
-    let d = half_at(s, ((i >> 5u) & 1u) == 1u);
-    if DTYPE == Q8_0 {
+    let d = half_at(F16, s, ((i >> 5u) & 1u) == 1u);
+    if t == Q8_0 {
         let v = vec4<i32>(bitcast<i32>(w << 24u), bitcast<i32>(w << 16u), bitcast<i32>(w << 8u), bitcast<i32>(w));
         return vec4<f32>(v >> vec4<u32>(24u)) * d;
     }
@@ -129,77 +134,80 @@ fn deq4(w: u32, s: u32, i: u32) -> vec4<f32> {
 
 // Elements [i, i + m) (m <= 4) of row `row` of quantized slot a, b or v, zero beyond.
 fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
+    let t = DTYPE_A;
     let base = row * p.row_words_a;
     let elems = p.n_kv * p.d_a;
     // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
     // compiled for fp8 only.
-    if DTYPE != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
+    if t != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
-        if DTYPE != F8E4M3 {
-            s = slot_a[base + sword(elems, i)];
+        if t != F8E4M3 {
+            s = slot_a[base + sword(t, elems, i)];
         }
-        return deq4(slot_a[base + qword(i)], s, i);
+        return deq4(t, slot_a[base + qword(t, i)], s, i);
     }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
-        v[k] = deq(slot_a[base + qword(i + k)], slot_a[base + sword(elems, i + k)], i + k);
+        v[k] = deq(t, slot_a[base + qword(t, i + k)], slot_a[base + sword(t, elems, i + k)], i + k);
     }
     return v;
 }
 
 fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
+    let t = DTYPE_B;
     let base = row * p.row_words_b;
     let elems = p.n_kv * p.d_b;
     // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
     // compiled for fp8 only.
-    if DTYPE != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
+    if t != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
-        if DTYPE != F8E4M3 {
-            s = slot_b[base + sword(elems, i)];
+        if t != F8E4M3 {
+            s = slot_b[base + sword(t, elems, i)];
         }
-        return deq4(slot_b[base + qword(i)], s, i);
+        return deq4(t, slot_b[base + qword(t, i)], s, i);
     }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
-        v[k] = deq(slot_b[base + qword(i + k)], slot_b[base + sword(elems, i + k)], i + k);
+        v[k] = deq(t, slot_b[base + qword(t, i + k)], slot_b[base + sword(t, elems, i + k)], i + k);
     }
     return v;
 }
 
 fn quad_v(row: u32, i: u32, m: u32) -> vec4<f32> {
+    let t = DTYPE_V;
     let base = row * p.row_words_v;
     let elems = p.n_kv * p.d_v;
     // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
     // compiled for fp8 only.
-    if DTYPE != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
+    if t != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
-        if DTYPE != F8E4M3 {
-            s = slot_v[base + sword(elems, i)];
+        if t != F8E4M3 {
+            s = slot_v[base + sword(t, elems, i)];
         }
-        return deq4(slot_v[base + qword(i)], s, i);
+        return deq4(t, slot_v[base + qword(t, i)], s, i);
     }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
-        v[k] = deq(slot_v[base + qword(i + k)], slot_v[base + sword(elems, i + k)], i + k);
+        v[k] = deq(t, slot_v[base + qword(t, i + k)], slot_v[base + sword(t, elems, i + k)], i + k);
     }
     return v;
 }
 
 // Element `e` of row `row` of slot v.
 fn v_elem(row: u32, e: u32) -> f32 {
-    if DTYPE == F32 {
+    if DTYPE_V == F32 {
         return bitcast<f32>(slot_v[row * p.row_words_v + e]);
     }
-    return half_at(slot_v[row * p.row_words_v + (e >> 1u)], (e & 1u) == 1u);
+    return half_at(DTYPE_V, slot_v[row * p.row_words_v + (e >> 1u)], (e & 1u) == 1u);
 }
 
 // Elements [e, e + m) of row `row` of slot v (m <= 4), zero beyond.
 fn v_quad(row: u32, e: u32, m: u32) -> vec4<f32> {
-    if DTYPE >= Q8_0 {
+    if DTYPE_V >= Q8_0 {
         return quad_v(row, e, m);
     }
     let base = row * p.row_words_v;
-    if DTYPE == F32 {
+    if DTYPE_V == F32 {
         if m == 4u {
             return vec4<f32>(
                 bitcast<f32>(slot_v[base + e]),
@@ -211,7 +219,8 @@ fn v_quad(row: u32, e: u32, m: u32) -> vec4<f32> {
     } else if m == 4u && (e & 1u) == 0u {
         let w0 = slot_v[base + (e >> 1u)];
         let w1 = slot_v[base + (e >> 1u) + 1u];
-        return vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
+        return vec4<f32>(half_at(DTYPE_V, w0, false), half_at(DTYPE_V, w0, true), half_at(DTYPE_V, w1, false),
+            half_at(DTYPE_V, w1, true));
     }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
@@ -232,7 +241,7 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
     // The query view's head and element strides.
     let sh = p.view_a.z;
     let se = p.view_a.w;
-    if DTYPE >= Q8_0 {
+    if DTYPE_A >= Q8_0 {
         for (var e = 0u; e < d; e += 4u) {
             let m = min(4u, d - e);
             var x: array<vec4<f32>, 8>;
@@ -242,7 +251,7 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             for (var h = 0u; h < HB; h++) {
                 let at = q0 + h * sh + e * se;
                 var q = vec4<f32>(0.0);
-                if DTYPE != F8E4M3 || m == 4u {
+                if DTYPE_A != F8E4M3 || m == 4u {
                     q = vec4<f32>(q_a[at], q_a[at + se], q_a[at + 2u * se], q_a[at + 3u * se]);
                 } else {
                     for (var j = 0u; j < m; j++) {
@@ -256,7 +265,7 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    if DTYPE == F32 {
+    if DTYPE_A == F32 {
         // Four elements per step (so a step's loop iterations serve four elements), then the rest.
         let d4 = d & ~3u;
         for (var e = 0u; e < d4; e += 4u) {
@@ -300,7 +309,8 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         for (var k = 0u; k < RPL; k++) {
             let w0 = slot_a[base[k] + w];
             let w1 = slot_a[base[k] + w + 1u];
-            x[k] = vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
+            x[k] = vec4<f32>(half_at(DTYPE_A, w0, false), half_at(DTYPE_A, w0, true), half_at(DTYPE_A, w1, false),
+                half_at(DTYPE_A, w1, true));
         }
         for (var h = 0u; h < HB; h++) {
             let q = vec4<f32>(q_elem_a(q0 + h * sh, e0, d, 2u * w), q_elem_a(q0 + h * sh, e0, d, 2u * w + 1u),
@@ -315,8 +325,8 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         var hi: array<f32, 8>;
         for (var k = 0u; k < RPL; k++) {
             let word = slot_a[base[k] + w];
-            lo[k] = half_at(word, false);
-            hi[k] = half_at(word, true);
+            lo[k] = half_at(DTYPE_A, word, false);
+            hi[k] = half_at(DTYPE_A, word, true);
         }
         for (var h = 0u; h < HB; h++) {
             let ql = q_elem_a(q0 + h * sh, e0, d, 2u * w);
@@ -347,7 +357,7 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
     // The query view's head and element strides.
     let sh = p.view_b.z;
     let se = p.view_b.w;
-    if DTYPE >= Q8_0 {
+    if DTYPE_B >= Q8_0 {
         for (var e = 0u; e < d; e += 4u) {
             let m = min(4u, d - e);
             var x: array<vec4<f32>, 8>;
@@ -357,7 +367,7 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             for (var h = 0u; h < HB; h++) {
                 let at = q0 + h * sh + e * se;
                 var q = vec4<f32>(0.0);
-                if DTYPE != F8E4M3 || m == 4u {
+                if DTYPE_B != F8E4M3 || m == 4u {
                     q = vec4<f32>(q_b[at], q_b[at + se], q_b[at + 2u * se], q_b[at + 3u * se]);
                 } else {
                     for (var j = 0u; j < m; j++) {
@@ -371,7 +381,7 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    if DTYPE == F32 {
+    if DTYPE_B == F32 {
         // Four elements per step (so a step's loop iterations serve four elements), then the rest.
         let d4 = d & ~3u;
         for (var e = 0u; e < d4; e += 4u) {
@@ -415,7 +425,8 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         for (var k = 0u; k < RPL; k++) {
             let w0 = slot_b[base[k] + w];
             let w1 = slot_b[base[k] + w + 1u];
-            x[k] = vec4<f32>(half_at(w0, false), half_at(w0, true), half_at(w1, false), half_at(w1, true));
+            x[k] = vec4<f32>(half_at(DTYPE_B, w0, false), half_at(DTYPE_B, w0, true), half_at(DTYPE_B, w1, false),
+                half_at(DTYPE_B, w1, true));
         }
         for (var h = 0u; h < HB; h++) {
             let q = vec4<f32>(q_elem_b(q0 + h * sh, e0, d, 2u * w), q_elem_b(q0 + h * sh, e0, d, 2u * w + 1u),
@@ -430,8 +441,8 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         var hi: array<f32, 8>;
         for (var k = 0u; k < RPL; k++) {
             let word = slot_b[base[k] + w];
-            lo[k] = half_at(word, false);
-            hi[k] = half_at(word, true);
+            lo[k] = half_at(DTYPE_B, word, false);
+            hi[k] = half_at(DTYPE_B, word, true);
         }
         for (var h = 0u; h < HB; h++) {
             let ql = q_elem_b(q0 + h * sh, e0, d, 2u * w);
@@ -453,18 +464,18 @@ fn q_elem_b(q: u32, e0: u32, d: u32, i: u32) -> f32 {
 }
 
 // A row of `elems` elements fits `rw` stored words (the block types: whole blocks, values and scales).
-fn row_fits(elems: u32, rw: u32) -> bool {
-    if DTYPE == F32 {
+fn row_fits(t: u32, elems: u32, rw: u32) -> bool {
+    if t == F32 {
         return elems <= rw;
     }
-    if DTYPE == F16 || DTYPE == BF16 {
+    if t == F16 || t == BF16 {
         return elems <= rw * 2u;
     }
-    if DTYPE == F8E4M3 {
+    if t == F8E4M3 {
         return elems <= rw * 4u;
     }
     let scales = (elems / 32u + 1u) / 2u;
-    return elems % 32u == 0u && elems / select(4u, 8u, DTYPE == Q4_0) + scales <= rw;
+    return elems % 32u == 0u && elems / select(4u, 8u, t == Q4_0) + scales <= rw;
 }
 
 // Every index this dispatch can touch is inside its binding; checked once, up front, on uniform values.
@@ -476,9 +487,9 @@ fn in_bounds() -> bool {
         && p.chunk_len % (TILE * RPL) == 0u
         && view_fits(p.view_a, p.n_q, p.n_heads, p.d_a, arrayLength(&q_a))
         && view_fits(p.view_b, p.n_q, p.n_heads, p.d_b, arrayLength(&q_b))
-        && row_fits(p.n_kv * p.d_a, p.row_words_a) && rows_fit(p.row_words_a, arrayLength(&slot_a))
-        && row_fits(p.n_kv * p.d_b, p.row_words_b) && rows_fit(p.row_words_b, arrayLength(&slot_b))
-        && row_fits(p.n_kv * p.d_v, p.row_words_v) && rows_fit(p.row_words_v, arrayLength(&slot_v))
+        && row_fits(DTYPE_A, p.n_kv * p.d_a, p.row_words_a) && rows_fit(p.row_words_a, arrayLength(&slot_a))
+        && row_fits(DTYPE_B, p.n_kv * p.d_b, p.row_words_b) && rows_fit(p.row_words_b, arrayLength(&slot_b))
+        && row_fits(DTYPE_V, p.n_kv * p.d_v, p.row_words_v) && rows_fit(p.row_words_v, arrayLength(&slot_v))
         && parts * 2u <= arrayLength(&stats) && parts * p.d_v <= arrayLength(&part);
 }
 

@@ -72,7 +72,7 @@ fn src_index(row: u32, e: u32) -> u32 {
 // some value of the buffer, or zero), so there is no check here: a branch per load costs on SIMD
 // adapters.
 fn load_bits(i: u32) -> u32 {
-    if SRC_DTYPE == F32 || SRC_DTYPE >= Q8_0 {
+    if SRC_DTYPE == F32 {
         return src[i];
     }
     return (src[i >> 1u] >> ((i & 1u) * 16u)) & 0xffffu;
@@ -168,8 +168,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         let row = w / p.row_words;
         let word = w - row * p.row_words;
         var out = 0u;
-        if DST_DTYPE == F32 || DST_DTYPE >= Q8_0 {
-            // f32, or stored quantized words moved as they are (the host passes words as elements).
+        if DST_DTYPE == F32 {
+            // f32 (or stored words of any type, which host scatters move as f32 elements).
             out = convert(load_bits(src_index(row, word)));
         } else {
             // Two elements per word; the second one's index follows from the first in the usual
@@ -218,10 +218,7 @@ fn main_vec4(@builtin(global_invocation_id) gid: vec3<u32>) {
         let c = v - row * row_vecs;
         let base = (p.src_offset + row * p.seq_stride) / 4u;
         var out: vec4<u32>;
-        if SRC_DTYPE >= Q8_0 {
-            // Stored quantized words, moved as they are (the host passes words as elements).
-            out = src4[base + c];
-        } else if SRC_DTYPE != F32 {
+        if SRC_DTYPE != F32 {
             // 16-bit elements of the storage type, 8 per vector, moved as they are.
             out = src4[(p.src_offset + row * p.seq_stride) / 8u + c];
             if 8u * c + 8u > p.row_elems {

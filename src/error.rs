@@ -361,9 +361,18 @@ pub enum SnapshotProblem {
     /// A header whose checksum is right but whose contents are not a cache spec.
     #[error("malformed header: {detail}")]
     MalformedHeader { detail: String },
-    /// The snapshot's storage type differs from the destination's (no conversion is offered).
-    #[error("it stores {snapshot} and the destination stores {cache}; no conversion is offered")]
-    DType { snapshot: DType, cache: DType },
+    /// A slot's storage type differs between the snapshot and the destination (no conversion is
+    /// offered).
+    #[error(
+        "layer {layer} slot {slot} is stored as {snapshot} in the snapshot and as {cache} in the \
+         destination; no conversion is offered"
+    )]
+    DType {
+        layer: usize,
+        slot: usize,
+        snapshot: DType,
+        cache: DType,
+    },
     /// The snapshot has another number of layers than the destination.
     #[error("it has {snapshot} layers and the destination {cache}")]
     LayerCount { snapshot: usize, cache: usize },
@@ -506,6 +515,8 @@ pub enum SpecProblem {
     TooManyLayers { n_layers: usize, max: usize },
     #[error("unknown preset {name:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid")]
     UnknownPreset { name: String },
+    #[error("no slot is named {name:?}, so none can take its own storage type")]
+    UnknownSlotName { name: String },
 }
 
 /// Why attention cannot use a query or output buffer ([`Error::AttentionBuffer`]).

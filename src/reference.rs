@@ -135,7 +135,8 @@ pub fn zero(words: &mut [u32], start: usize, n: usize) {
 /// layers and slots present in both `row_elems` and `words`, and on the words a slot has.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuCache {
-    pub dtype: DType,
+    /// Storage type, per layer and slot.
+    pub dtypes: Vec<Vec<DType>>,
     /// Elements per row, per layer and slot.
     pub row_elems: Vec<Vec<usize>>,
     /// Every word of every slot buffer, per layer and slot.
@@ -151,12 +152,19 @@ impl CpuCache {
             .iter()
             .map(|l| l.slots.iter().map(|s| s.row_elems()).collect())
             .collect();
+        let dtypes: Vec<Vec<DType>> = spec
+            .layers()
+            .iter()
+            .map(|l| l.slots.iter().map(|s| spec.dtype_of(s)).collect())
+            .collect();
         let words = row_elems
             .iter()
-            .map(|l| {
+            .zip(&dtypes)
+            .map(|(l, types)| {
                 l.iter()
-                    .map(|&e| {
-                        let n = Self::row_words_of(e, spec.dtype())
+                    .zip(types)
+                    .map(|(&e, &dtype)| {
+                        let n = Self::row_words_of(e, dtype)
                             .and_then(|w| w.checked_mul(spec.max_seq_len()));
                         zeros(n)
                     })
@@ -164,7 +172,7 @@ impl CpuCache {
             })
             .collect();
         Self {
-            dtype: spec.dtype(),
+            dtypes,
             row_elems,
             words,
         }
@@ -177,28 +185,30 @@ impl CpuCache {
             .and_then(|bytes| usize::try_from(bytes / 4).ok())
     }
 
-    /// Elements per row and stored words per row of a slot, when `row_elems` has it.
-    fn row_of(
-        row_elems: &[Vec<usize>],
-        dtype: DType,
-        layer: usize,
-        slot: usize,
-    ) -> Option<(usize, usize)> {
-        let e = *row_elems.get(layer)?.get(slot)?;
-        Some((e, Self::row_words_of(e, dtype)?))
+    /// Elements per row, stored words per row and storage type of a slot, when `row_elems` and
+    /// `dtypes` have it.
+    fn row_of(&self, layer: usize, slot: usize) -> Option<(usize, usize, DType)> {
+        let e = *self.row_elems.get(layer)?.get(slot)?;
+        let dtype = self.dtype(layer, slot)?;
+        Some((e, Self::row_words_of(e, dtype)?, dtype))
+    }
+
+    /// The storage type of a slot, when `dtypes` has it.
+    pub fn dtype(&self, layer: usize, slot: usize) -> Option<DType> {
+        self.dtypes.get(layer)?.get(slot).copied()
     }
 
     /// Stored words per row of a slot; 0 when the layer or slot does not exist or its row size
     /// overflows `usize`.
     pub fn row_words(&self, layer: usize, slot: usize) -> usize {
-        Self::row_of(&self.row_elems, self.dtype, layer, slot).map_or(0, |(_, w)| w)
+        self.row_of(layer, slot).map_or(0, |(_, w, _)| w)
     }
 
     /// Writes element bits (already in the storage type) as rows starting at `row`. Only whole rows of
     /// `bits` are written (a trailing partial row is ignored), and words past the end of the slot are
     /// dropped; a layer or slot that does not exist is left alone.
     pub fn write_rows(&mut self, layer: usize, slot: usize, row: usize, bits: &[u32]) {
-        let Some((re, rw)) = Self::row_of(&self.row_elems, self.dtype, layer, slot) else {
+        let Some((re, rw, dtype)) = self.row_of(layer, slot) else {
             return;
         };
         let Some(words) = self.words.get_mut(layer).and_then(|l| l.get_mut(slot)) else {
@@ -208,7 +218,7 @@ impl CpuCache {
             return;
         };
         let whole = bits.len().checked_div(re).unwrap_or(0) * re;
-        let packed = pack_rows(&bits[..whole], self.dtype, re);
+        let packed = pack_rows(&bits[..whole], dtype, re);
         let n = packed.len().min(dst.len());
         dst[..n].copy_from_slice(&packed[..n]);
     }
@@ -216,14 +226,15 @@ impl CpuCache {
     /// Zeroes rows `[start, end)` of every slot of `layer`: the rows the slots have (none when
     /// `end <= start` or the layer does not exist).
     pub fn zero_rows(&mut self, layer: usize, start: usize, end: usize) {
+        let row_words: Vec<usize> = (0..self.words.get(layer).map_or(0, Vec::len))
+            .map(|slot| self.row_of(layer, slot).map_or(0, |(_, w, _)| w))
+            .collect();
         let Some(slots) = self.words.get_mut(layer) else {
             return;
         };
-        for (slot, words) in slots.iter_mut().enumerate() {
-            if let Some((_, rw)) = Self::row_of(&self.row_elems, self.dtype, layer, slot) {
-                let n = end.saturating_sub(start).saturating_mul(rw);
-                zero(words, start.saturating_mul(rw), n);
-            }
+        for (words, rw) in slots.iter_mut().zip(row_words) {
+            let n = end.saturating_sub(start).saturating_mul(rw);
+            zero(words, start.saturating_mul(rw), n);
         }
     }
 
@@ -235,7 +246,7 @@ impl CpuCache {
     /// The first `rows` rows of a slot as f32: at most the whole rows the slot has (so fewer values
     /// when `rows` passes its capacity); empty when the layer or slot does not exist.
     pub fn read_f32(&self, layer: usize, slot: usize, rows: usize) -> Vec<f32> {
-        let Some((re, rw)) = Self::row_of(&self.row_elems, self.dtype, layer, slot) else {
+        let Some((re, rw, dtype)) = self.row_of(layer, slot) else {
             return Vec::new();
         };
         let Some(words) = self.words.get(layer).and_then(|l| l.get(slot)) else {
@@ -243,7 +254,7 @@ impl CpuCache {
         };
         let have = words.len().checked_div(rw).unwrap_or(0);
         let w = &words[..rows.min(have) * rw];
-        decode_rows(w, self.dtype, re)
+        decode_rows(w, dtype, re)
     }
 }
 

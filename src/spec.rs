@@ -1,5 +1,6 @@
-//! What a cache holds: layers of slots, each slot `[max_seq_len, ...trailing]` of one element type;
-//! presets for real models, and byte accounting checked against the device's limits.
+//! What a cache holds: layers of slots, each slot `[max_seq_len, ...trailing]` of one storage type
+//! (the cache's, or the slot's own: K and V may differ); presets for real models, and byte accounting
+//! checked against the device's limits.
 
 use crate::codec::{DType, padded_row_bytes, row_elems};
 use crate::error::{Error, Result, SpecProblem};
@@ -9,6 +10,9 @@ use crate::error::{Error, Result, SpecProblem};
 pub struct SlotSpec {
     pub name: String,
     pub trailing: Vec<usize>,
+    /// The slot's own storage type; `None`: the cache's. A built [`CacheSpec`] keeps `None` for every
+    /// slot of the cache's type, so that two specs storing the same types compare equal.
+    pub dtype: Option<DType>,
 }
 
 impl SlotSpec {
@@ -16,7 +20,14 @@ impl SlotSpec {
         Self {
             name: name.into(),
             trailing: trailing.to_vec(),
+            dtype: None,
         }
+    }
+
+    /// The same slot stored as `dtype` whatever the cache's storage type.
+    pub fn stored_as(mut self, dtype: DType) -> Self {
+        self.dtype = Some(dtype);
+        self
     }
 
     /// Elements per row (the product of the trailing shape; 1 for rank 0).
@@ -86,7 +97,19 @@ impl DeviceLimits {
     }
 }
 
-/// The complete description of a cache: layers, element type and capacity in rows.
+/// The complete description of a cache: layers, storage types and capacity in rows.
+///
+/// Every slot has one storage type: its own ([`SlotSpec::stored_as`], [`CacheSpec::with_slot_dtype`])
+/// or the cache's. So K and V may differ, as llama.cpp's `--cache-type-k` / `--cache-type-v` allow:
+///
+/// ```
+/// use kvgpu::{CacheSpec, DType};
+/// // Keys in q8_0, values in q4_0: 0.41 of the f16 bytes.
+/// let spec = CacheSpec::llama3_8b(DType::Q8_0, 4096)?.with_slot_dtype("v", DType::Q4_0)?;
+/// assert_eq!(spec.slot_dtype(0, 1)?, DType::Q4_0);
+/// assert_eq!(spec.bytes_per_token(), 32 * 8 * (136 + 72));
+/// # Ok::<(), kvgpu::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CacheSpec {
     layers: Vec<LayerSpec>,
@@ -99,8 +122,9 @@ pub const MAX_LAYERS: usize = 1 << 16;
 
 impl CacheSpec {
     /// Checks the description and builds it: at least one layer, one slot somewhere, non-zero capacity,
-    /// no zero-sized trailing dimension, and byte sizes that fit in `u64`.
-    pub fn new(layers: Vec<LayerSpec>, dtype: DType, max_seq_len: usize) -> Result<Self> {
+    /// no zero-sized trailing dimension, block types' widths in whole blocks, and byte sizes that fit
+    /// in `u64`. `dtype` is the storage type of every slot that does not name its own.
+    pub fn new(mut layers: Vec<LayerSpec>, dtype: DType, max_seq_len: usize) -> Result<Self> {
         let invalid = |problem: SpecProblem| Err(Error::InvalidSpec { problem });
         if layers.is_empty() {
             return invalid(SpecProblem::NoLayers);
@@ -113,8 +137,15 @@ impl CacheSpec {
                 n_layers: layers.len(),
             });
         }
+        for slot in layers.iter_mut().flat_map(|l| &mut l.slots) {
+            if slot.dtype == Some(dtype) {
+                slot.dtype = None;
+            }
+        }
+        let typed = |slot: &SlotSpec| slot.dtype.unwrap_or(dtype);
         for (l, layer) in layers.iter().enumerate() {
             for (s, slot) in layer.slots.iter().enumerate() {
+                let dtype = typed(slot);
                 if slot.trailing.contains(&0) {
                     return invalid(SpecProblem::ZeroDimension {
                         layer: l,
@@ -157,7 +188,7 @@ impl CacheSpec {
             .iter()
             .flat_map(|l| &l.slots)
             .try_fold(0u64, |acc, s| {
-                acc.checked_add(padded_row_bytes(s.row_elems(), dtype) * max_seq_len as u64)
+                acc.checked_add(padded_row_bytes(s.row_elems(), typed(s)) * max_seq_len as u64)
             });
         if total.is_none_or(|t| t > u64::MAX / 4) {
             return invalid(SpecProblem::TotalTooLarge {
@@ -241,8 +272,53 @@ impl CacheSpec {
         self.layers.len()
     }
 
+    /// The cache's storage type: that of every slot not given its own.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The storage type of one slot.
+    pub fn slot_dtype(&self, layer: usize, slot: usize) -> Result<DType> {
+        Ok(Self::stored(self.slot(layer, slot)?, self.dtype))
+    }
+
+    /// Whether any slot is stored in another type than the cache's.
+    pub fn is_mixed(&self) -> bool {
+        self.slots()
+            .any(|s| Self::stored(s, self.dtype) != self.dtype)
+    }
+
+    /// This spec with every slot named `name` (in every layer) stored as `dtype`: keys in one type and
+    /// values in another, say. Refused if no slot has that name, or as [`CacheSpec::new`] refuses.
+    pub fn with_slot_dtype(&self, name: &str, dtype: DType) -> Result<Self> {
+        if !self.slots().any(|s| s.name == name) {
+            return Err(Error::InvalidSpec {
+                problem: SpecProblem::UnknownSlotName {
+                    name: name.to_string(),
+                },
+            });
+        }
+        let mut layers = self.layers.clone();
+        for slot in layers.iter_mut().flat_map(|l| &mut l.slots) {
+            if slot.name == name {
+                slot.dtype = Some(dtype);
+            }
+        }
+        Self::new(layers, self.dtype, self.max_seq_len)
+    }
+
+    fn slots(&self) -> impl Iterator<Item = &SlotSpec> {
+        self.layers.iter().flat_map(|l| &l.slots)
+    }
+
+    /// A slot's storage type: its own, or the cache's.
+    fn stored(slot: &SlotSpec, dtype: DType) -> DType {
+        slot.dtype.unwrap_or(dtype)
+    }
+
+    /// The storage type of `slot`, one of this spec's slots.
+    pub(crate) fn dtype_of(&self, slot: &SlotSpec) -> DType {
+        Self::stored(slot, self.dtype)
     }
 
     /// Capacity in rows (tokens).
@@ -265,10 +341,8 @@ impl CacheSpec {
 
     /// Stored bytes of one row of a slot (padded to 4 bytes).
     pub fn row_bytes(&self, layer: usize, slot: usize) -> Result<u64> {
-        Ok(padded_row_bytes(
-            self.slot(layer, slot)?.row_elems(),
-            self.dtype,
-        ))
+        let s = self.slot(layer, slot)?;
+        Ok(padded_row_bytes(s.row_elems(), Self::stored(s, self.dtype)))
     }
 
     /// Bytes of a whole slot buffer: row bytes times capacity.
@@ -284,16 +358,14 @@ impl CacheSpec {
         })?;
         Ok(l.slots
             .iter()
-            .map(|s| padded_row_bytes(s.row_elems(), self.dtype))
+            .map(|s| padded_row_bytes(s.row_elems(), Self::stored(s, self.dtype)))
             .sum())
     }
 
     /// Bytes one token takes across all layers.
     pub fn bytes_per_token(&self) -> u64 {
-        self.layers
-            .iter()
-            .flat_map(|l| &l.slots)
-            .map(|s| padded_row_bytes(s.row_elems(), self.dtype))
+        self.slots()
+            .map(|s| padded_row_bytes(s.row_elems(), Self::stored(s, self.dtype)))
             .sum()
     }
 
@@ -395,6 +467,93 @@ mod tests {
                 .contains("zero dimension")
         );
         assert!(msg(CacheSpec::preset("gpt-9", DType::F32, 4)).contains("unknown preset"));
+    }
+
+    #[test]
+    fn slots_may_take_their_own_storage_types() {
+        let spec = CacheSpec::llama3_8b(DType::Q8_0, 4096)
+            .unwrap()
+            .with_slot_dtype("v", DType::Q4_0)
+            .unwrap();
+        assert!(spec.is_mixed());
+        assert_eq!(spec.dtype(), DType::Q8_0);
+        assert_eq!(spec.slot_dtype(31, 0).unwrap(), DType::Q8_0);
+        assert_eq!(spec.slot_dtype(31, 1).unwrap(), DType::Q4_0);
+        // K: 8 x 128 q8_0 = 1024 + 64 bytes of scales; V: 512 + 64.
+        assert_eq!(spec.row_bytes(0, 0).unwrap(), 1088);
+        assert_eq!(spec.row_bytes(0, 1).unwrap(), 576);
+        assert_eq!(spec.layer_bytes_per_token(0).unwrap(), 1088 + 576);
+        assert_eq!(spec.bytes_per_token(), 32 * (1088 + 576));
+        assert_eq!(spec.total_bytes(), 32 * (1088 + 576) * 4096);
+        assert_eq!(
+            spec.slot_dtype(32, 0).unwrap_err(),
+            Error::LayerOutOfRange {
+                layer: 32,
+                n_layers: 32
+            }
+        );
+        // A slot of the cache's own type is the same spec whichever way it was said.
+        let said = CacheSpec::new(
+            vec![LayerSpec::new(vec![
+                SlotSpec::new("k", &[8, 128]).stored_as(DType::Q8_0),
+                SlotSpec::new("v", &[8, 128]).stored_as(DType::Q4_0),
+            ])],
+            DType::Q8_0,
+            4096,
+        )
+        .unwrap();
+        assert_eq!(said.layers()[0], spec.layers()[0]);
+        assert_eq!(said.layers()[0].slots[0].dtype, None);
+        let uniform = spec.with_slot_dtype("v", DType::Q8_0).unwrap();
+        assert_eq!(uniform, CacheSpec::llama3_8b(DType::Q8_0, 4096).unwrap());
+        assert!(!uniform.is_mixed());
+        // Rebuilt with another cache type, slots of their own keep theirs.
+        let f16 = CacheSpec::new(spec.layers().to_vec(), DType::F16, 16).unwrap();
+        assert_eq!(f16.slot_dtype(0, 0).unwrap(), DType::F16);
+        assert_eq!(f16.slot_dtype(0, 1).unwrap(), DType::Q4_0);
+    }
+
+    #[test]
+    fn slot_types_are_checked_per_slot() {
+        let e = CacheSpec::llama3_8b(DType::F32, 8)
+            .unwrap()
+            .with_slot_dtype("value", DType::F16)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            Error::InvalidSpec {
+                problem: SpecProblem::UnknownSlotName {
+                    name: "value".into()
+                }
+            }
+        );
+        assert!(e.to_string().contains("\"value\""));
+        // A width of 48 is not whole blocks of 32: refused, naming the slot. Stored as fp8, its own
+        // type, it is taken.
+        let spec = CacheSpec::uniform(2, LayerSpec::kv(2, 32, 48), DType::Q8_0, 8);
+        assert!(matches!(
+            spec.unwrap_err(),
+            Error::InvalidSpec {
+                problem: SpecProblem::BlockWidth {
+                    layer: 0,
+                    slot: 1,
+                    width: 48,
+                    ..
+                }
+            }
+        ));
+        let spec = CacheSpec::new(
+            vec![LayerSpec::new(vec![
+                SlotSpec::new("k", &[2, 32]),
+                SlotSpec::new("v", &[2, 48]).stored_as(DType::F8E4M3),
+            ])],
+            DType::Q4_0,
+            8,
+        )
+        .unwrap();
+        assert_eq!(spec.row_bytes(0, 1).unwrap(), 96);
+        let refused = spec.with_slot_dtype("v", DType::Q4_0).unwrap_err();
+        assert!(refused.to_string().contains("48"), "{refused}");
     }
 
     #[test]

@@ -1,18 +1,23 @@
 //! Quantized storage (q8_0, q4_0, fp8 e4m3) on the adapter chosen by `WGPU_BACKEND`: every append path
 //! against the CPU twin bit for bit, edge inputs included, the checks of specs and sources, and GQA and
-//! MLA attention over them. The bodies live in `common/quant_bodies.rs` and
+//! MLA attention over them, also with K and V in different storage types. The bodies live in `common/quant_bodies.rs` and
 //! `common/attention_bodies.rs`; the browser suite (`tests/web.rs`) runs the same ones. Pools and
 //! snapshots of quantized storage are tested with the others (`tests/paged.rs`, `tests/snapshot.rs`).
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
 
-// Attention over quantized storage (its body is with the other attention bodies).
-common::shared_tests!(attention_bodies: quantized_storage_matches_the_reference);
+// Attention over quantized storage, and over K and V of different types (their bodies are with the
+// other attention bodies).
+common::shared_tests!(attention_bodies:
+    quantized_storage_matches_the_reference,
+    mixed_storage_matches_the_reference,
+);
 
 common::shared_tests!(quant_bodies:
     host_rows_are_stored_as_the_twin_quantizes_them,
     gpu_sources_are_quantized_as_the_twin_does,
     quantized_specs_and_sources_are_checked,
     quantized_caches_take_the_bytes_they_promise,
+    mixed_storage_takes_every_append_path,
 );

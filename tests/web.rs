@@ -108,6 +108,7 @@ browser_tests!(source_bodies:
 // tests/attention.rs.
 browser_tests!(attention_bodies:
     quantized_storage_matches_the_reference,
+    mixed_storage_matches_the_reference,
     attention_over_4096_rows_splits_the_sequence,
     attention_sees_the_rows_left_by_truncate_and_reset,
     many_calls_with_different_parameters_share_one_encoder,
@@ -151,6 +152,7 @@ browser_tests!(quant_bodies:
     gpu_sources_are_quantized_as_the_twin_does,
     quantized_specs_and_sources_are_checked,
     quantized_caches_take_the_bytes_they_promise,
+    mixed_storage_takes_every_append_path,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

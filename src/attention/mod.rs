@@ -279,7 +279,7 @@ impl Attention {
                     n_kv_heads: l.n_kv,
                 });
             }
-            let (row_words, v_from_a) = record::slot_rows(cache, layer, l.kind, l.d_a, l.d_v)?;
+            let slots = record::slot_rows(cache, layer, l.kind, l.d_a, l.d_v)?;
             // A pool's sequences are read one at a time or as a ragged batch: both kernels.
             let batch = plan::Ragged { lo: 0, seen: 1 };
             let modes: &[Option<plan::Ragged>] = if paging.is_some() {
@@ -289,7 +289,7 @@ impl Attention {
             };
             for &ragged in modes {
                 let shape = plan::CallShape {
-                    dtype: cache.spec().dtype(),
+                    dtypes: slots.dtypes,
                     n_q: 1,
                     n_heads,
                     n_kv: l.n_kv,
@@ -297,11 +297,11 @@ impl Attention {
                     d_b: l.d_b,
                     d_v: l.d_v,
                     visible: 1,
-                    row_words,
+                    row_words: slots.row_words,
                     window: 0,
                     scale: 1.0,
                     soft_cap: 0.0,
-                    v_from_a,
+                    v_from_a: slots.v_from_a,
                     paging,
                     ragged,
                 };
@@ -309,16 +309,20 @@ impl Attention {
                 planned.push((layer, l.kind, dispatch));
             }
         }
-        let dtype = cache.spec().dtype();
         let before = self.kernels.pass1_pipelines();
         let mut runs = Vec::new();
         for &(layer, kind, dispatch) in &planned {
             let params = dispatch.params;
             match dispatch.kernel {
                 // Shorter contexts may take fewer rows per invocation: every variant of the batch.
-                plan::Pass1::Tiled { batch, rows, .. } => {
+                plan::Pass1::Tiled {
+                    dtypes,
+                    batch,
+                    rows,
+                    ..
+                } => {
                     for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
-                        let pipeline = self.kernels.attention_partial(dtype, batch, rpl, rows);
+                        let pipeline = self.kernels.attention_partial(dtypes, batch, rpl, rows);
                         runs.push((layer, kind, params, pipeline));
                     }
                 }

@@ -79,9 +79,10 @@ pub enum KernelChoice {
 /// The pass-1 kernel of a planned call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Pass1 {
-    /// `attention_partial.wgsl` with (`HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index) and how it
-    /// finds rows.
+    /// `attention_partial.wgsl` for the storage types of slots a, b and v, with (`HEAD_BATCHES`
+    /// index, `ROWS_PER_INVOCATION` index) and how it finds rows.
     Tiled {
+        dtypes: [DType; 3],
         batch: usize,
         rpl: usize,
         rows: RowMode,
@@ -92,7 +93,8 @@ pub(crate) enum Pass1 {
 /// The shapes of one call, already checked against each other and the layer.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CallShape {
-    pub dtype: DType,
+    /// Storage types of slots a, b and v (slot b is slot a when there is none: GQA).
+    pub dtypes: [DType; 3],
     pub n_q: usize,
     pub n_heads: usize,
     pub n_kv: usize,
@@ -195,7 +197,7 @@ impl Dispatch {
 /// Loop iterations of one pass-1 invocation per tile, counted from `attention_partial.wgsl` (every
 /// back-edge of every loop it may run, the worst invocation of the workgroup).
 pub(crate) fn pass1_iterations_per_tile(
-    dtype: DType,
+    dtypes: [DType; 3],
     d_a: usize,
     d_b: usize,
     d_v: usize,
@@ -205,7 +207,7 @@ pub(crate) fn pass1_iterations_per_tile(
     let span = TILE * rpl;
     // One step of a dot product: the row loads (rpl), the heads (hb), the rows per head (hb * rpl).
     let step = 1 + rpl + hb * (1 + rpl);
-    let dot = |d: usize| {
+    let dot = |d: usize, dtype: DType| {
         if d == 0 {
             return 0;
         }
@@ -224,7 +226,8 @@ pub(crate) fn pass1_iterations_per_tile(
     // The value phase: per 4 output dims, every row of the tile for every head (and the up-to-4
     // element fallback of a partial quad), then the stores.
     let value = d_v.div_ceil(4 * TILE) * (1 + span * (1 + hb + 4) + hb * (1 + 4));
-    1 + rpl + dot(d_a) + dot(d_b) + rpl * (1 + hb) + span + rpl * (1 + hb) + span + value
+    let dots = dot(d_a, dtypes[0]) + dot(d_b, dtypes[1]);
+    1 + rpl + dots + rpl * (1 + hb) + span + rpl * (1 + hb) + span + value
 }
 
 /// Loop iterations of one reduce invocation (`attention_reduce.wgsl`) over `n_chunks`.
@@ -288,21 +291,22 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     }
 }
 
-const STREAM_SHAPES: &str = "needs every head dimension a multiple of one 16-byte vector (4 f32, 8 \
-                             16-bit, 16 q8_0 or fp8, or 32 q4_0 elements), rows of whole vectors \
-                             (q8_0 and q4_0 rows may end inside one), and few enough elements per lane";
+const STREAM_SHAPES: &str = "needs every head dimension a multiple of one vector of its slot's \
+                             storage (16 bytes: 4 f32, 8 16-bit, 16 q8_0 or fp8 elements; 8 bytes: \
+                             16 q4_0 elements), rows of whole vectors (q8_0 and q4_0 rows may end \
+                             inside one), and few enough elements per lane";
 
 /// The streaming kernel for this call, when its shape allows one: every slice a whole number of
 /// 16-byte vectors, and the lane's registers within [`LANE_FLOATS`] for at least one head per team.
 pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> Option<StreamKey> {
-    let u = stream::per_vec(s.dtype);
-    if s.d_a == 0 || [s.d_a, s.d_b, s.d_v].iter().any(|d| d % u != 0) {
+    let dims = [s.d_a, s.d_b, s.d_v];
+    if s.d_a == 0 || (0..3).any(|i| dims[i] % stream::per_vec(s.dtypes[i]) != 0) {
         return None;
     }
     // Rows that are not whole vectors are read as words: only the block types' scales end inside a
     // vector (every head dimension here is whole vectors).
     let narrow = s.row_words.map(|w| w % 4 != 0);
-    if narrow.iter().any(|&n| n) && s.dtype.block().is_none() {
+    if (0..3).any(|i| narrow[i] && s.dtypes[i].block().is_none()) {
         return None;
     }
     let (lanes, sum) = match (subgroups, dev.subgroup) {
@@ -318,11 +322,10 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> O
     };
     let heads = HEAD_BATCHES.into_iter().find(|&h| {
         group.is_multiple_of(h)
-            && stream::lane_floats(s.dtype, lanes as usize, h, s.d_a, s.d_b, s.d_v, s.v_from_a)
-                <= most
+            && stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a) <= most
     })?;
     Some(StreamKey {
-        dtype: s.dtype,
+        dtypes: s.dtypes,
         lanes,
         heads: heads as u32,
         d_a: s.d_a as u32,
@@ -398,7 +401,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let chunks_64 = target.div_ceil(per_chunk).min(rows.div_ceil(TILE)).max(1);
     let rows_per_chunk = rows.div_ceil(chunks_64);
     let per_tile = |rpl: usize| {
-        pass1_iterations_per_tile(s.dtype, s.d_a, s.d_b, s.d_v, hb, ROWS_PER_INVOCATION[rpl])
+        pass1_iterations_per_tile(s.dtypes, s.d_a, s.d_b, s.d_v, hb, ROWS_PER_INVOCATION[rpl])
     };
     let fits = |rpl: usize| per_tile(rpl) < LOOP_BUDGET;
     let Some(rpl) = ROWS_PER_INVOCATION.iter().enumerate().rposition(|(i, &r)| {
@@ -427,6 +430,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let max_tiles = ((LOOP_BUDGET - 1) / per_tile(rpl)).max(1);
     let tiles_per_chunk = tiles.div_ceil(want).min(max_tiles);
     let kernel = Pass1::Tiled {
+        dtypes: s.dtypes,
         batch,
         rpl,
         rows: s.row_mode(),
@@ -566,7 +570,7 @@ mod tests {
         let per_word = if dtype == DType::F32 { 1 } else { 2 };
         let row_words = (n_kv * d).div_ceil(per_word);
         CallShape {
-            dtype,
+            dtypes: [dtype; 3],
             n_q,
             n_heads,
             n_kv,
@@ -606,7 +610,7 @@ mod tests {
                 let tiles = d.params.chunk_len as usize / (TILE * rpl);
                 tiles
                     * pass1_iterations_per_tile(
-                        s.dtype,
+                        s.dtypes,
                         s.d_a,
                         s.d_b,
                         s.d_v,
@@ -724,8 +728,24 @@ mod tests {
         assert!(stream(plan(&odd, &LAVAPIPE).unwrap()).is_none());
         for choice in [KernelChoice::StreamShared, KernelChoice::StreamSubgroup] {
             let forced = DeviceFacts { choice, ..LAVAPIPE };
-            assert!(plan(&odd, &forced).unwrap_err().contains("16-byte vector"));
+            assert!(plan(&odd, &forced).unwrap_err().contains("one vector of its slot"));
         }
+        // K and V of different types: each slice in vectors of its own type. V of 8 f16 (one 16-byte
+        // vector) streams beside q8_0 keys; V of 8 q8_0 elements (half a vector) does not.
+        let mixed = CallShape {
+            dtypes: [DType::Q8_0, DType::Q8_0, DType::F16],
+            d_v: 8,
+            row_words: [2 * 136 / 4, 2 * 136 / 4, 2 * 8 / 2],
+            ..gqa(DType::Q8_0, 1, 8, 2, 128, 4096)
+        };
+        let key = stream(plan(&mixed, &LAVAPIPE).unwrap()).unwrap();
+        assert_eq!(key.dtypes, mixed.dtypes);
+        let half_vector = CallShape {
+            dtypes: [DType::F16, DType::F16, DType::F8E4M3],
+            row_words: [2 * 128 / 2, 2 * 128 / 2, 2 * 8 / 4],
+            ..mixed
+        };
+        assert!(stream(plan(&half_vector, &LAVAPIPE).unwrap()).is_none());
         let forced = DeviceFacts {
             choice: KernelChoice::StreamSubgroup,
             ..no_subgroups

@@ -6,6 +6,7 @@ use super::request::contiguous;
 use super::view::{self, Bound, ViewError};
 use super::{Attention, AttentionOptions, Job, Kv, Scratch};
 use crate::cache::{AttentionKind, KvCache};
+use crate::codec::DType;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::scoped;
 use crate::paged::PagedCache;
@@ -103,10 +104,12 @@ impl Attention {
         )?;
         let partial =
             match dispatch.kernel {
-                Pass1::Tiled { batch, rpl, rows } => {
-                    self.kernels
-                        .attention_partial(cache.spec().dtype(), batch, rpl, rows)
-                }
+                Pass1::Tiled {
+                    dtypes,
+                    batch,
+                    rpl,
+                    rows,
+                } => self.kernels.attention_partial(dtypes, batch, rpl, rows),
                 Pass1::Stream(key) => self.kernels.attention_stream(&key).map_err(|detail| {
                     Error::AttentionRequest {
                         layer,
@@ -204,7 +207,11 @@ impl Attention {
             Some(0) => return request(AttentionProblem::EmptyWindow),
             Some(w) => w.min(visible),
         };
-        let (row_words, v_from_a) = slot_rows(cache, layer, job.kind, d_a, job.d_v)?;
+        let SlotRows {
+            row_words,
+            dtypes,
+            v_from_a,
+        } = slot_rows(cache, layer, job.kind, d_a, job.d_v)?;
         let align = self.facts.offset_alignment;
         let check = |which: &'static str,
                      buffer: &wgpu::Buffer,
@@ -294,7 +301,7 @@ impl Attention {
             }
         }
         let shape = CallShape {
-            dtype: cache.spec().dtype(),
+            dtypes,
             n_q,
             n_heads,
             n_kv: job.n_kv,
@@ -490,18 +497,31 @@ fn entry(binding: u32, resource: wgpu::BindingResource<'_>) -> wgpu::BindGroupEn
     wgpu::BindGroupEntry { binding, resource }
 }
 
-/// The row widths in words of the slots `kind` binds as a, b and v on `layer`, and whether the values
-/// are slot a's elements (MLA's latent: slot v is slot a and `d_v == d_a`).
+/// The slots `kind` binds as a, b and v on `layer`, as the planner sees them.
+pub(super) struct SlotRows {
+    /// Row widths in words.
+    pub row_words: [usize; 3],
+    /// Storage types.
+    pub dtypes: [DType; 3],
+    /// The values are slot a's elements (MLA's latent: slot v is slot a and `d_v == d_a`).
+    pub v_from_a: bool,
+}
+
 pub(super) fn slot_rows(
     cache: &KvCache,
     layer: usize,
     kind: AttentionKind,
     d_a: usize,
     d_v: usize,
-) -> Result<([usize; 3], bool)> {
+) -> Result<SlotRows> {
     let (a, b, v) = kind.slots();
     let words = |slot: usize| -> Result<usize> {
         Ok((cache.full_view(layer, slot)?.row_bytes / 4) as usize)
     };
-    Ok(([words(a)?, words(b)?, words(v)?], a == v && d_a == d_v))
+    let dtype = |slot: usize| cache.spec().slot_dtype(layer, slot);
+    Ok(SlotRows {
+        row_words: [words(a)?, words(b)?, words(v)?],
+        dtypes: [dtype(a)?, dtype(b)?, dtype(v)?],
+        v_from_a: a == v && d_a == d_v,
+    })
 }

@@ -147,7 +147,7 @@ impl KvCache {
     pub(crate) fn destination(&self, layer: usize, slot: usize) -> Destination {
         let sb = &self.slots[layer][slot];
         Destination {
-            storage: self.spec.dtype(),
+            storage: sb.dtype,
             row_elems: sb.row_elems,
             row_bytes: sb.placement.row_bytes,
             min_offset_alignment: self.min_storage_offset_alignment,
@@ -264,8 +264,8 @@ impl KvCache {
         job: SourceJob,
         group: Option<wgpu::BindGroup>,
     ) {
-        let storage = self.spec.dtype();
         let sb = &self.slots[layer][slot];
+        let storage = sb.dtype;
         let (dst_offset, size) = sb.placement.bytes(run);
         match (job, group) {
             (SourceJob::Copy { src_offset }, _) => {
@@ -283,7 +283,7 @@ impl KvCache {
                 },
                 Some(group),
             ) => {
-                let outputs = write_outputs(&params, slab.dtype, storage, vec4);
+                let outputs = write_outputs(&params, storage, vec4);
                 let (groups, stride) = grid(outputs, self.max_workgroups);
                 params.thread_stride = stride;
                 params.dst_word_offset = (dst_offset / 4) as u32;

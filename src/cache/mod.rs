@@ -26,6 +26,8 @@ use zero::ZeroRange;
 
 struct SlotBuffer {
     buffer: wgpu::Buffer,
+    /// The slot's storage type.
+    dtype: DType,
     row_elems: usize,
     placement: Placement,
     zero_group: wgpu::BindGroup,
@@ -138,7 +140,8 @@ impl KvCache {
                     .iter()
                     .map(|slot| {
                         let row_elems = slot.row_elems();
-                        let row_bytes = padded_row_bytes(row_elems, spec.dtype());
+                        let dtype = spec.dtype_of(slot);
+                        let row_bytes = padded_row_bytes(row_elems, dtype);
                         let buffer = device.create_buffer(&wgpu::BufferDescriptor {
                             label: Some(&format!("kvgpu layer {l} {}", slot.name)),
                             // Whole 16-byte vectors, as the zeroing kernel writes them.
@@ -160,6 +163,7 @@ impl KvCache {
                         });
                         SlotBuffer {
                             buffer,
+                            dtype,
                             row_elems,
                             placement: Placement { row_bytes },
                             zero_group,
@@ -314,11 +318,11 @@ impl KvCache {
         Ok(plan)
     }
 
-    /// Checks host slabs (shapes already checked against the layer's slots): f32 or the storage
-    /// type, and as many elements as their shapes say.
+    /// Checks host slabs (shapes already checked against the layer's slots): f32 or the slot's
+    /// storage type (any element type for quantized slots), and as many elements as their shapes say.
     pub(crate) fn check_host_slabs(&self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<()> {
-        let storage = self.spec.dtype();
         for (slot, slab) in slabs.iter().enumerate() {
+            let storage = self.slots[layer][slot].dtype;
             let got = slab.data.dtype();
             // Quantized storage quantizes any element type; the others take f32 or their own type.
             if got != DType::F32 && got != storage && !storage.is_quantized() {
@@ -351,13 +355,12 @@ impl KvCache {
         slabs: &[HostSlab<'_>],
         runs: &[(usize, Run)],
     ) {
-        let storage = self.spec.dtype();
         for (slot, slab) in slabs.iter().enumerate() {
             let sb = &self.slots[layer][slot];
             if runs.iter().all(|(_, run)| run.n_rows == 0) {
                 continue;
             }
-            let bytes = stored_bytes(slab.data, storage, sb.row_elems, &mut self.scratch);
+            let bytes = stored_bytes(slab.data, sb.dtype, sb.row_elems, &mut self.scratch);
             let row_bytes = sb.placement.row_bytes as usize;
             for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
                 let (offset, size) = sb.placement.bytes(run);

@@ -67,7 +67,7 @@ impl KvCache {
     pub async fn read_f32_async(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
         let words = self.read_words_async(layer, slot).await?;
         let sb = self.slot_buffer(layer, slot)?;
-        Ok(decode_rows(&words, self.spec.dtype(), sb.row_elems))
+        Ok(decode_rows(&words, sb.dtype, sb.row_elems))
     }
 
     /// [`KvCache::read_words_async`], blocking.

@@ -11,6 +11,7 @@ use crate::kernels::{WriteParams, grid, write_outputs};
 /// One slot's checked and bound scattered move.
 pub(crate) struct Scatter {
     src_dtype: DType,
+    dst_dtype: DType,
     params: WriteParams,
     vec4: bool,
     group: wgpu::BindGroup,
@@ -60,6 +61,7 @@ impl KvCache {
             if let (SourceJob::Kernel { params, vec4, .. }, Some(group)) = (job, group) {
                 scatters.push(Scatter {
                     src_dtype: slabs[slot].dtype,
+                    dst_dtype: self.slots[layer][slot].dtype,
                     params: WriteParams {
                         map_word: (upload.offset / 4) as u32,
                         ..params
@@ -82,7 +84,6 @@ impl KvCache {
         slabs: &[HostSlab<'_>],
         map: &[u32],
     ) -> bool {
-        let storage = self.spec.dtype();
         // The map, then each slot's rows as stored, every part on a 16-byte boundary.
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
@@ -91,11 +92,11 @@ impl KvCache {
         for (slot, slab) in slabs.iter().enumerate() {
             bytes.resize(bytes.len().next_multiple_of(16), 0);
             starts.push(bytes.len() as u64);
-            let row_elems = self.slots[layer][slot].row_elems;
+            let sb = &self.slots[layer][slot];
             bytes.extend_from_slice(stored_bytes(
                 slab.data,
-                storage,
-                row_elems,
+                sb.dtype,
+                sb.row_elems,
                 &mut self.scratch,
             ));
         }
@@ -110,23 +111,19 @@ impl KvCache {
         for (slot, start) in starts.into_iter().enumerate() {
             let sb = &self.slots[layer][slot];
             let row_words = sb.placement.row_bytes / 4;
-            // Quantized rows were quantized on the host: the kernel moves their words as elements.
-            let (esize, row_elems) = if storage.is_quantized() {
-                (4, row_words as usize)
-            } else {
-                (storage.size() as u64, sb.row_elems)
-            };
+            // The rows were converted (or quantized) on the host, padding included: whatever the
+            // storage type, the kernel moves their words as f32 elements, bit for bit.
             let mut params = WriteParams {
-                src_offset: ((upload.offset + start) / esize) as u32,
-                seq_stride: (sb.placement.row_bytes / esize) as u32,
+                src_offset: ((upload.offset + start) / 4) as u32,
+                seq_stride: row_words as u32,
                 n_rows: map.len() as u32,
-                row_elems: row_elems as u32,
+                row_elems: row_words as u32,
                 row_words: row_words as u32,
                 rank: 1,
                 map_word: (upload.offset / 4) as u32,
                 ..Default::default()
             };
-            params.shape[0] = row_elems as u32;
+            params.shape[0] = row_words as u32;
             params.stride[0] = 1;
             // Rows start on 16-byte boundaries of the upload.
             let vec4 = row_words.is_multiple_of(4);
@@ -138,7 +135,7 @@ impl KvCache {
             };
             let slab = GpuSlab {
                 buffer: &upload.buffer,
-                dtype: storage,
+                dtype: DType::F32,
                 offset: 0,
                 shape: &[],
                 strides: None,
@@ -149,7 +146,8 @@ impl KvCache {
                 self.prepare_source(layer, slot, &slab, &job, Some(&upload.buffer))
             {
                 let scatter = Scatter {
-                    src_dtype: storage,
+                    src_dtype: DType::F32,
+                    dst_dtype: DType::F32,
                     params,
                     vec4,
                     group,
@@ -172,15 +170,13 @@ impl KvCache {
     }
 
     fn record_scatter(&mut self, encoder: &mut wgpu::CommandEncoder, s: Scatter) {
-        let outputs = write_outputs(&s.params, s.src_dtype, self.spec.dtype(), s.vec4);
+        let outputs = write_outputs(&s.params, s.dst_dtype, s.vec4);
         let (groups, thread_stride) = grid(outputs, self.max_workgroups);
         let params = WriteParams {
             thread_stride,
             ..s.params
         };
-        let pipeline = self
-            .kernels
-            .write(s.src_dtype, self.spec.dtype(), s.vec4, true);
+        let pipeline = self.kernels.write(s.src_dtype, s.dst_dtype, s.vec4, true);
         let params = self.ring.push(&self.queue, &params);
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some("kvgpu scatter"),

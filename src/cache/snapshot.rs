@@ -229,7 +229,7 @@ impl KvCache {
     ) {
         let sb = &self.slots[layer][slot];
         let row_bytes = sb.placement.row_bytes as usize;
-        let used = used_row_bytes(sb.row_elems, self.spec.dtype()) as usize;
+        let used = used_row_bytes(sb.row_elems, sb.dtype) as usize;
         let rows = if used < row_bytes {
             self.scratch.clear();
             self.scratch.extend_from_slice(rows);

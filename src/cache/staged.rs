@@ -32,7 +32,7 @@ impl StagedRows {
                     .slots
                     .iter()
                     .map(|slot| {
-                        let row_bytes = padded_row_bytes(slot.row_elems(), spec.dtype());
+                        let row_bytes = padded_row_bytes(slot.row_elems(), spec.dtype_of(slot));
                         let size = row_bytes * header.len as u64;
                         let buffer = (size > 0).then(|| {
                             device.create_buffer(&wgpu::BufferDescriptor {
@@ -42,7 +42,7 @@ impl StagedRows {
                                 mapped_at_creation: false,
                             })
                         });
-                        let used = used_row_bytes(slot.row_elems(), spec.dtype()) as usize;
+                        let used = used_row_bytes(slot.row_elems(), spec.dtype_of(slot)) as usize;
                         (buffer, row_bytes as usize, used)
                     })
                     .collect()

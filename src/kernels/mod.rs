@@ -44,11 +44,11 @@ pub(crate) fn grid(threads: u64, max_workgroups: u32) -> (u32, u32) {
 
 /// Invocations a slab-write dispatch of `params` needs: one per destination word (or 16-byte vector),
 /// or, quantizing, one per pair of blocks (fp8: per word) of each row.
-pub(crate) fn write_outputs(params: &WriteParams, src: DType, dst: DType, vec4: bool) -> u64 {
+pub(crate) fn write_outputs(params: &WriteParams, dst: DType, vec4: bool) -> u64 {
     let rows = params.n_rows as u64;
     let words = rows * params.row_words as u64;
-    if dst.is_quantized() && src != dst && dst.block().is_some() {
-        rows * (params.row_elems as u64 / 32).div_ceil(2)
+    if let Some(block) = dst.block() {
+        rows * (params.row_elems as u64 / block as u64).div_ceil(2)
     } else if vec4 {
         words / 4
     } else {
@@ -143,9 +143,9 @@ impl Kernel {
 #[derive(Debug)]
 struct AttentionKernels {
     partial: Kernel,
-    /// Pass-1 pipelines by (storage type, `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index, how rows
-    /// are found).
-    partial_pipelines: Mutex<HashMap<(DType, usize, usize, RowMode), wgpu::ComputePipeline>>,
+    /// Pass-1 pipelines by (storage types of slots a, b and v, `HEAD_BATCHES` index,
+    /// `ROWS_PER_INVOCATION` index, how rows are found).
+    partial_pipelines: Mutex<HashMap<([DType; 3], usize, usize, RowMode), wgpu::ComputePipeline>>,
     reduce: wgpu::ComputePipeline,
     /// Generated streaming pass-1 pipelines by shape.
     stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
@@ -302,7 +302,8 @@ impl Kernels {
                     ("DST_DTYPE", dst.code() as f64),
                     ("SCATTER", f64::from(u8::from(scatter))),
                 ];
-                let entry = if dst.is_quantized() && src != dst {
+                // GPU sources are never quantized (host scatters move stored words as f32).
+                let entry = if dst.is_quantized() {
                     "main_quant"
                 } else if vec4 {
                     "main_vec4"
@@ -360,11 +361,12 @@ impl Kernels {
         })
     }
 
-    /// The attention pass-1 pipeline reading `dtype` storage with `HEAD_BATCHES[batch]` heads per
-    /// workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation, finding rows as `rows` says.
+    /// The attention pass-1 pipeline reading slots a, b and v stored as `dtypes` with
+    /// `HEAD_BATCHES[batch]` heads per workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation,
+    /// finding rows as `rows` says.
     pub(crate) fn attention_partial(
         &self,
-        dtype: DType,
+        dtypes: [DType; 3],
         batch: usize,
         rpl: usize,
         rows: RowMode,
@@ -374,10 +376,12 @@ impl Kernels {
             .partial_pipelines
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        map.entry((dtype, batch, rpl, rows))
+        map.entry((dtypes, batch, rpl, rows))
             .or_insert_with(|| {
                 let constants = [
-                    ("DTYPE", dtype.code() as f64),
+                    ("DTYPE_A", dtypes[0].code() as f64),
+                    ("DTYPE_B", dtypes[1].code() as f64),
+                    ("DTYPE_V", dtypes[2].code() as f64),
                     ("HB", HEAD_BATCHES[batch] as f64),
                     ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
                     ("ROWS", f64::from(rows.code())),

@@ -607,7 +607,11 @@ impl PagedCache {
     pub async fn read_f32_async(&self, seq: SeqId, layer: usize, slot: usize) -> Result<Vec<f32>> {
         let words = self.read_words_async(seq, layer, slot).await?;
         let row_elems = self.spec.slot(layer, slot)?.row_elems();
-        Ok(decode_rows(&words, self.spec.dtype(), row_elems))
+        Ok(decode_rows(
+            &words,
+            self.spec.slot_dtype(layer, slot)?,
+            row_elems,
+        ))
     }
 
     /// Records the private copies of shared pages: per layer the rows the writer sees there, through

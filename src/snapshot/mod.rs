@@ -12,7 +12,7 @@ use std::io::Write;
 
 pub(crate) use stream::{RowSink, SnapshotStream};
 
-use crate::codec::{DType, padded_row_bytes};
+use crate::codec::DType;
 use crate::error::{Error, Result, SnapshotProblem};
 use crate::spec::{CacheSpec, LayerSpec, SlotSpec};
 
@@ -20,36 +20,38 @@ use crate::spec::{CacheSpec, LayerSpec, SlotSpec};
 pub const SNAPSHOT_MAGIC: [u8; 8] = *b"KVGPUSNP";
 
 /// The format version this kvgpu writes and reads.
-pub const SNAPSHOT_VERSION: u32 = 1;
+/// Version 1 (development builds before slots had their own storage types) is refused.
+pub const SNAPSHOT_VERSION: u32 = 2;
 
 /// Magic, version and header length: the bytes before the header.
 const PREFIX: usize = 16;
 
 /// What a snapshot's header says: the source's spec, its committed rows and page size.
 ///
-/// # Format, version 1
+/// # Format, version 2
 /// Little-endian throughout.
 ///
 /// | bytes | field |
 /// |---|---|
 /// | 8 | magic `KVGPUSNP` |
-/// | 4 | format version (`u32`, 1) |
+/// | 4 | format version (`u32`, 2) |
 /// | 4 | header length `h` (`u32`): the bytes of the header that follow |
 /// | `h` | header (below) |
 /// | 4 | CRC-32 of every byte before it (magic to header) |
 /// | ... | rows: for each layer, for each of its slots, `len` rows exactly as stored |
 /// | 4 | CRC-32 of every byte before it (the whole snapshot) |
 ///
-/// The header: storage type (`u32`: 0 f32, 1 f16, 2 bf16), `max_seq_len` of the source (`u64`;
-/// a pool's longest sequence), `len` (`u64`, committed rows), page size (`u64`, 0 for a
-/// single-sequence cache), the number of layers (`u32`), then per layer its number of slots (`u32`)
-/// and per slot its name (`u32` byte length, UTF-8) and trailing shape (`u32` rank, `u64` each
-/// dimension). A row is stored as in the cache: f32 as is, 16-bit types packed two to a word (low
-/// half first), each row padded with zeros to a multiple of 4 bytes; layers without slots take no
-/// bytes.
+/// The header: the cache's storage type (`u32`, [`DType::code`]: 0 f32, 1 f16, 2 bf16, 3 q8_0,
+/// 4 q4_0, 5 fp8 e4m3), `max_seq_len` of the source (`u64`; a pool's longest sequence), `len` (`u64`,
+/// committed rows), page size (`u64`, 0 for a single-sequence cache), the number of layers (`u32`),
+/// then per layer its number of slots (`u32`) and per slot its name (`u32` byte length, UTF-8),
+/// trailing shape (`u32` rank, `u64` each dimension) and storage type (`u32` code). A row is stored
+/// as in the cache, in its slot's type: f32 as is, 16-bit types packed two to a word (low half
+/// first), the quantized types as [`DType`] lays them out, each row padded with zeros to a multiple
+/// of 4 bytes; layers without slots take no bytes.
 ///
-/// A snapshot restores into a cache or pool whose storage type, layer count and slot shapes equal
-/// its own (slot names, capacity and page size may differ; the rows must fit). No type conversion is
+/// A snapshot restores into a cache or pool whose layer count, slot shapes and slots' storage types
+/// equal its own (slot names, capacity and page size may differ; the rows must fit). No type conversion is
 /// offered: a restore is bit-identical or refused. Parsing checks, in order: the magic, the
 /// version, the header's length and checksum, the header itself, the total length, the checksum of
 /// the whole, then compatibility with the destination — so a truncated snapshot is
@@ -74,10 +76,7 @@ impl SnapshotHeader {
 
     /// Bytes of the rows of one slot.
     fn section_bytes(&self, layer: usize, slot: usize) -> u64 {
-        padded_row_bytes(
-            self.spec.layers()[layer].slots[slot].row_elems(),
-            self.spec.dtype(),
-        ) * self.len as u64
+        self.spec.row_bytes(layer, slot).unwrap_or(0) * self.len as u64
     }
 
     /// Bytes of every slot's rows.
@@ -93,17 +92,11 @@ impl SnapshotHeader {
             .saturating_add(4)
     }
 
-    /// Refuses a destination whose storage type, layers or slot shapes differ, naming the first
-    /// difference (names, capacity and page size may differ).
+    /// Refuses a destination whose layers, slot shapes or slots' storage types differ, naming the
+    /// first difference (names, capacity and page size may differ).
     pub fn check_compatible(&self, dest: &CacheSpec) -> Result<()> {
         let refuse = |problem| Err(Error::Snapshot { problem });
         let src = &self.spec;
-        if src.dtype() != dest.dtype() {
-            return refuse(SnapshotProblem::DType {
-                snapshot: src.dtype(),
-                cache: dest.dtype(),
-            });
-        }
         if src.n_layers() != dest.n_layers() {
             return refuse(SnapshotProblem::LayerCount {
                 snapshot: src.n_layers(),
@@ -119,6 +112,15 @@ impl SnapshotHeader {
                 });
             }
             for (slot, (x, y)) in a.slots.iter().zip(&b.slots).enumerate() {
+                let (snapshot, cache) = (src.dtype_of(x), dest.dtype_of(y));
+                if snapshot != cache {
+                    return refuse(SnapshotProblem::DType {
+                        layer,
+                        slot,
+                        snapshot,
+                        cache,
+                    });
+                }
                 if x.trailing != y.trailing {
                     return refuse(SnapshotProblem::SlotShape {
                         layer,
@@ -263,6 +265,7 @@ fn encode_header(spec: &CacheSpec, len: usize, page_size: usize) -> Vec<u8> {
             for &d in &slot.trailing {
                 body.extend_from_slice(&(d as u64).to_le_bytes());
             }
+            body.extend_from_slice(&spec.dtype_of(slot).code().to_le_bytes());
         }
     }
     let mut out = Vec::with_capacity(PREFIX + body.len());
@@ -338,6 +341,15 @@ impl Fields<'_> {
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
+    /// A storage type's code.
+    fn dtype(&mut self, what: &str) -> Result<DType> {
+        let code = self.u32(what)?;
+        DType::STORAGE
+            .into_iter()
+            .find(|d| d.code() == code)
+            .ok_or_else(|| malformed(format!("{what}: unknown code {code}")))
+    }
+
     /// A `u64` that must fit `usize` on this machine.
     fn size(&mut self, what: &str) -> Result<usize> {
         let b = self.take(8, what)?;
@@ -348,11 +360,7 @@ impl Fields<'_> {
 
 fn parse_body(body: &[u8]) -> Result<SnapshotHeader> {
     let mut f = Fields(body);
-    let code = f.u32("the storage type")?;
-    let dtype = DType::STORAGE
-        .into_iter()
-        .find(|d| d.code() == code)
-        .ok_or_else(|| malformed(format!("unknown storage type code {code}")))?;
+    let dtype = f.dtype("the storage type")?;
     let max_seq_len = f.size("max_seq_len")?;
     let len = f.size("the length")?;
     let page_size = f.size("the page size")?;
@@ -372,7 +380,8 @@ fn parse_body(body: &[u8]) -> Result<SnapshotHeader> {
             let trailing = (0..rank)
                 .map(|_| f.size(&format!("{what}'s shape")))
                 .collect::<Result<Vec<_>>>()?;
-            slots.push(SlotSpec { name, trailing });
+            let slot = SlotSpec::new(name, &trailing);
+            slots.push(slot.stored_as(f.dtype(&format!("{what}'s storage type"))?));
         }
         layers.push(LayerSpec::new(slots));
     }
@@ -462,8 +471,10 @@ mod tests {
         for l in 0..spec.n_layers() {
             for s in 0..spec.layers()[l].slots.len() {
                 let row = spec.row_bytes(l, s).unwrap() as usize;
-                let used =
-                    used_row_bytes(spec.layers()[l].slots[s].row_elems(), spec.dtype()) as usize;
+                let used = used_row_bytes(
+                    spec.layers()[l].slots[s].row_elems(),
+                    spec.slot_dtype(l, s).unwrap(),
+                ) as usize;
                 let mut bytes = vec![0u8; row * len];
                 for r in 0..len {
                     for b in &mut bytes[r * row..r * row + used] {
@@ -677,6 +688,45 @@ mod tests {
             };
             assert!(matches!(p, SnapshotProblem::MalformedHeader { .. }), "{p}");
         }
+    }
+
+    #[test]
+    fn slots_of_their_own_types_round_trip_and_must_match() {
+        let spec = spec(DType::F16)
+            .with_slot_dtype("v", DType::F8E4M3)
+            .and_then(|s| s.with_slot_dtype("odd", DType::F32))
+            .unwrap();
+        let (bytes, rows_at) = fabricated(&spec, 4, 3);
+        let header = SnapshotHeader::parse(&bytes[..rows_at]).unwrap();
+        assert_eq!(header.spec, spec);
+        assert_eq!(header.total_bytes(), bytes.len() as u64);
+        let snap = Snapshot::parse_for(&bytes, &spec).unwrap();
+        // V of 2 x 3 fp8 bytes: 8 bytes a row; the odd slot of 5 f32.
+        assert_eq!(snap.sections[0][1].len(), 4 * 8);
+        assert_eq!(snap.sections[2][0].len(), 4 * 20);
+        // A destination whose V is stored otherwise is refused, naming the slot and both types.
+        let f16_v = spec.with_slot_dtype("v", DType::F16).unwrap();
+        assert_eq!(
+            problem_of(Snapshot::parse_for(&bytes, &f16_v)),
+            SnapshotProblem::DType {
+                layer: 0,
+                slot: 1,
+                snapshot: DType::F8E4M3,
+                cache: DType::F16,
+            }
+        );
+        // Version 1 (one storage type for the whole cache) is refused by its number.
+        let mut v1 = bytes.clone();
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(
+            SnapshotHeader::parse(&v1).unwrap_err(),
+            Error::Snapshot {
+                problem: SnapshotProblem::UnsupportedVersion {
+                    found: 1,
+                    supported: 2
+                }
+            }
+        );
     }
 
     #[test]

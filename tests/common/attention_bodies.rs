@@ -63,24 +63,31 @@ fn streamable(c: &KvCache) -> bool {
 }
 
 /// Whether the streaming kernels take `layer` of `spec`: every slot's innermost dimension whole
-/// 16-byte vectors of its storage (4 f32, 8 16-bit, 16 q8_0 or fp8, 32 q4_0 elements) and rows of
-/// whole vectors (q8_0 and q4_0 rows, whose scales may end inside one, are read as words then).
+/// vectors of its storage (4 f32, 8 16-bit, 16 q8_0, q4_0 or fp8 elements) and rows of whole vectors
+/// (q8_0 and q4_0 rows, whose scales may end inside one, are read as words then).
 pub fn streamable_layer(spec: &CacheSpec, layer: usize) -> bool {
-    let per_vec = match spec.dtype() {
-        DType::F32 => 4,
-        DType::Q8_0 | DType::F8E4M3 => 16,
-        DType::Q4_0 => 32,
-        _ => 8,
-    };
     spec.layers()[layer]
         .slots
         .iter()
         .enumerate()
         .all(|(s, slot)| {
+            let dtype = spec.slot_dtype(layer, s).unwrap();
+            let per_vec = match dtype {
+                DType::F32 => 4,
+                DType::Q8_0 | DType::F8E4M3 | DType::Q4_0 => 16,
+                _ => 8,
+            };
             slot.trailing.last().is_some_and(|d| d % per_vec == 0)
-                && (spec.dtype().block().is_some()
-                    || spec.row_bytes(layer, s).is_ok_and(|b| b % 16 == 0))
+                && (dtype.block().is_some() || spec.row_bytes(layer, s).is_ok_and(|b| b % 16 == 0))
         })
+}
+
+/// `layer` with its first two slots (K and V, or MLA's latent and rope key) stored as `types`.
+fn stored_as(mut layer: LayerSpec, types: [DType; 2]) -> LayerSpec {
+    for (slot, dtype) in layer.slots.iter_mut().zip(types) {
+        slot.dtype = Some(dtype);
+    }
+    layer
 }
 
 /// Whether one call under `att`'s kernel ran: a forced streaming kernel refuses a shape it cannot
@@ -129,11 +136,11 @@ struct Gqa {
 }
 
 /// Runs one GQA case on the GPU and against the twin; returns the worst scaled error.
-async fn check_gqa(g: &Gpu, att: &mut Attention, case: Gqa, dtype: DType, seed: u64) -> f32 {
+async fn check_gqa(g: &Gpu, att: &mut Attention, case: Gqa, types: [DType; 2], seed: u64) -> f32 {
     let c = filled(
         g,
-        LayerSpec::kv(case.n_kv, case.d_k, case.d_v),
-        dtype,
+        stored_as(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), types),
+        types[0],
         case.visible,
         case.n_q,
         seed,
@@ -169,7 +176,7 @@ async fn check_gqa(g: &Gpu, att: &mut Attention, case: Gqa, dtype: DType, seed: 
     assert_close(
         &read_f32(g, &out).await,
         &want,
-        &format!("{dtype} {case:?} {:?}", att.kernel()),
+        &format!("{types:?} {case:?} {:?}", att.kernel()),
     )
 }
 
@@ -199,7 +206,7 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
         for dtype in DType::ALL {
             let mut worst = 0f32;
             for (i, &case) in cases.iter().enumerate() {
-                worst = worst.max(check_gqa(g, &mut att, case, dtype, 10 + i as u64).await);
+                worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 10 + i as u64).await);
             }
             note!("{dtype} {kernel:?}: worst scaled error {worst:e}");
         }
@@ -239,20 +246,67 @@ pub async fn quantized_storage_matches_the_reference(g: &Gpu) {
             // (asserted by `ran`); rows of 2 KV heads of 64 (q8_0: 136 bytes) are read as words.
             let mut worst = 0f32;
             for (i, &case) in cases.iter().enumerate() {
-                worst = worst.max(check_gqa(g, &mut att, case, dtype, 110 + i as u64).await);
+                worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 110 + i as u64).await);
             }
             if dtype == DType::F8E4M3 {
-                worst = worst.max(check_gqa(g, &mut att, odd, dtype, 120).await);
+                worst = worst.max(check_gqa(g, &mut att, odd, [dtype; 2], 120).await);
             }
             for (i, &case) in mla.iter().enumerate() {
-                worst = worst.max(check_mla(g, &mut att, case, dtype, 130 + i as u64).await);
+                worst = worst.max(check_mla(g, &mut att, case, [dtype; 2], 130 + i as u64).await);
             }
             note!("{dtype} {kernel:?}: worst scaled error {worst:e}");
         }
     }
     for dtype in DType::QUANTIZED {
-        gqa_prefill_and_decode(g, dtype, [4, 2, 32, 64], 140).await;
+        gqa_prefill_and_decode(g, [dtype; 2], [4, 2, 32, 64], 140).await;
     }
+}
+
+/// K and V (MLA: latent and rope key) in different storage types, as llama.cpp's `--cache-type-k` /
+/// `--cache-type-v` allow: GQA and MLA against the twins over the read-back, on every kernel of the
+/// adapter, for pairs that mix the families (block, byte, 16-bit and f32 slots, vectors of different
+/// widths side by side), then a prefill and decode steps against an independent CPU model.
+pub async fn mixed_storage_matches_the_reference(g: &Gpu) {
+    use DType::*;
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    #[rustfmt::skip]
+    let gqa = [
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 64, visible: 2, n_q: 1, window: None, soft_cap: None },
+        Gqa { n_kv: 1, group: 8, d_k: 64, d_v: 32, visible: 63, n_q: 7, window: None, soft_cap: Some(30.0) },
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 3, window: Some(700), soft_cap: None },
+    ];
+    #[rustfmt::skip]
+    let mla = [
+        Mla { n_heads: 4, visible: 65, n_q: 7, window: Some(20), soft_cap: Some(30.0) },
+        Mla { n_heads: 16, visible: 1000, n_q: 1, window: None, soft_cap: None },
+    ];
+    let gqa_pairs = [
+        [Q8_0, Q4_0],
+        [F16, Q8_0],
+        [Q4_0, F8E4M3],
+        [F8E4M3, BF16],
+        [F32, Q4_0],
+    ];
+    let mla_pairs = [[Q4_0, F16], [Q8_0, F32], [F8E4M3, Q8_0], [BF16, F8E4M3]];
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        let mut worst = 0f32;
+        for (p, &types) in gqa_pairs.iter().enumerate() {
+            for (i, &case) in gqa.iter().enumerate() {
+                let seed = 150 + (p * 8 + i) as u64;
+                worst = worst.max(check_gqa(g, &mut att, case, types, seed).await);
+            }
+        }
+        for (p, &types) in mla_pairs.iter().enumerate() {
+            for (i, &case) in mla.iter().enumerate() {
+                let seed = 200 + (p * 8 + i) as u64;
+                worst = worst.max(check_mla(g, &mut att, case, types, seed).await);
+            }
+        }
+        note!("mixed storage {kernel:?}: worst scaled error {worst:e}");
+    }
+    gqa_prefill_and_decode(g, [Q8_0, Q4_0], [4, 2, 32, 64], 240).await;
+    gqa_prefill_and_decode(g, [BF16, F8E4M3], [4, 2, 32, 64], 250).await;
 }
 
 /// Two layers, a prefill of 9 tokens (queries of the last 9 rows, causal) then 3 decode steps of one
@@ -260,15 +314,16 @@ pub async fn quantized_storage_matches_the_reference(g: &Gpu) {
 /// the cache (not its read-back), so what the cache stores is checked too.
 async fn gqa_prefill_and_decode_match_an_independent_model(g: &Gpu) {
     for dtype in DType::ALL {
-        gqa_prefill_and_decode(g, dtype, [4, 2, 8, 6], 40).await;
+        gqa_prefill_and_decode(g, [dtype; 2], [4, 2, 8, 6], 40).await;
     }
 }
 
-/// The steps of [`gqa_prefill_and_decode_match_an_independent_model`] for one storage type and
-/// `[n_heads, n_kv, d_k, d_v]`.
-async fn gqa_prefill_and_decode(g: &Gpu, dtype: DType, dims: [usize; 4], seed: u64) {
+/// The steps of [`gqa_prefill_and_decode_match_an_independent_model`] for K and V stored as `types`
+/// and `[n_heads, n_kv, d_k, d_v]`.
+async fn gqa_prefill_and_decode(g: &Gpu, types: [DType; 2], dims: [usize; 4], seed: u64) {
     let [n_heads, n_kv, d_k, d_v] = dims;
-    let spec = CacheSpec::uniform(2, LayerSpec::kv(n_kv, d_k, d_v), dtype, 32).unwrap();
+    let layer = stored_as(LayerSpec::kv(n_kv, d_k, d_v), types);
+    let spec = CacheSpec::uniform(2, layer, types[0], 32).unwrap();
     let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
     let mut att = Attention::for_cache(&c);
     let mut worst = 0.0f32;
@@ -293,12 +348,12 @@ async fn gqa_prefill_and_decode(g: &Gpu, dtype: DType, dims: [usize; 4], seed: u
             let (k, v) = (m.read_f32(l, 0, visible), m.read_f32(l, 1, visible));
             let want =
                 reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, n_kv, d_v, &options);
-            let what = format!("{dtype} step {step} layer {l}");
+            let what = format!("{types:?} step {step} layer {l}");
             worst = worst.max(assert_close(&read_f32(g, &out).await, &want, &what));
         }
         c.advance(n_q).unwrap();
     }
-    note!("{dtype}: GQA prefill and decode, worst scaled error {worst:e}");
+    note!("{types:?}: GQA prefill and decode, worst scaled error {worst:e}");
 }
 
 pub async fn attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
@@ -320,9 +375,9 @@ pub async fn attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
         for dtype in DType::ALL {
             note!("-- {dtype} {kernel:?}");
             for (i, &case) in cases.iter().enumerate() {
-                check_gqa(g, &mut att, case, dtype, 40 + i as u64).await;
+                check_gqa(g, &mut att, case, [dtype; 2], 40 + i as u64).await;
             }
-            check_mla(g, &mut att, mla, dtype, 50).await;
+            check_mla(g, &mut att, mla, [dtype; 2], 50).await;
         }
     }
 }
@@ -336,9 +391,10 @@ struct Mla {
     soft_cap: Option<f32>,
 }
 
-async fn check_mla(g: &Gpu, att: &mut Attention, case: Mla, dtype: DType, seed: u64) -> f32 {
+async fn check_mla(g: &Gpu, att: &mut Attention, case: Mla, types: [DType; 2], seed: u64) -> f32 {
     let (r, p) = (512, 64);
-    let c = filled(g, LayerSpec::mla(r, p), dtype, case.visible, case.n_q, seed);
+    let layer = stored_as(LayerSpec::mla(r, p), types);
+    let c = filled(g, layer, types[0], case.visible, case.n_q, seed);
     let ql = values(seed + 77, case.n_q * case.n_heads * r);
     let qr = values(seed + 78, case.n_q * case.n_heads * p);
     let (qlb, qrb) = (
@@ -376,7 +432,7 @@ async fn check_mla(g: &Gpu, att: &mut Attention, case: Mla, dtype: DType, seed: 
     assert_close(
         &read_f32(g, &out).await,
         &want,
-        &format!("{dtype} MLA {case:?} {:?}", att.kernel()),
+        &format!("{types:?} MLA {case:?} {:?}", att.kernel()),
     )
 }
 
@@ -394,7 +450,7 @@ pub async fn mla_matches_the_reference_for_every_dtype(g: &Gpu) {
         for dtype in DType::ALL {
             note!("-- {dtype} {kernel:?}");
             for (i, &case) in cases.iter().enumerate() {
-                check_mla(g, &mut att, case, dtype, 60 + i as u64).await;
+                check_mla(g, &mut att, case, [dtype; 2], 60 + i as u64).await;
             }
         }
     }

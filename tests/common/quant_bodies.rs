@@ -318,3 +318,181 @@ pub async fn quantized_caches_take_the_bytes_they_promise(_g: &Gpu) {
         }
     }
 }
+
+/// Slots of one cache in six storage types (K and V of a layer differ, as do an MLA layer's latent
+/// and rope key): host appends, GPU appends of f32 and f16 sources, and a pool's batches (scattered by
+/// one dispatch per slot, and run by run), from the host and from GPU buffers, store in each slot the
+/// bits the twin computes for that slot's type, and read back as its values.
+pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
+    use DType::*;
+    let stored = |mut layer: LayerSpec, types: [DType; 2]| {
+        for (slot, dtype) in layer.slots.iter_mut().zip(types) {
+            slot.dtype = Some(dtype);
+        }
+        layer
+    };
+    let spec = CacheSpec::new(
+        vec![
+            stored(LayerSpec::kv(2, 32, 64), [Q8_0, F16]),
+            stored(LayerSpec::mla(64, 32), [Q4_0, F8E4M3]),
+            LayerSpec::empty(),
+            stored(LayerSpec::kv(1, 32, 32), [BF16, F32]),
+        ],
+        Q8_0,
+        16,
+    )
+    .unwrap();
+    assert!(spec.is_mixed());
+    let layers = [0, 1, 3];
+    let trailing = |l: usize| -> Vec<Vec<usize>> {
+        spec.layers()[l]
+            .slots
+            .iter()
+            .map(|s| s.trailing.clone())
+            .collect()
+    };
+    // Rows of `n` tokens for every slot of `l`, rounded to what a source of `from` holds.
+    let rows = |l: usize, n: usize, from: DType, seed: u64| -> Vec<Vec<f32>> {
+        trailing(l)
+            .iter()
+            .enumerate()
+            .map(|(s, t)| {
+                let mut x = values(seed + s as u64, n * t.iter().product::<usize>());
+                if seed % 3 == 0 {
+                    let edges = edge_rows();
+                    let k = edges.len().min(x.len());
+                    x[..k].copy_from_slice(&edges[..k]);
+                }
+                x.iter().map(|&v| reference::round_trip(v, from)).collect()
+            })
+            .collect()
+    };
+    // GPU buffers holding `data` as `from` elements.
+    let sources = |data: &[Vec<f32>], from: DType| {
+        let device = g.device.clone();
+        let data = data.to_vec();
+        async move {
+            let mut out = Vec::new();
+            for x in &data {
+                let bits: Vec<u32> = x.iter().map(|&v| reference::f32_to_bits(v, from)).collect();
+                let words = reference::pack_rows(&bits, from, bits.len());
+                out.push(buffer_with(&device, &words, super::USAGE).await);
+            }
+            out
+        }
+    };
+    let stored_words = |l: usize, s: usize, x: &[f32]| {
+        let dtype = spec.slot_dtype(l, s).unwrap();
+        let bits = reference::host_bits(HostData::F32(x), dtype);
+        reference::pack_rows(&bits, dtype, spec.layers()[l].slots[s].row_elems())
+    };
+
+    // One cache: a host step, a GPU step from f32, a GPU step from f16.
+    let mut c = cache_on(g, spec.clone());
+    let mut m = CpuCache::new(&spec);
+    let mut at = 0;
+    for (step, (from, n, gpu)) in [(F32, 2, false), (F32, 3, true), (F16, 1, true)]
+        .into_iter()
+        .enumerate()
+    {
+        for &l in &layers {
+            let data = rows(l, n, from, 30 + 10 * step as u64 + l as u64);
+            let shapes: Vec<Vec<usize>> =
+                trailing(l).iter().map(|t| [&[n][..], t].concat()).collect();
+            if gpu {
+                let buffers = sources(&data, from).await;
+                let slabs: Vec<GpuSlab> = (0..2)
+                    .map(|s| GpuSlab {
+                        buffer: &buffers[s],
+                        dtype: from,
+                        offset: 0,
+                        shape: &shapes[s],
+                        strides: None,
+                    })
+                    .collect();
+                c.append_gpu(l, &slabs).unwrap();
+            } else {
+                let slabs: Vec<HostSlab> = (0..2)
+                    .map(|s| HostSlab::f32(&data[s], &shapes[s]))
+                    .collect();
+                c.append(l, &slabs).unwrap();
+            }
+            for (s, x) in data.iter().enumerate() {
+                let dtype = spec.slot_dtype(l, s).unwrap();
+                m.write_rows(l, s, at, &reference::host_bits(HostData::F32(x), dtype));
+            }
+        }
+        c.advance(n).unwrap();
+        at += n;
+    }
+    for &l in &layers {
+        for s in 0..2 {
+            let what = format!("layer {l} slot {s} ({})", spec.slot_dtype(l, s).unwrap());
+            let want = &m.words[l][s][..at * m.row_words(l, s)];
+            assert_eq!(c.read_words_async(l, s).await.unwrap(), want, "{what}");
+            let (got, want) = (c.read_f32_async(l, s).await.unwrap(), m.read_f32(l, s, at));
+            let same = got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: read_f32");
+        }
+    }
+
+    // A pool: a host batch and a GPU batch of three sequences, scattered and run by run.
+    for choice in [ScatterChoice::Always, ScatterChoice::Never] {
+        let mut p = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 24).unwrap();
+        p.set_scatter(choice);
+        let seqs: Vec<SeqId> = (0..3).map(|_| p.add_sequence().unwrap()).collect();
+        let batch = [(seqs[0], 3), (seqs[1], 1), (seqs[2], 2)];
+        let mut want: Vec<Vec<Vec<Vec<f32>>>> = vec![vec![vec![Vec::new(); 2]; 4]; 3];
+        for (round, gpu) in [false, true].into_iter().enumerate() {
+            for &l in &layers {
+                let data = rows(l, 6, F32, 70 + 10 * round as u64 + l as u64);
+                let shapes: Vec<Vec<usize>> =
+                    trailing(l).iter().map(|t| [&[6][..], t].concat()).collect();
+                if gpu {
+                    let buffers = sources(&data, F32).await;
+                    let slabs: Vec<GpuSlab> = (0..2)
+                        .map(|s| GpuSlab {
+                            buffer: &buffers[s],
+                            dtype: F32,
+                            offset: 0,
+                            shape: &shapes[s],
+                            strides: None,
+                        })
+                        .collect();
+                    p.append_gpu_batch(l, &batch, &slabs).unwrap();
+                } else {
+                    let slabs: Vec<HostSlab> = (0..2)
+                        .map(|s| HostSlab::f32(&data[s], &shapes[s]))
+                        .collect();
+                    p.append_batch(l, &batch, &slabs).unwrap();
+                }
+                for (s, x) in data.iter().enumerate() {
+                    let e = spec.layers()[l].slots[s].row_elems();
+                    let mut row = 0;
+                    for (i, &(_, n)) in batch.iter().enumerate() {
+                        want[i][l][s].extend_from_slice(&x[row * e..(row + n) * e]);
+                        row += n;
+                    }
+                }
+            }
+            for &(seq, n) in &batch {
+                p.advance(seq, n).unwrap();
+            }
+        }
+        for (i, &seq) in seqs.iter().enumerate() {
+            for &l in &layers {
+                for s in 0..2 {
+                    assert_eq!(
+                        p.read_words_async(seq, l, s).await.unwrap(),
+                        stored_words(l, s, &want[i][l][s]),
+                        "{choice:?}: sequence {i} layer {l} slot {s}"
+                    );
+                }
+            }
+        }
+    }
+}

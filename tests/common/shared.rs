@@ -266,9 +266,10 @@ pub fn append_random(cache: &mut KvCache, layer: usize, n: usize, seed: u64) -> 
 pub fn append_both(c: &mut KvCache, m: &mut CpuCache, layer: usize, n: usize, seed: u64) {
     let start = c.visible(layer).unwrap();
     for (s, d) in append_random(c, layer, n, seed).iter().enumerate() {
+        let dtype = m.dtype(layer, s).expect("the model has the slot");
         let bits: Vec<u32> = d
             .iter()
-            .map(|&x| reference::f32_to_bits(x, m.dtype))
+            .map(|&x| reference::f32_to_bits(x, dtype))
             .collect();
         m.write_rows(layer, s, start, &bits);
     }

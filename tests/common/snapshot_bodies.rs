@@ -38,6 +38,17 @@ fn random_spec(rng: &mut Xorshift, dtype: DType) -> CacheSpec {
     }
 }
 
+/// A [`random_spec`] of whole blocks whose every slot is stored in a pseudo-random type of its own.
+fn random_mixed_spec(rng: &mut Xorshift) -> CacheSpec {
+    let spec = random_spec(rng, DType::Q8_0);
+    let mut layers = spec.layers().to_vec();
+    for slot in layers.iter_mut().flat_map(|l| &mut l.slots) {
+        slot.dtype = Some(DType::STORAGE[rng.below(DType::STORAGE.len())]);
+    }
+    let default = DType::STORAGE[rng.below(DType::STORAGE.len())];
+    CacheSpec::new(layers, default, spec.max_seq_len()).unwrap()
+}
+
 /// `spec` with another capacity.
 fn with_capacity(spec: &CacheSpec, max_seq_len: usize) -> CacheSpec {
     CacheSpec::new(spec.layers().to_vec(), spec.dtype(), max_seq_len).unwrap()
@@ -107,16 +118,20 @@ fn pool(g: &Gpu, spec: CacheSpec, page_size: usize, n_pages: usize) -> PagedCach
     PagedCache::with_kernels(kernels_for(g), spec, page_size, n_pages).unwrap()
 }
 
-/// Pseudo-random caches of every storage type, some with pending rows of an unfinished step (not
+/// Pseudo-random caches of every storage type and of slots in mixed types, some with pending rows of an unfinished step (not
 /// part of the snapshot): each snapshot restores bit for bit into an empty cache of another
 /// capacity, into a pool sequence of a random page size, and from there back into a cache whose
 /// snapshot equals the first one byte for byte.
 pub async fn snapshots_round_trip_bit_for_bit(g: &Gpu) {
     let mut rng = Xorshift::new(12);
-    for dtype in DType::STORAGE {
+    // Every storage type, then slots of mixed types.
+    for dtype in DType::STORAGE.map(Some).into_iter().chain([None]) {
         for round in 0..10 {
-            let spec = random_spec(&mut rng, dtype);
-            let what = format!("{dtype} round {round}");
+            let spec = match dtype {
+                Some(dtype) => random_spec(&mut rng, dtype),
+                None => random_mixed_spec(&mut rng),
+            };
+            let what = format!("{dtype:?} round {round}");
             let mut c = cache_on(g, spec.clone());
             let len = match round {
                 0 => 0,
@@ -611,27 +626,43 @@ pub async fn restore_on_another_device(from: &Gpu, to: &Gpu) {
 }
 
 /// The same seeded cache gives the same snapshot on every backend (Vulkan, OpenGL, the browser's
-/// WebGPU): the last four bytes, the checksum of the whole, are pinned here per storage type.
+/// WebGPU): its length and last four bytes, the checksum of the whole, are pinned here per storage
+/// type and for a cache of mixed types. (The header ends in its own checksum, after which a CRC-32's
+/// state is the same whatever the header held: the pinned checksum speaks for the rows, the length
+/// and the header's own checks for the header.)
 pub async fn the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend(g: &Gpu) {
+    const MIXED_SIZE: usize = 3087;
+    const MIXED_CRC: u32 = 0xb370_d9df;
     // Measured on lavapipe (Vulkan) and llvmpipe (OpenGL); the browser suite checks SwiftShader.
     let pinned = [
-        (DType::F32, 1751, 0xcad1_678e),
-        (DType::F16, 1003, 0xc24b_8734),
-        (DType::BF16, 1003, 0x9b99_00fc),
-        (DType::Q8_0, 2807, 0x0620_d4ac),
-        (DType::Q4_0, 1575, 0x8ff4_2065),
-        (DType::F8E4M3, 607, 0x58f0_f2d4),
+        (DType::F32, 1767, 0xcad1_678e),
+        (DType::F16, 1019, 0xc24b_8734),
+        (DType::BF16, 1019, 0x9b99_00fc),
+        (DType::Q8_0, 2823, 0x0620_d4ac),
+        (DType::Q4_0, 1591, 0x8ff4_2065),
+        (DType::F8E4M3, 623, 0x58f0_f2d4),
     ];
-    for (dtype, size, checksum) in pinned {
-        let c = seeded(g, &kernels_for(g), attention_spec(dtype)).await;
+    // And K, V, latent and rope key in four types.
+    let mixed = attention_spec(DType::Q8_0)
+        .with_slot_dtype("v", DType::Q4_0)
+        .and_then(|s| s.with_slot_dtype("k_pe", DType::F8E4M3))
+        .and_then(|s| s.with_slot_dtype("compressed_kv", DType::BF16))
+        .unwrap();
+    let cases = pinned
+        .map(|(dtype, size, crc)| (dtype.to_string(), attention_spec(dtype), size, crc))
+        .into_iter()
+        .chain([("mixed".to_string(), mixed, MIXED_SIZE, MIXED_CRC)]);
+    // Every case is measured (and noted) before the first mismatch is reported.
+    let mut got = Vec::new();
+    for (what, spec, size, checksum) in cases {
+        let c = seeded(g, &kernels_for(g), spec).await;
         let bytes = c.snapshot_async().await.unwrap();
         let crc = u32::from_le_bytes(bytes[bytes.len() - 4..].try_into().unwrap());
-        note!("{dtype}: {} bytes, checksum {crc:#010x}", bytes.len());
-        assert_eq!(
-            (bytes.len(), crc),
-            (size, checksum),
-            "{dtype}: the snapshot's bytes"
-        );
+        note!("{what}: {} bytes, checksum {crc:#010x}", bytes.len());
+        got.push((what, (bytes.len(), crc), (size, checksum)));
+    }
+    for (what, got, want) in got {
+        assert_eq!(got, want, "{what}: the snapshot's bytes");
     }
 }
 
