@@ -300,7 +300,7 @@ const STREAM_SHAPES: &str = "needs every head dimension a multiple of one vector
 /// 16-byte vectors, and the lane's registers within [`LANE_FLOATS`] for at least one head per team.
 pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> Option<StreamKey> {
     let dims = [s.d_a, s.d_b, s.d_v];
-    if s.d_a == 0 || (0..3).any(|i| dims[i] % stream::per_vec(s.dtypes[i]) != 0) {
+    if s.d_a == 0 || (0..3).any(|i| !dims[i].is_multiple_of(stream::per_vec(s.dtypes[i]))) {
         return None;
     }
     // Rows that are not whole vectors are read as words: only the block types' scales end inside a
@@ -728,7 +728,11 @@ mod tests {
         assert!(stream(plan(&odd, &LAVAPIPE).unwrap()).is_none());
         for choice in [KernelChoice::StreamShared, KernelChoice::StreamSubgroup] {
             let forced = DeviceFacts { choice, ..LAVAPIPE };
-            assert!(plan(&odd, &forced).unwrap_err().contains("one vector of its slot"));
+            assert!(
+                plan(&odd, &forced)
+                    .unwrap_err()
+                    .contains("one vector of its slot")
+            );
         }
         // K and V of different types: each slice in vectors of its own type. V of 8 f16 (one 16-byte
         // vector) streams beside q8_0 keys; V of 8 q8_0 elements (half a vector) does not.

@@ -139,13 +139,16 @@ impl Kernel {
     }
 }
 
+/// A tiled pass-1 pipeline: storage types of slots a, b and v, `HEAD_BATCHES` index,
+/// `ROWS_PER_INVOCATION` index, how rows are found.
+type PartialKey = ([DType; 3], usize, usize, RowMode);
+
 /// The attention kernels, built when a device first runs attention.
 #[derive(Debug)]
 struct AttentionKernels {
     partial: Kernel,
-    /// Pass-1 pipelines by (storage types of slots a, b and v, `HEAD_BATCHES` index,
-    /// `ROWS_PER_INVOCATION` index, how rows are found).
-    partial_pipelines: Mutex<HashMap<([DType; 3], usize, usize, RowMode), wgpu::ComputePipeline>>,
+    /// Tiled pass-1 pipelines.
+    partial_pipelines: Mutex<HashMap<PartialKey, wgpu::ComputePipeline>>,
     reduce: wgpu::ComputePipeline,
     /// Generated streaming pass-1 pipelines by shape.
     stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,

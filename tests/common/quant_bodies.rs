@@ -358,7 +358,7 @@ pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
             .enumerate()
             .map(|(s, t)| {
                 let mut x = values(seed + s as u64, n * t.iter().product::<usize>());
-                if seed % 3 == 0 {
+                if seed.is_multiple_of(3) {
                     let edges = edge_rows();
                     let k = edges.len().min(x.len());
                     x[..k].copy_from_slice(&edges[..k]);
@@ -483,12 +483,12 @@ pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
                 p.advance(seq, n).unwrap();
             }
         }
-        for (i, &seq) in seqs.iter().enumerate() {
+        for (i, (&seq, want)) in seqs.iter().zip(&want).enumerate() {
             for &l in &layers {
-                for s in 0..2 {
+                for (s, rows) in want[l].iter().enumerate() {
                     assert_eq!(
                         p.read_words_async(seq, l, s).await.unwrap(),
-                        stored_words(l, s, &want[i][l][s]),
+                        stored_words(l, s, rows),
                         "{choice:?}: sequence {i} layer {l} slot {s}"
                     );
                 }
