@@ -18,7 +18,10 @@ use clap::Parser;
 
 #[path = "shared/cli.rs"]
 mod cli;
-use cli::{Model, Storage, count, query_heads};
+use cli::{
+    Model, SlotStorage, Storage, count, describe_storage, query_heads, slot_storage,
+    with_slot_storage,
+};
 use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, MlaQueries, Queries,
     reference,
@@ -67,6 +70,10 @@ struct Args {
     /// Element type the cache stores (attention computes in f32)
     #[arg(long, value_enum, default_value_t = Storage::F16)]
     dtype: Storage,
+    /// A slot stored in its own type, SLOT=TYPE (repeatable): `v=q4_0` keeps values in q4_0 whatever
+    /// --dtype says, `k_pe=f16` DeepSeek's rope key in f16
+    #[arg(long = "slot-dtype", value_name = "SLOT=TYPE", value_parser = slot_storage)]
+    slot_dtype: Vec<SlotStorage>,
 }
 
 /// What one attention layer reads: GQA with `(n_kv, d_k, d_v)` or MLA with `(r, p)`.
@@ -141,7 +148,10 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
     let mut times = Times::default();
     let gpu = Gpu::from_env_blocking()?;
     let capacity = prompt + tokens;
-    let spec = CacheSpec::preset(args.model.name(), dtype, capacity)?;
+    let spec = with_slot_storage(
+        CacheSpec::preset(args.model.name(), dtype, capacity)?,
+        &args.slot_dtype,
+    )?;
     let cache = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
     let (n_heads, scale) = query_heads(args.model);
     let storage = |bytes: usize| {
@@ -200,10 +210,11 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         Kind::Mla { r, p } => format!("MLA, {n_heads} heads over latents r {r} + rope {p}"),
     };
     println!(
-        "model: {} ({} layers, {} with attention: {shape}), {dtype} storage",
+        "model: {} ({} layers, {} with attention: {shape}), {} storage",
         args.model.name(),
         spec.n_layers(),
         run.layers.len(),
+        describe_storage(&spec),
     );
     println!(
         "cache: {:.1} MiB ({capacity} tokens x {:.1} KiB/token)",
@@ -636,6 +647,40 @@ mod tests {
             msg.contains("[possible values: f32, f16, bf16, q8_0, q4_0, fp8]"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn slots_take_their_own_types() {
+        let a = parse(&[
+            "--dtype",
+            "q8_0",
+            "--slot-dtype",
+            "v=q4_0",
+            "--slot-dtype=k=Fp8",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.slot_dtype,
+            [
+                SlotStorage {
+                    slot: "v".into(),
+                    dtype: Storage::Q4_0
+                },
+                SlotStorage {
+                    slot: "k".into(),
+                    dtype: Storage::Fp8
+                }
+            ]
+        );
+        let spec = CacheSpec::llama3_8b(a.dtype.into(), 16).unwrap();
+        let spec = with_slot_storage(spec, &a.slot_dtype).unwrap();
+        assert_eq!(describe_storage(&spec), "q8_0 (k: fp8_e4m3, v: q4_0)");
+        for bad in ["v", "v=q2_k", "=f16"] {
+            assert!(parse(&["--slot-dtype", bad]).is_err(), "{bad}");
+        }
+        // A slot the model does not have is refused when the spec is built, by name.
+        let e = with_slot_storage(spec, &[slot_storage("k_pe=f16").unwrap()]).unwrap_err();
+        assert!(e.to_string().contains("\"k_pe\""), "{e}");
     }
 
     #[test]

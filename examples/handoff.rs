@@ -21,7 +21,10 @@ use wgpu::util::DeviceExt;
 
 #[path = "shared/cli.rs"]
 mod cli;
-use cli::{Model, Storage, count, query_heads};
+use cli::{
+    Model, SlotStorage, Storage, count, describe_storage, query_heads, slot_storage,
+    with_slot_storage,
+};
 use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, MlaQueries, Queries,
     SnapshotHeader, reference,
@@ -67,6 +70,9 @@ enum Command {
         /// Element type the cache stores
         #[arg(long, value_enum, default_value_t = Storage::F16)]
         dtype: Storage,
+        /// A slot stored in its own type, SLOT=TYPE (repeatable), such as v=q4_0
+        #[arg(long = "slot-dtype", value_name = "SLOT=TYPE", value_parser = slot_storage)]
+        slot_dtype: Vec<SlotStorage>,
     },
     /// Restore a snapshot file into a new cache, check its rows, and decode
     Decode {
@@ -91,7 +97,8 @@ fn main() -> ExitCode {
             model,
             prompt,
             dtype,
-        } => prefill(out, *model, *prompt, (*dtype).into()),
+            slot_dtype,
+        } => prefill(out, *model, *prompt, (*dtype).into(), slot_dtype),
         Command::Decode {
             input,
             model,
@@ -154,9 +161,10 @@ fn check(gpu: &Gpu, cache: &KvCache, model: Model, step: u64) -> kvgpu::Result<(
     };
     let mut attention = Attention::with_kernels(cache.kernels().clone());
     let spec = cache.spec();
-    let (len, dtype) = (cache.len(), spec.dtype());
+    let len = cache.len();
     let stored = |l: usize, s: usize| -> Vec<f32> {
         let width = spec.layers()[l].slots[s].row_elems();
+        let dtype = spec.slot_dtype(l, s).expect("a slot of the spec");
         reference::round_trip_rows(&rows(l, s, 0, len, width), dtype, width)
     };
     let buffer = |data: &[f32]| {
@@ -239,16 +247,23 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1 << 20) as f64
 }
 
-fn prefill(out: &Path, model: Model, prompt: usize, dtype: DType) -> Result<bool> {
+fn prefill(
+    out: &Path,
+    model: Model,
+    prompt: usize,
+    dtype: DType,
+    slots: &[SlotStorage],
+) -> Result<bool> {
     let gpu = Gpu::from_env_blocking()?;
     println!("adapter: {}", gpu.describe());
-    let spec = CacheSpec::preset(model.name(), dtype, prompt)?;
+    let spec = with_slot_storage(CacheSpec::preset(model.name(), dtype, prompt)?, slots)?;
+    let storage = describe_storage(&spec);
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     let start = Instant::now();
     append(&mut cache, 0, prompt)?;
     let (checks, worst, ok) = check(&gpu, &cache, model, 0)?;
     println!(
-        "prefill: {} {dtype}, {prompt} tokens in {:.2} s (with the check)",
+        "prefill: {} {storage}, {prompt} tokens in {:.2} s (with the check)",
         model.name(),
         start.elapsed().as_secs_f64()
     );
@@ -281,9 +296,16 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
         .read_to_end(&mut prefix)?;
     let header = SnapshotHeader::parse(&prefix)?;
     let (len, dtype) = (header.len, header.spec.dtype());
-    // ...and the cache has the model's own shapes, with room for the decode: a snapshot of another
-    // model is refused as soon as its header arrives.
-    let spec = CacheSpec::preset(model.name(), dtype, len + tokens)?;
+    // ...and the cache has the model's own shapes, each slot stored as the snapshot's, with room for
+    // the decode: a snapshot of another model is refused as soon as its header arrives.
+    let mut layers = CacheSpec::preset(model.name(), dtype, 1)?.layers().to_vec();
+    for (l, layer) in layers.iter_mut().enumerate() {
+        for (s, slot) in layer.slots.iter_mut().enumerate() {
+            slot.dtype = header.spec.slot_dtype(l, s).ok();
+        }
+    }
+    let spec = CacheSpec::new(layers, dtype, len + tokens)?;
+    let storage = describe_storage(&spec);
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     // Streamed from the file in pieces, checked as they arrive, committed once the checksum holds.
     cache.import_from(std::fs::File::open(input)?)?;
@@ -291,7 +313,7 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
     let secs = start.elapsed().as_secs_f64();
     let size = header.total_bytes();
     println!(
-        "restore: {size} bytes ({:.2} MiB), {len} tokens of {} {dtype} streamed and uploaded in \
+        "restore: {size} bytes ({:.2} MiB), {len} tokens of {} {storage} streamed and uploaded in \
          {:.3} s ({:.1} MiB/s)",
         mib(size),
         model.name(),
@@ -302,6 +324,7 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
     let mut ok = true;
     for (l, layer) in cache.spec().layers().iter().enumerate() {
         for (s, slot) in layer.slots.iter().enumerate() {
+            let dtype = cache.spec().slot_dtype(l, s)?;
             let bits: Vec<u32> = rows(l, s, 0, len, slot.row_elems())
                 .into_iter()
                 .map(|x| reference::f32_to_bits(x, dtype))
@@ -355,8 +378,10 @@ mod tests {
                 model,
                 prompt,
                 dtype,
+                slot_dtype,
             } => {
                 assert_eq!(out, PathBuf::from("x.kvgpu"));
+                assert!(slot_dtype.is_empty());
                 assert_eq!(
                     (model, prompt, dtype),
                     (Model::Llama3_8b, 256, Storage::F16)
@@ -441,12 +466,14 @@ mod tests {
         }
     }
 
-    /// Both halves in one test process, through a file in the temporary directory: the snapshot
-    /// restores and decodes, and a snapshot of another model is refused.
+    /// Both halves in one test process, through a file in the temporary directory: the snapshot (of
+    /// a cache whose rope key has its own type) restores and decodes, and a snapshot of another model
+    /// is refused.
     #[test]
     fn prefill_then_decode_through_a_file() {
         let file = std::env::temp_dir().join(format!("kvgpu-handoff-{}.kvgpu", std::process::id()));
-        assert!(prefill(&file, Model::DeepseekV2Lite, 9, DType::BF16).unwrap());
+        let k_pe = [cli::slot_storage("k_pe=fp8").unwrap()];
+        assert!(prefill(&file, Model::DeepseekV2Lite, 9, DType::BF16, &k_pe).unwrap());
         assert!(decode(&file, Model::DeepseekV2Lite, 2).unwrap());
         let e = decode(&file, Model::Hybrid, 1).unwrap_err();
         assert!(e.to_string().contains("snapshot"), "{e}");

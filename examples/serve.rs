@@ -23,7 +23,10 @@ use clap::Parser;
 
 #[path = "shared/cli.rs"]
 mod cli;
-use cli::{Model, Storage, count, query_heads};
+use cli::{
+    Model, SlotStorage, Storage, count, describe_storage, query_heads, slot_storage,
+    with_slot_storage,
+};
 use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, Kv, MlaQueries, PagedCache,
     Queries, SeqId, reference,
@@ -53,6 +56,10 @@ struct Args {
     /// Element type the cache stores (attention computes in f32)
     #[arg(long, value_enum, default_value_t = Storage::F16)]
     dtype: Storage,
+    /// A slot stored in its own type, SLOT=TYPE (repeatable): `v=q4_0` keeps values in q4_0 whatever
+    /// --dtype says, `k_pe=f16` DeepSeek's rope key in f16
+    #[arg(long = "slot-dtype", value_name = "SLOT=TYPE", value_parser = slot_storage)]
+    slot_dtype: Vec<SlotStorage>,
     /// Requests to serve, 1 to 256
     #[arg(long, default_value_t = 8, value_parser = |s: &str| count(s, 256))]
     requests: usize,
@@ -250,7 +257,7 @@ impl Server {
 
     /// The first `len` rows of a layer's slots for `owner` (system prompt rows first), as stored.
     fn rows(&self, owner: usize, layer: usize, len: usize) -> Vec<Vec<f32>> {
-        let dtype = self.pool.spec().dtype();
+        let spec = self.pool.spec();
         let slots = &self
             .layers
             .iter()
@@ -265,6 +272,7 @@ impl Server {
                     .flat_map(|p| {
                         let who = if p < self.system { 0 } else { owner };
                         let row = token(who, layer, s, p, width(t));
+                        let dtype = spec.slot_dtype(layer, s).expect("a slot of the layer");
                         reference::round_trip_rows(&row, dtype, row.len())
                     })
                     .collect()
@@ -308,7 +316,10 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
     let start = Instant::now();
     let gpu = Gpu::from_env_blocking()?;
     let longest = args.system + args.prompt + args.tokens;
-    let spec = CacheSpec::preset(args.model.name(), DType::from(args.dtype), longest)?;
+    let spec = with_slot_storage(
+        CacheSpec::preset(args.model.name(), DType::from(args.dtype), longest)?,
+        &args.slot_dtype,
+    )?;
     let pool = PagedCache::new(
         &gpu.device,
         &gpu.queue,
@@ -370,7 +381,7 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         args.page_size,
         spec.bytes_per_token() as f64 / 1024.0,
         (spec.bytes_per_token() * (args.pages * args.page_size) as u64) as f64 / (1 << 20) as f64,
-        spec.dtype(),
+        describe_storage(&spec),
         args.model.name()
     );
     let built = server.attention.prepare_paged(&server.pool, n_heads)?;

@@ -1,5 +1,6 @@
-//! The command-line pieces the native examples share (decode, serve): bounded counts, the model
-//! presets with their query heads, and the storage types. Each example includes this file with
+//! The command-line pieces the native examples share (decode, serve, handoff): bounded counts, the
+//! model presets with their query heads, and the storage types (of the cache, and of slots stored in
+//! their own). Each example includes this file with
 //! `#[path = "shared/cli.rs"] mod cli;`.
 
 use clap::ValueEnum;
@@ -68,6 +69,60 @@ impl From<Storage> for DType {
             Storage::Q4_0 => DType::Q4_0,
             Storage::Fp8 => DType::F8E4M3,
         }
+    }
+}
+
+/// One slot stored in its own type (`--slot-dtype v=q4_0`): keys and values of different types.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotStorage {
+    pub slot: String,
+    pub dtype: Storage,
+}
+
+/// Parses `SLOT=TYPE`, the type as `--dtype` takes it.
+pub fn slot_storage(s: &str) -> Result<SlotStorage, String> {
+    let Some((slot, dtype)) = s.split_once('=') else {
+        return Err("expected SLOT=TYPE, such as v=q4_0".into());
+    };
+    let slot = slot.trim();
+    if slot.is_empty() {
+        return Err("the slot's name is empty: expected SLOT=TYPE, such as v=q4_0".into());
+    }
+    let dtype = Storage::from_str(dtype.trim(), true)?;
+    Ok(SlotStorage {
+        slot: slot.to_string(),
+        dtype,
+    })
+}
+
+/// `spec` with each of `slots` stored in its own type.
+pub fn with_slot_storage(
+    mut spec: kvgpu::CacheSpec,
+    slots: &[SlotStorage],
+) -> kvgpu::Result<kvgpu::CacheSpec> {
+    for s in slots {
+        spec = spec.with_slot_dtype(&s.slot, s.dtype.into())?;
+    }
+    Ok(spec)
+}
+
+/// The storage types of a spec in words: `q8_0`, or `q8_0 (v: q4_0)` when slots have their own.
+pub fn describe_storage(spec: &kvgpu::CacheSpec) -> String {
+    let mut own: Vec<String> = Vec::new();
+    for layer in spec.layers() {
+        for slot in &layer.slots {
+            if let Some(dtype) = slot.dtype {
+                let said = format!("{}: {dtype}", slot.name);
+                if !own.contains(&said) {
+                    own.push(said);
+                }
+            }
+        }
+    }
+    if own.is_empty() {
+        spec.dtype().to_string()
+    } else {
+        format!("{} ({})", spec.dtype(), own.join(", "))
     }
 }
 
