@@ -1,6 +1,7 @@
 //! Quantized storage (q8_0, q4_0, fp8 e4m3) against f16: bytes per token of real models, decode
 //! attention time over the same context (Llama-3-8B GQA and DeepSeek-V2-Lite MLA layers), the decode
 //! append step of a whole model, and the accuracy attention keeps (CPU twins, f64, against f32 K/V).
+//! Mixed storage too: Llama's K in q8_0 and V in q4_0, DeepSeek's latent in q8_0 and rope key in f16.
 
 use anyhow::Result;
 use kvgpu::reference;
@@ -56,14 +57,51 @@ pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Resul
     Ok(())
 }
 
+/// The mixed storage of a preset's layers: GQA keys in q8_0 and values in q4_0, MLA's latent in q8_0
+/// and its rope key in f16; with its name.
+fn mixed(spec: CacheSpec) -> Result<(String, CacheSpec)> {
+    let mla = spec
+        .layers()
+        .iter()
+        .any(|l| l.slots.iter().any(|s| s.name == "k_pe"));
+    Ok(if mla {
+        (
+            "latent q8_0 + k_pe f16".into(),
+            spec.with_slot_dtype("compressed_kv", DType::Q8_0)?
+                .with_slot_dtype("k_pe", DType::F16)?,
+        )
+    } else {
+        (
+            "K q8_0 + V q4_0".into(),
+            spec.with_slot_dtype("k", DType::Q8_0)?
+                .with_slot_dtype("v", DType::Q4_0)?,
+        )
+    })
+}
+
+/// The storage of the group's measurements: each quantized type, then [`mixed`].
+fn storages(layers: Vec<LayerSpec>, rows: usize) -> Result<Vec<(String, CacheSpec)>> {
+    let mut out = Vec::new();
+    for dtype in DType::QUANTIZED {
+        out.push((
+            dtype.to_string(),
+            CacheSpec::new(layers.clone(), dtype, rows)?,
+        ));
+    }
+    out.push(mixed(CacheSpec::new(layers, DType::F16, rows)?)?);
+    Ok(out)
+}
+
 fn bytes_per_token(rows: &mut Vec<Row>) -> Result<()> {
     for preset in ["llama3-8b", "deepseek-v2-lite"] {
-        let f16 = CacheSpec::preset(preset, DType::F16, 1)?.bytes_per_token();
-        for dtype in DType::QUANTIZED {
-            let b = CacheSpec::preset(preset, dtype, 1)?.bytes_per_token();
+        let f16 = CacheSpec::preset(preset, DType::F16, 1)?;
+        let layers = f16.layers().to_vec();
+        let f16 = f16.bytes_per_token();
+        for (name, spec) in storages(layers, 1)? {
+            let b = spec.bytes_per_token();
             rows.push(
                 Row::new(
-                    format!("{preset} cache, {dtype}: bytes per token"),
+                    format!("{preset} cache, {name}: bytes per token"),
                     b as f64,
                     "B",
                     Clock::HostWall,
@@ -113,28 +151,44 @@ fn accuracy(rows: &mut Vec<Row>) -> Result<()> {
         let (lat, pe) = (data(ctx * 512, 512, 4), data(ctx * 64, 64, 5));
         let (ql, qr) = (values(16 * 512, 6), values(16 * 64, 7));
         let want_mla = reference::attention_mla(&ql, &qr, [1, 16, 512], &lat, &pe, 64, &opts);
-        for dtype in [
+        // Each type for both slots, then the mixed storage (K q8_0 + V q4_0; latent q8_0 + k_pe f16).
+        let types = [
             DType::F16,
             DType::BF16,
             DType::Q8_0,
             DType::Q4_0,
             DType::F8E4M3,
-        ] {
+        ]
+        .map(|t| (t.to_string(), [t; 2], [t; 2]))
+        .into_iter()
+        .chain([(
+            "mixed".to_string(),
+            [DType::Q8_0, DType::Q4_0],
+            [DType::Q8_0, DType::F16],
+        )]);
+        for (name, [tk, tv], [tl, tp]) in types {
             let (kq, vq) = (
-                reference::round_trip_rows(&k, dtype, 1024),
-                reference::round_trip_rows(&v, dtype, 1024),
+                reference::round_trip_rows(&k, tk, 1024),
+                reference::round_trip_rows(&v, tv, 1024),
             );
             let got = reference::attention_gqa(&q, [1, 32, 128], &kq, &vq, 8, 128, &opts);
             let (lq, pq) = (
-                reference::round_trip_rows(&lat, dtype, 512),
-                reference::round_trip_rows(&pe, dtype, 64),
+                reference::round_trip_rows(&lat, tl, 512),
+                reference::round_trip_rows(&pe, tp, 64),
             );
             let got_mla = reference::attention_mla(&ql, &qr, [1, 16, 512], &lq, &pq, 64, &opts);
             for (label, got, want) in [("GQA", &got, &want), ("MLA", &got_mla, &want_mla)] {
+                let dtype = if name != "mixed" {
+                    format!("{name} K/V")
+                } else if label == "GQA" {
+                    "K q8_0 + V q4_0".into()
+                } else {
+                    "latent q8_0 + k_pe f16".into()
+                };
                 let (max, mean) = errors(got, want);
                 rows.push(
                     Row::new(
-                        format!("{label} attention error, {dtype} K/V, {what} data: max / RMS"),
+                        format!("{label} attention error, {dtype}, {what} data: max / RMS"),
                         max,
                         "",
                         Clock::HostWall,
@@ -170,14 +224,17 @@ fn attention(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Res
         let q_rope = storage(&gpu.device, &values(heads * dr.max(1), 12));
         let out = storage(&gpu.device, &vec![0.0; heads * dk]);
         let mut caches = Vec::new();
-        for dtype in [DType::F16, DType::Q8_0, DType::Q4_0, DType::F8E4M3] {
-            let spec = CacheSpec::new(vec![layer.clone()], dtype, max)?;
+        let f16 = CacheSpec::new(vec![layer.clone()], DType::F16, max)?;
+        for (name, spec) in [("f16".to_string(), f16)]
+            .into_iter()
+            .chain(storages(vec![layer.clone()], max)?)
+        {
             let mut c = KvCache::new(&gpu.device, &gpu.queue, spec)?;
             crate::attn::fill(&mut c, max)?;
             let att = Attention::for_cache(&c);
-            caches.push((dtype, c, att));
+            caches.push((name, c, att));
         }
-        // One decode query; the four storage types measured in turn, side by side.
+        // One decode query; the five storages measured in turn, side by side.
         let time = |c: &KvCache, att: &mut Attention| -> Result<f64> {
             let mut res = Ok(());
             let t = timer.gpu(|enc| {
@@ -197,16 +254,17 @@ fn attention(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Res
             for (_, c, _) in caches.iter_mut() {
                 c.truncate(ctx)?;
             }
-            let [a, b, c, d] = &mut caches[..] else {
-                unreachable!("four storage types");
+            let [a, b, c, d, e] = &mut caches[..] else {
+                unreachable!("f16, three quantized types and a mixed storage");
             };
             let mut ra = || time(&a.1, &mut a.2);
             let mut rb = || time(&b.1, &mut b.2);
             let mut rc = || time(&c.1, &mut c.2);
             let mut rd = || time(&d.1, &mut d.2);
+            let mut re = || time(&e.1, &mut e.2);
             let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
-            let ts = interleaved(warm, reps, [&mut ra, &mut rb, &mut rc, &mut rd])?;
-            let times: Vec<(DType, f64)> = caches.iter().map(|x| x.0).zip(ts).collect();
+            let ts = interleaved(warm, reps, [&mut ra, &mut rb, &mut rc, &mut rd, &mut re])?;
+            let times: Vec<(&str, f64)> = caches.iter().map(|x| x.0.as_str()).zip(ts).collect();
             let f16 = times[0].1;
             for &(dtype, t) in &times[1..] {
                 rows.push(
