@@ -28,8 +28,10 @@ const STREAM_WORKGROUPS_CPU: usize = 32;
 /// elements); shapes that need more use the tiled kernel. More heads per team means fewer teams
 /// loading each row: on lavapipe DeepSeek-V2-Lite's MLA ran about 1.2-1.5x faster with 4 heads per
 /// team (616 floats) than with 1 (208); 8 heads (1,160) gained a little more but compiled for
-/// seconds longer per shape.
-pub(crate) const LANE_FLOATS: usize = 640;
+/// seconds longer per shape. Its q8_0, q4_0 and fp8 rows take 656 with 4 heads (the 64-element rope
+/// key is one 16-element vector on each of 4 lanes): with 2 heads per team, under the earlier 640,
+/// their attention took 1.03-1.08x the f16 time at 16k; with 4, 0.78-0.86x.
+pub(crate) const LANE_FLOATS: usize = 656;
 /// The same for the kernel that sums through workgroup memory (OpenGL, the browser): its kernels are
 /// kept smaller, since there a cold shader compile is what a first call waits for (Mesa's GL path
 /// took seconds for DeepSeek-V2-Lite's MLA with 4 heads per team).
@@ -720,8 +722,19 @@ mod tests {
         // MLA takes its values from the latent it scores.
         let key = stream(plan(&mla(DType::BF16, 1, 4096), &LAVAPIPE).unwrap()).unwrap();
         assert!(key.v_from_a && key.d_b == 64);
-        // Four of its 16 heads per team: 4 x (72 + 64) + 72 registers per lane.
+        // Four of its 16 heads per team: 4 x (72 + 64) + 72 registers per lane; the same for its
+        // quantized rows (4 x (80 + 64) + 80).
         assert_eq!(key.heads, 4);
+        for dtype in DType::QUANTIZED {
+            let words = |e: usize| dtype.row_bytes(e).unwrap() as usize / 4;
+            let s = CallShape {
+                dtypes: [dtype; 3],
+                row_words: [words(512), words(64), words(512)],
+                ..mla(DType::F16, 1, 4096)
+            };
+            let key = stream(plan(&s, &LAVAPIPE).unwrap()).unwrap();
+            assert_eq!(key.heads, 4, "{dtype}");
+        }
         // A head of 6 elements is not a whole number of vectors: the tiled kernel, or a refusal
         // when a streaming kernel is forced.
         let odd = gqa(DType::F32, 1, 4, 2, 6, 100);
