@@ -12,6 +12,7 @@ mod common;
 common::shared_tests!(attention_bodies:
     quantized_storage_matches_the_reference,
     mixed_storage_matches_the_reference,
+    quantized_attention_over_4096_rows_splits_the_sequence,
 );
 
 common::shared_tests!(quant_bodies:

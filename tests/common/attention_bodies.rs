@@ -357,6 +357,18 @@ async fn gqa_prefill_and_decode(g: &Gpu, types: [DType; 2], dims: [usize; 4], se
 }
 
 pub async fn attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
+    over_4096_rows(g, &DType::ALL).await;
+}
+
+/// [`attention_over_4096_rows_splits_the_sequence`] over q8_0, q4_0 and fp8 storage (run with the
+/// quantized suite).
+pub async fn quantized_attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
+    over_4096_rows(g, &DType::QUANTIZED).await;
+}
+
+/// GQA (one query, and seven with a window and soft-cap) and MLA over 4,096 rows, every kernel of the
+/// adapter, for each of `types`.
+async fn over_4096_rows(g: &Gpu, types: &[DType]) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     #[rustfmt::skip]
     let cases = [
@@ -372,7 +384,7 @@ pub async fn attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
     };
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for dtype in DType::ALL {
+        for &dtype in types {
             note!("-- {dtype} {kernel:?}");
             for (i, &case) in cases.iter().enumerate() {
                 check_gqa(g, &mut att, case, [dtype; 2], 40 + i as u64).await;
