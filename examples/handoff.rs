@@ -26,8 +26,8 @@ use cli::{
     with_slot_storage,
 };
 use kvgpu::{
-    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, KvCache, MlaQueries, Queries,
-    SnapshotHeader, reference,
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, HostData, HostSlab, KvCache, MlaQueries,
+    Queries, SnapshotHeader, reference,
 };
 
 /// Outputs may differ from the f64 CPU reference by this much, scaled by `1 + |reference|`.
@@ -164,8 +164,15 @@ fn check(gpu: &Gpu, cache: &KvCache, model: Model, step: u64) -> kvgpu::Result<(
     let len = cache.len();
     let stored = |l: usize, s: usize| -> Vec<f32> {
         let width = spec.layers()[l].slots[s].row_elems();
+        let slot = &spec.layers()[l].slots[s];
         let dtype = spec.slot_dtype(l, s).expect("a slot of the spec");
-        reference::round_trip_rows(&rows(l, s, 0, len, width), dtype, width)
+        let bits = reference::scaled_host_bits(
+            HostData::F32(&rows(l, s, 0, len, width)),
+            dtype,
+            slot.scale,
+        );
+        let words = reference::pack_rows(&bits, dtype, width);
+        reference::decode_scaled_rows(&words, dtype, width, slot.scale)
     };
     let buffer = |data: &[f32]| {
         gpu.device
@@ -296,12 +303,13 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
         .read_to_end(&mut prefix)?;
     let header = SnapshotHeader::parse(&prefix)?;
     let (len, dtype) = (header.len, header.spec.dtype());
-    // ...and the cache has the model's own shapes, each slot stored as the snapshot's, with room for
-    // the decode: a snapshot of another model is refused as soon as its header arrives.
+    // ...and the cache has the model's own shapes, each slot stored (and scaled) as the snapshot's,
+    // with room for the decode: a snapshot of another model is refused as soon as its header arrives.
     let mut layers = CacheSpec::preset(model.name(), dtype, 1)?.layers().to_vec();
     for (l, layer) in layers.iter_mut().enumerate() {
         for (s, slot) in layer.slots.iter_mut().enumerate() {
             slot.dtype = header.spec.slot_dtype(l, s).ok();
+            slot.scale = header.spec.slot_scale(l, s).ok().flatten();
         }
     }
     let spec = CacheSpec::new(layers, dtype, len + tokens)?;
@@ -325,10 +333,8 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
     for (l, layer) in cache.spec().layers().iter().enumerate() {
         for (s, slot) in layer.slots.iter().enumerate() {
             let dtype = cache.spec().slot_dtype(l, s)?;
-            let bits: Vec<u32> = rows(l, s, 0, len, slot.row_elems())
-                .into_iter()
-                .map(|x| reference::f32_to_bits(x, dtype))
-                .collect();
+            let data = rows(l, s, 0, len, slot.row_elems());
+            let bits = reference::scaled_host_bits(HostData::F32(&data), dtype, slot.scale);
             ok &= cache.read_words(l, s)? == reference::pack_rows(&bits, dtype, slot.row_elems());
         }
     }

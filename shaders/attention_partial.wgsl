@@ -132,6 +132,14 @@ fn deq4(t: u32, w: u32, s: u32, i: u32) -> vec4<f32> {
     return (vec4<f32>(n) - vec4<f32>(8.0)) * d;
 }
 
+// fp8 numbers of a slot scaled by `k` as values (1 but for scaled slots).
+fn scaled(t: u32, k: f32, v: vec4<f32>) -> vec4<f32> {
+    if t == F8E4M3 {
+        return v * k;
+    }
+    return v;
+}
+
 // Elements [i, i + m) (m <= 4) of row `row` of quantized slot a, b or v, zero beyond.
 fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
     let t = DTYPE_A;
@@ -144,13 +152,13 @@ fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
         if t != F8E4M3 {
             s = slot_a[base + sword(t, elems, i)];
         }
-        return deq4(t, slot_a[base + qword(t, i)], s, i);
+        return scaled(t, p.slot_scales.x, deq4(t, slot_a[base + qword(t, i)], s, i));
     }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
         v[k] = deq(t, slot_a[base + qword(t, i + k)], slot_a[base + sword(t, elems, i + k)], i + k);
     }
-    return v;
+    return scaled(t, p.slot_scales.x, v);
 }
 
 fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
@@ -164,13 +172,13 @@ fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
         if t != F8E4M3 {
             s = slot_b[base + sword(t, elems, i)];
         }
-        return deq4(t, slot_b[base + qword(t, i)], s, i);
+        return scaled(t, p.slot_scales.y, deq4(t, slot_b[base + qword(t, i)], s, i));
     }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
         v[k] = deq(t, slot_b[base + qword(t, i + k)], slot_b[base + sword(t, elems, i + k)], i + k);
     }
-    return v;
+    return scaled(t, p.slot_scales.y, v);
 }
 
 fn quad_v(row: u32, i: u32, m: u32) -> vec4<f32> {
@@ -184,13 +192,13 @@ fn quad_v(row: u32, i: u32, m: u32) -> vec4<f32> {
         if t != F8E4M3 {
             s = slot_v[base + sword(t, elems, i)];
         }
-        return deq4(t, slot_v[base + qword(t, i)], s, i);
+        return scaled(t, p.slot_scales.z, deq4(t, slot_v[base + qword(t, i)], s, i));
     }
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
         v[k] = deq(t, slot_v[base + qword(t, i + k)], slot_v[base + sword(t, elems, i + k)], i + k);
     }
-    return v;
+    return scaled(t, p.slot_scales.z, v);
 }
 
 // Element `e` of row `row` of slot v.

@@ -31,7 +31,9 @@ struct WriteParams {
     thread_stride: u32,
     // Scatter variant: the entry of `rows` holding row 0's destination row.
     map_word: u32,
-    _pad0: u32,
+    // A scaled fp8 destination: the bits of 1 / scale, which values are multiplied by before rounding
+    // (NaN kept as it is); 0 otherwise.
+    inv_scale: u32,
     _pad1: u32,
     _pad2: u32,
     shape: array<vec4<u32>, 2>,
@@ -406,7 +408,11 @@ fn main_quant(@builtin(global_invocation_id) gid: vec3<u32>) {
             for (var j = 0u; j < 4u; j++) {
                 let e = 4u * k + j;
                 if e < p.row_elems {
-                    out |= f32_to_e4m3(src_f32_bits(row, e)) << (8u * j);
+                    var x = src_f32_bits(row, e);
+                    if p.inv_scale != 0u && (x & 0x7fffffffu) <= 0x7f800000u {
+                        x = bitcast<u32>(bitcast<f32>(x) * bitcast<f32>(p.inv_scale));
+                    }
+                    out |= f32_to_e4m3(x) << (8u * j);
                 }
             }
             put(base + k, out, len);

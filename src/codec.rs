@@ -507,6 +507,47 @@ pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
         .collect()
 }
 
+/// The multiplier appends apply to the values of an fp8 slot scaled by `scale`
+/// ([`crate::SlotSpec::scale`]): `1 / scale` in f32, which kernels and twins multiply by alike.
+pub fn inverse_scale(scale: f32) -> f32 {
+    1.0 / scale
+}
+
+/// `x` as a scaled fp8 slot stores it before rounding: `x * inv` (one f32 product, exact on every
+/// adapter), NaN kept as it is (its sign included).
+pub fn prescaled(x: f32, inv: f32) -> f32 {
+    if x.is_nan() { x } else { x * inv }
+}
+
+/// Element bits of host data stored in a slot of `storage` whose values are scaled by `scale`
+/// (`None`: [`host_bits`]).
+pub fn scaled_host_bits(data: HostData<'_>, storage: DType, scale: Option<f32>) -> Vec<u32> {
+    let Some(scale) = scale else {
+        return host_bits(data, storage);
+    };
+    let inv = inverse_scale(scale);
+    let bits = |x: f32| f32_to_bits(prescaled(x, inv), storage);
+    match data {
+        HostData::F32(d) => d.iter().map(|&x| bits(x)).collect(),
+        HostData::F16(d) => d.iter().map(|x| bits(x.to_f32())).collect(),
+        HostData::BF16(d) => d.iter().map(|x| bits(x.to_f32())).collect(),
+    }
+}
+
+/// Stored words of a slot scaled by `scale` to f32 values: [`decode_rows`] times the scale.
+pub fn decode_scaled_rows(
+    words: &[u32],
+    dtype: DType,
+    row_elems: usize,
+    scale: Option<f32>,
+) -> Vec<f32> {
+    let mut values = decode_rows(words, dtype, row_elems);
+    if let Some(scale) = scale {
+        values.iter_mut().for_each(|x| *x *= scale);
+    }
+    values
+}
+
 /// Element bits of host data converted to `storage`.
 pub fn host_bits(data: HostData<'_>, storage: DType) -> Vec<u32> {
     match data {
@@ -523,11 +564,12 @@ pub fn host_bits(data: HostData<'_>, storage: DType) -> Vec<u32> {
 }
 
 /// Host rows as stored: the data's own bytes when they already are (the storage type, rows of whole
-/// words), else encoded into `scratch`.
+/// words), else encoded into `scratch`. `scale`: a scaled fp8 slot's ([`scaled_host_bits`]).
 pub(crate) fn stored_bytes<'a>(
     data: HostData<'a>,
     storage: DType,
     row_elems: usize,
+    scale: Option<f32>,
     scratch: &'a mut Vec<u8>,
 ) -> &'a [u8] {
     let unpadded = (row_elems * storage.size()).is_multiple_of(4);
@@ -536,14 +578,20 @@ pub(crate) fn stored_bytes<'a>(
         HostData::F16(d) if storage == DType::F16 && unpadded => bytemuck::cast_slice(d),
         HostData::BF16(d) if storage == DType::BF16 && unpadded => bytemuck::cast_slice(d),
         data => {
-            encode_rows(data, storage, row_elems, scratch);
+            encode_rows(data, storage, row_elems, scale, scratch);
             scratch
         }
     }
 }
 
 /// Encodes host rows into the stored byte layout, reusing `out`'s allocation.
-pub(crate) fn encode_rows(data: HostData<'_>, storage: DType, row_elems: usize, out: &mut Vec<u8>) {
+pub(crate) fn encode_rows(
+    data: HostData<'_>,
+    storage: DType,
+    row_elems: usize,
+    scale: Option<f32>,
+    out: &mut Vec<u8>,
+) {
     out.clear();
     if storage.block().is_some() {
         // Straight from the host values into the stored words, row by row.
@@ -570,6 +618,15 @@ pub(crate) fn encode_rows(data: HostData<'_>, storage: DType, row_elems: usize, 
         let at = r * row_bytes + e * esize;
         out[at..at + esize].copy_from_slice(&bits.to_le_bytes()[..esize]);
     };
+    if scale.is_some() {
+        for (i, bits) in scaled_host_bits(data, storage, scale)
+            .into_iter()
+            .enumerate()
+        {
+            put(i, bits);
+        }
+        return;
+    }
     match data {
         HostData::F32(d) => d
             .iter()
@@ -594,7 +651,13 @@ mod tests {
     #[test]
     fn encode_rows_pads_16_bit_rows() {
         let mut out = Vec::new();
-        encode_rows(HostData::F32(&[1.0, 2.0, 3.0]), DType::BF16, 3, &mut out);
+        encode_rows(
+            HostData::F32(&[1.0, 2.0, 3.0]),
+            DType::BF16,
+            3,
+            None,
+            &mut out,
+        );
         assert_eq!(out.len(), 8);
         let words: Vec<u32> = bytemuck::pod_collect_to_vec(&out);
         assert_eq!(decode_rows(&words, DType::BF16, 3), vec![1.0, 2.0, 3.0]);
@@ -756,6 +819,53 @@ mod tests {
         assert_eq!(f32_to_e4m3(f32::INFINITY), 0x7e);
         assert_eq!(f32_to_e4m3(f32::NEG_INFINITY), 0xfe);
         assert_eq!(f32_to_e4m3(-f32::NAN), 0xff);
+    }
+
+    #[test]
+    fn scaled_fp8_multiplies_before_rounding_and_after_decoding() {
+        let (scale, inv) = (0.004f32, inverse_scale(0.004));
+        assert_eq!(inv, 1.0 / 0.004f32);
+        let x = [
+            1.0,
+            -1.5,
+            2.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            -1e-40,
+            0.001,
+        ];
+        let bits = scaled_host_bits(HostData::F32(&x), DType::F8E4M3, Some(scale));
+        let want: Vec<u32> = x
+            .iter()
+            .map(|&v| f32_to_e4m3(if v.is_nan() { v } else { v * inv }))
+            .collect();
+        assert_eq!(bits, want);
+        // 2 / 0.004 = 500 saturates at 448; NaN keeps its sign; a tiny negative is -0.
+        assert_eq!(&bits[2..7], &[0x7e, 0x7f, 0xff, 0x7e, 0x80]);
+        // f16 and bf16 data take the same path through f32.
+        let h: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        let via_f32: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(
+            scaled_host_bits(HostData::F16(&h), DType::F8E4M3, Some(scale)),
+            scaled_host_bits(HostData::F32(&via_f32), DType::F8E4M3, Some(scale))
+        );
+        // Encoding stores the same bytes; decoding multiplies by the scale.
+        let mut out = Vec::new();
+        encode_rows(HostData::F32(&x), DType::F8E4M3, 8, Some(scale), &mut out);
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&out);
+        assert_eq!(words, pack_rows(&bits, DType::F8E4M3, 8));
+        let values = decode_scaled_rows(&words, DType::F8E4M3, 8, Some(scale));
+        // 1 / 0.004 = 250 is stored as 256, the nearest e4m3.
+        assert_eq!(values[0], 256.0 * scale);
+        assert_eq!(values[2], 448.0 * scale);
+        assert_eq!(values[6].to_bits(), (-0.0f32).to_bits());
+        assert!(values[3].is_nan() && values[4].is_nan() && values[4].is_sign_negative());
+        // Without a scale, nothing changes.
+        assert_eq!(
+            scaled_host_bits(HostData::F32(&x), DType::F8E4M3, None),
+            host_bits(HostData::F32(&x), DType::F8E4M3)
+        );
     }
 
     #[test]

@@ -334,7 +334,7 @@ pub enum Error {
 }
 
 /// Why a snapshot is refused ([`Error::Snapshot`]).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SnapshotProblem {
     /// The bytes do not start with the snapshot magic `KVGPUSNP`.
@@ -372,6 +372,18 @@ pub enum SnapshotProblem {
         slot: usize,
         snapshot: DType,
         cache: DType,
+    },
+    /// A slot's scale differs between the snapshot and the destination (its stored numbers would
+    /// mean other values).
+    #[error(
+        "layer {layer} slot {slot} has the scale {snapshot:?} in the snapshot and {cache:?} in the \
+         destination"
+    )]
+    Scale {
+        layer: usize,
+        slot: usize,
+        snapshot: Option<f32>,
+        cache: Option<f32>,
     },
     /// The snapshot has another number of layers than the destination.
     #[error("it has {snapshot} layers and the destination {cache}")]
@@ -469,7 +481,7 @@ pub enum CopyBlocker {
 }
 
 /// Why a cache description is unusable ([`Error::InvalidSpec`]).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SpecProblem {
     #[error("the cache has no layers")]
@@ -517,6 +529,23 @@ pub enum SpecProblem {
     UnknownPreset { name: String },
     #[error("no slot is named {name:?}, so none can take its own storage type")]
     UnknownSlotName { name: String },
+    #[error("layer {layer} slot {slot} ({name:?}) is {dtype}: only fp8 slots take a scale")]
+    ScaleNotFp8 {
+        layer: usize,
+        slot: usize,
+        name: String,
+        dtype: DType,
+    },
+    #[error(
+        "layer {layer} slot {slot} ({name:?}) has the scale {scale}; a scale is a positive normal \
+         number whose reciprocal is normal too (2^-126 < scale < 2^126)"
+    )]
+    BadScale {
+        layer: usize,
+        slot: usize,
+        name: String,
+        scale: f32,
+    },
 }
 
 /// Why attention cannot use a query or output buffer ([`Error::AttentionBuffer`]).

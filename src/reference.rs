@@ -7,8 +7,9 @@
 
 use crate::codec::DType;
 pub use crate::codec::{
-    bits_to_f32, convert_bits, decode_rows, f32_to_bits, host_bits, pack_rows, round_trip,
-    round_trip_rows, unpack_rows,
+    bits_to_f32, convert_bits, decode_rows, decode_scaled_rows, f32_to_bits, host_bits,
+    inverse_scale, pack_rows, prescaled, round_trip, round_trip_rows, scaled_host_bits,
+    unpack_rows,
 };
 
 /// The product of `dims`, or `None` when it overflows `usize`.
@@ -133,10 +134,12 @@ pub fn zero(words: &mut [u32], start: usize, n: usize) {
 ///
 /// The fields are public, so they may disagree with each other; every method then acts only on the
 /// layers and slots present in both `row_elems` and `words`, and on the words a slot has.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CpuCache {
     /// Storage type, per layer and slot.
     pub dtypes: Vec<Vec<DType>>,
+    /// Scale of a scaled fp8 slot's values, per layer and slot ([`crate::SlotSpec::scale`]).
+    pub scales: Vec<Vec<Option<f32>>>,
     /// Elements per row, per layer and slot.
     pub row_elems: Vec<Vec<usize>>,
     /// Every word of every slot buffer, per layer and slot.
@@ -171,8 +174,14 @@ impl CpuCache {
                     .collect()
             })
             .collect();
+        let scales = spec
+            .layers()
+            .iter()
+            .map(|l| l.slots.iter().map(|s| s.scale).collect())
+            .collect();
         Self {
             dtypes,
+            scales,
             row_elems,
             words,
         }
@@ -243,8 +252,9 @@ impl CpuCache {
         self.words.iter_mut().flatten().for_each(|w| w.fill(0));
     }
 
-    /// The first `rows` rows of a slot as f32: at most the whole rows the slot has (so fewer values
-    /// when `rows` passes its capacity); empty when the layer or slot does not exist.
+    /// The first `rows` rows of a slot as f32 (times its scale, when `scales` gives one): at most the
+    /// whole rows the slot has (so fewer values when `rows` passes its capacity); empty when the
+    /// layer or slot does not exist.
     pub fn read_f32(&self, layer: usize, slot: usize, rows: usize) -> Vec<f32> {
         let Some((re, rw, dtype)) = self.row_of(layer, slot) else {
             return Vec::new();
@@ -254,7 +264,8 @@ impl CpuCache {
         };
         let have = words.len().checked_div(rw).unwrap_or(0);
         let w = &words[..rows.min(have) * rw];
-        decode_rows(w, dtype, re)
+        let scale = self.scales.get(layer).and_then(|l| l.get(slot)).copied();
+        decode_scaled_rows(w, dtype, re, scale.flatten())
     }
 }
 

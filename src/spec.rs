@@ -6,14 +6,30 @@ use crate::codec::{DType, padded_row_bytes, row_elems};
 use crate::error::{Error, Result, SpecProblem};
 
 /// One named slot of a layer: its rows are `trailing`-shaped tensors.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct SlotSpec {
     pub name: String,
     pub trailing: Vec<usize>,
     /// The slot's own storage type; `None`: the cache's. A built [`CacheSpec`] keeps `None` for every
     /// slot of the cache's type, so that two specs storing the same types compare equal.
     pub dtype: Option<DType>,
+    /// fp8 slots only: the scale of the stored values, as vLLM's `k_scale` / `v_scale` (a value is its
+    /// stored fp8 number times the scale; appends store `x * (1 / scale)` rounded to fp8, so that
+    /// values beyond fp8's range of +-448 keep their precision). `None`: 1, no multiplication.
+    pub scale: Option<f32>,
 }
+
+/// Scales compare by their bits, so that a spec equals itself whatever it holds.
+impl PartialEq for SlotSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.trailing == other.trailing
+            && self.dtype == other.dtype
+            && self.scale.map(f32::to_bits) == other.scale.map(f32::to_bits)
+    }
+}
+
+impl Eq for SlotSpec {}
 
 impl SlotSpec {
     pub fn new(name: impl Into<String>, trailing: &[usize]) -> Self {
@@ -21,12 +37,19 @@ impl SlotSpec {
             name: name.into(),
             trailing: trailing.to_vec(),
             dtype: None,
+            scale: None,
         }
     }
 
     /// The same slot stored as `dtype` whatever the cache's storage type.
     pub fn stored_as(mut self, dtype: DType) -> Self {
         self.dtype = Some(dtype);
+        self
+    }
+
+    /// The same slot with fp8 values scaled by `scale` (see [`SlotSpec::scale`]).
+    pub fn scaled(mut self, scale: f32) -> Self {
+        self.scale = Some(scale);
         self
     }
 
@@ -154,6 +177,26 @@ impl CacheSpec {
                         trailing: slot.trailing.clone(),
                     });
                 }
+                if let Some(scale) = slot.scale {
+                    if dtype != DType::F8E4M3 {
+                        return invalid(SpecProblem::ScaleNotFp8 {
+                            layer: l,
+                            slot: s,
+                            name: slot.name.clone(),
+                            dtype,
+                        });
+                    }
+                    // Positive and normal, with a normal reciprocal: 2^-126 < scale < 2^126.
+                    let usable = |x: f32| x.is_normal() && x > 0.0;
+                    if !usable(scale) || !usable(1.0 / scale) {
+                        return invalid(SpecProblem::BadScale {
+                            layer: l,
+                            slot: s,
+                            name: slot.name.clone(),
+                            scale,
+                        });
+                    }
+                }
                 if let Some(block) = dtype.block() {
                     // Blocks never straddle two heads (or two of any outer axis).
                     let width = slot.trailing.last().copied().unwrap_or(1);
@@ -280,6 +323,21 @@ impl CacheSpec {
     /// The storage type of one slot.
     pub fn slot_dtype(&self, layer: usize, slot: usize) -> Result<DType> {
         Ok(Self::stored(self.slot(layer, slot)?, self.dtype))
+    }
+
+    /// The scale of one slot's fp8 values ([`SlotSpec::scale`]).
+    pub fn slot_scale(&self, layer: usize, slot: usize) -> Result<Option<f32>> {
+        Ok(self.slot(layer, slot)?.scale)
+    }
+
+    /// This spec with the fp8 values of one slot scaled by `scale` (per layer and slot, as a
+    /// calibrated model's `k_scale` / `v_scale`). Refused for a slot that is not fp8, a scale that is
+    /// not a positive normal number with a normal reciprocal, or as [`CacheSpec::slot`] refuses.
+    pub fn with_slot_scale(&self, layer: usize, slot: usize, scale: f32) -> Result<Self> {
+        self.slot(layer, slot)?;
+        let mut layers = self.layers.clone();
+        layers[layer].slots[slot].scale = Some(scale);
+        Self::new(layers, self.dtype, self.max_seq_len)
     }
 
     /// Whether any slot is stored in another type than the cache's.
@@ -554,6 +612,50 @@ mod tests {
         assert_eq!(spec.row_bytes(0, 1).unwrap(), 96);
         let refused = spec.with_slot_dtype("v", DType::Q4_0).unwrap_err();
         assert!(refused.to_string().contains("48"), "{refused}");
+    }
+
+    #[test]
+    fn fp8_slots_take_a_scale_and_nothing_else_does() {
+        let spec = CacheSpec::llama3_8b(DType::F8E4M3, 16).unwrap();
+        let scaled = spec.with_slot_scale(3, 1, 0.0625).unwrap();
+        assert_eq!(scaled.slot_scale(3, 1).unwrap(), Some(0.0625));
+        assert_eq!(scaled.slot_scale(3, 0).unwrap(), None);
+        assert_ne!(scaled, spec);
+        assert_eq!(scaled, scaled.clone());
+        // The bytes do not change: the scale is one number of the spec.
+        assert_eq!(scaled.bytes_per_token(), spec.bytes_per_token());
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY, 1e-39, 1e38] {
+            let e = spec.with_slot_scale(0, 0, bad).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidSpec {
+                        problem: SpecProblem::BadScale {
+                            layer: 0,
+                            slot: 0,
+                            ..
+                        }
+                    }
+                ),
+                "{bad}: {e}"
+            );
+        }
+        let q8 = CacheSpec::llama3_8b(DType::Q8_0, 16).unwrap();
+        let e = q8.with_slot_scale(0, 1, 0.5).unwrap_err();
+        assert!(e.to_string().contains("only fp8 slots take a scale"), "{e}");
+        assert_eq!(
+            q8.with_slot_scale(32, 0, 0.5).unwrap_err(),
+            Error::LayerOutOfRange {
+                layer: 32,
+                n_layers: 32
+            }
+        );
+        // A slot stored as fp8 in a cache of another type takes one too.
+        let own = q8
+            .with_slot_dtype("v", DType::F8E4M3)
+            .and_then(|s| s.with_slot_scale(0, 1, 4.0))
+            .unwrap();
+        assert_eq!(own.slot_scale(0, 1).unwrap(), Some(4.0));
     }
 
     #[test]

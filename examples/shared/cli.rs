@@ -111,8 +111,10 @@ pub fn describe_storage(spec: &kvgpu::CacheSpec) -> String {
     let mut own: Vec<String> = Vec::new();
     for layer in spec.layers() {
         for slot in &layer.slots {
-            if let Some(dtype) = slot.dtype {
-                let said = format!("{}: {dtype}", slot.name);
+            if slot.dtype.is_some() || slot.scale.is_some() {
+                let dtype = slot.dtype.unwrap_or(spec.dtype());
+                let scale = slot.scale.map_or(String::new(), |s| format!(" x {s}"));
+                let said = format!("{}: {dtype}{scale}", slot.name);
                 if !own.contains(&said) {
                     own.push(said);
                 }

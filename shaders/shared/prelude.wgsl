@@ -52,6 +52,9 @@ struct AttnParams {
     view_a: vec4<u32>,
     view_b: vec4<u32>,
     view_out: vec4<u32>,
+    // Scales of slots a, b and v: 1 but for scaled fp8 slots, whose stored numbers times the scale
+    // are the values.
+    slot_scales: vec4<f32>,
 }
 
 // Element (i, h, e) of view `v`.

@@ -290,6 +290,7 @@ impl Attention {
             for &ragged in modes {
                 let shape = plan::CallShape {
                     dtypes: slots.dtypes,
+                    scales: slots.scales,
                     n_q: 1,
                     n_heads,
                     n_kv: l.n_kv,

@@ -97,6 +97,8 @@ pub(crate) enum Pass1 {
 pub(crate) struct CallShape {
     /// Storage types of slots a, b and v (slot b is slot a when there is none: GQA).
     pub dtypes: [DType; 3],
+    /// Scales of slots a, b and v (1 but for scaled fp8 slots).
+    pub scales: [f32; 3],
     pub n_q: usize,
     pub n_heads: usize,
     pub n_kv: usize,
@@ -512,6 +514,7 @@ fn finish(
         view_a: [0; 4],
         view_b: [0; 4],
         view_out: [0; 4],
+        slot_scales: [s.scales[0], s.scales[1], s.scales[2], 1.0],
     };
     Ok(Dispatch {
         params,
@@ -573,6 +576,7 @@ mod tests {
         let row_words = (n_kv * d).div_ceil(per_word);
         CallShape {
             dtypes: [dtype; 3],
+            scales: [1.0; 3],
             n_q,
             n_heads,
             n_kv,

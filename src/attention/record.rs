@@ -210,6 +210,7 @@ impl Attention {
         let SlotRows {
             row_words,
             dtypes,
+            scales,
             v_from_a,
         } = slot_rows(cache, layer, job.kind, d_a, job.d_v)?;
         let align = self.facts.offset_alignment;
@@ -302,6 +303,7 @@ impl Attention {
         }
         let shape = CallShape {
             dtypes,
+            scales,
             n_q,
             n_heads,
             n_kv: job.n_kv,
@@ -503,6 +505,8 @@ pub(super) struct SlotRows {
     pub row_words: [usize; 3],
     /// Storage types.
     pub dtypes: [DType; 3],
+    /// Scales (1 but for scaled fp8 slots).
+    pub scales: [f32; 3],
     /// The values are slot a's elements (MLA's latent: slot v is slot a and `d_v == d_a`).
     pub v_from_a: bool,
 }
@@ -519,9 +523,11 @@ pub(super) fn slot_rows(
         Ok((cache.full_view(layer, slot)?.row_bytes / 4) as usize)
     };
     let dtype = |slot: usize| cache.spec().slot_dtype(layer, slot);
+    let scale = |slot: usize| Ok::<_, Error>(cache.spec().slot_scale(layer, slot)?.unwrap_or(1.0));
     Ok(SlotRows {
         row_words: [words(a)?, words(b)?, words(v)?],
         dtypes: [dtype(a)?, dtype(b)?, dtype(v)?],
+        scales: [scale(a)?, scale(b)?, scale(v)?],
         v_from_a: a == v && d_a == d_v,
     })
 }

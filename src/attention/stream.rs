@@ -391,9 +391,15 @@ impl Gen {
                 let names = v.parts(&format!("o{h}_"), j);
                 let parts = v.n_parts();
                 let mut body = String::new();
+                // A scaled fp8 slot's values are its numbers times the scale: once, on the sums.
+                let scale = if v.dtype == DType::F8E4M3 {
+                    " * p.slot_scales.z"
+                } else {
+                    ""
+                };
                 for i in 0..v.u() {
                     let (name, c) = (&names[(i % parts) as usize], i / parts);
-                    let _ = write!(body, "part[{at} + {i}u] = {name}[{c}]; ");
+                    let _ = write!(body, "part[{at} + {i}u] = {name}[{c}]{scale}; ");
                 }
                 line!(self, "    if {guard} {{ {body}}}");
             }
@@ -690,8 +696,9 @@ impl Gen {
             load(self, v, k.narrow[2], "uv", "rvv");
         }
         for h in 0..k.heads {
-            let mut terms = Vec::new();
-            for (s, q) in [(a, "q_a"), (b, "q_b")] {
+            let mut sums = Vec::new();
+            for (s, q, c) in [(a, "q_a", "x"), (b, "q_b", "y")] {
+                let mut terms = Vec::new();
                 for j in 0..s.steps() {
                     let qs = s.parts(&format!("{q}{h}_"), j);
                     let xs = s.parts(&format!("x{}", s.slot), j);
@@ -699,8 +706,16 @@ impl Gen {
                         terms.push(format!("dot({qn}, {xn})"));
                     }
                 }
+                // fp8 numbers times the slot's scale are its values: the scale multiplies the sum.
+                match terms.len() {
+                    0 => {}
+                    _ if s.dtype == DType::F8E4M3 => {
+                        sums.push(format!("({}) * p.slot_scales.{c}", terms.join(" + ")))
+                    }
+                    _ => sums.push(terms.join(" + ")),
+                }
             }
-            line!(self, "        var s{h} = {};", terms.join(" + "));
+            line!(self, "        var s{h} = {};", sums.join(" + "));
         }
         match k.sum {
             TeamSum::Subgroup => {

@@ -28,9 +28,19 @@ struct SlotBuffer {
     buffer: wgpu::Buffer,
     /// The slot's storage type.
     dtype: DType,
+    /// A scaled fp8 slot's scale.
+    scale: Option<f32>,
     row_elems: usize,
     placement: Placement,
     zero_group: wgpu::BindGroup,
+}
+
+impl SlotBuffer {
+    /// The bits of `1 / scale` a scaled fp8 slot's writes multiply by; 0 for any other slot.
+    fn inv_scale_bits(&self) -> u32 {
+        self.scale
+            .map_or(0, |s| crate::codec::inverse_scale(s).to_bits())
+    }
 }
 
 /// Bind groups of GPU sources are cached by (source, bound range, layer, slot): at most this many,
@@ -164,6 +174,7 @@ impl KvCache {
                         SlotBuffer {
                             buffer,
                             dtype,
+                            scale: slot.scale,
                             row_elems,
                             placement: Placement { row_bytes },
                             zero_group,
@@ -360,7 +371,13 @@ impl KvCache {
             if runs.iter().all(|(_, run)| run.n_rows == 0) {
                 continue;
             }
-            let bytes = stored_bytes(slab.data, sb.dtype, sb.row_elems, &mut self.scratch);
+            let bytes = stored_bytes(
+                slab.data,
+                sb.dtype,
+                sb.row_elems,
+                sb.scale,
+                &mut self.scratch,
+            );
             let row_bytes = sb.placement.row_bytes as usize;
             for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
                 let (offset, size) = sb.placement.bytes(run);

@@ -1,7 +1,7 @@
 //! Views of slot buffers for the app's own kernels, and readback to the host.
 
 use super::{KvCache, SlotView};
-use crate::codec::decode_rows;
+use crate::codec::decode_scaled_rows;
 use crate::device::read_range;
 use crate::error::{Error, Result};
 
@@ -67,7 +67,7 @@ impl KvCache {
     pub async fn read_f32_async(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
         let words = self.read_words_async(layer, slot).await?;
         let sb = self.slot_buffer(layer, slot)?;
-        Ok(decode_rows(&words, sb.dtype, sb.row_elems))
+        Ok(decode_scaled_rows(&words, sb.dtype, sb.row_elems, sb.scale))
     }
 
     /// [`KvCache::read_words_async`], blocking.

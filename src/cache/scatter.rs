@@ -64,6 +64,7 @@ impl KvCache {
                     dst_dtype: self.slots[layer][slot].dtype,
                     params: WriteParams {
                         map_word: (upload.offset / 4) as u32,
+                        inv_scale: self.slots[layer][slot].inv_scale_bits(),
                         ..params
                     },
                     vec4,
@@ -97,6 +98,7 @@ impl KvCache {
                 slab.data,
                 sb.dtype,
                 sb.row_elems,
+                sb.scale,
                 &mut self.scratch,
             ));
         }

@@ -570,9 +570,9 @@ mod tests {
                 ("rank", at(&p.rank)),
                 ("thread_stride", at(&p.thread_stride)),
                 ("map_word", at(&p.map_word)),
-                ("_pad0", at(&p._pad[0])),
-                ("_pad1", at(&p._pad[1])),
-                ("_pad2", at(&p._pad[2])),
+                ("inv_scale", at(&p.inv_scale)),
+                ("_pad1", at(&p._pad[0])),
+                ("_pad2", at(&p._pad[1])),
                 ("shape", at(p.shape.as_ptr())),
                 ("stride", at(p.stride.as_ptr())),
             ]
@@ -608,6 +608,7 @@ mod tests {
             ("view_a", at(a.view_a.as_ptr())),
             ("view_b", at(a.view_b.as_ptr())),
             ("view_out", at(a.view_out.as_ptr())),
+            ("slot_scales", at(a.slot_scales.as_ptr() as *const u32)),
         ];
         assert_eq!(layout_of("AttnParams", size_of::<AttnParams>()), host);
     }

@@ -35,7 +35,10 @@ pub(crate) struct WriteParams {
     pub rank: u32,
     pub thread_stride: u32,
     pub map_word: u32,
-    pub _pad: [u32; 3],
+    /// A scaled fp8 destination: the bits of `1 / scale`, which values are multiplied by before
+    /// rounding; 0 for every other destination.
+    pub inv_scale: u32,
+    pub _pad: [u32; 2],
     pub shape: [u32; MAX_SOURCE_RANK],
     pub stride: [u32; MAX_SOURCE_RANK],
 }
@@ -76,6 +79,8 @@ pub(crate) struct AttnParams {
     pub view_a: [u32; 4],
     pub view_b: [u32; 4],
     pub view_out: [u32; 4],
+    /// Scales of slots a, b and v (1 but for scaled fp8 slots), and padding.
+    pub slot_scales: [f32; 4],
 }
 
 /// Bytes of the binding every parameter bind group exposes: the largest parameter struct.

@@ -19,7 +19,7 @@ mod snapshot;
 use std::sync::Arc;
 
 use crate::cache::{GpuSlab, HostSlab, KvCache, SlotView};
-use crate::codec::decode_rows;
+use crate::codec::decode_scaled_rows;
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
 use crate::ledger::slab_rows;
@@ -607,10 +607,11 @@ impl PagedCache {
     pub async fn read_f32_async(&self, seq: SeqId, layer: usize, slot: usize) -> Result<Vec<f32>> {
         let words = self.read_words_async(seq, layer, slot).await?;
         let row_elems = self.spec.slot(layer, slot)?.row_elems();
-        Ok(decode_rows(
+        Ok(decode_scaled_rows(
             &words,
             self.spec.slot_dtype(layer, slot)?,
             row_elems,
+            self.spec.slot_scale(layer, slot)?,
         ))
     }
 

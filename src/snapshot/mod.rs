@@ -45,13 +45,14 @@ const PREFIX: usize = 16;
 /// 4 q4_0, 5 fp8 e4m3), `max_seq_len` of the source (`u64`; a pool's longest sequence), `len` (`u64`,
 /// committed rows), page size (`u64`, 0 for a single-sequence cache), the number of layers (`u32`),
 /// then per layer its number of slots (`u32`) and per slot its name (`u32` byte length, UTF-8),
-/// trailing shape (`u32` rank, `u64` each dimension) and storage type (`u32` code). A row is stored
+/// trailing shape (`u32` rank, `u64` each dimension), storage type (`u32` code) and scale (the `f32`
+/// bits of a scaled fp8 slot's [`crate::SlotSpec::scale`], 0 for none). A row is stored
 /// as in the cache, in its slot's type: f32 as is, 16-bit types packed two to a word (low half
 /// first), the quantized types as [`DType`] lays them out, each row padded with zeros to a multiple
 /// of 4 bytes; layers without slots take no bytes.
 ///
 /// A snapshot restores into a cache or pool whose layer count, slot shapes and slots' storage types
-/// equal its own (slot names, capacity and page size may differ; the rows must fit). No type conversion is
+/// and scales equal its own (slot names, capacity and page size may differ; the rows must fit). No type conversion is
 /// offered: a restore is bit-identical or refused. Parsing checks, in order: the magic, the
 /// version, the header's length and checksum, the header itself, the total length, the checksum of
 /// the whole, then compatibility with the destination — so a truncated snapshot is
@@ -92,8 +93,8 @@ impl SnapshotHeader {
             .saturating_add(4)
     }
 
-    /// Refuses a destination whose layers, slot shapes or slots' storage types differ, naming the
-    /// first difference (names, capacity and page size may differ).
+    /// Refuses a destination whose layers, slot shapes or slots' storage types or scales differ,
+    /// naming the first difference (names, capacity and page size may differ).
     pub fn check_compatible(&self, dest: &CacheSpec) -> Result<()> {
         let refuse = |problem| Err(Error::Snapshot { problem });
         let src = &self.spec;
@@ -127,6 +128,14 @@ impl SnapshotHeader {
                         slot,
                         snapshot: x.trailing.clone(),
                         cache: y.trailing.clone(),
+                    });
+                }
+                if x.scale.map(f32::to_bits) != y.scale.map(f32::to_bits) {
+                    return refuse(SnapshotProblem::Scale {
+                        layer,
+                        slot,
+                        snapshot: x.scale,
+                        cache: y.scale,
                     });
                 }
             }
@@ -266,6 +275,7 @@ fn encode_header(spec: &CacheSpec, len: usize, page_size: usize) -> Vec<u8> {
                 body.extend_from_slice(&(d as u64).to_le_bytes());
             }
             body.extend_from_slice(&spec.dtype_of(slot).code().to_le_bytes());
+            body.extend_from_slice(&slot.scale.map_or(0, f32::to_bits).to_le_bytes());
         }
     }
     let mut out = Vec::with_capacity(PREFIX + body.len());
@@ -380,8 +390,11 @@ fn parse_body(body: &[u8]) -> Result<SnapshotHeader> {
             let trailing = (0..rank)
                 .map(|_| f.size(&format!("{what}'s shape")))
                 .collect::<Result<Vec<_>>>()?;
-            let slot = SlotSpec::new(name, &trailing);
-            slots.push(slot.stored_as(f.dtype(&format!("{what}'s storage type"))?));
+            let mut slot = SlotSpec::new(name, &trailing);
+            slot = slot.stored_as(f.dtype(&format!("{what}'s storage type"))?);
+            let scale = f.u32(&format!("{what}'s scale"))?;
+            slot.scale = (scale != 0).then(|| f32::from_bits(scale));
+            slots.push(slot);
         }
         layers.push(LayerSpec::new(slots));
     }
@@ -695,6 +708,7 @@ mod tests {
         let spec = spec(DType::F16)
             .with_slot_dtype("v", DType::F8E4M3)
             .and_then(|s| s.with_slot_dtype("odd", DType::F32))
+            .and_then(|s| s.with_slot_scale(0, 1, 0.5))
             .unwrap();
         let (bytes, rows_at) = fabricated(&spec, 4, 3);
         let header = SnapshotHeader::parse(&bytes[..rows_at]).unwrap();
@@ -705,7 +719,26 @@ mod tests {
         assert_eq!(snap.sections[0][1].len(), 4 * 8);
         assert_eq!(snap.sections[2][0].len(), 4 * 20);
         // A destination whose V is stored otherwise is refused, naming the slot and both types.
-        let f16_v = spec.with_slot_dtype("v", DType::F16).unwrap();
+        let unscaled = CacheSpec::new(
+            spec.layers()
+                .iter()
+                .map(|l| {
+                    LayerSpec::new(
+                        l.slots
+                            .iter()
+                            .map(|s| SlotSpec {
+                                scale: None,
+                                ..s.clone()
+                            })
+                            .collect(),
+                    )
+                })
+                .collect(),
+            spec.dtype(),
+            9,
+        )
+        .unwrap();
+        let f16_v = unscaled.with_slot_dtype("v", DType::F16).unwrap();
         assert_eq!(
             problem_of(Snapshot::parse_for(&bytes, &f16_v)),
             SnapshotProblem::DType {
@@ -715,6 +748,21 @@ mod tests {
                 cache: DType::F16,
             }
         );
+        // So is one whose V has another scale, or none.
+        assert_eq!(
+            problem_of(Snapshot::parse_for(&bytes, &unscaled)),
+            SnapshotProblem::Scale {
+                layer: 0,
+                slot: 1,
+                snapshot: Some(0.5),
+                cache: None,
+            }
+        );
+        let other = spec.with_slot_scale(0, 1, 0.25).unwrap();
+        assert!(matches!(
+            problem_of(Snapshot::parse_for(&bytes, &other)),
+            SnapshotProblem::Scale { .. }
+        ));
         // Version 1 (one storage type for the whole cache) is refused by its number.
         let mut v1 = bytes.clone();
         v1[8..12].copy_from_slice(&1u32.to_le_bytes());

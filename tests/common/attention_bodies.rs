@@ -137,14 +137,20 @@ struct Gqa {
 
 /// Runs one GQA case on the GPU and against the twin; returns the worst scaled error.
 async fn check_gqa(g: &Gpu, att: &mut Attention, case: Gqa, types: [DType; 2], seed: u64) -> f32 {
-    let c = filled(
-        g,
-        stored_as(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), types),
-        types[0],
-        case.visible,
-        case.n_q,
-        seed,
-    );
+    let layer = stored_as(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), types);
+    check_gqa_in(g, att, case, layer, seed).await
+}
+
+/// The storage of a layer's slots, for messages: `[(type, scale)]`.
+fn storage_of(layer: &LayerSpec) -> Vec<(Option<DType>, Option<f32>)> {
+    layer.slots.iter().map(|s| (s.dtype, s.scale)).collect()
+}
+
+/// [`check_gqa`] over `layer` (K and V of `case`'s shapes, stored as their specs say).
+async fn check_gqa_in(g: &Gpu, att: &mut Attention, case: Gqa, layer: LayerSpec, seed: u64) -> f32 {
+    let types = storage_of(&layer);
+    let dtype = layer.slots[0].dtype.unwrap_or(DType::F32);
+    let c = filled(g, layer, dtype, case.visible, case.n_q, seed);
     let n_heads = case.n_kv * case.group;
     let q = values(seed + 99, case.n_q * n_heads * case.d_k);
     let qb = f32_buffer(&g.device, &q).await;
@@ -303,6 +309,23 @@ pub async fn mixed_storage_matches_the_reference(g: &Gpu) {
                 worst = worst.max(check_mla(g, &mut att, case, types, seed).await);
             }
         }
+        // fp8 scaled per slot (values of 2 stored as numbers up to 500 saturate at 448: the twins see
+        // what the cache holds, read back times the scale).
+        let scaled = |layer: LayerSpec, scales: [f32; 2]| {
+            let mut layer = stored_as(layer, [F8E4M3; 2]);
+            for (slot, scale) in layer.slots.iter_mut().zip(scales) {
+                slot.scale = Some(scale);
+            }
+            layer
+        };
+        for (i, &case) in gqa.iter().enumerate() {
+            let layer = scaled(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), [0.004, 0.05]);
+            worst = worst.max(check_gqa_in(g, &mut att, case, layer, 260 + i as u64).await);
+        }
+        for (i, &case) in mla.iter().enumerate() {
+            let layer = scaled(LayerSpec::mla(512, 64), [0.02, 3.0]);
+            worst = worst.max(check_mla_in(g, &mut att, case, layer, 270 + i as u64).await);
+        }
         note!("mixed storage {kernel:?}: worst scaled error {worst:e}");
     }
     gqa_prefill_and_decode(g, [Q8_0, Q4_0], [4, 2, 32, 64], 240).await;
@@ -404,9 +427,22 @@ struct Mla {
 }
 
 async fn check_mla(g: &Gpu, att: &mut Attention, case: Mla, types: [DType; 2], seed: u64) -> f32 {
+    check_mla_in(
+        g,
+        att,
+        case,
+        stored_as(LayerSpec::mla(512, 64), types),
+        seed,
+    )
+    .await
+}
+
+/// [`check_mla`] over `layer` (a latent of 512 and a rope key of 64, stored as their specs say).
+async fn check_mla_in(g: &Gpu, att: &mut Attention, case: Mla, layer: LayerSpec, seed: u64) -> f32 {
     let (r, p) = (512, 64);
-    let layer = stored_as(LayerSpec::mla(r, p), types);
-    let c = filled(g, layer, types[0], case.visible, case.n_q, seed);
+    let types = storage_of(&layer);
+    let dtype = layer.slots[0].dtype.unwrap_or(DType::F32);
+    let c = filled(g, layer, dtype, case.visible, case.n_q, seed);
     let ql = values(seed + 77, case.n_q * case.n_heads * r);
     let qr = values(seed + 78, case.n_q * case.n_heads * p);
     let (qlb, qrb) = (

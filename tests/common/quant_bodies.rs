@@ -320,9 +320,10 @@ pub async fn quantized_caches_take_the_bytes_they_promise(_g: &Gpu) {
 }
 
 /// Slots of one cache in six storage types (K and V of a layer differ, as do an MLA layer's latent
-/// and rope key): host appends, GPU appends of f32 and f16 sources, and a pool's batches (scattered by
-/// one dispatch per slot, and run by run), from the host and from GPU buffers, store in each slot the
-/// bits the twin computes for that slot's type, and read back as its values.
+/// and rope key; the fp8 rope key scaled so that most values saturate): host appends, GPU appends of
+/// f32 and f16 sources, and a pool's batches (scattered by one dispatch per slot, and run by run),
+/// from the host and from GPU buffers, store in each slot the bits the twin computes for that slot's
+/// type and scale, and read back as its values.
 pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
     use DType::*;
     let stored = |mut layer: LayerSpec, types: [DType; 2]| {
@@ -341,8 +342,10 @@ pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
         Q8_0,
         16,
     )
+    .and_then(|s| s.with_slot_scale(1, 1, 0.004))
     .unwrap();
     assert!(spec.is_mixed());
+    assert_eq!(spec.slot_scale(1, 1).unwrap(), Some(0.004));
     let layers = [0, 1, 3];
     let trailing = |l: usize| -> Vec<Vec<usize>> {
         spec.layers()[l]
@@ -381,9 +384,16 @@ pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
             out
         }
     };
+    let bits_of = |l: usize, s: usize, x: &[f32]| {
+        let (dtype, scale) = (
+            spec.slot_dtype(l, s).unwrap(),
+            spec.slot_scale(l, s).unwrap(),
+        );
+        reference::scaled_host_bits(HostData::F32(x), dtype, scale)
+    };
     let stored_words = |l: usize, s: usize, x: &[f32]| {
         let dtype = spec.slot_dtype(l, s).unwrap();
-        let bits = reference::host_bits(HostData::F32(x), dtype);
+        let bits = bits_of(l, s, x);
         reference::pack_rows(&bits, dtype, spec.layers()[l].slots[s].row_elems())
     };
 
@@ -418,8 +428,7 @@ pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
                 c.append(l, &slabs).unwrap();
             }
             for (s, x) in data.iter().enumerate() {
-                let dtype = spec.slot_dtype(l, s).unwrap();
-                m.write_rows(l, s, at, &reference::host_bits(HostData::F32(x), dtype));
+                m.write_rows(l, s, at, &bits_of(l, s, x));
             }
         }
         c.advance(n).unwrap();

@@ -38,12 +38,18 @@ fn random_spec(rng: &mut Xorshift, dtype: DType) -> CacheSpec {
     }
 }
 
-/// A [`random_spec`] of whole blocks whose every slot is stored in a pseudo-random type of its own.
+/// A [`random_spec`] of whole blocks whose every slot is stored in a pseudo-random type of its own
+/// (some fp8 slots scaled).
 fn random_mixed_spec(rng: &mut Xorshift) -> CacheSpec {
     let spec = random_spec(rng, DType::Q8_0);
     let mut layers = spec.layers().to_vec();
     for slot in layers.iter_mut().flat_map(|l| &mut l.slots) {
-        slot.dtype = Some(DType::STORAGE[rng.below(DType::STORAGE.len())]);
+        let dtype = DType::STORAGE[rng.below(DType::STORAGE.len())];
+        slot.dtype = Some(dtype);
+        // Half the fp8 slots scaled.
+        if dtype == DType::F8E4M3 && rng.below(2) == 0 {
+            slot.scale = Some((1 + rng.below(400)) as f32 / 128.0);
+        }
     }
     let default = DType::STORAGE[rng.below(DType::STORAGE.len())];
     CacheSpec::new(layers, default, spec.max_seq_len()).unwrap()
@@ -631,22 +637,23 @@ pub async fn restore_on_another_device(from: &Gpu, to: &Gpu) {
 /// state is the same whatever the header held: the pinned checksum speaks for the rows, the length
 /// and the header's own checks for the header.)
 pub async fn the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend(g: &Gpu) {
-    const MIXED_SIZE: usize = 3087;
-    const MIXED_CRC: u32 = 0xb370_d9df;
+    const MIXED_SIZE: usize = 3103;
+    const MIXED_CRC: u32 = 0x7d83_df5e;
     // Measured on lavapipe (Vulkan) and llvmpipe (OpenGL); the browser suite checks SwiftShader.
     let pinned = [
-        (DType::F32, 1767, 0xcad1_678e),
-        (DType::F16, 1019, 0xc24b_8734),
-        (DType::BF16, 1019, 0x9b99_00fc),
-        (DType::Q8_0, 2823, 0x0620_d4ac),
-        (DType::Q4_0, 1591, 0x8ff4_2065),
-        (DType::F8E4M3, 623, 0x58f0_f2d4),
+        (DType::F32, 1783, 0xcad1_678e),
+        (DType::F16, 1035, 0xc24b_8734),
+        (DType::BF16, 1035, 0x9b99_00fc),
+        (DType::Q8_0, 2839, 0x0620_d4ac),
+        (DType::Q4_0, 1607, 0x8ff4_2065),
+        (DType::F8E4M3, 639, 0x58f0_f2d4),
     ];
-    // And K, V, latent and rope key in four types.
+    // And K, V, latent and rope key in four types, the rope key's fp8 scaled by 1/4.
     let mixed = attention_spec(DType::Q8_0)
         .with_slot_dtype("v", DType::Q4_0)
         .and_then(|s| s.with_slot_dtype("k_pe", DType::F8E4M3))
         .and_then(|s| s.with_slot_dtype("compressed_kv", DType::BF16))
+        .and_then(|s| s.with_slot_scale(2, 1, 0.25))
         .unwrap();
     let cases = pinned
         .map(|(dtype, size, crc)| (dtype.to_string(), attention_spec(dtype), size, crc))
