@@ -17,7 +17,10 @@ use half::{bf16, f16};
 /// `i`; q4_0: one 4-bit value each, element `i` in bits `4 * (i % 8)` of word `i / 8`, stored as
 /// `q + 8`), then one f16 scale per block of 32 elements, two to a word, low half first, the row
 /// padded to a whole word. Element `i` is `q_i * scale[i / 32]` (q4_0: `(stored_i - 8) * scale`),
-/// exact in f32. fp8 rows hold one byte per element, element `i` at byte `i`.
+/// exact in f32. fp8 rows hold one byte per element, element `i` at byte `i`; a scaled fp8 slot
+/// ([`crate::SlotSpec::scale`]) stores `fp8(x * (1 / scale))` and its element `i` is that number
+/// times the scale. Each slot of a cache has one storage type, the cache's or its own
+/// ([`crate::CacheSpec::with_slot_dtype`]): keys and values may differ.
 ///
 /// Quantization is defined so that every adapter computes the same bits (no division, whose WGSL
 /// precision is loose, decides a value): q8_0 takes `d = f16(max|x| * (1/127))` and `q = round(x / d)`

@@ -60,7 +60,9 @@
 //! - Quantized storage ([`DType::Q8_0`], [`DType::Q4_0`], [`DType::F8E4M3`]) takes 0.53, 0.28 or 0.5 of
 //!   f16's bytes: appends quantize (host rows on the CPU, GPU rows in the slab-write kernel), attention
 //!   and reads dequantize, and every adapter stores the bits the CPU twin computes. The layout and the
-//!   rounding are documented on [`DType`], `kvgpu::reference` has the twins.
+//!   rounding are documented on [`DType`], `kvgpu::reference` has the twins. Slots may be stored in
+//!   types of their own ([`CacheSpec::with_slot_dtype`]: keys in q8_0, values in q4_0), and fp8 slots
+//!   may carry a scale ([`CacheSpec::with_slot_scale`]).
 //!
 //! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
 //! fork by sharing pages (a write into a shared page copies it for the writer), truncate and removal

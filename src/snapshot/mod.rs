@@ -41,7 +41,7 @@ const PREFIX: usize = 16;
 /// | ... | rows: for each layer, for each of its slots, `len` rows exactly as stored |
 /// | 4 | CRC-32 of every byte before it (the whole snapshot) |
 ///
-/// The header: the cache's storage type (`u32`, [`DType::code`]: 0 f32, 1 f16, 2 bf16, 3 q8_0,
+/// The header: the cache's storage type (`u32`: 0 f32, 1 f16, 2 bf16, 3 q8_0,
 /// 4 q4_0, 5 fp8 e4m3), `max_seq_len` of the source (`u64`; a pool's longest sequence), `len` (`u64`,
 /// committed rows), page size (`u64`, 0 for a single-sequence cache), the number of layers (`u32`),
 /// then per layer its number of slots (`u32`) and per slot its name (`u32` byte length, UTF-8),
