@@ -644,7 +644,7 @@ mod tests {
         let (kind, msg) = refusal(&["--dtype", "f8"]);
         assert_eq!(kind, ErrorKind::InvalidValue);
         assert!(
-            msg.contains("[possible values: f32, f16, bf16, q8_0, q4_0, fp8]"),
+            msg.contains("[possible values: f32, f16, bf16, q8_0, q4_0, fp8, fp8_e5m2]"),
             "{msg}"
         );
     }

@@ -110,6 +110,10 @@ fn deq(t: u32, w: u32, s: u32, i: u32) -> f32 {
     if t == F8E4M3 {
         return e4m3((w >> (8u * (i & 3u))) & 0xffu);
     }
+    if t == F8E5M2 {
+        // The top byte of an f16.
+        return half_at(F16, ((w >> (8u * (i & 3u))) & 0xffu) << 8u, false);
+    }
     let d = half_at(F16, s, ((i >> 5u) & 1u) == 1u);
     if t == Q8_0 {
         return f32(bitcast<i32>(w << (24u - 8u * (i & 3u))) >> 24u) * d;
@@ -123,6 +127,10 @@ fn deq4(t: u32, w: u32, s: u32, i: u32) -> vec4<f32> {
     if t == F8E4M3 {
         return vec4<f32>(e4m3(w & 0xffu), e4m3((w >> 8u) & 0xffu), e4m3((w >> 16u) & 0xffu), e4m3(w >> 24u));
     }
+    if t == F8E5M2 {
+        return vec4<f32>(half_at(F16, (w & 0xffu) << 8u, false), half_at(F16, w & 0xff00u, false),
+            half_at(F16, (w >> 8u) & 0xff00u, false), half_at(F16, (w >> 16u) & 0xff00u, false));
+    }
     let d = half_at(F16, s, ((i >> 5u) & 1u) == 1u);
     if t == Q8_0 {
         let v = vec4<i32>(bitcast<i32>(w << 24u), bitcast<i32>(w << 16u), bitcast<i32>(w << 8u), bitcast<i32>(w));
@@ -134,7 +142,7 @@ fn deq4(t: u32, w: u32, s: u32, i: u32) -> vec4<f32> {
 
 // fp8 numbers of a slot scaled by `k` as values (1 but for scaled slots).
 fn scaled(t: u32, k: f32, v: vec4<f32>) -> vec4<f32> {
-    if t == F8E4M3 {
+    if is_fp8(t) {
         return v * k;
     }
     return v;
@@ -147,9 +155,9 @@ fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
     let elems = p.n_kv * p.d_a;
     // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
     // compiled for fp8 only.
-    if t != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
+    if !is_fp8(t) || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
-        if t != F8E4M3 {
+        if !is_fp8(t) {
             s = slot_a[base + sword(t, elems, i)];
         }
         return scaled(t, p.slot_scales.x, deq4(t, slot_a[base + qword(t, i)], s, i));
@@ -167,9 +175,9 @@ fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
     let elems = p.n_kv * p.d_b;
     // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
     // compiled for fp8 only.
-    if t != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
+    if !is_fp8(t) || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
-        if t != F8E4M3 {
+        if !is_fp8(t) {
             s = slot_b[base + sword(t, elems, i)];
         }
         return scaled(t, p.slot_scales.y, deq4(t, slot_b[base + qword(t, i)], s, i));
@@ -187,9 +195,9 @@ fn quad_v(row: u32, i: u32, m: u32) -> vec4<f32> {
     let elems = p.n_kv * p.d_v;
     // Block types always take whole aligned quads (their widths are whole blocks): the fallback is
     // compiled for fp8 only.
-    if t != F8E4M3 || (m == 4u && (i & 3u) == 0u) {
+    if !is_fp8(t) || (m == 4u && (i & 3u) == 0u) {
         var s = 0u;
-        if t != F8E4M3 {
+        if !is_fp8(t) {
             s = slot_v[base + sword(t, elems, i)];
         }
         return scaled(t, p.slot_scales.z, deq4(t, slot_v[base + qword(t, i)], s, i));
@@ -259,7 +267,7 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             for (var h = 0u; h < HB; h++) {
                 let at = q0 + h * sh + e * se;
                 var q = vec4<f32>(0.0);
-                if DTYPE_A != F8E4M3 || m == 4u {
+                if !is_fp8(DTYPE_A) || m == 4u {
                     q = vec4<f32>(q_a[at], q_a[at + se], q_a[at + 2u * se], q_a[at + 3u * se]);
                 } else {
                     for (var j = 0u; j < m; j++) {
@@ -375,7 +383,7 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             for (var h = 0u; h < HB; h++) {
                 let at = q0 + h * sh + e * se;
                 var q = vec4<f32>(0.0);
-                if DTYPE_B != F8E4M3 || m == 4u {
+                if !is_fp8(DTYPE_B) || m == 4u {
                     q = vec4<f32>(q_b[at], q_b[at + se], q_b[at + 2u * se], q_b[at + 3u * se]);
                 } else {
                     for (var j = 0u; j < m; j++) {
@@ -479,7 +487,7 @@ fn row_fits(t: u32, elems: u32, rw: u32) -> bool {
     if t == F16 || t == BF16 {
         return elems <= rw * 2u;
     }
-    if t == F8E4M3 {
+    if is_fp8(t) {
         return elems <= rw * 4u;
     }
     let scales = (elems / 32u + 1u) / 2u;

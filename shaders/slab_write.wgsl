@@ -296,6 +296,25 @@ fn f32_to_e4m3(b: u32) -> u32 {
     return sign | ((full >> shift) + up);
 }
 
+// fp8 e5m2 of f32 bits, as src/codec.rs computes it: round to nearest even, saturating at +-57344
+// (infinities included), NaN kept (0x7f with the sign).
+fn f32_to_e5m2(b: u32) -> u32 {
+    let sign = (b >> 24u) & 0x80u;
+    let a = b & 0x7fffffffu;
+    if a > 0x7f800000u {
+        return sign | 0x7fu;
+    }
+    if a >= 0x38800000u {
+        let n = a - (112u << 23u);
+        return sign | min((n + 0xfffffu + ((n >> 21u) & 1u)) >> 21u, 0x7bu);
+    }
+    let shift = u32(clamp(134 - i32(a >> 23u), 1, 31));
+    let full = (a & 0x007fffffu) | 0x00800000u;
+    let round_bit = 1u << (shift - 1u);
+    let up = select(0u, 1u, (full & round_bit) != 0u && (full & (3u * round_bit - 1u)) != 0u);
+    return sign | ((full >> shift) + up);
+}
+
 // f16 bits of a block scale: saturating at +-65504, and a zero scale is +0 whatever its sign.
 fn scale_bits(d: f32) -> u32 {
     let h = f32_to_f16_bits(bitcast<u32>(d));
@@ -393,7 +412,7 @@ fn quantize_block(row: u32, b: u32, base: u32, len: u32) -> u32 {
 @compute @workgroup_size(256)
 fn main_quant(@builtin(global_invocation_id) gid: vec3<u32>) {
     let nb = p.row_elems / 32u;
-    let units = select((nb + 1u) / 2u, p.row_words, DST_DTYPE == F8E4M3);
+    let units = select((nb + 1u) / 2u, p.row_words, is_fp8(DST_DTYPE));
     let total = p.n_rows * units;
     let len = arrayLength(&dst);
     for (var u = gid.x; u < total; u += p.thread_stride) {
@@ -403,7 +422,7 @@ fn main_quant(@builtin(global_invocation_id) gid: vec3<u32>) {
         if SCATTER {
             base = rows[p.map_word + row] * p.row_words;
         }
-        if DST_DTYPE == F8E4M3 {
+        if is_fp8(DST_DTYPE) {
             var out = 0u;
             for (var j = 0u; j < 4u; j++) {
                 let e = 4u * k + j;
@@ -412,7 +431,11 @@ fn main_quant(@builtin(global_invocation_id) gid: vec3<u32>) {
                     if p.inv_scale != 0u && (x & 0x7fffffffu) <= 0x7f800000u {
                         x = bitcast<u32>(bitcast<f32>(x) * bitcast<f32>(p.inv_scale));
                     }
-                    out |= f32_to_e4m3(x) << (8u * j);
+                    if DST_DTYPE == F8E5M2 {
+                        out |= f32_to_e5m2(x) << (8u * j);
+                    } else {
+                        out |= f32_to_e4m3(x) << (8u * j);
+                    }
                 }
             }
             put(base + k, out, len);

@@ -27,8 +27,10 @@ use half::{bf16, f16};
 /// (half away from zero) decided by exact products; q4_0 takes llama.cpp's `d = f16(m / -8)` where
 /// `m` is the block's first element of largest magnitude and `q = clamp(floor(x / d + 8.5), 0, 15)`.
 /// A scale that would overflow f16 saturates to 65504. NaN inputs quantize as 0 and infinities as
-/// `±f32::MAX` in the block types; fp8 (e4m3, "fn": no infinities) rounds to nearest even, saturates
-/// at `±448` (infinities included) and keeps NaN as NaN (`0x7f` with the sign).
+/// `±f32::MAX` in the block types; fp8 e4m3 ("fn": no infinities) rounds to nearest even, saturates
+/// at `±448` (infinities included) and keeps NaN as NaN (`0x7f` with the sign); fp8 e5m2 (the top byte
+/// of an f16: wider range, one mantissa bit less) rounds to nearest even, saturates at `±57344`
+/// (infinities included, though e5m2 has them) and keeps NaN as NaN (`0x7f` with the sign).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -38,8 +40,10 @@ pub enum DType {
     Q8_0,
     /// Blocks of 32 elements: one f16 scale and 32 4-bit values (0.5625 bytes per element).
     Q4_0,
-    /// 8-bit float, 4 exponent and 3 mantissa bits, no infinities (max 448), no scale.
+    /// 8-bit float, 4 exponent and 3 mantissa bits, no infinities (max 448).
     F8E4M3,
+    /// 8-bit float, 5 exponent and 2 mantissa bits (max 57344): the top byte of an f16.
+    F8E5M2,
 }
 
 /// Elements per block of the block-quantized types (q8_0, q4_0).
@@ -50,16 +54,17 @@ impl DType {
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
     /// The quantized storage types.
-    pub const QUANTIZED: [DType; 3] = [DType::Q8_0, DType::Q4_0, DType::F8E4M3];
+    pub const QUANTIZED: [DType; 4] = [DType::Q8_0, DType::Q4_0, DType::F8E4M3, DType::F8E5M2];
 
     /// Every storage type: the element types, then the quantized ones.
-    pub const STORAGE: [DType; 6] = [
+    pub const STORAGE: [DType; 7] = [
         DType::F32,
         DType::F16,
         DType::BF16,
         DType::Q8_0,
         DType::Q4_0,
         DType::F8E4M3,
+        DType::F8E5M2,
     ];
 
     /// Bytes per element of an element type or fp8. The block types pack values below a byte and add
@@ -69,13 +74,19 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::Q8_0 | DType::Q4_0 | DType::F8E4M3 => 1,
+            DType::Q8_0 | DType::Q4_0 | DType::F8E4M3 | DType::F8E5M2 => 1,
         }
     }
 
     /// Whether apps can hand data in (and attention queries are) of this type: f32, f16, bf16.
     pub const fn is_element(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Whether this is an 8-bit float type (e4m3 or e5m2): one byte per element, any width, and an
+    /// optional scale per slot.
+    pub const fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2)
     }
 
     /// Whether this is a quantized storage type.
@@ -114,7 +125,7 @@ impl DType {
     }
 
     /// The code the WGSL kernels and snapshots use for this type (`0` f32, `1` f16, `2` bf16, `3`
-    /// q8_0, `4` q4_0, `5` fp8 e4m3).
+    /// q8_0, `4` q4_0, `5` fp8 e4m3, `6` fp8 e5m2).
     pub(crate) const fn code(self) -> u32 {
         match self {
             DType::F32 => 0,
@@ -123,6 +134,7 @@ impl DType {
             DType::Q8_0 => 3,
             DType::Q4_0 => 4,
             DType::F8E4M3 => 5,
+            DType::F8E5M2 => 6,
         }
     }
 
@@ -135,6 +147,7 @@ impl DType {
             "q8_0" => Some(DType::Q8_0),
             "q4_0" => Some(DType::Q4_0),
             "fp8" | "f8e4m3" | "fp8_e4m3" | "e4m3" => Some(DType::F8E4M3),
+            "f8e5m2" | "fp8_e5m2" | "e5m2" => Some(DType::F8E5M2),
             _ => None,
         }
     }
@@ -149,6 +162,7 @@ impl fmt::Display for DType {
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
             DType::F8E4M3 => "fp8_e4m3",
+            DType::F8E5M2 => "fp8_e5m2",
         })
     }
 }
@@ -211,6 +225,7 @@ pub fn f32_to_bits(x: f32, dtype: DType) -> u32 {
         DType::F16 => f16::from_f32(x).to_bits() as u32,
         DType::BF16 => bf16::from_f32(x).to_bits() as u32,
         DType::F8E4M3 => f32_to_e4m3(x),
+        DType::F8E5M2 => f32_to_e5m2(x),
     }
 }
 
@@ -221,6 +236,7 @@ pub fn bits_to_f32(bits: u32, dtype: DType) -> f32 {
         DType::F16 => f16::from_bits(bits as u16).to_f32(),
         DType::BF16 => bf16::from_bits(bits as u16).to_f32(),
         DType::F8E4M3 => e4m3_to_f32(bits),
+        DType::F8E5M2 => e5m2_to_f32(bits),
     }
 }
 
@@ -283,6 +299,34 @@ fn e4m3_to_f32(b: u32) -> f32 {
         return if sign != 0 { -v } else { v };
     }
     f32::from_bits(sign | ((e + 120) << 23) | (m << 20))
+}
+
+/// fp8 e5m2 of `x`: round to nearest even, saturating at +-57344 (infinities included), NaN kept
+/// (`0x7f` with the sign). Integer arithmetic on the bits, as the kernel does.
+fn f32_to_e5m2(x: f32) -> u32 {
+    let b = x.to_bits();
+    let sign = (b >> 24) & 0x80;
+    let a = b & 0x7fff_ffff;
+    if a > 0x7f80_0000 {
+        return sign | 0x7f;
+    }
+    if a >= 0x3880_0000 {
+        // Normal (|x| >= 2^-14): rebias the exponent from 127 to 15, round to nearest even on bit 21;
+        // anything from 61440 up (infinity included) rounds past 57344 and saturates there.
+        let n = a - (112 << 23);
+        return sign | ((n + 0xf_ffff + ((n >> 21) & 1)) >> 21).min(0x7b);
+    }
+    // Subnormal: |x| * 2^16 rounded to nearest even; a carry to 4 is the smallest normal.
+    let shift = (134 - (a >> 23) as i32).clamp(1, 31) as u32;
+    let full = (a & 0x007f_ffff) | 0x0080_0000;
+    let round_bit = 1u32 << (shift - 1);
+    let up = (full & round_bit) != 0 && (full & (3 * round_bit - 1)) != 0;
+    sign | ((full >> shift) + up as u32)
+}
+
+/// The f32 value of an fp8 e5m2 byte (exact: the byte is the top half of an f16).
+fn e5m2_to_f32(b: u32) -> f32 {
+    f16::from_bits(((b & 0xff) << 8) as u16).to_f32()
 }
 
 /// 1/127 in f32: q8_0's scale is `max|x|` times it (a product rounds alike on every adapter, a WGSL
@@ -385,7 +429,7 @@ fn packed_row_words(dtype: DType, row_elems: usize) -> usize {
     match dtype {
         DType::F32 => row_elems,
         DType::F16 | DType::BF16 => row_elems.div_ceil(2),
-        DType::F8E4M3 => row_elems.div_ceil(4),
+        DType::F8E4M3 | DType::F8E5M2 => row_elems.div_ceil(4),
         DType::Q8_0 | DType::Q4_0 => block_row_words(dtype, row_elems),
     }
 }
@@ -822,6 +866,53 @@ mod tests {
         assert_eq!(f32_to_e4m3(f32::INFINITY), 0x7e);
         assert_eq!(f32_to_e4m3(f32::NEG_INFINITY), 0xfe);
         assert_eq!(f32_to_e4m3(-f32::NAN), 0xff);
+    }
+
+    #[test]
+    fn e5m2_rounds_to_the_nearest_even_code_and_saturates() {
+        // Finite codes only (0x7c is infinity, 0x7d-0x7f NaN).
+        let codes: Vec<(u32, f64)> = (0..0x7c).map(|b| (b, e5m2_to_f32(b) as f64)).collect();
+        assert_eq!(e5m2_to_f32(0x7b), 57344.0);
+        assert_eq!(e5m2_to_f32(0x01), 1.0 / 65536.0);
+        assert_eq!(e5m2_to_f32(0x3c), 1.0);
+        assert!(e5m2_to_f32(0x7f).is_nan() && e5m2_to_f32(0xff).is_nan());
+        let mut xs = any_floats(20_000, 9);
+        xs.extend(crate::reference::pseudo_random(10, 20_000, 60_000.0));
+        xs.extend(crate::reference::pseudo_random(11, 20_000, 1e-4));
+        for w in codes.windows(2) {
+            let mid = ((w[0].1 + w[1].1) / 2.0) as f32;
+            xs.extend([
+                mid,
+                f32::from_bits(mid.to_bits() + 1),
+                f32::from_bits(mid.to_bits() - 1),
+            ]);
+        }
+        for x in xs {
+            let a = (x as f64).abs().min(57344.0);
+            let best = codes
+                .iter()
+                .min_by(|p, q| {
+                    let (dp, dq) = ((p.1 - a).abs(), (q.1 - a).abs());
+                    dp.partial_cmp(&dq).unwrap().then((p.0 & 1).cmp(&(q.0 & 1)))
+                })
+                .unwrap();
+            let sign = if x.is_sign_negative() { 0x80 } else { 0 };
+            assert_eq!(f32_to_e5m2(x), best.0 | sign, "{x}");
+        }
+        assert_eq!(f32_to_e5m2(f32::INFINITY), 0x7b);
+        assert_eq!(f32_to_e5m2(f32::NEG_INFINITY), 0xfb);
+        assert_eq!(f32_to_e5m2(-f32::NAN), 0xff);
+        assert_eq!(f32_to_e5m2(-0.0), 0x80);
+        // Every code decodes and encodes back to itself (NaN to the canonical 0x7f).
+        for b in 0..=0xffu32 {
+            let back = f32_to_e5m2(e5m2_to_f32(b));
+            let want = match b & 0x7f {
+                0x7c => (b & 0x80) | 0x7b,
+                0x7d..=0x7f => (b & 0x80) | 0x7f,
+                _ => b,
+            };
+            assert_eq!(back, want, "{b:#x}");
+        }
     }
 
     #[test]

@@ -178,7 +178,7 @@ impl CacheSpec {
                     });
                 }
                 if let Some(scale) = slot.scale {
-                    if dtype != DType::F8E4M3 {
+                    if !dtype.is_fp8() {
                         return invalid(SpecProblem::ScaleNotFp8 {
                             layer: l,
                             slot: s,

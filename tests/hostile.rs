@@ -384,6 +384,8 @@ fn specs_presets_and_names_refuse_hostile_descriptions() {
         ("Q8_0", Some(DType::Q8_0)),
         ("q4_0", Some(DType::Q4_0)),
         ("FP8", Some(DType::F8E4M3)),
+        ("fp8_E5M2", Some(DType::F8E5M2)),
+        ("e5m2 ", None),
         ("q8", None),
         ("q4_0 ", None),
         ("", None),

@@ -1,4 +1,4 @@
-//! Quantized storage (q8_0, q4_0, fp8 e4m3) against f16: bytes per token of real models, decode
+//! Quantized storage (q8_0, q4_0, fp8 e4m3 and e5m2) against f16: bytes per token of real models, decode
 //! attention time over the same context (Llama-3-8B GQA and DeepSeek-V2-Lite MLA layers), the decode
 //! append step of a whole model, and the accuracy attention keeps (CPU twins, f64, against f32 K/V).
 //! Mixed storage too: Llama's K in q8_0 and V in q4_0, DeepSeek's latent in q8_0 and rope key in f16.
@@ -158,6 +158,7 @@ fn accuracy(rows: &mut Vec<Row>) -> Result<()> {
             DType::Q8_0,
             DType::Q4_0,
             DType::F8E4M3,
+            DType::F8E5M2,
         ]
         .map(|t| (t.to_string(), [t; 2], [t; 2]))
         .into_iter()
@@ -234,7 +235,7 @@ fn attention(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Res
             let att = Attention::for_cache(&c);
             caches.push((name, c, att));
         }
-        // One decode query; the five storages measured in turn, side by side.
+        // One decode query; the six storages measured in turn, side by side.
         let time = |c: &KvCache, att: &mut Attention| -> Result<f64> {
             let mut res = Ok(());
             let t = timer.gpu(|enc| {
@@ -254,16 +255,19 @@ fn attention(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Res
             for (_, c, _) in caches.iter_mut() {
                 c.truncate(ctx)?;
             }
-            let [a, b, c, d, e] = &mut caches[..] else {
-                unreachable!("f16, three quantized types and a mixed storage");
+            let [a, b, c, d, e, f] = &mut caches[..] else {
+                unreachable!("f16, four quantized types and a mixed storage");
             };
             let mut ra = || time(&a.1, &mut a.2);
             let mut rb = || time(&b.1, &mut b.2);
             let mut rc = || time(&c.1, &mut c.2);
             let mut rd = || time(&d.1, &mut d.2);
             let mut re = || time(&e.1, &mut e.2);
+            let mut rf = || time(&f.1, &mut f.2);
             let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
-            let ts = interleaved(warm, reps, [&mut ra, &mut rb, &mut rc, &mut rd, &mut re])?;
+            let runs: [&mut dyn FnMut() -> Result<f64>; 6] =
+                [&mut ra, &mut rb, &mut rc, &mut rd, &mut re, &mut rf];
+            let ts = interleaved(warm, reps, runs)?;
             let times: Vec<(&str, f64)> = caches.iter().map(|x| x.0.as_str()).zip(ts).collect();
             let f16 = times[0].1;
             for &(dtype, t) in &times[1..] {

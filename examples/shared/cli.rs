@@ -57,6 +57,9 @@ pub enum Storage {
     Q4_0,
     /// 8-bit float e4m3 (1 byte per element)
     Fp8,
+    /// 8-bit float e5m2 (1 byte per element; wider range, one mantissa bit less)
+    #[value(name = "fp8_e5m2")]
+    Fp8E5m2,
 }
 
 impl From<Storage> for DType {
@@ -68,6 +71,7 @@ impl From<Storage> for DType {
             Storage::Q8_0 => DType::Q8_0,
             Storage::Q4_0 => DType::Q4_0,
             Storage::Fp8 => DType::F8E4M3,
+            Storage::Fp8E5m2 => DType::F8E5M2,
         }
     }
 }

@@ -6,10 +6,16 @@ const F32: u32 = 0u;
 const F16: u32 = 1u;
 const BF16: u32 = 2u;
 // Quantized storage (src/codec.rs, "Quantized storage"): rows of [values][f16 scales per 32 elements]
-// for q8_0 and q4_0, one byte per element for fp8 e4m3.
+// for q8_0 and q4_0, one byte per element for fp8 (e4m3, e5m2).
 const Q8_0: u32 = 3u;
 const Q4_0: u32 = 4u;
 const F8E4M3: u32 = 5u;
+const F8E5M2: u32 = 6u;
+
+// Whether storage type `t` is an 8-bit float (one byte per element).
+fn is_fp8(t: u32) -> bool {
+    return t == F8E4M3 || t == F8E5M2;
+}
 
 // Parameters of both attention passes; must match `AttnParams` in src/kernels/params.rs.
 struct AttnParams {

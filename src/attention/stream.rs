@@ -61,7 +61,7 @@ pub(crate) fn per_vec(dtype: DType) -> usize {
     match dtype {
         DType::F32 => 4,
         DType::F16 | DType::BF16 => 8,
-        DType::Q8_0 | DType::F8E4M3 | DType::Q4_0 => 16,
+        DType::Q8_0 | DType::F8E4M3 | DType::F8E5M2 | DType::Q4_0 => 16,
     }
 }
 
@@ -392,7 +392,7 @@ impl Gen {
                 let parts = v.n_parts();
                 let mut body = String::new();
                 // A scaled fp8 slot's values are its numbers times the scale: once, on the sums.
-                let scale = if v.dtype == DType::F8E4M3 {
+                let scale = if v.dtype.is_fp8() {
                     " * p.slot_scales.z"
                 } else {
                     ""
@@ -448,6 +448,34 @@ impl Gen {
                     "    let mag = select(bitcast<f32>(((h & 0x7fffu) << 13u) + (112u << 23u)), f32(h & 0x3ffu) * 5.9604644775390625e-8, ex == 0u);"
                 );
                 line!(self, "    return select(mag, -mag, (h & 0x8000u) != 0u);");
+                line!(self, "}}");
+            }
+            DType::F8E5M2 => {
+                // e5m2: the top byte of an f16, converted as f16 (exact, subnormals included).
+                line!(self, "fn e5m2x4(b: vec4<u32>) -> vec4<f32> {{");
+                line!(self, "    let h = b << vec4<u32>(8u);");
+                line!(self, "    let ex = h & vec4<u32>(0x7c00u);");
+                line!(
+                    self,
+                    "    let sign = (h & vec4<u32>(0x8000u)) << vec4<u32>(16u);"
+                );
+                line!(
+                    self,
+                    "    let mag = (h & vec4<u32>(0x7fffu)) << vec4<u32>(13u);"
+                );
+                line!(
+                    self,
+                    "    let normal = bitcast<vec4<f32>>(sign | select(mag + vec4<u32>(112u << 23u), mag | vec4<u32>(0x7f800000u), ex == vec4<u32>(0x7c00u)));"
+                );
+                line!(
+                    self,
+                    "    let tiny = vec4<f32>(h & vec4<u32>(0x3ffu)) * 5.9604644775390625e-8;"
+                );
+                line!(
+                    self,
+                    "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
+                );
+                line!(self, "    return select(normal, sub, ex == vec4<u32>(0u));");
                 line!(self, "}}");
             }
             DType::F8E4M3 => {
@@ -668,6 +696,9 @@ impl Gen {
                                 4 * c,
                                 4 * c + 16
                             ),
+                            DType::F8E5M2 => {
+                                format!("e5m2x4((w >> vec4<u32>({}u)) & vec4<u32>(0xffu))", 8 * c)
+                            }
                             _ => format!("e4m3x4((w >> vec4<u32>({}u)) & vec4<u32>(0xffu))", 8 * c),
                         };
                         let _ = write!(body, "{n} = {part}; ");
@@ -709,7 +740,7 @@ impl Gen {
                 // fp8 numbers times the slot's scale are its values: the scale multiplies the sum.
                 match terms.len() {
                     0 => {}
-                    _ if s.dtype == DType::F8E4M3 => {
+                    _ if s.dtype.is_fp8() => {
                         sums.push(format!("({}) * p.slot_scales.{c}", terms.join(" + ")))
                     }
                     _ => sums.push(terms.join(" + ")),
@@ -862,6 +893,8 @@ mod tests {
             [F8E4M3, F8E4M3, F16],
             [Q4_0, F16, Q4_0],
             [BF16, F8E4M3, BF16],
+            [F8E5M2, F8E5M2, F8E4M3],
+            [Q4_0, F8E5M2, Q4_0],
             [Q8_0, Q4_0, Q8_0],
             [F32, Q8_0, F32],
         ] {
@@ -895,6 +928,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 40);
+        assert_eq!(checked, 48);
     }
 }

@@ -74,7 +74,7 @@ pub fn streamable_layer(spec: &CacheSpec, layer: usize) -> bool {
             let dtype = spec.slot_dtype(layer, s).unwrap();
             let per_vec = match dtype {
                 DType::F32 => 4,
-                DType::Q8_0 | DType::F8E4M3 | DType::Q4_0 => 16,
+                DType::Q8_0 | DType::F8E4M3 | DType::F8E5M2 | DType::Q4_0 => 16,
                 _ => 8,
             };
             slot.trailing.last().is_some_and(|d| d % per_vec == 0)
@@ -254,7 +254,7 @@ pub async fn quantized_storage_matches_the_reference(g: &Gpu) {
             for (i, &case) in cases.iter().enumerate() {
                 worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 110 + i as u64).await);
             }
-            if dtype == DType::F8E4M3 {
+            if dtype.is_fp8() {
                 worst = worst.max(check_gqa(g, &mut att, odd, [dtype; 2], 120).await);
             }
             for (i, &case) in mla.iter().enumerate() {

@@ -1,4 +1,4 @@
-//! Quantized storage (q8_0, q4_0, fp8 e4m3): every append path stores the bits the CPU twin
+//! Quantized storage (q8_0, q4_0, fp8 e4m3 and e5m2): every append path stores the bits the CPU twin
 //! (`kvgpu::reference::pack_rows`) computes, on random rows and on the inputs where quantizers go wrong
 //! (ties, zeros of both signs, subnormals, huge values, infinities, NaN), and reads return exactly the
 //! dequantized values. One async body per scenario, run natively by `tests/quant.rs` and in the
@@ -143,7 +143,7 @@ pub async fn host_rows_are_stored_as_the_twin_quantizes_them(g: &Gpu) {
             }
             // Quantization keeps the values close: every finite, moderate input of the random rows
             // is within half a step of the block's scale (q8_0 1/254 of the block's largest
-            // magnitude, q4_0 1/16, fp8 1/16 relative).
+            // magnitude, q4_0 1/16, fp8 e4m3 1/16 relative, e5m2 1/8).
             let x = values(11, 64);
             let kept = reference::round_trip_rows(&x, dtype, 64);
             for (block, (xs, ks)) in x.chunks(32).zip(kept.chunks(32)).enumerate() {
@@ -152,6 +152,7 @@ pub async fn host_rows_are_stored_as_the_twin_quantizes_them(g: &Gpu) {
                     let bound = match dtype {
                         DType::Q8_0 => amax / 254.0 * 1.01,
                         DType::Q4_0 => amax / 16.0 * 1.01,
+                        DType::F8E5M2 => v.abs() / 8.0 + 1e-4,
                         _ => v.abs() / 16.0 + 1e-3,
                     };
                     assert!(
@@ -258,14 +259,16 @@ pub async fn quantized_specs_and_sources_are_checked(g: &Gpu) {
             "{e}"
         );
     }
-    let spec = CacheSpec::new(vec![LayerSpec::kv(3, 5, 7)], DType::F8E4M3, 8).unwrap();
-    assert_eq!(spec.row_bytes(0, 0).unwrap(), 16);
-    assert_eq!(spec.row_bytes(0, 1).unwrap(), 24);
-    // An fp8 cache of odd widths round-trips host rows like the twin.
-    let mut c = cache_on(g, spec.clone());
-    let mut m = CpuCache::new(&spec);
-    super::append_both(&mut c, &mut m, 0, 3, 5);
-    super::assert_matches(&c, &m).await;
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        let spec = CacheSpec::new(vec![LayerSpec::kv(3, 5, 7)], dtype, 8).unwrap();
+        assert_eq!(spec.row_bytes(0, 0).unwrap(), 16);
+        assert_eq!(spec.row_bytes(0, 1).unwrap(), 24);
+        // An fp8 cache of odd widths round-trips host rows like the twin.
+        let mut c = cache_on(g, spec.clone());
+        let mut m = CpuCache::new(&spec);
+        super::append_both(&mut c, &mut m, 0, 3, 5);
+        super::assert_matches(&c, &m).await;
+    }
 
     let spec = CacheSpec::new(vec![layer()], DType::Q8_0, 8).unwrap();
     let mut c = cache_on(g, spec);
@@ -309,7 +312,13 @@ pub async fn quantized_caches_take_the_bytes_they_promise(_g: &Gpu) {
                 .bytes_per_token()
         };
         let f16 = per(DType::F16) as f64;
-        for (dtype, want) in [(DType::Q8_0, q8), (DType::Q4_0, q4), (DType::F8E4M3, f8)] {
+        let types = [
+            (DType::Q8_0, q8),
+            (DType::Q4_0, q4),
+            (DType::F8E4M3, f8),
+            (DType::F8E5M2, f8),
+        ];
+        for (dtype, want) in types {
             let ratio = per(dtype) as f64 / f16;
             assert!(
                 (ratio - want).abs() < 1e-9,

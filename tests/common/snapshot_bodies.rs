@@ -47,7 +47,7 @@ fn random_mixed_spec(rng: &mut Xorshift) -> CacheSpec {
         let dtype = DType::STORAGE[rng.below(DType::STORAGE.len())];
         slot.dtype = Some(dtype);
         // Half the fp8 slots scaled.
-        if dtype == DType::F8E4M3 && rng.below(2) == 0 {
+        if dtype.is_fp8() && rng.below(2) == 0 {
             slot.scale = Some((1 + rng.below(400)) as f32 / 128.0);
         }
     }
@@ -647,6 +647,7 @@ pub async fn the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend(g: &Gpu
         (DType::Q8_0, 2839, 0x0620_d4ac),
         (DType::Q4_0, 1607, 0x8ff4_2065),
         (DType::F8E4M3, 639, 0x58f0_f2d4),
+        (DType::F8E5M2, 639, 0xc991_1140),
     ];
     // And K, V, latent and rope key in four types, the rope key's fp8 scaled by 1/4.
     let mixed = attention_spec(DType::Q8_0)
