@@ -57,8 +57,8 @@
 //!   that fits, rather than split.
 //! - 16-bit types are stored packed in `u32` words and rows are padded to 4 bytes, so every adapter works
 //!   without `shader-f16`; f32 → f16/bf16 conversion rounds to nearest even, bit-identical to `half`.
-//! - Quantized storage ([`DType::Q8_0`], [`DType::Q4_0`], [`DType::F8E4M3`]) takes 0.53, 0.28 or 0.5 of
-//!   f16's bytes: appends quantize (host rows on the CPU, GPU rows in the slab-write kernel), attention
+//! - Quantized storage ([`DType::Q8_0`], [`DType::Q4_0`], [`DType::F8E4M3`], [`DType::F8E5M2`]) takes
+//!   0.53, 0.28 or 0.5 of f16's bytes: appends quantize (host rows on the CPU, GPU rows in the slab-write kernel), attention
 //!   and reads dequantize, and every adapter stores the bits the CPU twin computes. The layout and the
 //!   rounding are documented on [`DType`], `kvgpu::reference` has the twins. Slots may be stored in
 //!   types of their own ([`CacheSpec::with_slot_dtype`]: keys in q8_0, values in q4_0), and fp8 slots

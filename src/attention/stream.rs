@@ -451,31 +451,31 @@ impl Gen {
                 line!(self, "}}");
             }
             DType::F8E5M2 => {
-                // e5m2: the top byte of an f16, converted as f16 (exact, subnormals included).
+                // e5m2 (the top byte of an f16): rebias normal exponents, scale subnormals; 0x7c is
+                // infinity and 0x7d-0x7f NaN (with either sign).
                 line!(self, "fn e5m2x4(b: vec4<u32>) -> vec4<f32> {{");
-                line!(self, "    let h = b << vec4<u32>(8u);");
-                line!(self, "    let ex = h & vec4<u32>(0x7c00u);");
                 line!(
                     self,
-                    "    let sign = (h & vec4<u32>(0x8000u)) << vec4<u32>(16u);"
+                    "    let sign = (b & vec4<u32>(0x80u)) << vec4<u32>(24u);"
                 );
+                line!(self, "    let em = b & vec4<u32>(0x7fu);");
                 line!(
                     self,
-                    "    let mag = (h & vec4<u32>(0x7fffu)) << vec4<u32>(13u);"
+                    "    let normal = bitcast<vec4<f32>>(sign | ((em << vec4<u32>(21u)) + vec4<u32>(112u << 23u)));"
                 );
-                line!(
-                    self,
-                    "    let normal = bitcast<vec4<f32>>(sign | select(mag + vec4<u32>(112u << 23u), mag | vec4<u32>(0x7f800000u), ex == vec4<u32>(0x7c00u)));"
-                );
-                line!(
-                    self,
-                    "    let tiny = vec4<f32>(h & vec4<u32>(0x3ffu)) * 5.9604644775390625e-8;"
-                );
+                line!(self, "    let tiny = vec4<f32>(em) * 1.52587890625e-5;");
                 line!(
                     self,
                     "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
                 );
-                line!(self, "    return select(normal, sub, ex == vec4<u32>(0u));");
+                line!(
+                    self,
+                    "    let special = bitcast<vec4<f32>>(sign | vec4<u32>(0x7f800000u) | ((em & vec4<u32>(3u)) << vec4<u32>(21u)));"
+                );
+                line!(
+                    self,
+                    "    return select(select(normal, sub, em < vec4<u32>(4u)), special, em >= vec4<u32>(0x7cu));"
+                );
                 line!(self, "}}");
             }
             DType::F8E4M3 => {
