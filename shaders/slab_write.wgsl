@@ -275,44 +275,33 @@ fn finite_at(row: u32, e: u32) -> f32 {
     return bitcast<f32>(select(b, (b & 0x80000000u) | 0x7f7fffffu, a == 0x7f800000u));
 }
 
-// fp8 e4m3 of f32 bits: nearest even, saturating at +-448, NaN kept (as `f32_to_e4m3` in codec.rs).
-fn f32_to_e4m3(b: u32) -> u32 {
+// fp8 of f32 bits, as `f32_to_fp8` in src/codec.rs: round to nearest even, saturating at the largest
+// finite code `max` (infinities included), NaN kept (0x7f with the sign). The format: f32 bits of its
+// smallest normal, the rebias of its exponent, the mantissa bits f32 has beyond it, and the shift
+// base of its subnormals. The dtype's are constants, so each pipeline folds them.
+fn f32_to_fp8(b: u32, min_normal: u32, rebias: u32, drop: u32, max: u32, sub: i32) -> u32 {
     let sign = (b >> 24u) & 0x80u;
     let a = b & 0x7fffffffu;
     if a > 0x7f800000u {
         return sign | 0x7fu;
     }
-    if a >= 0x43e00000u {
-        return sign | 0x7eu;
+    if a >= min_normal {
+        let n = a - (rebias << 23u);
+        return sign | min((n + ((1u << (drop - 1u)) - 1u) + ((n >> drop) & 1u)) >> drop, max);
     }
-    if a >= 0x3c800000u {
-        let n = a - (120u << 23u);
-        return sign | min((n + 0x7ffffu + ((n >> 20u) & 1u)) >> 20u, 0x7eu);
-    }
-    let shift = u32(clamp(141 - i32(a >> 23u), 1, 31));
+    let shift = u32(clamp(sub - i32(a >> 23u), 1, 31));
     let full = (a & 0x007fffffu) | 0x00800000u;
     let round_bit = 1u << (shift - 1u);
     let up = select(0u, 1u, (full & round_bit) != 0u && (full & (3u * round_bit - 1u)) != 0u);
     return sign | ((full >> shift) + up);
 }
 
-// fp8 e5m2 of f32 bits, as src/codec.rs computes it: round to nearest even, saturating at +-57344
-// (infinities included), NaN kept (0x7f with the sign).
-fn f32_to_e5m2(b: u32) -> u32 {
-    let sign = (b >> 24u) & 0x80u;
-    let a = b & 0x7fffffffu;
-    if a > 0x7f800000u {
-        return sign | 0x7fu;
+// fp8 of the destination type (e4m3: max 448; e5m2: max 57344) of f32 bits.
+fn f32_to_dst_fp8(b: u32) -> u32 {
+    if DST_DTYPE == F8E5M2 {
+        return f32_to_fp8(b, 0x38800000u, 112u, 21u, 0x7bu, 134);
     }
-    if a >= 0x38800000u {
-        let n = a - (112u << 23u);
-        return sign | min((n + 0xfffffu + ((n >> 21u) & 1u)) >> 21u, 0x7bu);
-    }
-    let shift = u32(clamp(134 - i32(a >> 23u), 1, 31));
-    let full = (a & 0x007fffffu) | 0x00800000u;
-    let round_bit = 1u << (shift - 1u);
-    let up = select(0u, 1u, (full & round_bit) != 0u && (full & (3u * round_bit - 1u)) != 0u);
-    return sign | ((full >> shift) + up);
+    return f32_to_fp8(b, 0x3c800000u, 120u, 20u, 0x7eu, 141);
 }
 
 // f16 bits of a block scale: saturating at +-65504, and a zero scale is +0 whatever its sign.
@@ -431,11 +420,7 @@ fn main_quant(@builtin(global_invocation_id) gid: vec3<u32>) {
                     if p.inv_scale != 0u && (x & 0x7fffffffu) <= 0x7f800000u {
                         x = bitcast<u32>(bitcast<f32>(x) * bitcast<f32>(p.inv_scale));
                     }
-                    if DST_DTYPE == F8E5M2 {
-                        out |= f32_to_e5m2(x) << (8u * j);
-                    } else {
-                        out |= f32_to_e4m3(x) << (8u * j);
-                    }
+                    out |= f32_to_dst_fp8(x) << (8u * j);
                 }
             }
             put(base + k, out, len);

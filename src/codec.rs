@@ -262,29 +262,64 @@ pub fn round_trip_rows(values: &[f32], dtype: DType, row_elems: usize) -> Vec<f3
     decode_rows(&pack_rows(&bits, dtype, row_elems), dtype, row_elems)
 }
 
-/// fp8 e4m3 ("fn": no infinities) of `x`: round to nearest even, saturating at +-448 (infinities
-/// included), NaN kept (`0x7f` with the sign). Integer arithmetic on the bits, as the kernel does.
-fn f32_to_e4m3(x: f32) -> u32 {
+/// Where an 8-bit float's fields lie against f32's, for [`f32_to_fp8`].
+struct Fp8Format {
+    /// f32 bits of the smallest normal.
+    min_normal: u32,
+    /// `127 - bias`: the rebias of a normal exponent.
+    rebias: u32,
+    /// Mantissa bits f32 has beyond the format's.
+    drop: u32,
+    /// The largest finite code.
+    max: u32,
+    /// `150 - bias - mantissa bits + 1`: a subnormal's shift is this minus the f32 exponent.
+    sub: i32,
+}
+
+/// e4m3 ("fn": no infinities, max 448) and e5m2 (max 57344).
+const E4M3: Fp8Format = Fp8Format {
+    min_normal: 0x3c80_0000,
+    rebias: 120,
+    drop: 20,
+    max: 0x7e,
+    sub: 141,
+};
+const E5M2: Fp8Format = Fp8Format {
+    min_normal: 0x3880_0000,
+    rebias: 112,
+    drop: 21,
+    max: 0x7b,
+    sub: 134,
+};
+
+/// fp8 of `x`: round to nearest even, saturating at the largest finite code (infinities included,
+/// and everything that rounds past it), NaN kept (`0x7f` with the sign). Integer arithmetic on the
+/// bits, as the kernel does (`shaders/slab_write.wgsl`).
+fn f32_to_fp8(x: f32, f: &Fp8Format) -> u32 {
     let b = x.to_bits();
     let sign = (b >> 24) & 0x80;
     let a = b & 0x7fff_ffff;
     if a > 0x7f80_0000 {
         return sign | 0x7f;
     }
-    if a >= 0x43e0_0000 {
-        return sign | 0x7e;
+    if a >= f.min_normal {
+        // Normal: rebias the exponent, round to nearest even on the last bit kept.
+        let n = a - (f.rebias << 23);
+        let half = (1 << (f.drop - 1)) - 1;
+        return sign | ((n + half + ((n >> f.drop) & 1)) >> f.drop).min(f.max);
     }
-    if a >= 0x3c80_0000 {
-        // Normal (|x| >= 2^-6): rebias the exponent from 127 to 7, round to nearest even on bit 20.
-        let n = a - (120 << 23);
-        return sign | ((n + 0x7ffff + ((n >> 20) & 1)) >> 20).min(0x7e);
-    }
-    // Subnormal: |x| * 2^9 rounded to nearest even; a carry to 8 is the smallest normal.
-    let shift = (141 - (a >> 23) as i32).clamp(1, 31) as u32;
+    // Subnormal: |x| in units of the smallest subnormal, rounded to nearest even; a carry into the
+    // exponent is the smallest normal.
+    let shift = (f.sub - (a >> 23) as i32).clamp(1, 31) as u32;
     let full = (a & 0x007f_ffff) | 0x0080_0000;
     let round_bit = 1u32 << (shift - 1);
     let up = (full & round_bit) != 0 && (full & (3 * round_bit - 1)) != 0;
     sign | ((full >> shift) + up as u32)
+}
+
+/// fp8 e4m3 of `x`: saturating at +-448.
+fn f32_to_e4m3(x: f32) -> u32 {
+    f32_to_fp8(x, &E4M3)
 }
 
 /// The f32 value of an fp8 e4m3 byte (exact).
@@ -301,27 +336,9 @@ fn e4m3_to_f32(b: u32) -> f32 {
     f32::from_bits(sign | ((e + 120) << 23) | (m << 20))
 }
 
-/// fp8 e5m2 of `x`: round to nearest even, saturating at +-57344 (infinities included), NaN kept
-/// (`0x7f` with the sign). Integer arithmetic on the bits, as the kernel does.
+/// fp8 e5m2 of `x`: saturating at +-57344.
 fn f32_to_e5m2(x: f32) -> u32 {
-    let b = x.to_bits();
-    let sign = (b >> 24) & 0x80;
-    let a = b & 0x7fff_ffff;
-    if a > 0x7f80_0000 {
-        return sign | 0x7f;
-    }
-    if a >= 0x3880_0000 {
-        // Normal (|x| >= 2^-14): rebias the exponent from 127 to 15, round to nearest even on bit 21;
-        // anything from 61440 up (infinity included) rounds past 57344 and saturates there.
-        let n = a - (112 << 23);
-        return sign | ((n + 0xf_ffff + ((n >> 21) & 1)) >> 21).min(0x7b);
-    }
-    // Subnormal: |x| * 2^16 rounded to nearest even; a carry to 4 is the smallest normal.
-    let shift = (134 - (a >> 23) as i32).clamp(1, 31) as u32;
-    let full = (a & 0x007f_ffff) | 0x0080_0000;
-    let round_bit = 1u32 << (shift - 1);
-    let up = (full & round_bit) != 0 && (full & (3 * round_bit - 1)) != 0;
-    sign | ((full >> shift) + up as u32)
+    f32_to_fp8(x, &E5M2)
 }
 
 /// The f32 value of an fp8 e5m2 byte (exact: the byte is the top half of an f16).
@@ -832,17 +849,17 @@ mod tests {
         }
     }
 
-    /// fp8 e4m3 against a search over every finite code: the nearest, ties to the even code,
-    /// saturating at 448.
-    #[test]
-    fn e4m3_rounds_to_the_nearest_even_code_and_saturates() {
-        let codes: Vec<(u32, f64)> = (0..0x7f).map(|b| (b, e4m3_to_f32(b) as f64)).collect();
-        assert_eq!(e4m3_to_f32(0x7e), 448.0);
-        assert_eq!(e4m3_to_f32(0x01), 1.0 / 512.0);
-        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
-        let mut xs = any_floats(20_000, 7);
-        xs.extend(crate::reference::pseudo_random(8, 20_000, 500.0));
-        // Every midpoint between neighbouring codes, and a hair either side.
+    /// An fp8 encoder against a search over its `finite` codes (`decode`d): the nearest, ties to
+    /// the even code, saturating at the largest; on `xs` and on every midpoint between neighbouring
+    /// codes and a hair either side.
+    fn nearest_even_codes(
+        encode: fn(f32) -> u32,
+        decode: fn(u32) -> f32,
+        finite: u32,
+        mut xs: Vec<f32>,
+    ) {
+        let codes: Vec<(u32, f64)> = (0..finite).map(|b| (b, decode(b) as f64)).collect();
+        let max = codes[codes.len() - 1].1;
         for w in codes.windows(2) {
             let mid = ((w[0].1 + w[1].1) / 2.0) as f32;
             xs.extend([
@@ -852,7 +869,7 @@ mod tests {
             ]);
         }
         for x in xs {
-            let a = (x as f64).abs().min(448.0);
+            let a = (x as f64).abs().min(max);
             let best = codes
                 .iter()
                 .min_by(|p, q| {
@@ -861,8 +878,18 @@ mod tests {
                 })
                 .unwrap();
             let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-            assert_eq!(f32_to_e4m3(x), best.0 | sign, "{x}");
+            assert_eq!(encode(x), best.0 | sign, "{x}");
         }
+    }
+
+    #[test]
+    fn e4m3_rounds_to_the_nearest_even_code_and_saturates() {
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 1.0 / 512.0);
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        let mut xs = any_floats(20_000, 7);
+        xs.extend(crate::reference::pseudo_random(8, 20_000, 500.0));
+        nearest_even_codes(f32_to_e4m3, e4m3_to_f32, 0x7f, xs);
         assert_eq!(f32_to_e4m3(f32::INFINITY), 0x7e);
         assert_eq!(f32_to_e4m3(f32::NEG_INFINITY), 0xfe);
         assert_eq!(f32_to_e4m3(-f32::NAN), 0xff);
@@ -870,8 +897,6 @@ mod tests {
 
     #[test]
     fn e5m2_rounds_to_the_nearest_even_code_and_saturates() {
-        // Finite codes only (0x7c is infinity, 0x7d-0x7f NaN).
-        let codes: Vec<(u32, f64)> = (0..0x7c).map(|b| (b, e5m2_to_f32(b) as f64)).collect();
         assert_eq!(e5m2_to_f32(0x7b), 57344.0);
         assert_eq!(e5m2_to_f32(0x01), 1.0 / 65536.0);
         assert_eq!(e5m2_to_f32(0x3c), 1.0);
@@ -879,26 +904,8 @@ mod tests {
         let mut xs = any_floats(20_000, 9);
         xs.extend(crate::reference::pseudo_random(10, 20_000, 60_000.0));
         xs.extend(crate::reference::pseudo_random(11, 20_000, 1e-4));
-        for w in codes.windows(2) {
-            let mid = ((w[0].1 + w[1].1) / 2.0) as f32;
-            xs.extend([
-                mid,
-                f32::from_bits(mid.to_bits() + 1),
-                f32::from_bits(mid.to_bits() - 1),
-            ]);
-        }
-        for x in xs {
-            let a = (x as f64).abs().min(57344.0);
-            let best = codes
-                .iter()
-                .min_by(|p, q| {
-                    let (dp, dq) = ((p.1 - a).abs(), (q.1 - a).abs());
-                    dp.partial_cmp(&dq).unwrap().then((p.0 & 1).cmp(&(q.0 & 1)))
-                })
-                .unwrap();
-            let sign = if x.is_sign_negative() { 0x80 } else { 0 };
-            assert_eq!(f32_to_e5m2(x), best.0 | sign, "{x}");
-        }
+        // Finite codes only (0x7c is infinity, 0x7d-0x7f NaN).
+        nearest_even_codes(f32_to_e5m2, e5m2_to_f32, 0x7c, xs);
         assert_eq!(f32_to_e5m2(f32::INFINITY), 0x7b);
         assert_eq!(f32_to_e5m2(f32::NEG_INFINITY), 0xfb);
         assert_eq!(f32_to_e5m2(-f32::NAN), 0xff);

@@ -450,64 +450,10 @@ impl Gen {
                 line!(self, "    return select(mag, -mag, (h & 0x8000u) != 0u);");
                 line!(self, "}}");
             }
-            DType::F8E5M2 => {
-                // e5m2 (the top byte of an f16): rebias normal exponents, scale subnormals; 0x7c is
-                // infinity and 0x7d-0x7f NaN (with either sign).
-                line!(self, "fn e5m2x4(b: vec4<u32>) -> vec4<f32> {{");
-                line!(
-                    self,
-                    "    let sign = (b & vec4<u32>(0x80u)) << vec4<u32>(24u);"
-                );
-                line!(self, "    let em = b & vec4<u32>(0x7fu);");
-                line!(
-                    self,
-                    "    let normal = bitcast<vec4<f32>>(sign | ((em << vec4<u32>(21u)) + vec4<u32>(112u << 23u)));"
-                );
-                line!(self, "    let tiny = vec4<f32>(em) * 1.52587890625e-5;");
-                line!(
-                    self,
-                    "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
-                );
-                line!(
-                    self,
-                    "    let special = bitcast<vec4<f32>>(sign | vec4<u32>(0x7f800000u) | ((em & vec4<u32>(3u)) << vec4<u32>(21u)));"
-                );
-                line!(
-                    self,
-                    "    return select(select(normal, sub, em < vec4<u32>(4u)), special, em >= vec4<u32>(0x7cu));"
-                );
-                line!(self, "}}");
-            }
-            DType::F8E4M3 => {
-                // e4m3: rebias normal exponents, scale subnormals; 0x7f (with either sign) is NaN.
-                line!(self, "fn e4m3x4(b: vec4<u32>) -> vec4<f32> {{");
-                line!(
-                    self,
-                    "    let sign = (b & vec4<u32>(0x80u)) << vec4<u32>(24u);"
-                );
-                line!(self, "    let em = b & vec4<u32>(0x7fu);");
-                line!(
-                    self,
-                    "    let normal = bitcast<vec4<f32>>(sign | ((em << vec4<u32>(20u)) + vec4<u32>(120u << 23u)));"
-                );
-                line!(
-                    self,
-                    "    let tiny = vec4<f32>(em & vec4<u32>(7u)) * 0.001953125;"
-                );
-                line!(
-                    self,
-                    "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
-                );
-                line!(
-                    self,
-                    "    let nan = bitcast<vec4<f32>>(sign | vec4<u32>(0x7fc00000u));"
-                );
-                line!(
-                    self,
-                    "    return select(select(normal, sub, em < vec4<u32>(8u)), nan, em == vec4<u32>(0x7fu));"
-                );
-                line!(self, "}}");
-            }
+            // e4m3: 0x7f (with either sign) is NaN. e5m2, the top byte of an f16: 0x7c is infinity,
+            // 0x7d-0x7f NaN.
+            DType::F8E4M3 => self.fp8x4("e4m3x4", 20, 120, 7, "0.001953125", 8, 0x7f),
+            DType::F8E5M2 => self.fp8x4("e5m2x4", 21, 112, 3, "1.52587890625e-5", 4, 0x7c),
             DType::BF16 => {
                 line!(
                     self,
@@ -554,6 +500,49 @@ impl Gen {
                 );
             }
         }
+    }
+
+    /// An fp8 unpacking of four bytes (exact): normal codes rebiased (mantissa at bit `shift`,
+    /// exponent bias `127 - rebias`), subnormals (below `sub_limit`) as their mantissa (`mask`) times
+    /// `tiny`, and the codes from `special` up infinity or NaN.
+    #[allow(clippy::too_many_arguments)]
+    fn fp8x4(
+        &mut self,
+        name: &str,
+        shift: u32,
+        rebias: u32,
+        mask: u32,
+        tiny: &str,
+        sub_limit: u32,
+        special: u32,
+    ) {
+        line!(self, "fn {name}(b: vec4<u32>) -> vec4<f32> {{");
+        line!(
+            self,
+            "    let sign = (b & vec4<u32>(0x80u)) << vec4<u32>(24u);"
+        );
+        line!(self, "    let em = b & vec4<u32>(0x7fu);");
+        line!(
+            self,
+            "    let normal = bitcast<vec4<f32>>(sign | ((em << vec4<u32>({shift}u)) + vec4<u32>({rebias}u << 23u)));"
+        );
+        line!(
+            self,
+            "    let tiny = vec4<f32>(em & vec4<u32>({mask}u)) * {tiny};"
+        );
+        line!(
+            self,
+            "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
+        );
+        line!(
+            self,
+            "    let special = bitcast<vec4<f32>>(sign | vec4<u32>(0x7f800000u) | ((em & vec4<u32>({mask}u)) << vec4<u32>({shift}u)));"
+        );
+        line!(
+            self,
+            "    return select(select(normal, sub, em < vec4<u32>({sub_limit}u)), special, em >= vec4<u32>({special:#x}u));"
+        );
+        line!(self, "}}");
     }
 
     fn in_bounds(&mut self, a: &Slice, b: &Slice, v: &Slice) {
@@ -804,6 +793,19 @@ mod tests {
     use super::*;
     use crate::kernels::wgsl::{PRELUDE, ROWS};
 
+    /// naga parses and validates the kernel of `key`, or the test fails with its message.
+    fn validate(key: &StreamKey) {
+        let text = source(key, PRELUDE, ROWS);
+        let module = naga::front::wgsl::parse_str(&text)
+            .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&text)));
+        naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&text)));
+    }
+
     /// naga parses and validates every kernel the planner can ask for over a grid of shapes: both
     /// sums, every lane count and head batch within the planner's register budget, f32 and 16-bit
     /// storage, partial last steps, GQA and MLA.
@@ -856,17 +858,7 @@ mod tests {
                                     rows,
                                     narrow,
                                 };
-                                let text = source(&key, PRELUDE, ROWS);
-                                let module =
-                                    naga::front::wgsl::parse_str(&text).unwrap_or_else(|e| {
-                                        panic!("{key:?}: {}", e.emit_to_string(&text))
-                                    });
-                                naga::valid::Validator::new(
-                                    naga::valid::ValidationFlags::all(),
-                                    naga::valid::Capabilities::all(),
-                                )
-                                .validate(&module)
-                                .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&text)));
+                                validate(&key);
                                 checked += 1;
                             }
                         }
@@ -915,15 +907,7 @@ mod tests {
                         rows,
                         narrow,
                     };
-                    let text = source(&key, PRELUDE, ROWS);
-                    let module = naga::front::wgsl::parse_str(&text)
-                        .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&text)));
-                    naga::valid::Validator::new(
-                        naga::valid::ValidationFlags::all(),
-                        naga::valid::Capabilities::all(),
-                    )
-                    .validate(&module)
-                    .unwrap_or_else(|e| panic!("{key:?}: {}", e.emit_to_string(&text)));
+                    validate(&key);
                     checked += 1;
                 }
             }

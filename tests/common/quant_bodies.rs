@@ -328,6 +328,25 @@ pub async fn quantized_caches_take_the_bytes_they_promise(_g: &Gpu) {
     }
 }
 
+/// Plain GPU slabs of `dtype` elements: `buffers[s]` shaped `shapes[s]`.
+fn gpu_slabs<'a>(
+    buffers: &'a [wgpu::Buffer],
+    dtype: DType,
+    shapes: &'a [Vec<usize>],
+) -> Vec<GpuSlab<'a>> {
+    buffers
+        .iter()
+        .zip(shapes)
+        .map(|(buffer, shape)| GpuSlab {
+            buffer,
+            dtype,
+            offset: 0,
+            shape,
+            strides: None,
+        })
+        .collect()
+}
+
 /// Slots of one cache in six storage types (K and V of a layer differ, as do an MLA layer's latent
 /// and rope key; the fp8 rope key scaled so that most values saturate): host appends, GPU appends of
 /// f32 and f16 sources, and a pool's batches (scattered by one dispatch per slot, and run by run),
@@ -420,16 +439,8 @@ pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
                 trailing(l).iter().map(|t| [&[n][..], t].concat()).collect();
             if gpu {
                 let buffers = sources(&data, from).await;
-                let slabs: Vec<GpuSlab> = (0..2)
-                    .map(|s| GpuSlab {
-                        buffer: &buffers[s],
-                        dtype: from,
-                        offset: 0,
-                        shape: &shapes[s],
-                        strides: None,
-                    })
-                    .collect();
-                c.append_gpu(l, &slabs).unwrap();
+                c.append_gpu(l, &gpu_slabs(&buffers, from, &shapes))
+                    .unwrap();
             } else {
                 let slabs: Vec<HostSlab> = (0..2)
                     .map(|s| HostSlab::f32(&data[s], &shapes[s]))
@@ -472,15 +483,7 @@ pub async fn mixed_storage_takes_every_append_path(g: &Gpu) {
                     trailing(l).iter().map(|t| [&[6][..], t].concat()).collect();
                 if gpu {
                     let buffers = sources(&data, F32).await;
-                    let slabs: Vec<GpuSlab> = (0..2)
-                        .map(|s| GpuSlab {
-                            buffer: &buffers[s],
-                            dtype: F32,
-                            offset: 0,
-                            shape: &shapes[s],
-                            strides: None,
-                        })
-                        .collect();
+                    let slabs = gpu_slabs(&buffers, F32, &shapes);
                     p.append_gpu_batch(l, &batch, &slabs).unwrap();
                 } else {
                     let slabs: Vec<HostSlab> = (0..2)
