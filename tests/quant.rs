@@ -1,4 +1,4 @@
-//! Quantized storage (q8_0, q4_0, fp8 e4m3) on the adapter chosen by `WGPU_BACKEND`: every append path
+//! Quantized storage (q8_0, q4_0, fp8 e4m3 and e5m2) on the adapter chosen by `WGPU_BACKEND`: every append path
 //! against the CPU twin bit for bit, edge inputs included, the checks of specs and sources, and GQA and
 //! MLA attention over them, also with K and V in different storage types. The bodies live in `common/quant_bodies.rs` and
 //! `common/attention_bodies.rs`; the browser suite (`tests/web.rs`) runs the same ones. Pools and
