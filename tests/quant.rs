@@ -1,8 +1,9 @@
-//! Quantized storage (q8_0, q4_0, fp8 e4m3 and e5m2) on the adapter chosen by `WGPU_BACKEND`: every append path
-//! against the CPU twin bit for bit, edge inputs included, the checks of specs and sources, and GQA and
-//! MLA attention over them, also with K and V in different storage types. The bodies live in `common/quant_bodies.rs` and
-//! `common/attention_bodies.rs`; the browser suite (`tests/web.rs`) runs the same ones. Pools and
-//! snapshots of quantized storage are tested with the others (`tests/paged.rs`, `tests/snapshot.rs`).
+//! Quantized storage (q8_0, q4_0, fp8 e4m3 and e5m2) on the adapter chosen by `WGPU_BACKEND`: every
+//! append path against the CPU twin bit for bit, edge inputs included, the checks of specs and
+//! sources, and GQA and MLA attention over them, also with K and V in different storage types and
+//! scaled fp8. The bodies live in `common/quant_bodies.rs` and `common/attention_bodies.rs`; the
+//! browser suite (`tests/web.rs`) runs the same ones. Pools and snapshots of quantized storage are
+//! tested with the others (`tests/paged.rs`, `tests/snapshot.rs`).
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
