@@ -165,10 +165,9 @@ impl CacheSpec {
                 slot.dtype = None;
             }
         }
-        let typed = |slot: &SlotSpec| slot.dtype.unwrap_or(dtype);
         for (l, layer) in layers.iter().enumerate() {
             for (s, slot) in layer.slots.iter().enumerate() {
-                let dtype = typed(slot);
+                let dtype = Self::stored(slot, dtype);
                 if slot.trailing.contains(&0) {
                     return invalid(SpecProblem::ZeroDimension {
                         layer: l,
@@ -231,7 +230,9 @@ impl CacheSpec {
             .iter()
             .flat_map(|l| &l.slots)
             .try_fold(0u64, |acc, s| {
-                acc.checked_add(padded_row_bytes(s.row_elems(), typed(s)) * max_seq_len as u64)
+                acc.checked_add(
+                    padded_row_bytes(s.row_elems(), Self::stored(s, dtype)) * max_seq_len as u64,
+                )
             });
         if total.is_none_or(|t| t > u64::MAX / 4) {
             return invalid(SpecProblem::TotalTooLarge {
@@ -322,7 +323,7 @@ impl CacheSpec {
 
     /// The storage type of one slot.
     pub fn slot_dtype(&self, layer: usize, slot: usize) -> Result<DType> {
-        Ok(Self::stored(self.slot(layer, slot)?, self.dtype))
+        Ok(self.dtype_of(self.slot(layer, slot)?))
     }
 
     /// The scale of one slot's fp8 values ([`SlotSpec::scale`]).
@@ -342,8 +343,7 @@ impl CacheSpec {
 
     /// Whether any slot is stored in another type than the cache's.
     pub fn is_mixed(&self) -> bool {
-        self.slots()
-            .any(|s| Self::stored(s, self.dtype) != self.dtype)
+        self.slots().any(|s| self.dtype_of(s) != self.dtype)
     }
 
     /// This spec with every slot named `name` (in every layer) stored as `dtype`: keys in one type and
@@ -400,7 +400,7 @@ impl CacheSpec {
     /// Stored bytes of one row of a slot (padded to 4 bytes).
     pub fn row_bytes(&self, layer: usize, slot: usize) -> Result<u64> {
         let s = self.slot(layer, slot)?;
-        Ok(padded_row_bytes(s.row_elems(), Self::stored(s, self.dtype)))
+        Ok(padded_row_bytes(s.row_elems(), self.dtype_of(s)))
     }
 
     /// Bytes of a whole slot buffer: row bytes times capacity.
@@ -416,14 +416,14 @@ impl CacheSpec {
         })?;
         Ok(l.slots
             .iter()
-            .map(|s| padded_row_bytes(s.row_elems(), Self::stored(s, self.dtype)))
+            .map(|s| padded_row_bytes(s.row_elems(), self.dtype_of(s)))
             .sum())
     }
 
     /// Bytes one token takes across all layers.
     pub fn bytes_per_token(&self) -> u64 {
         self.slots()
-            .map(|s| padded_row_bytes(s.row_elems(), Self::stored(s, self.dtype)))
+            .map(|s| padded_row_bytes(s.row_elems(), self.dtype_of(s)))
             .sum()
     }
 

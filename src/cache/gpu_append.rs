@@ -148,6 +148,7 @@ impl KvCache {
         let sb = &self.slots[layer][slot];
         Destination {
             storage: sb.dtype,
+            inv_scale: sb.inv_scale_bits(),
             row_elems: sb.row_elems,
             row_bytes: sb.placement.row_bytes,
             min_offset_alignment: self.min_storage_offset_alignment,
@@ -287,7 +288,6 @@ impl KvCache {
                 let (groups, stride) = grid(outputs, self.max_workgroups);
                 params.thread_stride = stride;
                 params.dst_word_offset = (dst_offset / 4) as u32;
-                params.inv_scale = sb.inv_scale_bits();
                 let pipeline = self.kernels.write(slab.dtype, storage, vec4, false);
                 let params = self.ring.push(&self.queue, &params);
                 let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {

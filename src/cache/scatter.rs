@@ -64,7 +64,6 @@ impl KvCache {
                     dst_dtype: self.slots[layer][slot].dtype,
                     params: WriteParams {
                         map_word: (upload.offset / 4) as u32,
-                        inv_scale: self.slots[layer][slot].inv_scale_bits(),
                         ..params
                     },
                     vec4,

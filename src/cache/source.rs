@@ -26,6 +26,8 @@ pub(crate) struct Source<'a> {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Destination {
     pub storage: DType,
+    /// A scaled fp8 slot: the bits of `1 / scale` its writes multiply by; 0 for any other slot.
+    pub inv_scale: u32,
     pub row_elems: usize,
     pub row_bytes: u64,
     pub min_offset_alignment: u64,
@@ -217,6 +219,7 @@ pub(crate) fn plan_source(
         row_elems: dst.row_elems as u32,
         row_words: row_words as u32,
         rank: dims.len() as u32,
+        inv_scale: dst.inv_scale,
         ..Default::default()
     };
     for (k, (n, s)) in dims.into_iter().enumerate() {
@@ -241,6 +244,7 @@ mod tests {
     fn dst(storage: DType, row_elems: usize) -> Destination {
         Destination {
             storage,
+            inv_scale: 0,
             row_elems,
             row_bytes: (row_elems * storage.size()).div_ceil(4) as u64 * 4,
             min_offset_alignment: 256,
