@@ -258,8 +258,24 @@ pub(crate) async fn read_range(
 /// works on these bytes (an export checksums and writes one slot while the next is read back).
 pub(crate) struct Readback {
     staging: wgpu::Buffer,
+    size: u64,
     index: wgpu::SubmissionIndex,
     mapped: Receiver<std::result::Result<(), wgpu::BufferAsyncError>>,
+}
+
+/// The bytes a readback of `ranges` `(offset, size)` copies.
+pub(crate) fn ranges_bytes(ranges: &[(u64, u64)]) -> u64 {
+    ranges.iter().map(|r| r.1).sum()
+}
+
+/// A staging buffer of `size` bytes for readbacks.
+pub(crate) fn staging_buffer(device: &wgpu::Device, size: u64) -> wgpu::Buffer {
+    device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("kvgpu readback"),
+        size,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
 }
 
 impl Readback {
@@ -271,16 +287,26 @@ impl Readback {
         buffer: &wgpu::Buffer,
         ranges: &[(u64, u64)],
     ) -> std::result::Result<Option<Self>, String> {
-        let size: u64 = ranges.iter().map(|r| r.1).sum();
+        let size = ranges_bytes(ranges);
         if size == 0 {
             return Ok(None);
         }
-        let staging = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("kvgpu readback"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let staging = staging_buffer(device, size);
+        Self::start_in(device, queue, buffer, ranges, staging)
+            .await
+            .map(Some)
+    }
+
+    /// [`Readback::start`] into `staging`, an unmapped buffer from [`staging_buffer`] of at least the
+    /// ranges' bytes (a buffer used again saves the host from paging in new memory for every copy).
+    pub(crate) async fn start_in(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        buffer: &wgpu::Buffer,
+        ranges: &[(u64, u64)],
+        staging: wgpu::Buffer,
+    ) -> std::result::Result<Self, String> {
+        let size = ranges_bytes(ranges);
         // Recorded in an error scope, so a buffer of another device is an error here, not a wgpu
         // panic (or a silent zero read inside an error scope of the app's). The scope is awaited:
         // in a browser it answers only in a later task.
@@ -299,12 +325,13 @@ impl Readback {
         }
         let index = queue.submit([commands]);
         let (tx, mapped) = oneshot();
-        staging.map_async(wgpu::MapMode::Read, .., move |r| tx.send(r));
-        Ok(Some(Self {
+        staging.map_async(wgpu::MapMode::Read, ..size, move |r| tx.send(r));
+        Ok(Self {
             staging,
+            size,
             index,
             mapped,
-        }))
+        })
     }
 
     /// Waits for this readback alone (not for work submitted after it) and hands its bytes to `f`.
@@ -313,6 +340,11 @@ impl Readback {
         device: &wgpu::Device,
         f: impl FnOnce(&[u8]) -> T,
     ) -> std::result::Result<T, String> {
+        self.mapped(device).await?.read(f)
+    }
+
+    /// Waits for this readback alone (not for work submitted after it) until its bytes are mapped.
+    pub(crate) async fn mapped(self, device: &wgpu::Device) -> std::result::Result<Mapped, String> {
         #[cfg(not(target_arch = "wasm32"))]
         device
             .poll(wgpu::PollType::Wait {
@@ -323,15 +355,34 @@ impl Readback {
         #[cfg(target_arch = "wasm32")]
         let _ = (device, self.index);
         self.mapped.await.map_err(|e| e.to_string())?;
-        let out = {
-            let view = self
-                .staging
-                .get_mapped_range(..)
-                .map_err(|e| e.to_string())?;
-            f(&view)
-        };
+        Ok(Mapped {
+            staging: self.staging,
+            size: self.size,
+        })
+    }
+}
+
+/// The bytes of a finished [`Readback`], mapped on the host until [`Mapped::release`] (or a drop,
+/// which frees the staging buffer with them).
+pub(crate) struct Mapped {
+    staging: wgpu::Buffer,
+    size: u64,
+}
+
+impl Mapped {
+    /// Hands the bytes to `f`.
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&[u8]) -> T) -> std::result::Result<T, String> {
+        let view = self
+            .staging
+            .get_mapped_range(..self.size)
+            .map_err(|e| e.to_string())?;
+        Ok(f(&view))
+    }
+
+    /// Unmaps the bytes and gives the staging buffer back for another readback.
+    pub(crate) fn release(self) -> wgpu::Buffer {
         self.staging.unmap();
-        Ok(out)
+        self.staging
     }
 }
 

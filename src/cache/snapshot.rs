@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use super::KvCache;
 use super::staged::StagedRows;
 use crate::codec::used_row_bytes;
-use crate::device::Readback;
+use crate::device::{Mapped, Readback, ranges_bytes, staging_buffer};
 use crate::error::{Error, Result, SnapshotProblem};
 use crate::ledger::AppendPlan;
 use crate::placement::Run;
@@ -30,42 +30,130 @@ impl SlotRows<'_> {
     }
 }
 
-/// Starts the readback of one slot's rows.
+/// Starts the readback of one slot's rows into `staging` (or a new buffer of `size` bytes, the
+/// largest slot's); `None` when it has none.
 async fn start_slot(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
     s: &SlotRows<'_>,
+    staging: Option<wgpu::Buffer>,
+    size: u64,
 ) -> Result<Option<Readback>> {
-    Readback::start(device, queue, s.buffer, &s.ranges)
+    if ranges_bytes(&s.ranges) == 0 {
+        return Ok(None);
+    }
+    let staging = staging.unwrap_or_else(|| staging_buffer(device, size));
+    Readback::start_in(device, queue, s.buffer, &s.ranges, staging)
         .await
+        .map(Some)
         .map_err(|reason| s.refused(reason))
 }
 
-/// Reads back each slot's rows in turn and hands them to `writer`; the next slot's copy runs
-/// while one is checksummed and written, so at most two slots' rows are held (mapped) at once.
+/// Waits until a slot's readback is mapped.
+async fn mapped(
+    device: &wgpu::Device,
+    s: &SlotRows<'_>,
+    readback: Option<Readback>,
+) -> Result<Option<Mapped>> {
+    match readback {
+        Some(r) => r.mapped(device).await.map(Some).map_err(|e| s.refused(e)),
+        None => Ok(None),
+    }
+}
+
+/// Checksums and writes one slot's mapped rows.
+fn write_slot<W: Write + ?Sized>(
+    writer: &mut SnapshotWriter<'_, W>,
+    s: &SlotRows<'_>,
+    rows: Option<&Mapped>,
+) -> Result<()> {
+    match rows {
+        Some(rows) => rows
+            .read(|rows| writer.rows(rows))
+            .map_err(|reason| s.refused(reason))?,
+        None => Ok(()),
+    }
+}
+
+/// Reads back each slot's rows in turn and hands them to `writer`: the next slot's copy runs while
+/// one is checksummed and written, so at most two slots' rows are held (mapped) at once, in two
+/// staging buffers for the whole export (a new buffer for each slot costs the host page faults and
+/// unmaps of its memory).
 pub(crate) async fn write_slots<W: Write + ?Sized>(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
     writer: &mut SnapshotWriter<'_, W>,
     slots: &[SlotRows<'_>],
 ) -> Result<()> {
+    let size = slots
+        .iter()
+        .map(|s| ranges_bytes(&s.ranges))
+        .max()
+        .unwrap_or(0);
+    #[cfg(not(target_arch = "wasm32"))]
+    if device.adapter_info().backend == wgpu::Backend::Gl {
+        return write_slots_beside(device, queue, writer, slots, size);
+    }
+    let mut free = Vec::new();
     let mut next = match slots.first() {
-        Some(s) => start_slot(device, queue, s).await?,
+        Some(s) => start_slot(device, queue, s, None, size).await?,
         None => None,
     };
     for (i, s) in slots.iter().enumerate() {
-        let current = next.take();
+        let rows = mapped(device, s, next.take()).await?;
         if let Some(following) = slots.get(i + 1) {
-            next = start_slot(device, queue, following).await?;
+            next = start_slot(device, queue, following, free.pop(), size).await?;
         }
-        if let Some(readback) = current {
-            readback
-                .finish(device, |rows| writer.rows(rows))
-                .await
-                .map_err(|reason| s.refused(reason))??;
-        }
+        write_slot(writer, s, rows.as_ref())?;
+        free.extend(rows.map(Mapped::release));
     }
     Ok(())
+}
+
+/// [`write_slots`] for wgpu's GL backend, which copies on the thread that submits (where Vulkan
+/// copies on a queue of its own): a second thread reads the next slot back while this one checksums
+/// and writes the current one. The written rows go back to it, and their staging buffer takes the
+/// next slot but one.
+#[cfg(not(target_arch = "wasm32"))]
+fn write_slots_beside<W: Write + ?Sized>(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    writer: &mut SnapshotWriter<'_, W>,
+    slots: &[SlotRows<'_>],
+    size: u64,
+) -> Result<()> {
+    use std::sync::mpsc::{channel, sync_channel};
+    std::thread::scope(|scope| {
+        // No buffer: the thread maps the next slot, then waits until this one is written.
+        let (tx, rx) = sync_channel(0);
+        let (done_tx, done) = channel::<Mapped>();
+        scope.spawn(move || {
+            let mut free = Vec::new();
+            for s in slots {
+                free.extend(done.try_iter().map(Mapped::release));
+                let rows = pollster::block_on(async {
+                    let readback = start_slot(device, queue, s, free.pop(), size).await?;
+                    mapped(device, s, readback).await
+                });
+                let failed = rows.is_err();
+                // The receiver is gone when the writer stopped on an error of its own.
+                if tx.send(rows).is_err() || failed {
+                    break;
+                }
+            }
+            done.iter().for_each(drop);
+        });
+        for s in slots {
+            let rows = rx
+                .recv()
+                .map_err(|_| s.refused("the thread reading the rows back stopped".to_string()))??;
+            write_slot(writer, s, rows.as_ref())?;
+            if let Some(rows) = rows {
+                let _ = done_tx.send(rows);
+            }
+        }
+        Ok(())
+    })
 }
 
 impl KvCache {

@@ -185,6 +185,72 @@ pub async fn snapshots_round_trip_bit_for_bit(g: &Gpu) {
     }
 }
 
+/// A writer that takes `left` bytes and then fails, as a full disk does.
+struct FullDisk {
+    kept: Vec<u8>,
+    left: usize,
+}
+
+impl std::io::Write for FullDisk {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.left == 0 {
+            return Err(std::io::Error::other("disk full"));
+        }
+        let n = buf.len().min(self.left);
+        self.kept.extend_from_slice(&buf[..n]);
+        self.left -= n;
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An export into a writer that fails part way (in the header, in the rows of the first, a middle
+/// and the last slot, in the checksum) stops with the writer's error after writing what it took, and
+/// leaves nothing behind: the cache and a pool sequence export the same bytes again.
+pub async fn a_failing_writer_stops_the_export(g: &Gpu) {
+    let mut rng = Xorshift::new(31);
+    let spec = CacheSpec::new(
+        vec![
+            LayerSpec::kv(2, 8, 5),
+            LayerSpec::empty(),
+            LayerSpec::mla(7, 3),
+        ],
+        DType::F16,
+        24,
+    )
+    .unwrap();
+    let mut c = cache_on(g, spec.clone());
+    fill(&mut c, 20, &mut rng);
+    let bytes = c.snapshot_async().await.unwrap();
+    let mut p = pool(g, spec, 4, 6);
+    let seq = p.import_sequence(&bytes).unwrap();
+    let from_pool = p.snapshot_sequence_async(seq).await.unwrap();
+    for whole in [&bytes, &from_pool] {
+        let n = whole.len();
+        for left in [0, 10, n / 3, n / 2, 3 * n / 4, n - 2] {
+            let mut out = FullDisk {
+                kept: Vec::new(),
+                left,
+            };
+            let e = if whole == &bytes {
+                c.export_async(&mut out).await.unwrap_err()
+            } else {
+                p.export_sequence_async(seq, &mut out).await.unwrap_err()
+            };
+            assert!(
+                matches!(&e, Error::Snapshot { problem: SnapshotProblem::Write { reason } }
+                    if reason == "disk full"),
+                "{left} of {n} bytes: {e}"
+            );
+            assert_eq!(out.kept, whole[..left], "{left} of {n} bytes");
+        }
+    }
+    assert_eq!(c.snapshot_async().await.unwrap(), bytes);
+    assert_eq!(p.snapshot_sequence_async(seq).await.unwrap(), from_pool);
+}
+
 const PAGE: usize = 4;
 
 fn attention_spec(dtype: DType) -> CacheSpec {
