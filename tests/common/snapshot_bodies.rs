@@ -496,6 +496,17 @@ pub async fn refused_snapshots_change_nothing(g: &Gpu) {
                 "dtype",
             ));
         }
+        if dtype.is_fp8() {
+            // The same types, but K scaled: a snapshot scaled otherwise is refused like another type.
+            let scaled = attention_spec(dtype).with_slot_scale(0, 0, 2.5).unwrap();
+            let mut c = cache_on(g, scaled);
+            fill(&mut c, 2, &mut rng);
+            cases.push((
+                "K scaled by 2.5".into(),
+                c.snapshot_async().await.unwrap(),
+                "scale",
+            ));
+        }
         // attention_spec with a narrower latent slot.
         let mut layers = attention_spec(dtype).layers().to_vec();
         layers[2].slots[0].trailing[0] -= dtype.block().unwrap_or(1);
@@ -534,6 +545,15 @@ pub async fn refused_snapshots_change_nothing(g: &Gpu) {
                     ),
                     "trailing" => matches!(p, SnapshotProblem::TrailingBytes { .. }),
                     "dtype" => matches!(p, SnapshotProblem::DType { .. }),
+                    "scale" => matches!(
+                        p,
+                        SnapshotProblem::Scale {
+                            layer: 0,
+                            slot: 0,
+                            snapshot: Some(2.5),
+                            cache: None,
+                        }
+                    ),
                     _ => matches!(
                         p,
                         SnapshotProblem::SlotShape {
