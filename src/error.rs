@@ -100,6 +100,14 @@ pub enum Error {
         len: usize,
     },
 
+    /// `publish_prefix(seq, tokens)` with more tokens than the sequence has committed rows.
+    #[error("cannot publish {tokens} tokens of {seq}: it has only {len} committed rows")]
+    PrefixBeyondLength {
+        seq: SeqId,
+        tokens: usize,
+        len: usize,
+    },
+
     /// A paged pool's page table cannot hold another sequence within one storage binding.
     #[error(
         "the pool holds {most} sequences, the most its page table can hold in one storage binding; \

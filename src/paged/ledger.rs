@@ -6,6 +6,12 @@
 //! `r % page_size` of it. A page shared by several sequences (after a fork) is never written: a write
 //! into it first gives the writer a private copy of the rows it can see (copy-on-write), so the rows
 //! the other sequences see never change.
+//!
+//! Full pages can also be published under the tokens their rows hold ([`PageLedger::publish`]): the
+//! ledger keeps them, as one more holder, in a trie whose nodes are pages keyed by their parent page
+//! and their own tokens, so that a new sequence whose tokens start the same way starts from those
+//! pages ([`PageLedger::add_with_prefix`]) after its sequence is gone. Pages only the trie holds go
+//! back to the pool when evicted, least recently used first.
 
 use std::collections::BTreeMap;
 
@@ -68,6 +74,25 @@ pub struct PageLedger {
     free: Vec<u32>,
     seqs: BTreeMap<SeqId, Sequence>,
     next_id: u32,
+    prefixes: Prefixes,
+}
+
+/// Published pages: see the module docs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Prefixes {
+    /// `(parent page, the page's tokens)` to the page.
+    by_key: BTreeMap<(Option<u32>, Vec<u32>), u32>,
+    nodes: BTreeMap<u32, PrefixNode>,
+    /// Counts publications and matches, for least recently used first.
+    clock: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PrefixNode {
+    parent: Option<u32>,
+    tokens: Vec<u32>,
+    children: usize,
+    used: u64,
 }
 
 impl PageLedger {
@@ -82,6 +107,7 @@ impl PageLedger {
             free: (0..n_pages as u32).rev().collect(),
             seqs: BTreeMap::new(),
             next_id: 0,
+            prefixes: Prefixes::default(),
         }
     }
 
@@ -115,7 +141,8 @@ impl PageLedger {
         self.seqs.keys().copied()
     }
 
-    /// Sequences holding `page` (0 for a free page).
+    /// Holders of `page`: the sequences whose tables name it, and the published prefixes when it is one
+    /// of theirs (0 for a free page).
     pub fn page_refs(&self, page: u32) -> Option<u32> {
         self.refs.get(page as usize).copied()
     }
@@ -370,6 +397,151 @@ impl PageLedger {
         s.pending[plan.layer] += plan.n_new;
     }
 
+    /// Publishes the full pages of `seq` that hold `tokens` (the token ids of its first
+    /// `tokens.len()` committed rows, as the app says), so that [`PageLedger::add_with_prefix`] can
+    /// start later sequences from them; the published pages stay in the pool, held by the ledger,
+    /// after `seq` is gone. A page whose tokens follow a published prefix that already has a page for
+    /// them is not published twice. Returns the rows of `tokens` that are published now (whole pages;
+    /// a partly filled last page is not). Publishing stops, with what it did, at a page of `seq` that
+    /// is published already under other tokens.
+    pub(crate) fn publish(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        let s = self.seq(seq)?;
+        if tokens.len() > s.len {
+            return Err(Error::PrefixBeyondLength {
+                seq,
+                tokens: tokens.len(),
+                len: s.len,
+            });
+        }
+        let pages = s.pages[..tokens.len() / self.page_size].to_vec();
+        let mut parent = None;
+        let mut published = 0;
+        for (own, chunk) in pages.into_iter().zip(tokens.chunks_exact(self.page_size)) {
+            let key = (parent, chunk.to_vec());
+            let page = match self.prefixes.by_key.get(&key) {
+                Some(&page) => page,
+                None if self.prefixes.nodes.contains_key(&own) => break,
+                None => {
+                    self.prefixes.by_key.insert(key, own);
+                    self.prefixes.nodes.insert(
+                        own,
+                        PrefixNode {
+                            parent,
+                            tokens: chunk.to_vec(),
+                            children: 0,
+                            used: 0,
+                        },
+                    );
+                    if let Some(node) = parent.and_then(|p| self.prefixes.nodes.get_mut(&p)) {
+                        node.children += 1;
+                    }
+                    self.refs[own as usize] += 1;
+                    own
+                }
+            };
+            self.touch(page);
+            parent = Some(page);
+            published += self.page_size;
+        }
+        Ok(published)
+    }
+
+    /// Marks a published page as used now.
+    fn touch(&mut self, page: u32) {
+        self.prefixes.clock += 1;
+        if let Some(node) = self.prefixes.nodes.get_mut(&page) {
+            node.used = self.prefixes.clock;
+        }
+    }
+
+    /// The published pages of the longest published prefix of `tokens`, in order.
+    pub(crate) fn published_prefix(&self, tokens: &[u32]) -> Vec<u32> {
+        let mut pages = Vec::new();
+        let limit = self.max_seq_len / self.page_size;
+        for chunk in tokens.chunks_exact(self.page_size).take(limit) {
+            match self
+                .prefixes
+                .by_key
+                .get(&(pages.last().copied(), chunk.to_vec()))
+            {
+                Some(&page) => pages.push(page),
+                None => break,
+            }
+        }
+        pages
+    }
+
+    /// A new sequence holding the longest published prefix of `tokens` (whole pages, shared as a
+    /// fork shares them), and its length in rows.
+    pub(crate) fn add_with_prefix(&mut self, tokens: &[u32]) -> Result<(SeqId, usize)> {
+        let pages = self.published_prefix(tokens);
+        let seq = self.add()?;
+        for &page in &pages {
+            self.refs[page as usize] += 1;
+            self.touch(page);
+        }
+        let len = pages.len() * self.page_size;
+        let s = self.seqs.get_mut(&seq).expect("just added");
+        s.pages = pages;
+        s.len = len;
+        Ok((seq, len))
+    }
+
+    /// Published pages, held by sequences or not.
+    pub fn published_pages(&self) -> usize {
+        self.prefixes.nodes.len()
+    }
+
+    /// Published pages no sequence holds: pages [`PageLedger::evict_prefixes`] can return to the
+    /// pool (once the pages published after them on the same prefix are gone).
+    pub fn cached_pages(&self) -> usize {
+        self.prefixes
+            .nodes
+            .keys()
+            .filter(|&&p| self.refs[p as usize] == 1)
+            .count()
+    }
+
+    /// Returns up to `n` published pages that no sequence holds to the pool, least recently used
+    /// first; a page goes only after the pages published after it on the same prefix. Returns how
+    /// many went.
+    pub(crate) fn evict_prefixes(&mut self, n: usize) -> usize {
+        use std::cmp::Reverse;
+        use std::collections::BinaryHeap;
+        let evictable = |l: &Self, page: u32| {
+            l.prefixes.nodes[&page].children == 0 && l.refs[page as usize] == 1
+        };
+        let mut heap: BinaryHeap<Reverse<(u64, u32)>> = self
+            .prefixes
+            .nodes
+            .iter()
+            .filter(|&(&p, _)| evictable(self, p))
+            .map(|(&p, node)| Reverse((node.used, p)))
+            .collect();
+        let mut evicted = 0;
+        while evicted < n {
+            let Some(Reverse((_, page))) = heap.pop() else {
+                break;
+            };
+            let node = self.prefixes.nodes.remove(&page).expect("in the trie");
+            self.prefixes.by_key.remove(&(node.parent, node.tokens));
+            self.release(page);
+            evicted += 1;
+            if let Some(parent) = node.parent {
+                let p = self
+                    .prefixes
+                    .nodes
+                    .get_mut(&parent)
+                    .expect("parents outlive children");
+                p.children -= 1;
+                if evictable(self, parent) {
+                    heap.push(Reverse((self.prefixes.nodes[&parent].used, parent)));
+                }
+            }
+        }
+        evicted
+    }
+
     /// Whether appending `n` more rows to every layer of each `(seq, n)` fits at once, pages and
     /// lengths both; a sequence named twice takes the sum of its counts. Changes nothing.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
@@ -483,9 +655,53 @@ mod tests {
         }
     }
 
-    /// Every invariant of the ledger, and every sequence's rows read through its page table.
-    fn check(l: &PageLedger, pool: &Pool, model: &BTreeMap<SeqId, Vec<Vec<u64>>>) {
+    /// Published token prefixes (whole pages) and the rows of every layer they hold.
+    type Published = BTreeMap<Vec<u32>, Vec<Vec<u64>>>;
+
+    /// Every invariant of the ledger, every sequence's rows read through its page table, and every
+    /// published prefix's rows read through its pages.
+    fn check(
+        l: &PageLedger,
+        pool: &Pool,
+        model: &BTreeMap<SeqId, Vec<Vec<u64>>>,
+        published: &Published,
+    ) {
         let mut refs = vec![0u32; l.n_pages()];
+        let t = &l.prefixes;
+        for (&page, node) in &t.nodes {
+            refs[page as usize] += 1;
+            assert_eq!(
+                t.by_key[&(node.parent, node.tokens.clone())],
+                page,
+                "trie key"
+            );
+            assert_eq!(node.tokens.len(), l.page_size);
+            let children = t.nodes.values().filter(|n| n.parent == Some(page)).count();
+            assert_eq!(node.children, children, "children of {page}");
+            assert!(node.parent.is_none_or(|p| t.nodes.contains_key(&p)));
+        }
+        assert_eq!(t.by_key.len(), t.nodes.len());
+        for (tokens, rows) in published {
+            let pages = l.published_prefix(tokens);
+            assert_eq!(
+                pages.len() * l.page_size,
+                tokens.len(),
+                "published {tokens:?}"
+            );
+            for (layer, rows) in rows.iter().enumerate() {
+                if l.shapes[layer].is_empty() {
+                    continue;
+                }
+                for (r, v) in rows.iter().enumerate() {
+                    let at = pages[r / l.page_size] as usize * l.page_size + r % l.page_size;
+                    assert_eq!(
+                        pool.get(&(layer, at)),
+                        Some(v),
+                        "published layer {layer} row {r}"
+                    );
+                }
+            }
+        }
         for (&id, s) in &l.seqs {
             let top = (0..l.n_layers())
                 .filter(|&layer| !l.shapes[layer].is_empty())
@@ -539,15 +755,17 @@ mod tests {
         let shapes = slot_shapes_of(&spec);
         let slot_layers: Vec<usize> = (0..3).filter(|&l| !shapes[l].is_empty()).collect();
         let mut out_of_pages = 0;
+        let mut matched = 0;
         for seed in 1..=40u64 {
             let mut rng = crate::reference::Xorshift::new(seed);
             let mut l = PageLedger::new(&spec, page_size, n_pages);
             let mut pool = Pool::new();
             let mut model: BTreeMap<SeqId, Vec<Vec<u64>>> = BTreeMap::new();
+            let mut published = Published::new();
             let mut counter = 0u64;
             let mut refused = 0;
             let mut out_of_pages_seen = false;
-            for _ in 0..600 {
+            for _ in 0..800 {
                 let ids: Vec<SeqId> = model.keys().copied().collect();
                 // Mostly live sequences; sometimes one never added.
                 let pick = |rng: &mut crate::reference::Xorshift| {
@@ -558,7 +776,14 @@ mod tests {
                     }
                 };
                 let before = l.clone();
-                let result = match rng.below(12) {
+                // The token ids of a sequence's rows: its layer-0 values (each row's is unique).
+                let tokens_of = |model: &BTreeMap<SeqId, Vec<Vec<u64>>>, seq: SeqId, n: usize| {
+                    let rows = model.get(&seq).map_or(&[][..], |m| &m[0][..]);
+                    (0..n)
+                        .map(|r| rows.get(r).map_or(u32::MAX, |&v| v as u32))
+                        .collect::<Vec<u32>>()
+                };
+                let result = match rng.below(15) {
                     0 => l.add().map(|id| {
                         model.insert(id, vec![Vec::new(); 3]);
                     }),
@@ -650,8 +875,71 @@ mod tests {
                             l.advance(seq, pending).unwrap();
                         }
                         // A refused step may have changed earlier layers: check, then move on.
-                        check(&l, &pool, &model);
+                        check(&l, &pool, &model, &published);
                         continue;
+                    }
+                    12 => {
+                        // Publish some of a sequence's committed rows (sometimes more than it has).
+                        let seq = pick(&mut rng);
+                        let len = l.len(seq).unwrap_or(0);
+                        let tokens = tokens_of(&model, seq, rng.below(len + 2));
+                        l.publish(seq, &tokens).map(|rows| {
+                            assert_eq!(rows % page_size, 0);
+                            assert!(rows <= tokens.len() / page_size * page_size);
+                            for end in (page_size..=rows).step_by(page_size) {
+                                let held: Vec<Vec<u64>> = model[&seq]
+                                    .iter()
+                                    .map(|r| r[..end.min(r.len())].to_vec())
+                                    .collect();
+                                let old = published.insert(tokens[..end].to_vec(), held.clone());
+                                assert!(old.is_none_or(|o| o == held), "same tokens, other rows");
+                            }
+                        })
+                    }
+                    13 => {
+                        // A sequence from a published prefix, a live sequence's tokens, or new ones.
+                        let mut tokens = match rng.below(3) {
+                            0 if !published.is_empty() => {
+                                let keys: Vec<&Vec<u32>> = published.keys().collect();
+                                keys[rng.below(keys.len())].clone()
+                            }
+                            1 => {
+                                let seq = pick(&mut rng);
+                                let len = l.len(seq).unwrap_or(0);
+                                tokens_of(&model, seq, len)
+                            }
+                            _ => Vec::new(),
+                        };
+                        tokens.extend((0..rng.below(2 * page_size)).map(|_| rng.below(3) as u32));
+                        let want = (0..=tokens.len() / page_size)
+                            .rev()
+                            .map(|k| k * page_size)
+                            .find(|&n| n == 0 || published.contains_key(&tokens[..n]))
+                            .unwrap();
+                        l.add_with_prefix(&tokens).map(|(id, len)| {
+                            assert_eq!(len, want, "seed {seed}: the longest published prefix");
+                            matched += usize::from(len > 0);
+                            let rows = match len {
+                                0 => vec![Vec::new(); 3],
+                                _ => published[&tokens[..len]].clone(),
+                            };
+                            model.insert(id, rows);
+                        })
+                    }
+                    14 => {
+                        let n = rng.below(4);
+                        let (free, cached) = (l.free_pages(), l.cached_pages());
+                        let evicted = l.evict_prefixes(n);
+                        assert!(evicted <= n.min(cached));
+                        assert_eq!(l.free_pages(), free + evicted);
+                        assert_eq!(l.cached_pages(), cached - evicted);
+                        if evicted < n {
+                            assert_eq!(l.clone().evict_prefixes(1), 0, "an evictable page left");
+                        }
+                        published.retain(|tokens, _| {
+                            l.published_prefix(tokens).len() * page_size == tokens.len()
+                        });
+                        Ok(())
                     }
                     _ => {
                         // Admission says whether every layer can take n more rows; the appends agree.
@@ -704,22 +992,123 @@ mod tests {
                     out_of_pages_seen |= matches!(e, Error::OutOfPages { .. });
                     assert_eq!(l, before, "seed {seed}: a refusal changed the ledger: {e}");
                 }
-                check(&l, &pool, &model);
+                check(&l, &pool, &model, &published);
             }
             assert!(refused > 10, "seed {seed}: only {refused} refusals");
             out_of_pages += usize::from(out_of_pages_seen);
             for id in model.keys() {
                 l.remove(*id).unwrap();
             }
+            assert_eq!(l.cached_pages(), l.published_pages());
+            let held = l.published_pages();
+            assert_eq!(l.evict_prefixes(usize::MAX), held, "seed {seed}");
+            assert_eq!(l.published_pages(), 0);
             assert_eq!(l.free_pages(), n_pages, "seed {seed}: pages leaked");
         }
         // The runs reached the interesting states: private copies, and a full pool.
         let copies = COPIES.with(|c| c.get());
-        eprintln!("{copies} page copies; {out_of_pages} of 40 runs ran out of pages");
-        assert!(
-            copies > 100 && out_of_pages > 10,
-            "{copies} copies, {out_of_pages} full pools"
+        eprintln!(
+            "{copies} page copies; {out_of_pages} of 40 runs ran out of pages; {matched} sequences \
+             started from published pages"
         );
+        assert!(
+            copies > 100 && out_of_pages > 10 && matched > 100,
+            "{copies} copies, {out_of_pages} full pools, {matched} sequences from published pages"
+        );
+    }
+
+    /// Appends `n` rows to every layer with slots of `seq` and commits them.
+    fn grow(l: &mut PageLedger, seq: SeqId, n: usize) {
+        for layer in [0, 2] {
+            let s: Vec<Vec<usize>> = l.shapes[layer]
+                .iter()
+                .map(|t| [&[n][..], t].concat())
+                .collect();
+            let plan = l.plan_append(seq, layer, 2, |i| &s[i]).unwrap();
+            l.commit_append(&plan);
+        }
+        l.advance(seq, n).unwrap();
+    }
+
+    #[test]
+    fn published_prefixes_outlive_their_sequence_and_go_least_recently_used_first() {
+        let mut l = PageLedger::new(&spec(64), 4, 10);
+        let a = l.add().unwrap();
+        grow(&mut l, a, 10);
+        assert_eq!(l.pages(a).unwrap(), &[0, 1, 2]);
+        // Token ids of a's rows: two whole pages and a partly filled one.
+        let ta = [1, 2, 3, 4, 9, 9, 9, 9, 5, 5];
+        let before = l.clone();
+        assert_eq!(
+            l.publish(a, &[ta.as_slice(), &[5]].concat()),
+            Err(Error::PrefixBeyondLength {
+                seq: a,
+                tokens: 11,
+                len: 10
+            })
+        );
+        assert_eq!(l, before);
+        assert_eq!(l.publish(a, &ta), Ok(8));
+        assert_eq!((l.published_pages(), l.cached_pages()), (2, 0));
+        assert_eq!((l.page_refs(0), l.page_refs(2)), (Some(2), Some(1)));
+        // Again: nothing more is published.
+        assert_eq!(l.publish(a, &ta), Ok(8));
+        assert_eq!(l.published_pages(), 2);
+
+        // Another sequence whose second page has the same tokens after another first page.
+        let b = l.add().unwrap();
+        grow(&mut l, b, 8);
+        assert_eq!(l.pages(b).unwrap(), &[3, 4]);
+        assert_eq!(l.publish(b, &[7, 7, 7, 7, 9, 9, 9, 9]), Ok(8));
+        // A sequence with a's first page: its second is found, and b's pages are not published twice.
+        let c = l.fork(a, 8).unwrap();
+        assert_eq!(l.publish(c, &ta[..8]), Ok(8));
+        assert_eq!(l.published_pages(), 4);
+        // A page of b's already published under b's tokens ends a publication under others.
+        assert_eq!(l.publish(b, &[7, 7, 7, 7, 8, 8, 8, 8]), Ok(4));
+        assert_eq!(l.publish(b, &[6, 6, 6, 6]), Ok(0));
+
+        l.remove(a).unwrap();
+        l.remove(b).unwrap();
+        l.remove(c).unwrap();
+        assert_eq!((l.cached_pages(), l.free_pages()), (4, 6));
+
+        // The longest published prefix, through the right parent.
+        let (d, len) = l.add_with_prefix(&[7, 7, 7, 7, 9, 9, 9, 9, 1]).unwrap();
+        assert_eq!((len, l.pages(d).unwrap()), (8, &[3, 4][..]));
+        let (e, len) = l.add_with_prefix(&[1, 2, 3, 4, 9, 9, 9, 8]).unwrap();
+        assert_eq!((len, l.pages(e).unwrap()), (4, &[0][..]));
+        let (f, len) = l.add_with_prefix(&[1, 2, 3]).unwrap();
+        assert_eq!((len, l.pages(f).unwrap()), (0, &[][..]));
+        assert_eq!(l.cached_pages(), 1, "page 1 alone is held by no sequence");
+        // A write into a published page copies it, as a write into a forked page does.
+        l.truncate(e, 2).unwrap();
+        let s: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
+        let plan = l.plan_append(e, 0, 2, |i| &s[i]).unwrap();
+        assert_eq!(plan.copies.len(), 1);
+        l.commit_append(&plan);
+        assert_eq!(l.page_refs(0), Some(1));
+
+        // Eviction: leaves no sequence holds, least recently used first. Page 1 (a's second, last
+        // used when c published) goes first; then page 4 and its parent 3 (matched by d), before
+        // page 0 (matched by e after d), which a page published after it kept until page 1 went.
+        l.remove(d).unwrap();
+        let free = l.free_pages();
+        assert_eq!(l.cached_pages(), 4);
+        assert_eq!(l.evict_prefixes(1), 1);
+        assert_eq!(l.page_refs(1), Some(0));
+        assert_eq!(l.evict_prefixes(2), 2);
+        assert_eq!(
+            (l.page_refs(4), l.page_refs(3), l.page_refs(0)),
+            (Some(0), Some(0), Some(1))
+        );
+        assert_eq!(l.free_pages(), free + 3);
+        // A page a sequence holds stays.
+        let (g, len) = l.add_with_prefix(&ta).unwrap();
+        assert_eq!((len, l.cached_pages(), l.evict_prefixes(9)), (4, 0, 0));
+        l.remove(g).unwrap();
+        assert_eq!(l.evict_prefixes(9), 1);
+        assert_eq!((l.published_pages(), l.cached_pages()), (0, 0));
     }
 
     #[test]

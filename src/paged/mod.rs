@@ -331,6 +331,51 @@ impl PagedCache {
         Ok(child)
     }
 
+    /// Publishes the whole pages of `seq` that hold `tokens`, the token ids of its first committed
+    /// rows, for [`PagedCache::add_sequence_with_prefix`]: a later request whose tokens start the same
+    /// way starts from those pages instead of computing their rows again, also after `seq` is removed
+    /// (the pool keeps published pages until [`PagedCache::evict_prefixes`] returns them). Returns the
+    /// rows of `tokens` published now: whole pages, a partly filled last page is not. Nothing is
+    /// copied or written on the GPU.
+    ///
+    /// The pool does not see tokens: `tokens` must be what the rows were computed from. Pages of
+    /// tokens already published (by another sequence with the same prefix) are not published twice,
+    /// and publishing stops, with what it did, at a page of `seq` already published under other
+    /// tokens. More tokens than committed rows is [`Error::PrefixBeyondLength`], and publishes
+    /// nothing.
+    pub fn publish_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        self.ledger.publish(seq, tokens)
+    }
+
+    /// A new sequence that starts from the longest published prefix of `tokens` (see
+    /// [`PagedCache::publish_prefix`]), sharing its pages as [`PagedCache::fork`] does, and its length
+    /// in rows: a multiple of the page size, 0 when no page matches. The app appends the rows of
+    /// `tokens[len..]`. An app that needs the output of a prompt's last token passes the prompt
+    /// without it, so that at least that token is computed again.
+    pub fn add_sequence_with_prefix(&mut self, tokens: &[u32]) -> Result<(SeqId, usize)> {
+        let row = self.take_table_row()?;
+        let (seq, len) = self
+            .ledger
+            .add_with_prefix(tokens)
+            .inspect_err(|_| self.free_rows.push(row))?;
+        self.table_rows.insert(seq, row);
+        self.write_table(seq, 0);
+        Ok((seq, len))
+    }
+
+    /// Returns up to `n` published pages that no sequence holds to the pool, least recently published
+    /// or matched first (a page goes only after the pages published after it on the same prefix);
+    /// returns how many went. `evict_prefixes(usize::MAX)` returns every page no sequence holds.
+    pub fn evict_prefixes(&mut self, n: usize) -> usize {
+        self.ledger.evict_prefixes(n)
+    }
+
+    /// Published pages no sequence holds: kept for later requests, and returned to the pool by
+    /// [`PagedCache::evict_prefixes`]. They are not [`PagedCache::free_pages`].
+    pub fn cached_pages(&self) -> usize {
+        self.ledger.cached_pages()
+    }
+
     /// Rolls `seq` back to `new_len` committed rows in O(1), dropping pending rows; pages past the new
     /// end return to the pool (their bytes stay until overwritten).
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
