@@ -14,4 +14,5 @@ common::shared_tests!(paged_bodies:
     batched_appends_match_one_by_one,
     many_sequences_grow_the_page_table,
     scattered_appends_take_every_source,
+    published_prefixes_start_sequences_from_their_pages,
 );

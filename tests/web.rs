@@ -133,6 +133,7 @@ browser_tests!(paged_bodies:
     batched_appends_match_one_by_one,
     many_sequences_grow_the_page_table,
     scattered_appends_take_every_source,
+    published_prefixes_start_sequences_from_their_pages,
 );
 
 // tests/snapshot.rs (its Vulkan-to-OpenGL test is native only; here snapshots move between two

@@ -1505,3 +1505,177 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
         assert_eq!(c.pages_in_use(), pages, "{dtype}: {rounds} steps");
     }
 }
+
+/// Published prefixes, for every storage type: a sequence's whole pages published under its tokens
+/// outlive it; sequences started from the longest published prefix of their tokens read its rows
+/// (bit for bit, and through GQA and MLA attention as one ragged batch against the twins), grow from
+/// there, and copy a published page before writing into it, which leaves the published rows as they
+/// were. Publishing more tokens than rows is refused and changes nothing; evicting every page no
+/// sequence holds gives the pool back whole.
+pub async fn published_prefixes_start_sequences_from_their_pages(g: &Gpu) {
+    const N_KV: usize = 2;
+    const HEADS: usize = 4;
+    const PAGE_ROWS: usize = 5;
+    for dtype in DType::STORAGE {
+        let (d, r, rope) = match dtype.block() {
+            Some(b) => (b, b, b),
+            None => (8, 16, 8),
+        };
+        let spec = CacheSpec::new(
+            vec![LayerSpec::kv(N_KV, d, d), LayerSpec::mla(r, rope)],
+            dtype,
+            32,
+        )
+        .unwrap();
+        let widths = widths_of(&spec);
+        let mut c =
+            PagedCache::with_kernels(super::kernels_for(g), spec.clone(), PAGE_ROWS, 24).unwrap();
+        let a = c.add_sequence().unwrap();
+        let ra = step(g, &mut c, a, 12, 1, false).await;
+        let tokens: Vec<u32> = (100..112).collect();
+        // Two whole pages; the third holds two rows and stays unpublished.
+        assert_eq!(c.publish_prefix(a, &tokens).unwrap(), 10, "{dtype}");
+        c.remove(a).unwrap();
+        assert_eq!((c.cached_pages(), c.free_pages()), (2, 22), "{dtype}");
+
+        let with = |head: &[u32], tail: &[u32]| [head, tail].concat();
+        // b: both pages, then its own rows; e: the first page; f: nothing published.
+        let (b, len) = c
+            .add_sequence_with_prefix(&with(&tokens[..10], &[7, 7]))
+            .unwrap();
+        assert_eq!(len, 10, "{dtype}");
+        let rb = grown(
+            &prefix(&ra, 10, &widths),
+            &step(g, &mut c, b, 3, 2, true).await,
+        );
+        let (e, len) = c.add_sequence_with_prefix(&tokens[..7]).unwrap();
+        assert_eq!(len, 5, "{dtype}");
+        let re = grown(
+            &prefix(&ra, 5, &widths),
+            &step(g, &mut c, e, 4, 3, false).await,
+        );
+        let (f, len) = c.add_sequence_with_prefix(&[1, 2, 3, 4, 5, 6]).unwrap();
+        assert_eq!(len, 0, "{dtype}");
+        let rf = step(g, &mut c, f, 6, 4, false).await;
+        // h: both pages, cut back into the second and written there: a private copy first.
+        let (h, _) = c.add_sequence_with_prefix(&tokens).unwrap();
+        c.truncate(h, 7).unwrap();
+        let rh = grown(
+            &prefix(&ra, 7, &widths),
+            &step(g, &mut c, h, 2, 5, true).await,
+        );
+        // The published rows are as a's were.
+        let (k, len) = c.add_sequence_with_prefix(&tokens).unwrap();
+        assert_eq!(len, 10, "{dtype}");
+        let rk = prefix(&ra, 10, &widths);
+        let seqs = [(b, &rb), (e, &re), (f, &rf), (h, &rh), (k, &rk)];
+        for &(seq, rows) in &seqs {
+            for (layer, rows) in rows.iter().enumerate() {
+                for (slot, want) in rows.iter().enumerate() {
+                    let got = c.read_f32_async(seq, layer, slot).await.unwrap();
+                    let same = got.len() == want.len()
+                        && got
+                            .iter()
+                            .zip(want)
+                            .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{dtype}: {seq} layer {layer} slot {slot}");
+                }
+            }
+        }
+
+        // Attention: the newest row of each sequence, one ragged batch per layer.
+        let batch: Vec<(SeqId, usize)> = seqs.iter().map(|&(s, _)| (s, 1)).collect();
+        let n = batch.len();
+        let opts = AttentionOptions::default();
+        let mut att = Attention::with_kernels(super::kernels_for(g));
+        let q = values(800, n * HEADS * d.max(r));
+        let q2 = values(801, n * HEADS * rope);
+        let (qb, q2b) = (
+            super::f32_buffer(&g.device, &q).await,
+            super::f32_buffer(&g.device, &q2).await,
+        );
+        let out = super::output(&g.device, n * HEADS * d).await;
+        att.gqa(
+            Kv::Batch(&c, &batch),
+            0,
+            Queries::new(&qb, n, HEADS, d),
+            &out,
+            &opts,
+        )
+        .unwrap();
+        let got = super::read_f32(g, &out).await;
+        let out2 = super::output(&g.device, n * HEADS * r).await;
+        let mla = MlaQueries {
+            latent: Queries::new(&qb, n, HEADS, r),
+            rope: Queries::new(&q2b, n, HEADS, rope),
+        };
+        att.mla(Kv::Batch(&c, &batch), 1, mla, &out2, &opts)
+            .unwrap();
+        let got2 = super::read_f32(g, &out2).await;
+        for (i, &(seq, rows)) in seqs.iter().enumerate() {
+            let qi = &q[i * HEADS * d..(i + 1) * HEADS * d];
+            let want = reference::attention_gqa(
+                qi,
+                [1, HEADS, d],
+                &rows[0][0],
+                &rows[0][1],
+                N_KV,
+                d,
+                &opts,
+            );
+            let part = &got[i * HEADS * d..(i + 1) * HEADS * d];
+            super::assert_close(part, &want, &format!("{dtype}: {seq} GQA"));
+            let (ql, qr) = (
+                &q[i * HEADS * r..(i + 1) * HEADS * r],
+                &q2[i * HEADS * rope..(i + 1) * HEADS * rope],
+            );
+            let want = reference::attention_mla(
+                ql,
+                qr,
+                [1, HEADS, r],
+                &rows[1][0],
+                &rows[1][1],
+                rope,
+                &opts,
+            );
+            let part = &got2[i * HEADS * r..(i + 1) * HEADS * r];
+            super::assert_close(part, &want, &format!("{dtype}: {seq} MLA"));
+        }
+
+        // More tokens than rows: refused, nothing changed.
+        let mut words = Vec::new();
+        for (layer, slot) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+            words.push(c.read_pool_words_async(layer, slot).await.unwrap());
+        }
+        let ledger = c.ledger().clone();
+        let refused = c
+            .publish_prefix(e, &with(&tokens[..5], &[0; 5]))
+            .unwrap_err();
+        assert_eq!(
+            refused,
+            Error::PrefixBeyondLength {
+                seq: e,
+                tokens: 10,
+                len: 9
+            },
+            "{dtype}"
+        );
+        assert_eq!(c.ledger(), &ledger, "{dtype}: ledger");
+        for (i, (layer, slot)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
+            let now = c.read_pool_words_async(layer, slot).await.unwrap();
+            assert_eq!(
+                now, words[i],
+                "{dtype}: pool words of layer {layer} slot {slot}"
+            );
+        }
+
+        // Every sequence gone, the published pages stay until evicted.
+        for &(seq, _) in &seqs {
+            c.remove(seq).unwrap();
+        }
+        assert_eq!(c.cached_pages(), 2, "{dtype}");
+        assert_eq!(c.evict_prefixes(usize::MAX), 2, "{dtype}");
+        assert_eq!(c.free_pages(), c.n_pages(), "{dtype}: pages leaked");
+        assert_eq!(c.add_sequence_with_prefix(&tokens).unwrap().1, 0);
+    }
+}
