@@ -67,7 +67,10 @@
 //! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
 //! fork by sharing pages (a write into a shared page copies it for the writer), truncate and removal
 //! that return pages, an admission check, and attention through the page tables over one sequence
-//! ([`Kv::Sequence`]) or a ragged batch of sequences in one dispatch pair ([`Kv::Batch`]).
+//! ([`Kv::Sequence`]) or a ragged batch of sequences in one dispatch pair ([`Kv::Batch`]). Whole pages
+//! published under the tokens they hold ([`PagedCache::publish_prefix`]) start later requests with the
+//! same prompt ([`PagedCache::add_sequence_with_prefix`]) until evicted
+//! ([`PagedCache::evict_prefixes`]).
 //!
 //! A sequence moves between processes, machines and backends as a snapshot: a versioned,
 //! checksummed byte format of its committed rows ([`KvCache::export_async`],

@@ -492,8 +492,8 @@ impl PageLedger {
         self.prefixes.nodes.len()
     }
 
-    /// Published pages no sequence holds: pages [`PageLedger::evict_prefixes`] can return to the
-    /// pool (once the pages published after them on the same prefix are gone).
+    /// Published pages no sequence holds: pages eviction can return to the pool (once the pages
+    /// published after them on the same prefix are gone).
     pub fn cached_pages(&self) -> usize {
         self.prefixes
             .nodes
