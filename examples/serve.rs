@@ -1,6 +1,7 @@
 //! Serves several requests from one paged pool, as a continuous-batching server would: a system
-//! prompt is prefilled once, every request forks it (sharing its pages), prefills its own prompt and
-//! decodes token by token next to the others. A request is admitted only when the pool says its rows
+//! prompt is prefilled once, every request forks it (sharing its pages; with `--prefix-cache` its whole
+//! pages are published and every request starts from them), prefills its own prompt and decodes token
+//! by token next to the others. A request is admitted only when the pool says its rows
 //! fit; when a decode step would not fit, the newest request is preempted (its pages freed) and
 //! restarts later. Each step appends K/V (or MLA latents) to every attention layer of every running
 //! request, then runs attention of all of them as one ragged batch per layer
@@ -78,6 +79,11 @@ struct Args {
     /// Pages in the pool, 1 to 1048576 (few pages make requests wait and get preempted)
     #[arg(long, default_value_t = 12, value_parser = |s: &str| count(s, 1 << 20))]
     pages: usize,
+    /// Publish the system prompt's whole pages under its tokens and start every request from them
+    /// (`add_sequence_with_prefix`), instead of forking a sequence that holds it: each request
+    /// computes the rows of the partly filled last page itself
+    #[arg(long)]
+    prefix_cache: bool,
 }
 
 /// One request: its sequence while it runs, and how many of its own tokens (prompt, then decoded) it
@@ -402,6 +408,18 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         args.system,
         server.pool.pages_in_use()
     );
+    // Token ids of the system prompt (the example's rows are made from (owner, position) alone).
+    let system_tokens: Vec<u32> = (0..args.system as u32).collect();
+    let mut reused = args.system;
+    if args.prefix_cache {
+        reused = server.pool.publish_prefix(system, &system_tokens)?;
+        server.pool.remove(system)?;
+        println!(
+            "prefix cache: {reused} rows of the system prompt published in {} pages; the sequence \
+             that computed them is removed",
+            server.pool.cached_pages()
+        );
+    }
 
     let t = Instant::now();
     let mut waiting: VecDeque<usize> = (0..args.requests).collect();
@@ -412,15 +430,30 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
     while !waiting.is_empty() || !running.is_empty() {
         // Admit waiting requests while their prompt fits next to the running ones' next token.
         while let Some(&id) = waiting.front() {
-            let seq = server.pool.fork(system, args.system)?;
+            let seq = if args.prefix_cache {
+                let (seq, len) = server.pool.add_sequence_with_prefix(&system_tokens)?;
+                debug_assert_eq!(len, reused);
+                seq
+            } else {
+                server.pool.fork(system, args.system)?
+            };
             let mut growth: Vec<(SeqId, usize)> = running.iter().map(|r| (r.seq, 1)).collect();
-            // Its prompt and its first decoded token, so it is not preempted by the very next step.
-            growth.push((seq, args.prompt + 1));
+            // The system prompt's rows past the published pages, its prompt and its first decoded
+            // token, so it is not preempted by the very next step.
+            growth.push((seq, args.system - reused + args.prompt + 1));
             if server.pool.admits(&growth).is_err() {
                 server.pool.remove(seq)?;
                 break;
             }
             waiting.pop_front();
+            if reused < args.system {
+                server.append(&[Segment {
+                    seq,
+                    owner: 0,
+                    from: reused,
+                    n: args.system - reused,
+                }])?;
+            }
             let prompt = [Segment {
                 seq,
                 owner: 1 + id,
@@ -438,7 +471,12 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         if running.is_empty() {
             // Not even one request fits next to the system prompt.
             return Err(kvgpu::Error::OutOfPages {
-                needed: (args.system + own).div_ceil(args.page_size),
+                needed: (args.system + own).div_ceil(args.page_size)
+                    - if args.prefix_cache {
+                        reused / args.page_size
+                    } else {
+                        0
+                    },
                 free: server.pool.free_pages(),
             });
         }
@@ -498,9 +536,14 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
     );
     println!(
         "pages: peak {peak_pages} of {}; {unshared} if every request held its own copy of the system \
-         prompt; {} in use at the end (the system prompt)",
+         prompt; {} in use at the end (the system prompt{})",
         args.pages,
-        server.pool.pages_in_use()
+        server.pool.pages_in_use(),
+        if args.prefix_cache {
+            "'s published pages"
+        } else {
+            ""
+        }
     );
     println!("time: {:.2} s", start.elapsed().as_secs_f64());
     println!(
@@ -551,6 +594,8 @@ mod tests {
             (a.pages, a.page_size, a.model),
             (3, 1, Model::DeepseekV2Lite)
         );
+        assert!(!a.prefix_cache && parse(&["--prefix-cache"]).unwrap().prefix_cache);
+        assert!(parse(&["--prefix-cache=yes"]).is_err());
     }
 
     #[test]
