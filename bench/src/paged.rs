@@ -384,9 +384,12 @@ fn fork_cost(gpu: &Gpu, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
     let parent = pool.add_sequence()?;
     fill_layer(&mut pool, parent, 0, longest)?;
     pool.advance(parent, longest)?;
+    // The parent's rows published under token ids, for starting sequences from them.
+    let tokens: Vec<u32> = (0..longest as u32).collect();
+    pool.publish_prefix(parent, &tokens)?;
     let reps = cfg.step_reps * 5;
     let pool = std::cell::RefCell::new(pool);
-    let mut times = Vec::new();
+    let (mut times, mut matched) = (Vec::new(), Vec::new());
     for &at in &prefixes {
         let mut fork = || -> Result<f64> {
             let pool = &mut *pool.borrow_mut();
@@ -395,9 +398,49 @@ fn fork_cost(gpu: &Gpu, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
             pool.remove(child)?;
             Ok(t.elapsed().as_secs_f64())
         };
-        let [t] = interleaved(cfg.warm, reps, [&mut fork])?;
+        let mut prefixed = || -> Result<f64> {
+            let pool = &mut *pool.borrow_mut();
+            let t = std::time::Instant::now();
+            let (child, len) = pool.add_sequence_with_prefix(&tokens[..at])?;
+            anyhow::ensure!(len == at, "{len} of {at} rows matched");
+            pool.remove(child)?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        let [t, p] = interleaved(cfg.warm, reps, [&mut fork, &mut prefixed])?;
         times.push(t);
+        matched.push(p);
     }
+    for (&at, &t) in prefixes.iter().zip(&matched) {
+        rows.push(
+            Row::new(
+                format!(
+                    "add_sequence_with_prefix + remove, {at} published rows ({} pages), GQA f16",
+                    at / PAGE
+                ),
+                t * 1e6,
+                "us",
+                Clock::Cpu,
+            )
+            .ratio(
+                t / times[0],
+                format!(
+                    "fork + remove at {} rows ({:.2} us)",
+                    prefixes[0],
+                    times[0] * 1e6
+                ),
+                Goal::Info,
+            ),
+        );
+    }
+    eprintln!(
+        "  add_sequence_with_prefix + remove: {}",
+        prefixes
+            .iter()
+            .zip(&matched)
+            .map(|(a, t)| format!("{a} rows {:.2} us", t * 1e6))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     for (&at, &t) in prefixes.iter().zip(&times) {
         rows.push(
             Row::new(

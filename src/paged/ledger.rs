@@ -80,11 +80,18 @@ pub struct PageLedger {
 /// Published pages: see the module docs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Prefixes {
-    /// `(parent page, the page's tokens)` to the page.
-    by_key: BTreeMap<(Option<u32>, Vec<u32>), u32>,
+    /// Parent page (`None`: the first page of a prefix), then the page's tokens, to the page.
+    by_key: BTreeMap<Option<u32>, BTreeMap<Vec<u32>, u32>>,
     nodes: BTreeMap<u32, PrefixNode>,
     /// Counts publications and matches, for least recently used first.
     clock: u64,
+}
+
+impl Prefixes {
+    /// The page published after `parent` for `tokens`.
+    fn child(&self, parent: Option<u32>, tokens: &[u32]) -> Option<u32> {
+        self.by_key.get(&parent)?.get(tokens).copied()
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -417,12 +424,12 @@ impl PageLedger {
         let mut parent = None;
         let mut published = 0;
         for (own, chunk) in pages.into_iter().zip(tokens.chunks_exact(self.page_size)) {
-            let key = (parent, chunk.to_vec());
-            let page = match self.prefixes.by_key.get(&key) {
-                Some(&page) => page,
+            let page = match self.prefixes.child(parent, chunk) {
+                Some(page) => page,
                 None if self.prefixes.nodes.contains_key(&own) => break,
                 None => {
-                    self.prefixes.by_key.insert(key, own);
+                    let siblings = self.prefixes.by_key.entry(parent).or_default();
+                    siblings.insert(chunk.to_vec(), own);
                     self.prefixes.nodes.insert(
                         own,
                         PrefixNode {
@@ -459,12 +466,8 @@ impl PageLedger {
         let mut pages = Vec::new();
         let limit = self.max_seq_len / self.page_size;
         for chunk in tokens.chunks_exact(self.page_size).take(limit) {
-            match self
-                .prefixes
-                .by_key
-                .get(&(pages.last().copied(), chunk.to_vec()))
-            {
-                Some(&page) => pages.push(page),
+            match self.prefixes.child(pages.last().copied(), chunk) {
+                Some(page) => pages.push(page),
                 None => break,
             }
         }
@@ -524,7 +527,12 @@ impl PageLedger {
                 break;
             };
             let node = self.prefixes.nodes.remove(&page).expect("in the trie");
-            self.prefixes.by_key.remove(&(node.parent, node.tokens));
+            if let Some(siblings) = self.prefixes.by_key.get_mut(&node.parent) {
+                siblings.remove(&node.tokens);
+                if siblings.is_empty() {
+                    self.prefixes.by_key.remove(&node.parent);
+                }
+            }
             self.release(page);
             evicted += 1;
             if let Some(parent) = node.parent {
@@ -671,7 +679,7 @@ mod tests {
         for (&page, node) in &t.nodes {
             refs[page as usize] += 1;
             assert_eq!(
-                t.by_key[&(node.parent, node.tokens.clone())],
+                t.child(node.parent, &node.tokens).unwrap(),
                 page,
                 "trie key"
             );
@@ -680,7 +688,11 @@ mod tests {
             assert_eq!(node.children, children, "children of {page}");
             assert!(node.parent.is_none_or(|p| t.nodes.contains_key(&p)));
         }
-        assert_eq!(t.by_key.len(), t.nodes.len());
+        assert_eq!(
+            t.by_key.values().map(|s| s.len()).sum::<usize>(),
+            t.nodes.len()
+        );
+        assert!(t.by_key.values().all(|s| !s.is_empty()));
         for (tokens, rows) in published {
             let pages = l.published_prefix(tokens);
             assert_eq!(
