@@ -490,6 +490,12 @@ impl PageLedger {
         Ok((seq, len))
     }
 
+    /// Rows of `tokens` a sequence started from them would hold now: the longest published prefix,
+    /// in whole pages.
+    pub fn published_rows(&self, tokens: &[u32]) -> usize {
+        self.published_prefix(tokens).len() * self.page_size
+    }
+
     /// Published pages, held by sequences or not.
     pub fn published_pages(&self) -> usize {
         self.prefixes.nodes.len()

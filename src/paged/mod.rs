@@ -363,6 +363,12 @@ impl PagedCache {
         Ok((seq, len))
     }
 
+    /// Rows of `tokens` that [`PagedCache::add_sequence_with_prefix`] would start a sequence with
+    /// now (the longest published prefix, in whole pages); changes nothing.
+    pub fn published_rows(&self, tokens: &[u32]) -> usize {
+        self.ledger.published_rows(tokens)
+    }
+
     /// Returns up to `n` published pages that no sequence holds to the pool, least recently published
     /// or matched first (a page goes only after the pages published after it on the same prefix);
     /// returns how many went. `evict_prefixes(usize::MAX)` returns every page no sequence holds.

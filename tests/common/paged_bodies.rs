@@ -65,16 +65,23 @@ impl ModelSeq {
 
 struct Model {
     seqs: BTreeMap<SeqId, ModelSeq>,
+    /// Published prefixes: token ids of whole pages, to the name of the prefix's last page and the
+    /// rows of the prefix.
+    published: BTreeMap<Vec<u32>, (u64, Vec<Vec<Vec<f32>>>)>,
     next_page: u64,
     row_elems: Vec<Vec<usize>>,
     /// Private copies of shared pages the appends made.
     copies: usize,
+    /// Sequences started from published pages, and published pages evicted.
+    matched: usize,
+    evicted: usize,
 }
 
 impl Model {
-    /// Pages in use: the distinct page names the sequences hold.
+    /// Pages in use: the distinct page names the sequences and the published prefixes hold.
     fn used(&self) -> usize {
         let mut names: Vec<u64> = self.seqs.values().flat_map(|s| s.pages.clone()).collect();
+        names.extend(self.published.values().map(|p| p.0));
         names.sort();
         names.dedup();
         names.len()
@@ -85,6 +92,64 @@ impl Model {
             .values()
             .filter(|s| s.pages.contains(&page))
             .count()
+            + self.published.values().filter(|p| p.0 == page).count()
+    }
+
+    /// Token ids of the first `n` rows of `seq`: the bits of each layer-0 K row's first value (every
+    /// append writes rows of its own; rows alike in one sequence are rows shared with another).
+    /// Rows past the committed ones get an id no row has.
+    fn tokens(&self, seq: SeqId, n: usize) -> Vec<u32> {
+        let s = &self.seqs[&seq];
+        let w = self.row_elems[0][0];
+        (0..n)
+            .map(|r| match r < s.len {
+                true => s.rows[0][0][r * w].to_bits(),
+                false => u32::MAX,
+            })
+            .collect()
+    }
+
+    /// The first `n` rows of `seq`, per layer, per slot.
+    fn prefix_rows(&self, seq: SeqId, n: usize) -> Vec<Vec<Vec<f32>>> {
+        self.seqs[&seq]
+            .rows
+            .iter()
+            .enumerate()
+            .map(|(l, slots)| {
+                slots
+                    .iter()
+                    .enumerate()
+                    .map(|(k, r)| r[..n * self.row_elems[l][k]].to_vec())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// `PagedCache::publish_prefix` as the contract says: the rows it publishes.
+    fn publish(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
+        let mut rows = 0;
+        for k in 0..tokens.len() / PAGE {
+            let key = &tokens[..(k + 1) * PAGE];
+            if !self.published.contains_key(key) {
+                let own = self.seqs[&seq].pages[k];
+                if self.published.values().any(|p| p.0 == own) {
+                    break;
+                }
+                let held = self.prefix_rows(seq, (k + 1) * PAGE);
+                self.published.insert(key.to_vec(), (own, held));
+            }
+            rows += PAGE;
+        }
+        rows
+    }
+
+    /// The longest published prefix of `tokens` (rows), within a sequence's capacity.
+    fn published_rows(&self, tokens: &[u32]) -> usize {
+        (0..=tokens.len().min(MAX_LEN) / PAGE)
+            .rev()
+            .map(|k| k * PAGE)
+            .find(|&n| n == 0 || self.published.contains_key(&tokens[..n]))
+            .unwrap_or(0)
     }
 
     /// Pages an append of rows `[from, to)` to `seq` takes: new pages past its table, and a private
@@ -293,6 +358,7 @@ fn kind(e: &Error) -> &'static str {
         Error::CapacityExceeded { .. } => "capacity",
         Error::UnevenAdvance { .. } => "uneven",
         Error::RowCountMismatch { .. } => "shape",
+        Error::PrefixBeyondLength { .. } => "prefix",
         _ => "other",
     }
 }
@@ -331,9 +397,12 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
     let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), PAGE, PAGES).unwrap();
     let mut m = Model {
         seqs: BTreeMap::new(),
+        published: BTreeMap::new(),
         next_page: 0,
         row_elems,
         copies: 0,
+        matched: 0,
+        evicted: 0,
     };
     let mut gone: Vec<SeqId> = Vec::new();
     let mut att = Attention::with_kernels(super::kernels_for(g));
@@ -341,10 +410,14 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
     let mut refused: BTreeMap<&'static str, usize> = BTreeMap::new();
     for op in 0..n_ops {
         let ids: Vec<SeqId> = m.seqs.keys().copied().collect();
-        let mut choice = rng.below(10);
-        // A nearly full pool mostly frees pages, so the runs keep reaching forks and copies.
+        let mut choice = rng.below(12);
+        // A nearly full pool mostly frees pages (removes a sequence or evicts published pages), so
+        // the runs keep reaching forks and copies.
         if c.free_pages() < 2 && rng.below(2) == 0 {
-            choice = 1;
+            choice = [1, 13][rng.below(2)];
+        }
+        if choice == 11 {
+            choice = 11 + rng.below(3);
         }
         let seq = if !gone.is_empty() && rng.below(20) == 0 {
             gone[rng.below(gone.len())]
@@ -537,6 +610,94 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
                 }
                 (expected, admitted)
             }
+            10 => {
+                // Publish some of a sequence's committed rows (sometimes one row more than it has).
+                let n = rng.below(len + 2);
+                let expected = match &known {
+                    None => Err("unknown"),
+                    Some(s) if n > s.len => Err("prefix"),
+                    Some(_) => Ok(()),
+                };
+                let tokens = match &known {
+                    Some(_) => m.tokens(seq, n),
+                    None => vec![0; n],
+                };
+                let outcome = c.publish_prefix(seq, &tokens).map(|rows| {
+                    assert_eq!(rows, m.publish(seq, &tokens), "{what}: rows published");
+                });
+                (expected, outcome)
+            }
+            11 | 12 => {
+                // A sequence from the longest published prefix of a published prefix's tokens, a
+                // sequence's, or new ones, each with some tokens after it.
+                let keys: Vec<Vec<u32>> = m.published.keys().cloned().collect();
+                let mut tokens = match rng.below(4) {
+                    0 | 1 if !keys.is_empty() => keys[rng.below(keys.len())].clone(),
+                    2 if known.is_some() => m.tokens(seq, len),
+                    _ => Vec::new(),
+                };
+                tokens.extend((0..rng.below(2 * PAGE)).map(|k| k as u32));
+                let want = m.published_rows(&tokens);
+                let outcome = c.add_sequence_with_prefix(&tokens).map(|(id, rows)| {
+                    assert_eq!(rows, want, "{what}: rows of a sequence from a prefix");
+                    m.matched += usize::from(rows > 0);
+                    let (pages, held) = match rows {
+                        0 => (
+                            Vec::new(),
+                            m.row_elems
+                                .iter()
+                                .map(|l| vec![Vec::new(); l.len()])
+                                .collect(),
+                        ),
+                        _ => (
+                            (1..=rows / PAGE)
+                                .map(|k| m.published[&tokens[..k * PAGE]].0)
+                                .collect(),
+                            m.published[&tokens[..rows]].1.clone(),
+                        ),
+                    };
+                    let widths = m
+                        .row_elems
+                        .iter()
+                        .map(|l| l.first().copied().unwrap_or(1))
+                        .collect();
+                    m.seqs.insert(
+                        id,
+                        ModelSeq {
+                            rows: held,
+                            len: rows,
+                            pages,
+                            widths,
+                        },
+                    );
+                });
+                (Ok(()), outcome)
+            }
+            13 => {
+                // Evict published pages no sequence holds; the model learns which from the pool.
+                let n = 1 + rng.below(3);
+                let evicted = c.evict_prefixes(n);
+                let before = m.published.len();
+                m.published
+                    .retain(|tokens, _| c.published_rows(tokens) == tokens.len());
+                assert_eq!(before - m.published.len(), evicted, "{what}: evicted");
+                assert!(evicted <= n, "{what}: {evicted} evicted of {n}");
+                m.evicted += evicted;
+                // A published page went only if no sequence held it and none was published after it.
+                if evicted < n {
+                    for (tokens, (page, _)) in &m.published {
+                        let child = m
+                            .published
+                            .keys()
+                            .any(|k| k.len() == tokens.len() + PAGE && k.starts_with(tokens));
+                        assert!(
+                            child || m.holders(*page) > 1,
+                            "{what}: {tokens:?} could have been evicted"
+                        );
+                    }
+                }
+                (Ok(()), Ok(()))
+            }
             _ => {
                 let expected = match &known {
                     None => Err("unknown"),
@@ -583,17 +744,24 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
     }
     check_rows(&c, &m, "end").await;
     note!(
-        "{dtype} seed {seed}: {n_ops} operations, {} private page copies, refusals {refused:?}",
-        m.copies
+        "{dtype} seed {seed}: {n_ops} operations, {} private page copies, {} sequences from \
+         published pages, {} published pages evicted, refusals {refused:?}",
+        m.copies,
+        m.matched,
+        m.evicted
     );
     assert!(
-        refused.contains_key("pages") && refused.len() >= 4 && m.copies > 0,
-        "{dtype} seed {seed}: the run missed states: {} copies, refusals {refused:?}",
-        m.copies
+        refused.contains_key("pages") && refused.len() >= 4 && m.copies > 0 && m.matched > 0,
+        "{dtype} seed {seed}: the run missed states: {} copies, {} from published pages, refusals \
+         {refused:?}",
+        m.copies,
+        m.matched
     );
     for seq in m.seqs.keys().copied().collect::<Vec<_>>() {
         c.remove(seq).unwrap();
     }
+    assert_eq!(c.cached_pages(), m.published.len(), "{dtype} seed {seed}");
+    assert_eq!(c.evict_prefixes(usize::MAX), m.published.len());
     assert_eq!(c.free_pages(), PAGES, "{dtype} seed {seed}: pages leaked");
 }
 
