@@ -67,7 +67,7 @@ struct Model {
     seqs: BTreeMap<SeqId, ModelSeq>,
     /// Published prefixes: token ids of whole pages, to the name of the prefix's last page and the
     /// rows of the prefix.
-    published: BTreeMap<Vec<u32>, (u64, Vec<Vec<Vec<f32>>>)>,
+    published: BTreeMap<Vec<u32>, (u64, SeqRows)>,
     next_page: u64,
     row_elems: Vec<Vec<usize>>,
     /// Private copies of shared pages the appends made.
@@ -110,7 +110,7 @@ impl Model {
     }
 
     /// The first `n` rows of `seq`, per layer, per slot.
-    fn prefix_rows(&self, seq: SeqId, n: usize) -> Vec<Vec<Vec<f32>>> {
+    fn prefix_rows(&self, seq: SeqId, n: usize) -> SeqRows {
         self.seqs[&seq]
             .rows
             .iter()
