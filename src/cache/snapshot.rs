@@ -160,7 +160,7 @@ impl KvCache {
     /// Writes a snapshot of the committed rows to `out` and returns its length in bytes. Pending
     /// rows of the current step are not part of it. The rows are read back one slot at a time, the
     /// next slot's copy running while this one is checksummed and written, so besides what `out`
-    /// keeps at most two slots' committed rows are held (mapped) on the host.
+    /// keeps the host holds two staging buffers as large as the largest slot's committed rows.
     pub async fn export_async<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
         let len = self.len();
         let mut writer = SnapshotWriter::new(out, &self.spec, len, 0)?;
