@@ -410,67 +410,36 @@ fn fork_cost(gpu: &Gpu, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
         times.push(t);
         matched.push(p);
     }
-    for (&at, &t) in prefixes.iter().zip(&matched) {
-        rows.push(
-            Row::new(
-                format!(
-                    "add_sequence_with_prefix + remove, {at} published rows ({} pages), GQA f16",
-                    at / PAGE
-                ),
-                t * 1e6,
-                "us",
-                Clock::Cpu,
-            )
-            .ratio(
-                t / times[0],
-                format!(
-                    "fork + remove at {} rows ({:.2} us)",
-                    prefixes[0],
-                    times[0] * 1e6
-                ),
-                Goal::Info,
-            ),
-        );
-    }
-    eprintln!(
-        "  add_sequence_with_prefix + remove: {}",
-        prefixes
-            .iter()
-            .zip(&matched)
-            .map(|(a, t)| format!("{a} rows {:.2} us", t * 1e6))
-            .collect::<Vec<_>>()
-            .join(", ")
+    let base = format!(
+        "fork + remove at {} rows ({:.2} us)",
+        prefixes[0],
+        times[0] * 1e6
     );
-    for (&at, &t) in prefixes.iter().zip(&times) {
-        rows.push(
-            Row::new(
-                format!(
-                    "fork + remove of a {at}-row prefix ({} pages), GQA f16",
-                    at / PAGE
-                ),
-                t * 1e6,
-                "us",
-                Clock::Cpu,
-            )
-            .ratio(
-                t / times[0],
-                format!(
-                    "the same at {} rows ({:.2} us)",
-                    prefixes[0],
-                    times[0] * 1e6
-                ),
-                Goal::Info,
-            ),
-        );
-    }
-    eprintln!(
-        "  fork + remove: {}",
-        prefixes
+    for (what, samples, name) in [
+        (
+            "add_sequence_with_prefix + remove",
+            &matched,
+            "published rows",
+        ),
+        ("fork + remove", &times, "rows of the parent"),
+    ] {
+        for (&at, &t) in prefixes.iter().zip(samples) {
+            rows.push(
+                Row::new(
+                    format!("{what}, {at} {name} ({} pages), GQA f16", at / PAGE),
+                    t * 1e6,
+                    "us",
+                    Clock::Cpu,
+                )
+                .ratio(t / times[0], base.clone(), Goal::Info),
+            );
+        }
+        let each: Vec<String> = prefixes
             .iter()
-            .zip(&times)
+            .zip(samples)
             .map(|(a, t)| format!("{a} rows {:.2} us", t * 1e6))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+            .collect();
+        eprintln!("  {what}: {}", each.join(", "));
+    }
     Ok(())
 }

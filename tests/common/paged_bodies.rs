@@ -125,6 +125,32 @@ impl Model {
             .collect()
     }
 
+    /// A sequence holding `rows` (committed) in `pages`.
+    fn new_seq(&self, rows: SeqRows, pages: Vec<u64>) -> ModelSeq {
+        let widths: Vec<usize> = self
+            .row_elems
+            .iter()
+            .map(|l| l.first().copied().unwrap_or(1))
+            .collect();
+        let len = rows[0].first().map_or(0, |r| r.len() / widths[0]);
+        ModelSeq {
+            rows,
+            len,
+            pages,
+            widths,
+        }
+    }
+
+    /// A sequence without rows.
+    fn empty_seq(&self) -> ModelSeq {
+        let rows = self
+            .row_elems
+            .iter()
+            .map(|l| vec![Vec::new(); l.len()])
+            .collect();
+        self.new_seq(rows, Vec::new())
+    }
+
     /// `PagedCache::publish_prefix` as the contract says: the rows it publishes.
     fn publish(&mut self, seq: SeqId, tokens: &[u32]) -> usize {
         let mut rows = 0;
@@ -452,23 +478,7 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
             0 => (
                 Ok(()),
                 c.add_sequence().map(|id| {
-                    m.seqs.insert(
-                        id,
-                        ModelSeq {
-                            rows: m
-                                .row_elems
-                                .iter()
-                                .map(|l| vec![Vec::new(); l.len()])
-                                .collect(),
-                            len: 0,
-                            pages: Vec::new(),
-                            widths: m
-                                .row_elems
-                                .iter()
-                                .map(|l| l.first().copied().unwrap_or(1))
-                                .collect(),
-                        },
-                    );
+                    m.seqs.insert(id, m.empty_seq());
                 }),
             ),
             1 => (
@@ -486,24 +496,8 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
                     Some(_) => Ok(()),
                 };
                 let outcome = c.fork(seq, at).map(|child| {
-                    let s = &m.seqs[&seq];
-                    let forked = ModelSeq {
-                        rows: s
-                            .rows
-                            .iter()
-                            .enumerate()
-                            .map(|(l, slots)| {
-                                slots
-                                    .iter()
-                                    .enumerate()
-                                    .map(|(k, r)| r[..at * m.row_elems[l][k]].to_vec())
-                                    .collect()
-                            })
-                            .collect(),
-                        len: at,
-                        pages: s.pages[..at.div_ceil(PAGE)].to_vec(),
-                        widths: s.widths.clone(),
-                    };
+                    let pages = m.seqs[&seq].pages[..at.div_ceil(PAGE)].to_vec();
+                    let forked = m.new_seq(m.prefix_rows(seq, at), pages);
                     m.seqs.insert(child, forked);
                 });
                 (expected, outcome)
@@ -641,35 +635,16 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
                 let outcome = c.add_sequence_with_prefix(&tokens).map(|(id, rows)| {
                     assert_eq!(rows, want, "{what}: rows of a sequence from a prefix");
                     m.matched += usize::from(rows > 0);
-                    let (pages, held) = match rows {
-                        0 => (
-                            Vec::new(),
-                            m.row_elems
-                                .iter()
-                                .map(|l| vec![Vec::new(); l.len()])
-                                .collect(),
-                        ),
-                        _ => (
-                            (1..=rows / PAGE)
+                    let started = match rows {
+                        0 => m.empty_seq(),
+                        _ => {
+                            let pages = (1..=rows / PAGE)
                                 .map(|k| m.published[&tokens[..k * PAGE]].0)
-                                .collect(),
-                            m.published[&tokens[..rows]].1.clone(),
-                        ),
+                                .collect();
+                            m.new_seq(m.published[&tokens[..rows]].1.clone(), pages)
+                        }
                     };
-                    let widths = m
-                        .row_elems
-                        .iter()
-                        .map(|l| l.first().copied().unwrap_or(1))
-                        .collect();
-                    m.seqs.insert(
-                        id,
-                        ModelSeq {
-                            rows: held,
-                            len: rows,
-                            pages,
-                            widths,
-                        },
-                    );
+                    m.seqs.insert(id, started);
                 });
                 (Ok(()), outcome)
             }
@@ -870,25 +845,99 @@ fn prefix(rows: &SeqRows, n: usize, widths: &[Vec<usize>]) -> SeqRows {
         .collect()
 }
 
+/// KV heads and query heads of [`gqa_mla_spec`]'s attention layers.
+const N_KV: usize = 2;
+const HEADS: usize = 4;
+
+/// A GQA layer (`N_KV` heads of `d`) and an MLA layer (latent `r`, rope `rope`) of `dtype`, odd widths
+/// or whole blocks of 32 for the block-quantized types; with `(d, r, rope)`.
+fn gqa_mla_spec(dtype: DType, max_seq_len: usize) -> (CacheSpec, (usize, usize, usize)) {
+    let (d, r, rope) = match dtype.block() {
+        Some(b) => (b, b, b),
+        None => (8, 16, 8),
+    };
+    let layers = vec![LayerSpec::kv(N_KV, d, d), LayerSpec::mla(r, rope)];
+    let spec = CacheSpec::new(layers, dtype, max_seq_len).unwrap();
+    (spec, (d, r, rope))
+}
+
+/// GQA (layer 0) and MLA (layer 1) attention of a ragged `batch` over a pool of [`gqa_mla_spec`]'s
+/// layers, one dispatch pair per layer, each segment against the twins over its sequence's rows.
+#[allow(clippy::too_many_arguments)]
+async fn check_batch(
+    g: &Gpu,
+    c: &PagedCache,
+    att: &mut Attention,
+    batch: &[(SeqId, usize)],
+    seqs: &[(SeqId, &SeqRows)],
+    (d, r, rope): (usize, usize, usize),
+    options: &AttentionOptions,
+    what: &str,
+) {
+    let total: usize = batch.iter().map(|b| b.1).sum();
+    let q = values(500, total * HEADS * d);
+    let qb = super::f32_buffer(&g.device, &q).await;
+    let out = super::output(&g.device, total * HEADS * d).await;
+    att.gqa(
+        Kv::Batch(c, batch),
+        0,
+        Queries::new(&qb, total, HEADS, d),
+        &out,
+        options,
+    )
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = super::read_f32(g, &out).await;
+    let ql = values(600, total * HEADS * r);
+    let qr = values(700, total * HEADS * rope);
+    let (lb, rb_) = (
+        super::f32_buffer(&g.device, &ql).await,
+        super::f32_buffer(&g.device, &qr).await,
+    );
+    let out_mla = super::output(&g.device, total * HEADS * r).await;
+    let queries = MlaQueries {
+        latent: Queries::new(&lb, total, HEADS, r),
+        rope: Queries::new(&rb_, total, HEADS, rope),
+    };
+    att.mla(Kv::Batch(c, batch), 1, queries, &out_mla, options)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got_mla = super::read_f32(g, &out_mla).await;
+    let mut at = 0;
+    for &(seq, n_q) in batch {
+        let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
+        let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
+        let want = reference::attention_gqa(
+            &q[x..y],
+            [n_q, HEADS, d],
+            &rows[0][0],
+            &rows[0][1],
+            N_KV,
+            d,
+            options,
+        );
+        super::assert_close(&got[x..y], &want, &format!("{what}: {seq} GQA"));
+        let (x, y) = (at * HEADS * r, (at + n_q) * HEADS * r);
+        let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
+        let want = reference::attention_mla(
+            &ql[x..y],
+            &qr[xr..yr],
+            [n_q, HEADS, r],
+            &rows[1][0],
+            &rows[1][1],
+            rope,
+            options,
+        );
+        super::assert_close(&got_mla[x..y], &want, &format!("{what}: {seq} MLA"));
+        at += n_q;
+    }
+}
+
 /// GQA and MLA attention over sequences of a paged pool match the CPU twins for every storage type
 /// and every pass-1 kernel of the adapter: sequences whose pages interleave, forks sharing full and
 /// partly filled pages, private copies made by both a fork and its parent (from the host and from
 /// GPU sources), decode and chunked queries, window and soft-cap. Refused calls name the cause.
 pub async fn paged_attention_matches_the_reference(g: &Gpu) {
-    const N_KV: usize = 2;
-    const HEADS: usize = 4;
     for dtype in DType::STORAGE {
-        // Whole blocks of 32 for the block-quantized types.
-        let (d, r, rope) = match dtype.block() {
-            Some(b) => (b, b, b),
-            None => (8, 16, 8),
-        };
-        let spec = CacheSpec::new(
-            vec![LayerSpec::kv(N_KV, d, d), LayerSpec::mla(r, rope)],
-            dtype,
-            64,
-        )
-        .unwrap();
+        let (spec, (d, r, rope)) = gqa_mla_spec(dtype, 64);
         let widths = widths_of(&spec);
         let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 5, 40).unwrap();
         let a = c.add_sequence().unwrap();
@@ -1021,60 +1070,17 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                     scale: None,
                 };
                 let what = format!("{dtype} {choice:?} batch {batch:?} window {window:?}");
-                let q = values(500, total * HEADS * d);
-                let qb = super::f32_buffer(&g.device, &q).await;
-                let out = super::output(&g.device, total * HEADS * d).await;
-                att.gqa(
-                    Kv::Batch(&c, &batch),
-                    0,
-                    Queries::new(&qb, total, HEADS, d),
-                    &out,
+                check_batch(
+                    g,
+                    &c,
+                    &mut att,
+                    &batch,
+                    &seqs,
+                    (d, r, rope),
                     &options,
+                    &what,
                 )
-                .unwrap();
-                let got = super::read_f32(g, &out).await;
-                let ql = values(600, total * HEADS * r);
-                let qr = values(700, total * HEADS * rope);
-                let (lb, rb_) = (
-                    super::f32_buffer(&g.device, &ql).await,
-                    super::f32_buffer(&g.device, &qr).await,
-                );
-                let out_mla = super::output(&g.device, total * HEADS * r).await;
-                let queries = MlaQueries {
-                    latent: Queries::new(&lb, total, HEADS, r),
-                    rope: Queries::new(&rb_, total, HEADS, rope),
-                };
-                att.mla(Kv::Batch(&c, &batch), 1, queries, &out_mla, &options)
-                    .unwrap();
-                let got_mla = super::read_f32(g, &out_mla).await;
-                let mut at = 0;
-                for &(seq, n_q) in &batch {
-                    let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
-                    let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
-                    let want = reference::attention_gqa(
-                        &q[x..y],
-                        [n_q, HEADS, d],
-                        &rows[0][0],
-                        &rows[0][1],
-                        N_KV,
-                        d,
-                        &options,
-                    );
-                    super::assert_close(&got[x..y], &want, &format!("{what}: {seq} GQA"));
-                    let (x, y) = (at * HEADS * r, (at + n_q) * HEADS * r);
-                    let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
-                    let want = reference::attention_mla(
-                        &ql[x..y],
-                        &qr[xr..yr],
-                        [n_q, HEADS, r],
-                        &rows[1][0],
-                        &rows[1][1],
-                        rope,
-                        &options,
-                    );
-                    super::assert_close(&got_mla[x..y], &want, &format!("{what}: {seq} MLA"));
-                    at += n_q;
-                }
+                .await;
             }
         }
         // A batch whose counts do not add up to the queries, or with too many queries for a
@@ -1681,20 +1687,9 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
 /// were. Publishing more tokens than rows is refused and changes nothing; evicting every page no
 /// sequence holds gives the pool back whole.
 pub async fn published_prefixes_start_sequences_from_their_pages(g: &Gpu) {
-    const N_KV: usize = 2;
-    const HEADS: usize = 4;
     const PAGE_ROWS: usize = 5;
     for dtype in DType::STORAGE {
-        let (d, r, rope) = match dtype.block() {
-            Some(b) => (b, b, b),
-            None => (8, 16, 8),
-        };
-        let spec = CacheSpec::new(
-            vec![LayerSpec::kv(N_KV, d, d), LayerSpec::mla(r, rope)],
-            dtype,
-            32,
-        )
-        .unwrap();
+        let (spec, dims) = gqa_mla_spec(dtype, 32);
         let widths = widths_of(&spec);
         let mut c =
             PagedCache::with_kernels(super::kernels_for(g), spec.clone(), PAGE_ROWS, 24).unwrap();
@@ -1753,62 +1748,10 @@ pub async fn published_prefixes_start_sequences_from_their_pages(g: &Gpu) {
 
         // Attention: the newest row of each sequence, one ragged batch per layer.
         let batch: Vec<(SeqId, usize)> = seqs.iter().map(|&(s, _)| (s, 1)).collect();
-        let n = batch.len();
-        let opts = AttentionOptions::default();
         let mut att = Attention::with_kernels(super::kernels_for(g));
-        let q = values(800, n * HEADS * d.max(r));
-        let q2 = values(801, n * HEADS * rope);
-        let (qb, q2b) = (
-            super::f32_buffer(&g.device, &q).await,
-            super::f32_buffer(&g.device, &q2).await,
-        );
-        let out = super::output(&g.device, n * HEADS * d).await;
-        att.gqa(
-            Kv::Batch(&c, &batch),
-            0,
-            Queries::new(&qb, n, HEADS, d),
-            &out,
-            &opts,
-        )
-        .unwrap();
-        let got = super::read_f32(g, &out).await;
-        let out2 = super::output(&g.device, n * HEADS * r).await;
-        let mla = MlaQueries {
-            latent: Queries::new(&qb, n, HEADS, r),
-            rope: Queries::new(&q2b, n, HEADS, rope),
-        };
-        att.mla(Kv::Batch(&c, &batch), 1, mla, &out2, &opts)
-            .unwrap();
-        let got2 = super::read_f32(g, &out2).await;
-        for (i, &(seq, rows)) in seqs.iter().enumerate() {
-            let qi = &q[i * HEADS * d..(i + 1) * HEADS * d];
-            let want = reference::attention_gqa(
-                qi,
-                [1, HEADS, d],
-                &rows[0][0],
-                &rows[0][1],
-                N_KV,
-                d,
-                &opts,
-            );
-            let part = &got[i * HEADS * d..(i + 1) * HEADS * d];
-            super::assert_close(part, &want, &format!("{dtype}: {seq} GQA"));
-            let (ql, qr) = (
-                &q[i * HEADS * r..(i + 1) * HEADS * r],
-                &q2[i * HEADS * rope..(i + 1) * HEADS * rope],
-            );
-            let want = reference::attention_mla(
-                ql,
-                qr,
-                [1, HEADS, r],
-                &rows[1][0],
-                &rows[1][1],
-                rope,
-                &opts,
-            );
-            let part = &got2[i * HEADS * r..(i + 1) * HEADS * r];
-            super::assert_close(part, &want, &format!("{dtype}: {seq} MLA"));
-        }
+        let opts = AttentionOptions::default();
+        let what = format!("{dtype} sequences from published pages");
+        check_batch(g, &c, &mut att, &batch, &seqs, dims, &opts, &what).await;
 
         // More tokens than rows: refused, nothing changed.
         let mut words = Vec::new();
