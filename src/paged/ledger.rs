@@ -252,14 +252,19 @@ impl PageLedger {
     pub(crate) fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
         self.check_fork(parent, at_len)?;
         let pages = self.seqs[&parent].pages[..self.pages_for(at_len)].to_vec();
-        let child = self.add()?;
+        self.add_sharing(pages, at_len)
+    }
+
+    /// A new sequence of `len` committed rows in `pages`, which it shares with their other holders.
+    fn add_sharing(&mut self, pages: Vec<u32>, len: usize) -> Result<SeqId> {
+        let seq = self.add()?;
         for &page in &pages {
             self.refs[page as usize] += 1;
         }
-        let c = self.seqs.get_mut(&child).expect("just added");
-        c.pages = pages;
-        c.len = at_len;
-        Ok(child)
+        let s = self.seqs.get_mut(&seq).expect("just added");
+        s.pages = pages;
+        s.len = len;
+        Ok(seq)
     }
 
     /// Drops the rows of `seq` from `new_len` on (pending rows included) and returns the pages no
@@ -478,15 +483,11 @@ impl PageLedger {
     /// fork shares them), and its length in rows.
     pub(crate) fn add_with_prefix(&mut self, tokens: &[u32]) -> Result<(SeqId, usize)> {
         let pages = self.published_prefix(tokens);
-        let seq = self.add()?;
-        for &page in &pages {
-            self.refs[page as usize] += 1;
+        let len = pages.len() * self.page_size;
+        let seq = self.add_sharing(pages.clone(), len)?;
+        for page in pages {
             self.touch(page);
         }
-        let len = pages.len() * self.page_size;
-        let s = self.seqs.get_mut(&seq).expect("just added");
-        s.pages = pages;
-        s.len = len;
         Ok((seq, len))
     }
 

@@ -297,13 +297,21 @@ impl PagedCache {
 
     /// A new, empty sequence; it takes pages as it is written.
     pub fn add_sequence(&mut self) -> Result<SeqId> {
+        self.open_sequence(|l| l.add().map(|seq| (seq, ())))
+            .map(|(seq, ())| seq)
+    }
+
+    /// A sequence the ledger makes with `make`, given a table row of its own (taken first, and given
+    /// back when the ledger refuses) that holds its pages.
+    fn open_sequence<T>(
+        &mut self,
+        make: impl FnOnce(&mut PageLedger) -> Result<(SeqId, T)>,
+    ) -> Result<(SeqId, T)> {
         let row = self.take_table_row()?;
-        let seq = self
-            .ledger
-            .add()
-            .inspect_err(|_| self.free_rows.push(row))?;
+        let (seq, made) = make(&mut self.ledger).inspect_err(|_| self.free_rows.push(row))?;
         self.table_rows.insert(seq, row);
-        Ok(seq)
+        self.write_table(seq, 0);
+        Ok((seq, made))
     }
 
     /// Removes `seq`; the pages no other sequence shares return to the pool.
@@ -321,14 +329,8 @@ impl PagedCache {
     pub fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
         // Checked first, so that a refused fork does not grow the page table.
         self.ledger.check_fork(parent, at_len)?;
-        let row = self.take_table_row()?;
-        let child = self
-            .ledger
-            .fork(parent, at_len)
-            .inspect_err(|_| self.free_rows.push(row))?;
-        self.table_rows.insert(child, row);
-        self.write_table(child, 0);
-        Ok(child)
+        self.open_sequence(|l| l.fork(parent, at_len).map(|child| (child, ())))
+            .map(|(child, ())| child)
     }
 
     /// Publishes the whole pages of `seq` that hold `tokens`, the token ids of its first committed
@@ -353,14 +355,7 @@ impl PagedCache {
     /// `tokens[len..]`. An app that needs the output of a prompt's last token passes the prompt
     /// without it, so that at least that token is computed again.
     pub fn add_sequence_with_prefix(&mut self, tokens: &[u32]) -> Result<(SeqId, usize)> {
-        let row = self.take_table_row()?;
-        let (seq, len) = self
-            .ledger
-            .add_with_prefix(tokens)
-            .inspect_err(|_| self.free_rows.push(row))?;
-        self.table_rows.insert(seq, row);
-        self.write_table(seq, 0);
-        Ok((seq, len))
+        self.open_sequence(|l| l.add_with_prefix(tokens))
     }
 
     /// Rows of `tokens` that [`PagedCache::add_sequence_with_prefix`] would start a sequence with
