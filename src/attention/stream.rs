@@ -442,18 +442,14 @@ impl Gen {
                     unit_type(dtype)
                 );
                 line!(self, "    let h = (s[word] >> (16u * hi)) & 0xffffu;");
-                line!(self, "    let ex = h & 0x7c00u;");
-                line!(
-                    self,
-                    "    let mag = select(bitcast<f32>(((h & 0x7fffu) << 13u) + (112u << 23u)), f32(h & 0x3ffu) * 5.9604644775390625e-8, ex == 0u);"
-                );
-                line!(self, "    return select(mag, -mag, (h & 0x8000u) != 0u);");
+                line!(self, "    return f16x4(vec4<u32>(h)).x;");
                 line!(self, "}}");
+                self.rebias_x4("f16x4", 0x7fff, 13, 112, 0x400, 0x7c00, 15);
             }
             // e4m3: 0x7f (with either sign) is NaN. e5m2, the top byte of an f16: 0x7c is infinity,
             // 0x7d-0x7f NaN.
-            DType::F8E4M3 => self.fp8x4("e4m3x4", 20, 120, 7, "0.001953125", 8, 0x7f),
-            DType::F8E5M2 => self.fp8x4("e5m2x4", 21, 112, 3, "1.52587890625e-5", 4, 0x7c),
+            DType::F8E4M3 => self.rebias_x4("e4m3x4", 0x7f, 20, 120, 8, 0x7f, 7),
+            DType::F8E5M2 => self.rebias_x4("e5m2x4", 0x7f, 21, 112, 4, 0x7c, 7),
             DType::BF16 => {
                 line!(
                     self,
@@ -465,31 +461,8 @@ impl Gen {
                 );
             }
             DType::F16 => {
-                // Integer rebias (exact for every f16, subnormals included; no shader-f16 needed).
-                line!(self, "fn f16x4(h: vec4<u32>) -> vec4<f32> {{");
-                line!(self, "    let ex = h & vec4<u32>(0x7c00u);");
-                line!(
-                    self,
-                    "    let sign = (h & vec4<u32>(0x8000u)) << vec4<u32>(16u);"
-                );
-                line!(
-                    self,
-                    "    let mag = (h & vec4<u32>(0x7fffu)) << vec4<u32>(13u);"
-                );
-                line!(
-                    self,
-                    "    let normal = bitcast<vec4<f32>>(sign | select(mag + vec4<u32>(112u << 23u), mag | vec4<u32>(0x7f800000u), ex == vec4<u32>(0x7c00u)));"
-                );
-                line!(
-                    self,
-                    "    let tiny = vec4<f32>(h & vec4<u32>(0x3ffu)) * 5.9604644775390625e-8;"
-                );
-                line!(
-                    self,
-                    "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
-                );
-                line!(self, "    return select(normal, sub, ex == vec4<u32>(0u));");
-                line!(self, "}}");
+                // Exact for every f16 (subnormals, infinities and NaN included), no shader-f16 needed.
+                self.rebias_x4("f16x4", 0x7fff, 13, 112, 0x400, 0x7c00, 15);
                 line!(
                     self,
                     "fn even_f16(w: vec4<u32>) -> vec4<f32> {{ return f16x4(w & vec4<u32>(0xffffu)); }}"
@@ -502,45 +475,45 @@ impl Gen {
         }
     }
 
-    /// An fp8 unpacking of four bytes (exact): normal codes rebiased (mantissa at bit `shift`,
-    /// exponent bias `127 - rebias`), subnormals (below `sub_limit`) as their mantissa (`mask`) times
-    /// `tiny`, and the codes from `special` up infinity or NaN.
+    /// An exact unpacking of four small floats (f16 or fp8, one per component: sign at bit
+    /// `sign_bit`, magnitude under `mask`) into f32. The magnitude's exponent and mantissa move to
+    /// f32's places (mantissa at bit `shift`) and the exponent is rebiased by `rebias`; codes from
+    /// `special` up (infinity, NaN) get the rebias twice, which lands them on f32's all-ones exponent.
+    /// A subnormal code (below `normal`, mantissa m) comes out as 2^-e0 (1 + m) with e0 the smallest
+    /// normal exponent, so 2 (x - 2^-e0) is its exact value. About a dozen operations per vector,
+    /// against about twenty for the branches of a plain conversion: on adapters without subgroups
+    /// the decode is most of MLA's work.
     #[allow(clippy::too_many_arguments)]
-    fn fp8x4(
+    fn rebias_x4(
         &mut self,
         name: &str,
+        mask: u32,
         shift: u32,
         rebias: u32,
-        mask: u32,
-        tiny: &str,
-        sub_limit: u32,
+        normal: u32,
         special: u32,
+        sign_bit: u32,
     ) {
+        // Once per kernel: f16 values and block scales share `f16x4`.
+        if self.out.contains(&format!("fn {name}(")) {
+            return;
+        }
+        // 2^-e0 as f32 bits: the rebiased exponent of a subnormal code, mantissa zero.
+        let low = f64::from(f32::from_bits(rebias << 23));
         line!(self, "fn {name}(b: vec4<u32>) -> vec4<f32> {{");
+        line!(self, "    let em = b & vec4<u32>({mask:#x}u);");
         line!(
             self,
-            "    let sign = (b & vec4<u32>(0x80u)) << vec4<u32>(24u);"
-        );
-        line!(self, "    let em = b & vec4<u32>(0x7fu);");
-        line!(
-            self,
-            "    let normal = bitcast<vec4<f32>>(sign | ((em << vec4<u32>({shift}u)) + vec4<u32>({rebias}u << 23u)));"
+            "    let x = bitcast<vec4<f32>>((em << vec4<u32>({shift}u)) + select(vec4<u32>({rebias}u << 23u), vec4<u32>({}u << 23u), em >= vec4<u32>({special:#x}u)));",
+            2 * rebias
         );
         line!(
             self,
-            "    let tiny = vec4<f32>(em & vec4<u32>({mask}u)) * {tiny};"
+            "    let mag = select(x, (x - vec4<f32>({low:e})) * 2.0, em < vec4<u32>({normal:#x}u));"
         );
         line!(
             self,
-            "    let sub = select(tiny, -tiny, sign != vec4<u32>(0u));"
-        );
-        line!(
-            self,
-            "    let special = bitcast<vec4<f32>>(sign | vec4<u32>(0x7f800000u) | ((em & vec4<u32>({mask}u)) << vec4<u32>({shift}u)));"
-        );
-        line!(
-            self,
-            "    return select(select(normal, sub, em < vec4<u32>({sub_limit}u)), special, em >= vec4<u32>({special:#x}u));"
+            "    return bitcast<vec4<f32>>(bitcast<vec4<u32>>(mag) | ((b >> vec4<u32>({sign_bit}u)) << vec4<u32>(31u)));"
         );
         line!(self, "}}");
     }
@@ -631,6 +604,22 @@ impl Gen {
             line!(self, "        let sr = page_base + r;");
         }
         let load = |g: &mut Gen, s: &Slice, narrow: bool, base: &str, stride: &str| {
+            // Scales shared by the team: when a scale vector covers whole steps of the team and
+            // each head's row starts on one, step j's lanes all take scale vector
+            // `base / per + j * lanes / per`, loaded once for the steps that share it.
+            let shared_scales = vecs_per_scale_vec(s.dtype)
+                .filter(|&per| !narrow && per % k.lanes == 0 && s.vecs % per == 0);
+            if let Some(per) = shared_scales {
+                for c in 0..s.steps().div_ceil(per / k.lanes) {
+                    line!(
+                        g,
+                        "        let sc{}_{c} = slot_{}[sr * {stride} + sv{} + {base} / {per}u + {c}u];",
+                        s.slot,
+                        s.slot,
+                        s.slot
+                    );
+                }
+            }
             for j in 0..s.steps() {
                 let guard = g.guard(s, j);
                 let names = s.parts(&format!("x{}", s.slot), j);
@@ -661,6 +650,12 @@ impl Gen {
                             format!(
                                 "scale_of{uw}({ty}({src}[sr * {stride} + sv{} + {sw}]), 0u, {hi})",
                                 s.slot
+                            )
+                        } else if shared_scales.is_some() {
+                            format!(
+                                "scale_of{uw}(sc{}_{}, ({sw}) % {uw}u, {hi})",
+                                s.slot,
+                                j * k.lanes / per
                             )
                         } else {
                             format!(

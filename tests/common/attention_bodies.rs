@@ -1421,3 +1421,151 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
     );
     assert_eq!(c.visible(0).unwrap(), 4);
 }
+
+/// The value of fp8 code `b` (`e4m3`: 4 exponent bits, else e5m2's 5), or `None` for infinity and
+/// NaN: an independent decoding, for the exact-read check below.
+fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
+    let (m_bits, bias, top) = if e4m3 { (3, 7, 15) } else { (2, 15, 31) };
+    let (e, m) = (
+        ((b & 0x7f) >> m_bits) as i32,
+        (b & ((1 << m_bits) - 1)) as f32,
+    );
+    let special = if e4m3 { b & 0x7f == 0x7f } else { e == top };
+    let one = (1u32 << m_bits) as f32;
+    let mag = match e {
+        _ if special => return None,
+        0 => m / one * 2f32.powi(1 - bias),
+        _ => (1.0 + m / one) * 2f32.powi(e - bias),
+    };
+    Some(if b & 0x80 != 0 { -mag } else { mag })
+}
+
+/// Attention reads every stored code exactly: every finite f16, bf16, e4m3 and e5m2 code, and q8_0 /
+/// q4_0 blocks whose f16 scales run from zero through f16's subnormals to its large normals, in V
+/// rows of 256 (where q8_0's scale vectors are shared by a team's steps). Each row's key scores 128
+/// above the previous row's, so causal query `i` weighs row `i` by exactly 1 and every other row by
+/// exactly 0, and its output must equal row `i` as the cache reads it back (`read_f32`, decoded on
+/// the CPU) bit for bit, not merely within the tolerance: on every kernel of the adapter.
+pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
+    const ROWS: usize = 64;
+    const D_K: usize = 16;
+    const D_V: usize = 256;
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let keys: Vec<f32> = (0..ROWS * D_K)
+        .map(|i| {
+            if i % D_K == 0 {
+                (i / D_K) as f32 * 512.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let q: Vec<f32> = (0..ROWS * D_K).map(|i| f32::from(i % D_K == 0)).collect();
+    let qb = f32_buffer(&g.device, &q).await;
+    // Each dtype's codes, as host data in batches of one cache's V rows (zero-padded).
+    let batch = ROWS * D_V;
+    let batches = |n: usize| n.div_ceil(batch);
+    let f16_codes: Vec<half::f16> = (0..=u16::MAX)
+        .filter(|b| b & 0x7c00 != 0x7c00)
+        .map(half::f16::from_bits)
+        .collect();
+    let bf16_codes: Vec<half::bf16> = (0..=u16::MAX)
+        .filter(|b| b & 0x7f80 != 0x7f80)
+        .map(half::bf16::from_bits)
+        .collect();
+    let fp8 = |e4m3| {
+        (0..=u8::MAX)
+            .filter_map(|b| fp8_value(b, e4m3))
+            .collect::<Vec<f32>>()
+    };
+    // Blocks of 32 scaled by 2^-32 .. 2^15: q8_0's scale (max / 127) and q4_0's (max / -8) go from
+    // zero (below f16's subnormals) to f16's normals.
+    let blocks: Vec<f32> = values(7, batch)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x * 2f32.powi((i / 32 % 48) as i32 - 32))
+        .collect();
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for dtype in [
+            DType::F16,
+            DType::BF16,
+            DType::F8E4M3,
+            DType::F8E5M2,
+            DType::Q8_0,
+            DType::Q4_0,
+        ] {
+            let n = match dtype {
+                DType::F16 => f16_codes.len(),
+                DType::BF16 => bf16_codes.len(),
+                _ => batch,
+            };
+            for b in 0..batches(n) {
+                let layer = stored_as(LayerSpec::kv(1, D_K, D_V), [DType::F32, dtype]);
+                let mut c = cache_on(g, CacheSpec::new(vec![layer], DType::F32, ROWS).unwrap());
+                let (k_shape, v_shape) = ([ROWS, 1, D_K], [ROWS, 1, D_V]);
+                let k = HostSlab::f32(&keys, &k_shape);
+                let range = b * batch..((b + 1) * batch).min(n);
+                let pad = batch - range.len();
+                let (h16, hb16): (Vec<half::f16>, Vec<half::bf16>);
+                let f: Vec<f32> = match dtype {
+                    DType::F8E4M3 | DType::F8E5M2 => {
+                        let codes = fp8(dtype == DType::F8E4M3);
+                        codes.iter().copied().cycle().take(batch).collect()
+                    }
+                    _ => Vec::new(),
+                };
+                let v = match dtype {
+                    DType::F16 => {
+                        h16 = [&f16_codes[range], &vec![half::f16::ZERO; pad][..]].concat();
+                        HostSlab::f16(&h16, &v_shape)
+                    }
+                    DType::BF16 => {
+                        hb16 = [&bf16_codes[range], &vec![half::bf16::ZERO; pad][..]].concat();
+                        HostSlab::bf16(&hb16, &v_shape)
+                    }
+                    DType::F8E4M3 | DType::F8E5M2 => HostSlab::f32(&f, &v_shape),
+                    _ => HostSlab::f32(&blocks, &v_shape),
+                };
+                c.append(0, &[k, v]).unwrap();
+                let out = output(&g.device, ROWS * D_V).await;
+                let result = att.gqa(
+                    &c,
+                    0,
+                    Queries::new(&qb, ROWS, 1, D_K),
+                    &out,
+                    &AttentionOptions::default(),
+                );
+                if !ran(g, result, &att, &c, &out).await {
+                    continue;
+                }
+                let stored = c.read_f32_async(0, 1).await.unwrap();
+                if dtype.is_fp8() {
+                    // Every code went in as its own value, so the cache keeps it unchanged.
+                    let exact = stored
+                        .iter()
+                        .zip(&f)
+                        .all(|(s, x)| s.to_bits() == x.to_bits());
+                    assert!(
+                        exact,
+                        "{dtype}: the fp8 codes were not stored as themselves"
+                    );
+                }
+                let got = read_f32(g, &out).await;
+                let wrong: Vec<usize> = (0..got.len()).filter(|&i| got[i] != stored[i]).collect();
+                assert!(
+                    wrong.is_empty(),
+                    "{dtype} {kernel:?} batch {b}: {} of {} values differ, first at {} (row {}): {:e} \
+                     read back as {:e}",
+                    wrong.len(),
+                    got.len(),
+                    wrong[0],
+                    wrong[0] / D_V,
+                    got[wrong[0]],
+                    stored[wrong[0]]
+                );
+            }
+            note!("{dtype} {kernel:?}: {n} values read exactly");
+        }
+    }
+}
