@@ -607,8 +607,9 @@ impl Gen {
             // Scales shared by the team: when a scale vector covers whole steps of the team and
             // each head's row starts on one, step j's lanes all take scale vector
             // `base / per + j * lanes / per`, loaded once for the steps that share it.
-            let shared_scales = vecs_per_scale_vec(s.dtype)
-                .filter(|&per| !narrow && per % k.lanes == 0 && s.vecs % per == 0);
+            let shared_scales = vecs_per_scale_vec(s.dtype).filter(|&per| {
+                !narrow && per.is_multiple_of(k.lanes) && s.vecs.is_multiple_of(per)
+            });
             if let Some(per) = shared_scales {
                 for c in 0..s.steps().div_ceil(per / k.lanes) {
                     line!(
