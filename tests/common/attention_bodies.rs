@@ -1442,14 +1442,14 @@ fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
 
 /// Attention reads every stored code exactly: every finite f16, bf16, e4m3 and e5m2 code, and q8_0 /
 /// q4_0 blocks whose f16 scales run from zero through f16's subnormals to its large normals, in V
-/// rows of 256 (where q8_0's scale vectors are shared by a team's steps). Each row's key scores 128
+/// rows of 256 (where q8_0's scale vectors are shared by a team's steps) and, for the block types,
+/// of 64 (68-byte q8_0 and 36-byte q4_0 rows, which the streaming kernel reads as words). Each row's key scores 128
 /// above the previous row's, so causal query `i` weighs row `i` by exactly 1 and every other row by
 /// exactly 0, and its output must equal row `i` as the cache reads it back (`read_f32`, decoded on
 /// the CPU) bit for bit, not merely within the tolerance: on every kernel of the adapter.
 pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
     const ROWS: usize = 64;
     const D_K: usize = 16;
-    const D_V: usize = 256;
     let mut att = Attention::with_kernels(super::kernels_for(g));
     let keys: Vec<f32> = (0..ROWS * D_K)
         .map(|i| {
@@ -1462,9 +1462,6 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
         .collect();
     let q: Vec<f32> = (0..ROWS * D_K).map(|i| f32::from(i % D_K == 0)).collect();
     let qb = f32_buffer(&g.device, &q).await;
-    // Each dtype's codes, as host data in batches of one cache's V rows (zero-padded).
-    let batch = ROWS * D_V;
-    let batches = |n: usize| n.div_ceil(batch);
     let f16_codes: Vec<half::f16> = (0..=u16::MAX)
         .filter(|b| b & 0x7c00 != 0x7c00)
         .map(half::f16::from_bits)
@@ -1480,30 +1477,34 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
     };
     // Blocks of 32 scaled by 2^-32 .. 2^15: q8_0's scale (max / 127) and q4_0's (max / -8) go from
     // zero (below f16's subnormals) to f16's normals.
-    let blocks: Vec<f32> = values(7, batch)
+    let blocks: Vec<f32> = values(7, ROWS * 256)
         .iter()
         .enumerate()
         .map(|(i, x)| x * 2f32.powi((i / 32 % 48) as i32 - 32))
         .collect();
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for dtype in [
-            DType::F16,
-            DType::BF16,
-            DType::F8E4M3,
-            DType::F8E5M2,
-            DType::Q8_0,
-            DType::Q4_0,
+        for (dtype, d_v) in [
+            (DType::F16, 256),
+            (DType::BF16, 256),
+            (DType::F8E4M3, 256),
+            (DType::F8E5M2, 256),
+            (DType::Q8_0, 256),
+            (DType::Q8_0, 64),
+            (DType::Q4_0, 256),
+            (DType::Q4_0, 64),
         ] {
+            // Each dtype's codes, as host data in batches of one cache's V rows (zero-padded).
+            let batch = ROWS * d_v;
             let n = match dtype {
                 DType::F16 => f16_codes.len(),
                 DType::BF16 => bf16_codes.len(),
                 _ => batch,
             };
-            for b in 0..batches(n) {
-                let layer = stored_as(LayerSpec::kv(1, D_K, D_V), [DType::F32, dtype]);
+            for b in 0..n.div_ceil(batch) {
+                let layer = stored_as(LayerSpec::kv(1, D_K, d_v), [DType::F32, dtype]);
                 let mut c = cache_on(g, CacheSpec::new(vec![layer], DType::F32, ROWS).unwrap());
-                let (k_shape, v_shape) = ([ROWS, 1, D_K], [ROWS, 1, D_V]);
+                let (k_shape, v_shape) = ([ROWS, 1, D_K], [ROWS, 1, d_v]);
                 let k = HostSlab::f32(&keys, &k_shape);
                 let range = b * batch..((b + 1) * batch).min(n);
                 let pad = batch - range.len();
@@ -1525,10 +1526,10 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
                         HostSlab::bf16(&hb16, &v_shape)
                     }
                     DType::F8E4M3 | DType::F8E5M2 => HostSlab::f32(&f, &v_shape),
-                    _ => HostSlab::f32(&blocks, &v_shape),
+                    _ => HostSlab::f32(&blocks[..batch], &v_shape),
                 };
                 c.append(0, &[k, v]).unwrap();
-                let out = output(&g.device, ROWS * D_V).await;
+                let out = output(&g.device, batch).await;
                 let result = att.gqa(
                     &c,
                     0,
@@ -1560,12 +1561,12 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
                     wrong.len(),
                     got.len(),
                     wrong[0],
-                    wrong[0] / D_V,
+                    wrong[0] / d_v,
                     got[wrong[0]],
                     stored[wrong[0]]
                 );
             }
-            note!("{dtype} {kernel:?}: {n} values read exactly");
+            note!("{dtype} {kernel:?}, rows of {d_v}: {n} values read exactly");
         }
     }
 }
