@@ -1446,7 +1446,8 @@ fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
 /// of 64 (68-byte q8_0 and 36-byte q4_0 rows, which the streaming kernel reads as words). Each row's key scores 128
 /// above the previous row's, so causal query `i` weighs row `i` by exactly 1 and every other row by
 /// exactly 0, and its output must equal row `i` as the cache reads it back (`read_f32`, decoded on
-/// the CPU) bit for bit, not merely within the tolerance: on every kernel of the adapter.
+/// the CPU) bit for bit, not merely within the tolerance: on every kernel of the adapter. (Only
+/// bf16's codes below f32's normals may read as zero, where the adapter flushes them.)
 pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
     const ROWS: usize = 64;
     const D_K: usize = 16;
@@ -1496,6 +1497,7 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
         ] {
             // Each dtype's codes, as host data in batches of one cache's V rows (zero-padded).
             let batch = ROWS * d_v;
+            let mut zeroed = 0;
             let n = match dtype {
                 DType::F16 => f16_codes.len(),
                 DType::BF16 => bf16_codes.len(),
@@ -1553,7 +1555,13 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
                     );
                 }
                 let got = read_f32(g, &out).await;
-                let wrong: Vec<usize> = (0..got.len()).filter(|&i| got[i] != stored[i]).collect();
+                // WGSL lets arithmetic flush f32's subnormals to zero (SwiftShader does): bf16 codes
+                // below f32's smallest normal may come out as zero, and nothing else may differ.
+                let flushed = |i: usize| got[i] == 0.0 && stored[i].is_subnormal();
+                let wrong: Vec<usize> = (0..got.len())
+                    .filter(|&i| got[i] != stored[i] && !flushed(i))
+                    .collect();
+                zeroed += (0..got.len()).filter(|&i| got[i] != stored[i]).count();
                 assert!(
                     wrong.is_empty(),
                     "{dtype} {kernel:?} batch {b}: {} of {} values differ, first at {} (row {}): {:e} \
@@ -1566,7 +1574,11 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
                     stored[wrong[0]]
                 );
             }
-            note!("{dtype} {kernel:?}, rows of {d_v}: {n} values read exactly");
+            note!(
+                "{dtype} {kernel:?}, rows of {d_v}: {} of {n} values read exactly, {zeroed} f32 \
+                 subnormals flushed to zero by the adapter",
+                n - zeroed
+            );
         }
     }
 }
