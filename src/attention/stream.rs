@@ -65,28 +65,19 @@ pub(crate) fn per_vec(dtype: DType) -> usize {
     }
 }
 
-/// Words in one vector: 4 (16 bytes), or 2 for q4_0, whose 16 bytes would hold 32 elements and leave
-/// half of an 8-lane team idle on a head of 128.
+/// Words in one vector of [`per_vec`] elements: 4 (16 bytes), or 2 for q4_0, whose 16 bytes would
+/// hold 32 elements and leave half of an 8-lane team idle on a head of 128 (a slice that fills every
+/// lane with 32 takes [`WIDE_Q4`]).
 pub(crate) fn unit_words(dtype: DType) -> u32 {
     if dtype == DType::Q4_0 { 2 } else { 4 }
 }
 
-/// For the block types, the value vectors that share one vector of scales (both: vectors of 16
-/// elements, half a block; q8_0's vec4 holds 8 scales, q4_0's vec2 4).
-fn vecs_per_scale_vec(dtype: DType) -> Option<u32> {
-    match dtype {
-        DType::Q8_0 => Some(16),
-        DType::Q4_0 => Some(8),
-        _ => None,
-    }
-}
-
-/// The WGSL type of one vector of `dtype` storage.
-fn unit_type(dtype: DType) -> &'static str {
-    if unit_words(dtype) == 2 {
-        "vec2<u32>"
-    } else {
-        "vec4<u32>"
+/// The WGSL type of a vector of `words` words.
+fn words_type(words: u32) -> &'static str {
+    match words {
+        1 => "u32",
+        2 => "vec2<u32>",
+        _ => "vec4<u32>",
     }
 }
 
@@ -100,9 +91,17 @@ struct Slice {
     /// Vectors in the slice.
     vecs: u32,
     lanes: u32,
-    /// Elements in one vector: [`per_vec`], or [`NARROW_VEC`] in a slot read as words.
+    /// Elements in one vector: [`per_vec`], [`NARROW_VEC`] in a slot read as words, or
+    /// [`WIDE_Q4`].
     unit: u32,
+    /// Read as words (see [`StreamKey::narrow`]).
+    narrow: bool,
 }
+
+/// Elements in one q4_0 vector where a head's slice is whole 16-byte vectors of 32 for every lane
+/// (DeepSeek's latent of 512: two steps of 8 lanes): one block per vector, half the loads of
+/// 8-byte vectors of 16, and a quarter of the vectors of scales.
+const WIDE_Q4: u32 = 32;
 
 /// Elements in one vector of a block-quantized slot read as words (rows that are not whole 16-byte
 /// vectors): q8_0's 8 in two words, q4_0's 8 in one. Twice as many lanes share such a row as would
@@ -114,6 +113,36 @@ impl Slice {
     /// Elements in one vector.
     fn u(&self) -> u32 {
         self.unit
+    }
+
+    /// The WGSL type of the slot's binding.
+    fn binding_type(&self) -> &'static str {
+        if self.narrow {
+            "u32"
+        } else {
+            words_type(self.words())
+        }
+    }
+
+    /// For the block types: the words of one vector of scales (a narrow slot wraps its scale word in
+    /// one), and the value vectors that share it.
+    fn scales(&self) -> Option<(u32, u32)> {
+        self.dtype.block()?;
+        let words = if self.narrow {
+            unit_words(self.dtype)
+        } else {
+            self.words()
+        };
+        // Two f16 scales per word, one per block of 32 elements.
+        Some((words, words * 64 / self.unit))
+    }
+
+    /// The block (of the row's values) that value vector `vi` (WGSL) lies in.
+    fn block_of(&self, vi: &str) -> String {
+        match 32 / self.unit {
+            1 => vi.to_string(),
+            n => format!("({vi} / {n}u)"),
+        }
     }
 
     /// Words in one vector.
@@ -217,8 +246,11 @@ macro_rules! line {
 impl Gen {
     fn slice(&self, i: usize, d: u32) -> Slice {
         let dtype = self.key.dtypes[i];
-        let unit = if self.key.narrow[i] {
+        let (lanes, narrow) = (self.key.lanes, self.key.narrow[i]);
+        let unit = if narrow {
             NARROW_VEC
+        } else if dtype == DType::Q4_0 && d > 0 && d.is_multiple_of(WIDE_Q4 * lanes) {
+            WIDE_Q4
         } else {
             per_vec(dtype) as u32
         };
@@ -226,8 +258,9 @@ impl Gen {
             slot: ["a", "b", "v"][i],
             dtype,
             vecs: d / unit,
-            lanes: self.key.lanes,
+            lanes,
             unit,
+            narrow,
         }
     }
 
@@ -247,15 +280,12 @@ impl Gen {
             line!(self, "var<workgroup> query_row: vec2<u32>;");
         }
         // The slots, read as 16-byte vectors (narrow ones as words).
-        for (i, slot) in ["a", "b", "v"].into_iter().enumerate() {
-            let ty = if k.narrow[i] {
-                "u32"
-            } else {
-                unit_type(k.dtypes[i])
-            };
+        for (i, s) in [&a, &b, &v].into_iter().enumerate() {
             line!(
                 self,
-                "@group(0) @binding({i}) var<storage, read> slot_{slot}: array<{ty}>;"
+                "@group(0) @binding({i}) var<storage, read> slot_{}: array<{}>;",
+                s.slot,
+                s.binding_type()
             );
         }
         self.out.push_str(BINDINGS);
@@ -379,15 +409,14 @@ impl Gen {
         line!(self, "    let uv = kv * {}u + lane;", v.vecs);
         // Row strides in vectors (narrow slots: in words), and, for the block types, the first
         // vector (narrow: word) of a row's scales, after its values.
-        for (i, s) in [&a, &b, &v].into_iter().enumerate() {
-            let uw = unit_words(s.dtype);
-            let (unit, values) = if k.narrow[i] {
+        for s in [&a, &b, &v] {
+            let (unit, values) = if s.narrow {
                 (String::new(), s.words() * s.vecs)
             } else {
-                (format!(" / {uw}u"), s.vecs)
+                (format!(" / {}u", s.words()), s.vecs)
             };
             line!(self, "    let rv{} = p.row_words_{}{unit};", s.slot, s.slot);
-            if vecs_per_scale_vec(s.dtype).is_some() {
+            if s.scales().is_some() {
                 line!(self, "    let sv{} = p.n_kv * {values}u;", s.slot);
             }
         }
@@ -455,23 +484,32 @@ impl Gen {
         for dtype in types {
             self.unpack_type(dtype);
         }
+        // A block's f16 scale: half `hi` of word `word` of a vector of scales (exact), once per
+        // width of the scale vectors the slots read.
+        for s in [a, b, v] {
+            let Some((words, _)) = s.scales().filter(|_| s.vecs > 0) else {
+                continue;
+            };
+            if self.out.contains(&format!("fn scale_of{words}(")) {
+                continue;
+            }
+            line!(
+                self,
+                "fn scale_of{words}(s: {}, word: u32, hi: u32) -> f32 {{",
+                words_type(words)
+            );
+            line!(self, "    let h = (s[word] >> (16u * hi)) & 0xffffu;");
+            line!(self, "    return f16x4(vec4<u32>(h)).x;");
+            line!(self, "}}");
+        }
     }
 
     fn unpack_type(&mut self, dtype: DType) {
         match dtype {
             DType::F32 => {}
+            // Their f16 scales (`scale_of`, in `unpack`).
             DType::Q8_0 | DType::Q4_0 => {
-                // A block's f16 scale: half `hi` of word `word` of a vector of scales (exact).
-                line!(
-                    self,
-                    "fn scale_of{}(s: {}, word: u32, hi: u32) -> f32 {{",
-                    unit_words(dtype),
-                    unit_type(dtype)
-                );
-                line!(self, "    let h = (s[word] >> (16u * hi)) & 0xffffu;");
-                line!(self, "    return f16x4(vec4<u32>(h)).x;");
-                line!(self, "}}");
-                self.rebias_x4("f16x4", 0x7fff, 13, 112, 0x400, 0x7c00, 15);
+                self.rebias_x4("f16x4", 0x7fff, 13, 112, 0x400, 0x7c00, 15)
             }
             // e4m3: 0x7f (with either sign) is NaN. e5m2, the top byte of an f16: 0x7c is infinity,
             // 0x7d-0x7f NaN.
@@ -580,10 +618,10 @@ impl Gen {
             self,
             "        && view_fits(p.view_b, p.n_q, p.n_heads, p.d_b, arrayLength(&q_b))"
         );
-        for (i, s) in [a, b, v].into_iter().enumerate() {
+        for s in [a, b, v] {
             let rw = format!("p.row_words_{}", s.slot);
-            let uw = unit_words(s.dtype);
-            if k.narrow[i] {
+            let uw = s.words();
+            if s.narrow {
                 // Words: the values, then one f16 scale per 32 elements.
                 line!(
                     self,
@@ -595,8 +633,8 @@ impl Gen {
                 continue;
             }
             // The block types' scales follow the values: one vector per `per` value vectors.
-            let scales = match vecs_per_scale_vec(s.dtype) {
-                Some(per) => format!(" + (p.n_kv * {}u + {}u) / {per}u", s.vecs, per - 1),
+            let scales = match s.scales() {
+                Some((_, per)) => format!(" + (p.n_kv * {}u + {}u) / {per}u", s.vecs, per - 1),
                 None => String::new(),
             };
             line!(
@@ -630,11 +668,12 @@ impl Gen {
             line!(self, "        }}");
             line!(self, "        let sr = page_base + r;");
         }
-        let load = |g: &mut Gen, s: &Slice, narrow: bool, base: &str, stride: &str| {
+        let load = |g: &mut Gen, s: &Slice, base: &str, stride: &str| {
+            let narrow = s.narrow;
             // Scales shared by the team: when a scale vector covers whole steps of the team and
             // each head's row starts on one, step j's lanes all take scale vector
             // `base / per + j * lanes / per`, loaded once for the steps that share it.
-            let shared_scales = vecs_per_scale_vec(s.dtype).filter(|&per| {
+            let shared_scales = s.scales().map(|(_, per)| per).filter(|&per| {
                 !narrow && per.is_multiple_of(k.lanes) && s.vecs.is_multiple_of(per)
             });
             if let Some(per) = shared_scales {
@@ -668,19 +707,15 @@ impl Gen {
                     } else {
                         format!("let w = {src}[{at}]; ")
                     };
-                    if let Some(per) = vecs_per_scale_vec(s.dtype) {
-                        // Value vector `vi` of the row (16 elements) lies in block vi / 2, whose
-                        // scale is half `hi` of scale word vi / 4; a narrow one (8) in block vi / 4,
-                        // scale word vi / 8.
-                        let (sw, hi) = if narrow {
-                            (format!("{vi} / 8u"), format!("({vi} / 4u) % 2u"))
-                        } else {
-                            (format!("{vi} / 4u"), format!("({vi} / 2u) % 2u"))
-                        };
-                        let (uw, ty) = (unit_words(s.dtype), unit_type(s.dtype));
+                    if let Some((uw, per)) = s.scales() {
+                        // Value vector `vi` of the row lies in block `blk`, whose scale is half
+                        // `hi` of scale word `sw` (counted from the row's first scale).
+                        let blk = s.block_of(&vi);
+                        let (sw, hi) = (format!("{blk} / 2u"), format!("{blk} % 2u"));
                         let scale = if narrow {
                             format!(
-                                "scale_of{uw}({ty}({src}[sr * {stride} + sv{} + {sw}]), 0u, {hi})",
+                                "scale_of{uw}({}({src}[sr * {stride} + sv{} + {sw}]), 0u, {hi})",
+                                words_type(uw),
                                 s.slot
                             )
                         } else if shared_scales.is_some() {
@@ -720,6 +755,11 @@ impl Gen {
                                 "vec4<f32>(bitcast<vec4<i32>>(w << vec4<u32>({}u)) >> vec4<u32>(24u)) * d",
                                 24 - 8 * c
                             ),
+                            // Wide: elements c, 8 + c, 16 + c, 24 + c, nibble c of each word.
+                            DType::Q4_0 if s.unit == WIDE_Q4 => format!(
+                                "(vec4<f32>((w >> vec4<u32>({}u)) & vec4<u32>(0xfu)) - vec4<f32>(8.0)) * d",
+                                4 * c
+                            ),
                             // Elements c, 4 + c (word 0) and 8 + c, 12 + c (word 1).
                             DType::Q4_0 => format!(
                                 "(vec4<f32>((vec4<u32>(w.x, w.x, w.y, w.y) >> vec4<u32>({}u, {}u, {}u, {}u)) & vec4<u32>(0xfu)) - vec4<f32>(8.0)) * d",
@@ -753,10 +793,10 @@ impl Gen {
                 }
             }
         };
-        load(self, a, k.narrow[0], "ua", "rva");
-        load(self, b, k.narrow[1], "ub", "rvb");
+        load(self, a, "ua", "rva");
+        load(self, b, "ub", "rvb");
         if !k.v_from_a {
-            load(self, v, k.narrow[2], "uv", "rvv");
+            load(self, v, "uv", "rvv");
         }
         for h in 0..k.heads {
             let mut sums = Vec::new();

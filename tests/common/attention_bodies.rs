@@ -1442,7 +1442,8 @@ fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
 
 /// Attention reads every stored code exactly: every finite f16, bf16, e4m3 and e5m2 code, and q8_0 /
 /// q4_0 blocks whose f16 scales run from zero through f16's subnormals to its large normals, in V
-/// rows of 256 (where q8_0's scale vectors are shared by a team's steps) and, for the block types,
+/// rows of 256 (where q8_0's scale vectors are shared by a team's steps and q4_0 is read in vectors
+/// of 32 on 8 lanes) and, for the block types,
 /// of 64 (68-byte q8_0 and 36-byte q4_0 rows, which the streaming kernel reads as words). Each row's key scores 128
 /// above the previous row's, so causal query `i` weighs row `i` by exactly 1 and every other row by
 /// exactly 0, and its output must equal row `i` as the cache reads it back (`read_f32`, decoded on
