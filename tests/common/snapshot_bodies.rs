@@ -411,6 +411,13 @@ pub async fn pool_sequences_and_forks_round_trip(g: &Gpu) {
 }
 
 /// The problem of a refused snapshot.
+/// The snapshot of a cache of `spec` holding two random rows.
+async fn two_rows_of(g: &Gpu, spec: CacheSpec, rng: &mut Xorshift) -> Vec<u8> {
+    let mut c = cache_on(g, spec);
+    fill(&mut c, 2, rng);
+    c.snapshot_async().await.unwrap()
+}
+
 fn problem_of<T: std::fmt::Debug>(r: Result<T>, what: &str) -> SnapshotProblem {
     match r {
         Err(Error::Snapshot { problem }) => problem,
@@ -488,36 +495,21 @@ pub async fn refused_snapshots_change_nothing(g: &Gpu) {
         longer.extend_from_slice(&[0; 4]);
         cases.push(("4 more bytes".into(), longer, "trailing"));
         for other in DType::STORAGE.into_iter().filter(|&d| d != dtype) {
-            let mut c = cache_on(g, attention_spec(other));
-            fill(&mut c, 2, &mut rng);
-            cases.push((
-                format!("{other} snapshot"),
-                c.snapshot_async().await.unwrap(),
-                "dtype",
-            ));
+            let bad = two_rows_of(g, attention_spec(other), &mut rng).await;
+            cases.push((format!("{other} snapshot"), bad, "dtype"));
         }
         if dtype.is_fp8() {
             // The same types, but K scaled: a snapshot scaled otherwise is refused like another type.
             let scaled = attention_spec(dtype).with_slot_scale(0, 0, 2.5).unwrap();
-            let mut c = cache_on(g, scaled);
-            fill(&mut c, 2, &mut rng);
-            cases.push((
-                "K scaled by 2.5".into(),
-                c.snapshot_async().await.unwrap(),
-                "scale",
-            ));
+            let bad = two_rows_of(g, scaled, &mut rng).await;
+            cases.push(("K scaled by 2.5".into(), bad, "scale"));
         }
         // attention_spec with a narrower latent slot.
         let mut layers = attention_spec(dtype).layers().to_vec();
         layers[2].slots[0].trailing[0] -= dtype.block().unwrap_or(1);
         let narrower = CacheSpec::new(layers, dtype, 32).unwrap();
-        let mut c = cache_on(g, narrower);
-        fill(&mut c, 2, &mut rng);
-        cases.push((
-            "another shape".into(),
-            c.snapshot_async().await.unwrap(),
-            "shape",
-        ));
+        let bad = two_rows_of(g, narrower, &mut rng).await;
+        cases.push(("another shape".into(), bad, "shape"));
 
         for (what, bad, kind) in &cases {
             let what = format!("{dtype} {what}");
