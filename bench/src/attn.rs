@@ -92,7 +92,7 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Te
     Ok(p.matmul(v)?)
 }
 
-/// The pass-1 kernel to measure: `KVGPU_BENCH_KERNEL=auto|tiled|shared|subgroup` (default auto).
+/// The pass-1 kernel to measure: `KVGPU_BENCH_KERNEL=auto|tiled|shared|subgroup|alone` (default auto).
 fn kernel_choice() -> Result<KernelChoice> {
     Ok(
         match std::env::var("KVGPU_BENCH_KERNEL")
@@ -103,8 +103,11 @@ fn kernel_choice() -> Result<KernelChoice> {
             "tiled" => KernelChoice::Tiled,
             "shared" => KernelChoice::StreamShared,
             "subgroup" => KernelChoice::StreamSubgroup,
+            "alone" => KernelChoice::StreamAlone,
             other => {
-                anyhow::bail!("KVGPU_BENCH_KERNEL={other:?}: use auto, tiled, shared or subgroup")
+                anyhow::bail!(
+                    "KVGPU_BENCH_KERNEL={other:?}: use auto, tiled, shared, subgroup or alone"
+                )
             }
         },
     )

@@ -36,6 +36,12 @@ pub(crate) const LANE_FLOATS: usize = 656;
 /// kept smaller, since there a cold shader compile is what a first call waits for (Mesa's GL path
 /// took seconds for DeepSeek-V2-Lite's MLA with 4 heads per team).
 pub(crate) const LANE_FLOATS_SHARED: usize = 320;
+/// The same for the kernel whose teams are one invocation ([`TeamSum::Alone`]): it holds whole
+/// rows.
+pub(crate) const LANE_FLOATS_ALONE: usize = 800;
+/// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
+/// team loads its queries and writes its partial output once per chunk, whole heads of both.
+const ALONE_MIN_ROWS: usize = 64;
 /// Most rows of one streaming chunk: one loop iteration per row, within the loop budget.
 const STREAM_MAX_ROWS: usize = LOOP_BUDGET - 1;
 /// Lanes of a streaming team summed through workgroup memory: on CPU adapters 8 (one SIMD vector of
@@ -76,6 +82,10 @@ pub enum KernelChoice {
     /// The generated streaming kernel with `subgroupAdd` (needs `wgpu::Features::SUBGROUP` and one
     /// subgroup size).
     StreamSubgroup,
+    /// The generated streaming kernel with one invocation per team: each reads whole rows of its
+    /// own chunk, so there is nothing to sum between invocations (any adapter; what CPU adapters
+    /// pick).
+    StreamAlone,
 }
 
 /// The pass-1 kernel of a planned call.
@@ -276,19 +286,38 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     fits_dimension(s.n_heads, "query heads", dev)?;
     let refused = |why: &str| Err(format!("the {:?} attention kernel {why}", dev.choice));
     match dev.choice {
-        KernelChoice::Auto => match stream_key(s, dev, dev.subgroup.is_some()) {
-            Some(key) => plan_stream(s, dev, key),
-            None => plan_tiled(s, dev),
-        },
+        KernelChoice::Auto => {
+            // On CPU adapters one-invocation teams, but for MLA where there are subgroups: its
+            // 16 heads share each latent row, which lanes over the row with `subgroupAdd` load
+            // once for 4 heads, while one-invocation teams hold one head each (lavapipe, ctx 4096:
+            // 6.6 against 15.8 ms). See docs/benchmarks.md.
+            // A shape too wide for one-invocation teams takes lanes over its rows.
+            let across = match dev.subgroup {
+                Some(_) => TeamSum::Subgroup,
+                None => TeamSum::Shared,
+            };
+            let sums = match (dev.cpu, dev.subgroup) {
+                (true, None) => vec![TeamSum::Alone, across],
+                _ => vec![across],
+            };
+            match sums.into_iter().find_map(|sum| stream_key(s, dev, sum)) {
+                Some(key) => plan_stream(s, dev, key),
+                None => plan_tiled(s, dev),
+            }
+        }
         KernelChoice::Tiled => plan_tiled(s, dev),
-        KernelChoice::StreamShared => match stream_key(s, dev, false) {
+        KernelChoice::StreamShared => match stream_key(s, dev, TeamSum::Shared) {
             Some(key) => plan_stream(s, dev, key),
             None => refused(STREAM_SHAPES),
         },
         KernelChoice::StreamSubgroup if dev.subgroup.is_none() => {
             refused("needs subgroups of one fixed size (wgpu::Features::SUBGROUP)")
         }
-        KernelChoice::StreamSubgroup => match stream_key(s, dev, true) {
+        KernelChoice::StreamSubgroup => match stream_key(s, dev, TeamSum::Subgroup) {
+            Some(key) => plan_stream(s, dev, key),
+            None => refused(STREAM_SHAPES),
+        },
+        KernelChoice::StreamAlone => match stream_key(s, dev, TeamSum::Alone) {
             Some(key) => plan_stream(s, dev, key),
             None => refused(STREAM_SHAPES),
         },
@@ -302,7 +331,7 @@ const STREAM_SHAPES: &str = "needs every head dimension a multiple of one vector
 
 /// The streaming kernel for this call, when its shape allows one: every slice a whole number of
 /// 16-byte vectors, and the lane's registers within [`LANE_FLOATS`] for at least one head per team.
-pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> Option<StreamKey> {
+pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Option<StreamKey> {
     let dims = [s.d_a, s.d_b, s.d_v];
     if s.d_a == 0 || (0..3).any(|i| !dims[i].is_multiple_of(stream::per_vec(s.dtypes[i]))) {
         return None;
@@ -313,16 +342,18 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, subgroups: bool) -> O
     if (0..3).any(|i| narrow[i] && s.dtypes[i].block().is_none()) {
         return None;
     }
-    let (lanes, sum) = match (subgroups, dev.subgroup) {
-        (true, Some(n)) => (n, TeamSum::Subgroup),
-        (true, None) => return None,
-        (false, _) if dev.cpu => (SHARED_LANES_CPU, TeamSum::Shared),
-        (false, _) => (SHARED_LANES_GPU, TeamSum::Shared),
+    let lanes = match (sum, dev.subgroup) {
+        (TeamSum::Subgroup, Some(n)) => n,
+        (TeamSum::Subgroup, None) => return None,
+        (TeamSum::Shared, _) if dev.cpu => SHARED_LANES_CPU,
+        (TeamSum::Shared, _) => SHARED_LANES_GPU,
+        (TeamSum::Alone, _) => 1,
     };
     let group = s.n_heads / s.n_kv;
     let most = match sum {
         TeamSum::Subgroup => LANE_FLOATS,
         TeamSum::Shared => LANE_FLOATS_SHARED,
+        TeamSum::Alone => LANE_FLOATS_ALONE,
     };
     let heads = HEAD_BATCHES.into_iter().find(|&h| {
         group.is_multiple_of(h)
@@ -357,19 +388,28 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     let n_batches = group / key.heads as usize;
     let teams = s.n_kv * n_batches;
     fits_dimension(teams, "KV heads x head batches", dev)?;
-    let target = if dev.cpu {
-        STREAM_WORKGROUPS_CPU
-    } else {
-        TARGET_WORKGROUPS
+    let target = match (dev.cpu, key.sum) {
+        (true, _) => STREAM_WORKGROUPS_CPU * key.chunks_per_workgroup() as usize,
+        _ => TARGET_WORKGROUPS,
     };
     let (lo, rows) = seen_rows(s);
     // One loop iteration per row, and one per block of `SYNC_ROWS` between barriers: chunks stay
     // within the loop budget, and are at least 16 rows.
+    let shortest = match key.sum {
+        TeamSum::Alone => ALONE_MIN_ROWS,
+        _ => 16,
+    };
     let want = target
         .div_ceil(teams * s.n_q)
         .max(ragged_chunks(s, rows, teams, target))
-        .min(rows.div_ceil(16))
+        .min(rows.div_ceil(shortest))
         .max(1);
+    // A workgroup of one-invocation teams takes `per` chunks: a call of few chunks (many queries,
+    // a short context) would leave most of its SIMD lanes idle.
+    let per = key.chunks_per_workgroup() as usize;
+    let want = want
+        .next_multiple_of(per)
+        .min(rows.div_ceil(shortest).max(1));
     let chunk_len = rows.div_ceil(want).min(STREAM_MAX_ROWS);
     finish(
         s,
@@ -469,7 +509,12 @@ fn finish(
     rows: usize,
     kernel: Pass1,
 ) -> Result<Dispatch, String> {
-    let n_chunks = rows.div_ceil(chunk_len);
+    // A workgroup of one-invocation teams takes `per_group` chunks, which share their rows.
+    let per_group = match kernel {
+        Pass1::Stream(key) => key.chunks_per_workgroup() as usize,
+        Pass1::Tiled { .. } => 1,
+    };
+    let n_chunks = rows.div_ceil(chunk_len).next_multiple_of(per_group);
     let q_per_pair = usize::try_from(dev.max_binding / (n_chunks as u64 * query_chunk_bytes(s)))
         .unwrap_or(usize::MAX)
         .min(s.n_q);
@@ -519,7 +564,10 @@ fn finish(
     Ok(Dispatch {
         params,
         kernel,
-        pass1: (n_chunks as u32, (s.n_kv * n_batches) as u32),
+        pass1: (
+            n_chunks.div_ceil(per_group) as u32,
+            (s.n_kv * n_batches) as u32,
+        ),
         pass2: reduce_workgroups(s.n_heads, n_chunks, s.d_v, dev.cpu) as u32,
         q_per_pair,
         stats_bytes,
@@ -530,6 +578,7 @@ fn finish(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::stream::ALONE_TEAMS;
 
     const LAVAPIPE: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
@@ -557,6 +606,7 @@ mod tests {
                 KernelChoice::Tiled,
                 KernelChoice::StreamShared,
                 KernelChoice::StreamSubgroup,
+                KernelChoice::StreamAlone,
             ] {
                 all.push(DeviceFacts { choice, ..dev });
             }
@@ -643,7 +693,11 @@ mod tests {
             let d = plan(&gqa(DType::F16, 1, 32, 8, 128, 4096), &dev).unwrap();
             assert!(d.n_chunks() > 1, "{dev:?}: {d:?}");
             assert!(d.params.chunk_len as usize * d.n_chunks() >= 4096);
-            assert_eq!(d.pass1, (d.params.n_chunks, 8));
+            let per = match d.kernel {
+                Pass1::Stream(key) => key.chunks_per_workgroup(),
+                Pass1::Tiled { .. } => 1,
+            };
+            assert_eq!(d.pass1, (d.params.n_chunks.div_ceil(per), 8));
             assert_eq!(d.pairs().count(), 1);
         }
     }
@@ -679,6 +733,11 @@ mod tests {
                 for &visible in &[2048, 16_384, 131_072] {
                     for dev in devices() {
                         let s = mla(dtype, n_q, visible);
+                        // One-invocation teams do not hold DeepSeek's rows (below).
+                        if dev.choice == KernelChoice::StreamAlone {
+                            assert!(plan(&s, &dev).is_err());
+                            continue;
+                        }
                         let p = plan(&s, &dev).unwrap();
                         assert!(worst_iterations(&s, &p) < LOOP_BUDGET, "{s:?}");
                         checked += 1;
@@ -702,6 +761,9 @@ mod tests {
             }
             assert!(worst_iterations(&s, &p) < LOOP_BUDGET);
             let s = mla(DType::F16, 16, 2048);
+            if dev.choice == KernelChoice::StreamAlone {
+                continue;
+            }
             let p = plan(&s, &dev).unwrap();
             assert!(worst_iterations(&s, &p) < LOOP_BUDGET);
         }
@@ -717,12 +779,33 @@ mod tests {
         // Auto: subgroups where the device has them, one team per KV head with its whole group.
         let key = stream(plan(&llama, &LAVAPIPE).unwrap()).unwrap();
         assert_eq!((key.sum, key.lanes, key.heads), (TeamSum::Subgroup, 8, 4));
+        // A CPU adapter without subgroups: one-invocation teams of two heads (the register
+        // budget), eight chunks per workgroup.
         let no_subgroups = DeviceFacts {
             subgroup: None,
             ..LAVAPIPE
         };
-        let key = stream(plan(&llama, &no_subgroups).unwrap()).unwrap();
+        let d = plan(&llama, &no_subgroups).unwrap();
+        let key = stream(d).unwrap();
+        assert_eq!((key.sum, key.lanes, key.heads), (TeamSum::Alone, 1, 2));
+        assert_eq!(d.n_chunks() % ALONE_TEAMS as usize, 0);
+        assert_eq!(d.pass1.0 as usize * ALONE_TEAMS as usize, d.n_chunks());
+        let key = stream(plan(&llama, &GPU).unwrap()).unwrap();
+        assert_eq!((key.sum, key.lanes), (TeamSum::Subgroup, 32));
+        let gpu_without = DeviceFacts {
+            subgroup: None,
+            ..GPU
+        };
+        let key = stream(plan(&llama, &gpu_without).unwrap()).unwrap();
+        assert_eq!((key.sum, key.lanes), (TeamSum::Shared, 32));
+        // DeepSeek's MLA needs more registers than one invocation may hold: workgroup-memory sums.
+        let key = stream(plan(&mla(DType::F16, 1, 4096), &no_subgroups).unwrap()).unwrap();
         assert_eq!((key.sum, key.lanes), (TeamSum::Shared, 8));
+        let forced = DeviceFacts {
+            choice: KernelChoice::StreamAlone,
+            ..no_subgroups
+        };
+        assert!(plan(&mla(DType::F16, 1, 4096), &forced).is_err());
         // MLA takes its values from the latent it scores.
         let key = stream(plan(&mla(DType::BF16, 1, 4096), &LAVAPIPE).unwrap()).unwrap();
         assert!(key.v_from_a && key.d_b == 64);
@@ -743,7 +826,11 @@ mod tests {
         // when a streaming kernel is forced.
         let odd = gqa(DType::F32, 1, 4, 2, 6, 100);
         assert!(stream(plan(&odd, &LAVAPIPE).unwrap()).is_none());
-        for choice in [KernelChoice::StreamShared, KernelChoice::StreamSubgroup] {
+        for choice in [
+            KernelChoice::StreamShared,
+            KernelChoice::StreamSubgroup,
+            KernelChoice::StreamAlone,
+        ] {
             let forced = DeviceFacts { choice, ..LAVAPIPE };
             assert!(
                 plan(&odd, &forced)

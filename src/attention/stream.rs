@@ -9,7 +9,9 @@
 //! the vectors `l, l + lanes, l + 2 lanes, ...` of the head's slice, so each lane keeps only its own
 //! elements of the queries and of the output in registers. Per row, each lane's partial dot products
 //! are summed over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes`
-//! invocations, else through workgroup memory with one barrier per row), and an online softmax folds
+//! invocations, else through workgroup memory with one barrier per row; or not at all, where a team
+//! is one invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, each on its
+//! own chunk: [`TeamSum::Alone`], for CPU adapters without subgroups), and an online softmax folds
 //! the row's values into the accumulators, rescaling only when a head's maximum grows. MLA takes its
 //! values from the latent vectors it has just loaded for the scores.
 //!
@@ -30,6 +32,36 @@ pub(crate) enum TeamSum {
     Subgroup,
     /// Workgroup memory and one barrier per row: any adapter.
     Shared,
+    /// No sum: a team is one invocation, which reads whole rows, and a workgroup is
+    /// [`ALONE_TEAMS`] such teams, each on its own chunk of rows. No barrier and no cross-lane
+    /// traffic: for CPU adapters, where a workgroup is one SIMD vector and a barrier per row cost
+    /// about half of the kernel's time on llvmpipe.
+    Alone,
+}
+
+/// Products per statement of a generated dot product.
+const TERMS: usize = 16;
+
+/// Teams (invocations, each its own chunk) in one workgroup of the [`TeamSum::Alone`] kernel: one
+/// SIMD vector of llvmpipe and lavapipe.
+pub(crate) const ALONE_TEAMS: u32 = 8;
+
+impl StreamKey {
+    /// Invocations per workgroup.
+    pub(crate) fn workgroup_size(&self) -> u32 {
+        match self.sum {
+            TeamSum::Alone => ALONE_TEAMS,
+            _ => self.lanes,
+        }
+    }
+
+    /// Chunks one workgroup takes.
+    pub(crate) fn chunks_per_workgroup(&self) -> u32 {
+        match self.sum {
+            TeamSum::Alone => ALONE_TEAMS,
+            _ => 1,
+        }
+    }
 }
 
 /// Everything a generated kernel is specialised for.
@@ -276,7 +308,7 @@ impl Gen {
         line!(self, "const HT: u32 = {}u;", k.heads);
         line!(self, "const NEG: f32 = -3.4028234e38;");
         line!(self, "const ROWS: u32 = {}u;", k.rows.code());
-        if k.rows == RowMode::Ragged && k.sum != TeamSum::Subgroup {
+        if k.rows == RowMode::Ragged && k.sum == TeamSum::Shared {
             line!(self, "var<workgroup> query_row: vec2<u32>;");
         }
         // The slots, read as 16-byte vectors (narrow ones as words).
@@ -300,13 +332,23 @@ impl Gen {
         }
         self.unpack(&a, &b, &v);
         self.in_bounds(&a, &b, &v);
-        line!(self, "@compute @workgroup_size({})", k.lanes);
-        line!(
-            self,
-            "fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {{"
-        );
-        // Grid (chunks, queries, teams), as in shaders/attention_partial.wgsl.
-        line!(self, "    let chunk = wg.x;");
+        line!(self, "@compute @workgroup_size({})", k.workgroup_size());
+        if k.sum == TeamSum::Alone {
+            // Each invocation is a team of one lane, on chunk `ALONE_TEAMS wg.x + its index`.
+            line!(
+                self,
+                "fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) team: u32) {{"
+            );
+            line!(self, "    let lane = 0u;");
+            line!(self, "    let chunk = wg.x * {ALONE_TEAMS}u + team;");
+        } else {
+            line!(
+                self,
+                "fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {{"
+            );
+            // Grid (chunks, queries, teams), as in shaders/attention_partial.wgsl.
+            line!(self, "    let chunk = wg.x;");
+        }
         line!(self, "    let kv = wg.z / max(p.n_batches, 1u);");
         line!(self, "    let batch = wg.z % max(p.n_batches, 1u);");
         line!(self, "    let local = wg.y;");
@@ -320,7 +362,7 @@ impl Gen {
             // The query's own row and first page-table entry, read from the query table once and
             // shared, so that the row loop stays in uniform control flow (shaders/shared/rows.wgsl).
             // Only here: the barrier it takes makes Mesa's llvmpipe run the whole kernel slower.
-            if k.sum == TeamSum::Subgroup {
+            if k.sum != TeamSum::Shared {
                 // Read by every lane (see `source`: no barrier in this kernel).
                 line!(
                     self,
@@ -347,12 +389,30 @@ impl Gen {
             self,
             "    if p.window > 0u && last + 1u > p.window {{ first = last + 1u - p.window; }}"
         );
-        line!(self, "    let c_start = p.lo + chunk * p.chunk_len;");
-        line!(self, "    let start = max(c_start, first);");
-        line!(
-            self,
-            "    let end = min(min(p.visible, c_start + p.chunk_len), last + 1u);"
-        );
+        if k.sum == TeamSum::Alone {
+            // The workgroup's 8 chunks share 8 chunks' rows, interleaved: this team takes rows
+            // `c_start + team + 8 i`, so that a short sequence still keeps every lane busy.
+            line!(
+                self,
+                "    let c_start = p.lo + (chunk - team) * p.chunk_len;"
+            );
+            line!(self, "    let lo_row = max(c_start, first);");
+            line!(
+                self,
+                "    let end = min(min(p.visible, c_start + {ALONE_TEAMS}u * p.chunk_len), last + 1u);"
+            );
+            line!(
+                self,
+                "    let start = lo_row + (team + {ALONE_TEAMS}u - (lo_row - c_start) % {ALONE_TEAMS}u) % {ALONE_TEAMS}u;"
+            );
+        } else {
+            line!(self, "    let c_start = p.lo + chunk * p.chunk_len;");
+            line!(self, "    let start = max(c_start, first);");
+            line!(
+                self,
+                "    let end = min(min(p.visible, c_start + p.chunk_len), last + 1u);"
+            );
+        }
         line!(
             self,
             "    let out0 = (chunk * p.q_count + local) * p.n_heads + h0;"
@@ -429,7 +489,11 @@ impl Gen {
             line!(self, "    var page_next = start;");
             line!(self, "    var page_base = 0u;");
         }
-        line!(self, "    for (var r = start; r < end; r++) {{");
+        let step = match k.sum {
+            TeamSum::Alone => format!("r += {ALONE_TEAMS}u"),
+            _ => "r++".into(),
+        };
+        line!(self, "    for (var r = start; r < end; {step}) {{");
         self.row(&a, &b, &v);
         line!(self, "    }}");
         // Results: (max, sum) per head from lane 0, each lane's share of the unnormalised output.
@@ -659,7 +723,8 @@ impl Gen {
         if k.rows == RowMode::Contiguous {
             line!(self, "        let sr = r;");
         } else {
-            line!(self, "        if r == page_next {{");
+            // (`>=`: one-invocation teams step over rows.)
+            line!(self, "        if r >= page_next {{");
             line!(self, "            page_base = stored(r, tb) - r;");
             line!(
                 self,
@@ -793,9 +858,13 @@ impl Gen {
                 }
             }
         };
+        // A one-invocation team holds whole rows: it loads the values after the scores, so that
+        // the row's keys and values are not live at once (fewer registers, and a cold compile on
+        // Mesa's GL took seconds less).
+        let late_v = k.sum == TeamSum::Alone && !k.v_from_a;
         load(self, a, "ua", "rva");
         load(self, b, "ub", "rvb");
-        if !k.v_from_a {
+        if !k.v_from_a && !late_v {
             load(self, v, "uv", "rvv");
         }
         for h in 0..k.heads {
@@ -809,13 +878,25 @@ impl Gen {
                         terms.push(format!("dot({qn}, {xn})"));
                     }
                 }
+                if terms.is_empty() {
+                    continue;
+                }
+                // In statements of at most `TERMS` products, left to right as one sum: naga walks
+                // an expression recursively, and a whole row's (144 products for MLA in f32 on
+                // one-invocation teams) overflowed a debug build's thread stack.
+                let t = format!("t{}{h}", s.slot);
+                let mut chunks = terms.chunks(TERMS);
+                if let Some(first) = chunks.next() {
+                    line!(self, "        var {t} = {};", first.join(" + "));
+                }
+                for more in chunks {
+                    line!(self, "        {t} = {t} + {};", more.join(" + "));
+                }
                 // fp8 numbers times the slot's scale are its values: the scale multiplies the sum.
-                match terms.len() {
-                    0 => {}
-                    _ if s.dtype.is_fp8() => {
-                        sums.push(format!("({}) * p.slot_scales.{c}", terms.join(" + ")))
-                    }
-                    _ => sums.push(terms.join(" + ")),
+                if s.dtype.is_fp8() {
+                    sums.push(format!("{t} * p.slot_scales.{c}"));
+                } else {
+                    sums.push(t);
                 }
             }
             line!(self, "        var s{h} = {};", sums.join(" + "));
@@ -826,6 +907,7 @@ impl Gen {
                     line!(self, "        s{h} = subgroupAdd(s{h});");
                 }
             }
+            TeamSum::Alone => {}
             TeamSum::Shared => {
                 line!(self, "        let sb = par * {}u;", k.heads * k.lanes);
                 for h in 0..k.heads {
@@ -860,12 +942,25 @@ impl Gen {
             line!(self, "        }}");
             line!(self, "        let e{h} = exp(s{h} - m{h});");
             line!(self, "        l{h} += e{h};");
-            for j in 0..v.steps() {
-                let os = v.parts(&format!("o{h}_"), j);
-                let xs = v.parts(xv, j);
-                for (o, x) in os.iter().zip(&xs) {
-                    line!(self, "        {o} = fma(vec4<f32>(e{h}), {x}, {o});");
-                }
+            if !late_v {
+                self.accumulate(v, xv, h);
+            }
+        }
+        if late_v {
+            load(self, v, "uv", "rvv");
+            for h in 0..k.heads {
+                self.accumulate(v, xv, h);
+            }
+        }
+    }
+
+    /// Head `h`'s accumulators take the row's values (`xv`) times its weight.
+    fn accumulate(&mut self, v: &Slice, xv: &str, h: u32) {
+        for j in 0..v.steps() {
+            let os = v.parts(&format!("o{h}_"), j);
+            let xs = v.parts(xv, j);
+            for (o, x) in os.iter().zip(&xs) {
+                line!(self, "        {o} = fma(vec4<f32>(e{h}), {x}, {o});");
             }
         }
     }
@@ -874,6 +969,7 @@ impl Gen {
 #[cfg(all(test, not(target_arch = "wasm32")))]
 mod tests {
     use super::*;
+    use crate::attention::plan;
     use crate::kernels::wgsl::{PRELUDE, ROWS};
 
     /// naga parses and validates the kernel of `key`, or the test fails with its message.
@@ -897,8 +993,16 @@ mod tests {
         let mut checked = 0;
         for dtype in DType::STORAGE {
             let u = per_vec(dtype) as u32;
-            for sum in [TeamSum::Subgroup, TeamSum::Shared] {
-                for lanes in [4, 8, 16, 32, 64] {
+            for (sum, lane_counts, most) in [
+                (
+                    TeamSum::Subgroup,
+                    &[4, 8, 16, 32, 64][..],
+                    plan::LANE_FLOATS,
+                ),
+                (TeamSum::Shared, &[4, 8, 16, 32, 64][..], plan::LANE_FLOATS),
+                (TeamSum::Alone, &[1][..], plan::LANE_FLOATS_ALONE),
+            ] {
+                for &lanes in lane_counts {
                     for heads in [1, 2, 4, 8, 16] {
                         for (d_a, d_b, d_v, v_from_a) in [
                             (128, 0, 128, false),
@@ -914,17 +1018,17 @@ mod tests {
                                 [d_a, d_b, d_v].map(|d| d as usize),
                                 v_from_a,
                             );
-                            if floats > crate::attention::plan::LANE_FLOATS {
+                            if floats > most {
                                 continue;
                             }
                             // Slots read as words, for the block types at one lane count (the
                             // loads do not depend on it; validating every count took a minute).
                             // MLA's values are its latent (v narrow when a is).
                             let narrows: &[[bool; 3]] = match dtype.block() {
-                                Some(_) if lanes == 8 && v_from_a => {
+                                Some(_) if lanes <= 8 && v_from_a => {
                                     &[[false; 3], [false, true, false], [true, true, true]]
                                 }
-                                Some(_) if lanes == 8 => {
+                                Some(_) if lanes <= 8 => {
                                     &[[false; 3], [true, true, false], [false, false, true]]
                                 }
                                 _ => &[[false; 3]],
@@ -954,7 +1058,7 @@ mod tests {
                 }
             }
         }
-        assert!(checked > 1800, "{checked} kernels");
+        assert!(checked > 1900, "{checked} kernels");
     }
 
     /// Slots of different types side by side: each type's unpacking is declared once (f16 and bf16,
@@ -980,12 +1084,12 @@ mod tests {
         ] {
             let mla = dtypes[0] == dtypes[2] && dtypes[1] != dtypes[0];
             let (d_a, d_b, d_v) = if mla { (512, 64, 512) } else { (128, 0, 64) };
-            for sum in [TeamSum::Subgroup, TeamSum::Shared] {
+            for sum in [TeamSum::Subgroup, TeamSum::Shared, TeamSum::Alone] {
                 for rows in [RowMode::Contiguous, RowMode::Ragged] {
                     let narrow = dtypes.map(|t| t.block().is_some() && rows == RowMode::Ragged);
                     let key = StreamKey {
                         dtypes,
-                        lanes: 8,
+                        lanes: if sum == TeamSum::Alone { 1 } else { 8 },
                         heads: 2,
                         d_a,
                         d_b,
@@ -1000,6 +1104,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 48);
+        assert_eq!(checked, 72);
     }
 }

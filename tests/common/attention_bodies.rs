@@ -33,9 +33,10 @@ fn filled(
     c
 }
 
-/// Every pass-1 kernel this adapter can run: the tiled and the streaming kernel everywhere, the
+/// Every pass-1 kernel this adapter can run: the tiled kernel and the streaming kernel with lanes
+/// summing through workgroup memory or teams of one invocation everywhere, the
 /// streaming kernel with `subgroupAdd` where the device has subgroups of one size. Lavapipe has them
-/// (subgroups of 8), so the Vulkan run of CI always tests all three; OpenGL and the browser (wgpu's
+/// (subgroups of 8), so the Vulkan run of CI always tests all four; OpenGL and the browser (wgpu's
 /// WebGPU backend does not offer subgroups) have none, which is said, and the refusal is tested.
 pub fn kernels(g: &Gpu) -> Vec<KernelChoice> {
     let info = g.adapter.get_info();
@@ -44,7 +45,11 @@ pub fn kernels(g: &Gpu) -> Vec<KernelChoice> {
     if info.backend == wgpu::Backend::Vulkan && info.name.contains("llvmpipe") {
         assert!(subgroups, "lavapipe offers subgroups of 8: {info:?}");
     }
-    let mut all = vec![KernelChoice::Tiled, KernelChoice::StreamShared];
+    let mut all = vec![
+        KernelChoice::Tiled,
+        KernelChoice::StreamShared,
+        KernelChoice::StreamAlone,
+    ];
     if subgroups {
         all.push(KernelChoice::StreamSubgroup);
     } else {
@@ -55,11 +60,6 @@ pub fn kernels(g: &Gpu) -> Vec<KernelChoice> {
         );
     }
     all
-}
-
-/// Whether the streaming kernels take layer 0 of `c`.
-fn streamable(c: &KvCache) -> bool {
-    streamable_layer(c.spec(), 0)
 }
 
 /// Whether the streaming kernels take `layer` of `spec`: every slot's innermost dimension whole
@@ -82,6 +82,34 @@ pub fn streamable_layer(spec: &CacheSpec, layer: usize) -> bool {
         })
 }
 
+/// Registers one invocation of the one-invocation-team kernel may hold: the planner's budget
+/// (`LANE_FLOATS_ALONE` in src/attention/plan.rs), mirrored here so the tests know which shapes
+/// [`KernelChoice::StreamAlone`] refuses.
+const ALONE_FLOATS: usize = 800;
+
+/// Whether a forced `kernel` takes `layer` of `spec` (the streaming kernels: whole vectors; the
+/// one-invocation teams also one head's queries, outputs and row within [`ALONE_FLOATS`]).
+pub fn kernel_takes(kernel: KernelChoice, spec: &CacheSpec, layer: usize) -> bool {
+    if kernel == KernelChoice::Tiled || kernel == KernelChoice::Auto {
+        return true;
+    }
+    if !streamable_layer(spec, layer) {
+        return false;
+    }
+    let slots = &spec.layers()[layer].slots;
+    if slots.len() < 2 {
+        return true;
+    }
+    let d = |i: usize| slots[i].trailing.last().copied().unwrap_or(0);
+    let floats = if slots[0].name == "compressed_kv" {
+        // MLA: queries and outputs over the latent and rope key, the row once.
+        (2 * d(0) + d(1)) + (d(0) + d(1))
+    } else {
+        2 * (d(0) + d(1))
+    };
+    kernel != KernelChoice::StreamAlone || floats <= ALONE_FLOATS
+}
+
 /// `layer` with its first two slots (K and V, or MLA's latent and rope key) stored as `types`.
 fn stored_as(mut layer: LayerSpec, types: [DType; 2]) -> LayerSpec {
     for (slot, dtype) in layer.slots.iter_mut().zip(types) {
@@ -101,9 +129,9 @@ async fn ran(
 ) -> bool {
     let forced_stream = matches!(
         att.kernel(),
-        KernelChoice::StreamShared | KernelChoice::StreamSubgroup
+        KernelChoice::StreamShared | KernelChoice::StreamSubgroup | KernelChoice::StreamAlone
     );
-    if forced_stream && !streamable(c) {
+    if forced_stream && !kernel_takes(att.kernel(), c.spec(), 0) {
         let e = result.unwrap_err();
         assert!(
             matches!(
@@ -988,7 +1016,9 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             att.set_kernel(kernel);
             let streams = matches!(
                 kernel,
-                KernelChoice::StreamShared | KernelChoice::StreamSubgroup
+                KernelChoice::StreamShared
+                    | KernelChoice::StreamSubgroup
+                    | KernelChoice::StreamAlone
             );
             let e = att.prepare(&c, 3).unwrap_err();
             assert!(

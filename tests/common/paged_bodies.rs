@@ -970,8 +970,8 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let mut att = Attention::with_kernels(super::kernels_for(g));
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
-            let takes = |l| super::attention_bodies::streamable_layer(&spec, l);
-            if choice != KernelChoice::Tiled && !(takes(0) && takes(1)) {
+            let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
+            if !(takes(0) && takes(1)) {
                 // Rows of a forced streaming kernel must be whole 16-byte vectors: refused up front
                 // (quantized rows of these widths are not).
                 let e = att.prepare_paged(&c, HEADS).unwrap_err();
@@ -1059,8 +1059,8 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let total: usize = batch.iter().map(|b| b.1).sum();
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
-            let takes = |l| super::attention_bodies::streamable_layer(&spec, l);
-            if choice != KernelChoice::Tiled && !(takes(0) && takes(1)) {
+            let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
+            if !(takes(0) && takes(1)) {
                 continue; // Refused, as checked above.
             }
             for (window, soft_cap) in [(None, None), (Some(6), Some(4.0))] {
