@@ -102,6 +102,16 @@ pub(crate) enum Pass1 {
     Stream(StreamKey),
 }
 
+impl Pass1 {
+    /// Chunks one workgroup of pass 1 takes (pass 1's grid is these workgroups, not the chunks).
+    pub(crate) fn chunks_per_workgroup(&self) -> u32 {
+        match self {
+            Pass1::Stream(key) => key.chunks_per_workgroup(),
+            Pass1::Tiled { .. } => 1,
+        }
+    }
+}
+
 /// The shapes of one call, already checked against each other and the layer.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct CallShape {
@@ -287,11 +297,10 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String>
     let refused = |why: &str| Err(format!("the {:?} attention kernel {why}", dev.choice));
     match dev.choice {
         KernelChoice::Auto => {
-            // On CPU adapters one-invocation teams, but for MLA where there are subgroups: its
-            // 16 heads share each latent row, which lanes over the row with `subgroupAdd` load
-            // once for 4 heads, while one-invocation teams hold one head each (lavapipe, ctx 4096:
-            // 6.6 against 15.8 ms). See docs/benchmarks.md.
-            // A shape too wide for one-invocation teams takes lanes over its rows.
+            // CPU adapters without subgroups (llvmpipe's GL) take one-invocation teams, where a
+            // barrier per row cost most of the time; a shape too wide for them (DeepSeek's MLA)
+            // takes lanes over its rows. Lavapipe keeps `subgroupAdd`: one-invocation teams were
+            // slower there for chunked prefill and MLA. See docs/benchmarks.md.
             let across = match dev.subgroup {
                 Some(_) => TeamSum::Subgroup,
                 None => TeamSum::Shared,
@@ -388,13 +397,17 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     let n_batches = group / key.heads as usize;
     let teams = s.n_kv * n_batches;
     fits_dimension(teams, "KV heads x head batches", dev)?;
-    let target = match (dev.cpu, key.sum) {
-        (true, _) => STREAM_WORKGROUPS_CPU * key.chunks_per_workgroup() as usize,
-        _ => TARGET_WORKGROUPS,
+    // A workgroup of one-invocation teams takes `per` chunks: a call of few chunks (many queries,
+    // a short context) would leave most of its SIMD lanes idle.
+    let per = key.chunks_per_workgroup() as usize;
+    let target = if dev.cpu {
+        STREAM_WORKGROUPS_CPU * per
+    } else {
+        TARGET_WORKGROUPS
     };
     let (lo, rows) = seen_rows(s);
-    // One loop iteration per row, and one per block of `SYNC_ROWS` between barriers: chunks stay
-    // within the loop budget, and are at least 16 rows.
+    // One loop iteration per row: chunks stay within the loop budget, and are at least `shortest`
+    // rows.
     let shortest = match key.sum {
         TeamSum::Alone => ALONE_MIN_ROWS,
         _ => 16,
@@ -402,14 +415,9 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     let want = target
         .div_ceil(teams * s.n_q)
         .max(ragged_chunks(s, rows, teams, target))
+        .next_multiple_of(per)
         .min(rows.div_ceil(shortest))
         .max(1);
-    // A workgroup of one-invocation teams takes `per` chunks: a call of few chunks (many queries,
-    // a short context) would leave most of its SIMD lanes idle.
-    let per = key.chunks_per_workgroup() as usize;
-    let want = want
-        .next_multiple_of(per)
-        .min(rows.div_ceil(shortest).max(1));
     let chunk_len = rows.div_ceil(want).min(STREAM_MAX_ROWS);
     finish(
         s,
@@ -510,10 +518,7 @@ fn finish(
     kernel: Pass1,
 ) -> Result<Dispatch, String> {
     // A workgroup of one-invocation teams takes `per_group` chunks, which share their rows.
-    let per_group = match kernel {
-        Pass1::Stream(key) => key.chunks_per_workgroup() as usize,
-        Pass1::Tiled { .. } => 1,
-    };
+    let per_group = kernel.chunks_per_workgroup() as usize;
     let n_chunks = rows.div_ceil(chunk_len).next_multiple_of(per_group);
     let q_per_pair = usize::try_from(dev.max_binding / (n_chunks as u64 * query_chunk_bytes(s)))
         .unwrap_or(usize::MAX)
@@ -693,10 +698,7 @@ mod tests {
             let d = plan(&gqa(DType::F16, 1, 32, 8, 128, 4096), &dev).unwrap();
             assert!(d.n_chunks() > 1, "{dev:?}: {d:?}");
             assert!(d.params.chunk_len as usize * d.n_chunks() >= 4096);
-            let per = match d.kernel {
-                Pass1::Stream(key) => key.chunks_per_workgroup(),
-                Pass1::Tiled { .. } => 1,
-            };
+            let per = d.kernel.chunks_per_workgroup();
             assert_eq!(d.pass1, (d.params.n_chunks.div_ceil(per), 8));
             assert_eq!(d.pairs().count(), 1);
         }

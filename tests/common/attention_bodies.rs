@@ -127,11 +127,7 @@ async fn ran(
     c: &KvCache,
     out: &wgpu::Buffer,
 ) -> bool {
-    let forced_stream = matches!(
-        att.kernel(),
-        KernelChoice::StreamShared | KernelChoice::StreamSubgroup | KernelChoice::StreamAlone
-    );
-    if forced_stream && !kernel_takes(att.kernel(), c.spec(), 0) {
+    if !kernel_takes(att.kernel(), c.spec(), 0) {
         let e = result.unwrap_err();
         assert!(
             matches!(
