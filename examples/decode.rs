@@ -345,26 +345,29 @@ fn step(
     progress: Option<Progress>,
 ) -> kvgpu::Result<(Duration, Duration)> {
     let t0 = Instant::now();
-    for l in &run.layers {
-        let seed = (step as u64) << 20 | (l.index as u64) << 4;
-        let slots = &run.cache.spec().layers()[l.index].slots;
-        let shapes: Vec<Vec<usize>> = slots
-            .iter()
-            .map(|s| [&[n][..], &s.trailing].concat())
-            .collect();
-        let data: Vec<Vec<f32>> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, sh)| values(seed + i as u64, sh.iter().product()))
-            .collect();
-        let slabs: Vec<HostSlab> = data
-            .iter()
-            .zip(&shapes)
-            .map(|(d, sh)| HostSlab::f32(d, sh))
-            .collect();
-        run.cache.append(l.index, &slabs)?;
-    }
-    run.gpu.queue.submit([]);
+    // Every layer's rows (none for layers without slots), then all of them in one upload.
+    let rows: Vec<Vec<(Vec<usize>, Vec<f32>)>> = run
+        .cache
+        .spec()
+        .layers()
+        .iter()
+        .enumerate()
+        .map(|(layer, spec)| {
+            let seed = (step as u64) << 20 | (layer as u64) << 4;
+            (spec.slots.iter().enumerate())
+                .map(|(i, s)| {
+                    let shape = [&[n][..], &s.trailing].concat();
+                    let data = values(seed + i as u64, shape.iter().product());
+                    (shape, data)
+                })
+                .collect()
+        })
+        .collect();
+    let slabs: Vec<Vec<HostSlab>> = (rows.iter())
+        .map(|slots| slots.iter().map(|(sh, d)| HostSlab::f32(d, sh)).collect())
+        .collect();
+    let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
+    run.cache.append_layers(&lists)?;
     wait(&run.gpu)?;
     let t1 = Instant::now();
 

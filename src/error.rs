@@ -27,6 +27,11 @@ pub enum Error {
         got: usize,
     },
 
+    /// A step-wide append ([`crate::KvCache::append_layers`]) passed a different number of slab
+    /// lists than the cache has layers.
+    #[error("the cache has {expected} layers but {got} slab lists were given (one per layer)")]
+    LayerLists { expected: usize, got: usize },
+
     /// A slab's trailing shape differs from its slot's.
     #[error(
         "layer {layer} slot {slot}: slab shape {got:?} does not match [n_new, ...{expected:?}] \

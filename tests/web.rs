@@ -82,6 +82,7 @@ browser_tests!(cache_bodies:
     scrub_matches_the_zero_twin_at_every_word_offset,
     parameters_move_on_to_fresh_buffers_inside_one_batch,
     a_sequence_moves_between_caches,
+    append_layers_writes_every_layer_in_one_upload,
 );
 
 renamed_browser_tests!(

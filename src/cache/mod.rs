@@ -8,6 +8,7 @@ mod slabs;
 mod snapshot;
 mod source;
 mod staged;
+mod step;
 mod zero;
 
 use std::sync::{Arc, OnceLock};

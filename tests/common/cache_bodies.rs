@@ -884,3 +884,203 @@ pub async fn slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits(
     c.advance(2).unwrap();
     assert_matches(&c, &m).await;
 }
+
+/// One step's rows for every layer of `spec` (`n` rows, pseudo-random f32), as (shapes, data) per layer
+/// and slot; layers without slots get empty lists. The model takes them at each layer's next row.
+fn step_rows(
+    spec: &CacheSpec,
+    m: &mut CpuCache,
+    at: usize,
+    n: usize,
+    seed: u64,
+) -> Vec<Vec<(Vec<usize>, Vec<f32>)>> {
+    let mut out = Vec::new();
+    for (l, layer) in spec.layers().iter().enumerate() {
+        let mut slots = Vec::new();
+        for (s, slot) in layer.slots.iter().enumerate() {
+            let shape = [&[n][..], &slot.trailing].concat();
+            let data = values(seed * 97 + (l * 7 + s) as u64, shape.iter().product());
+            let dtype = m.dtype(l, s).expect("the model has the slot");
+            let bits: Vec<u32> = data
+                .iter()
+                .map(|&x| reference::f32_to_bits(x, dtype))
+                .collect();
+            m.write_rows(l, s, at, &bits);
+            slots.push((shape, data));
+        }
+        out.push(slots);
+    }
+    out
+}
+
+/// Host slabs over `rows` (as `step_rows` returns them), one list per layer.
+fn slabs_of(rows: &[Vec<(Vec<usize>, Vec<f32>)>]) -> Vec<Vec<HostSlab<'_>>> {
+    rows.iter()
+        .map(|layer| {
+            layer
+                .iter()
+                .map(|(shape, data)| HostSlab::f32(data, shape))
+                .collect()
+        })
+        .collect()
+}
+
+/// `append_layers` (every layer's rows in one upload, copied into place) against the CPU model for
+/// every storage type, on a hybrid spec (MLA, a layer without slots, GQA): steps of 3, 1 and 2 rows,
+/// the middle one recorded into the caller's encoder. Then every refusal (the wrong number of layer
+/// lists, a bad slab in the last layer, capacity in one layer, a short slab, a wrong element type)
+/// leaves every slot's bytes and the ledger as they were, and the cache still takes a step. Last, a
+/// step over the 4 MiB upload ring (written slot by slot) and a small one after it.
+pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
+    for dtype in DType::STORAGE {
+        note!("-- {dtype}");
+        let (r, p, d) = (width(dtype, 6, 2), width(dtype, 3, 1), width(dtype, 4, 1));
+        let layers = vec![
+            LayerSpec::mla(r, p),
+            LayerSpec::empty(),
+            LayerSpec::kv(2, d, d),
+        ];
+        let spec = CacheSpec::new(layers, dtype, 8).unwrap();
+        let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
+        for (step, n) in [3, 1, 2].into_iter().enumerate() {
+            let rows = step_rows(&spec, &mut m, c.len(), n, step as u64 + 1);
+            let slabs = slabs_of(&rows);
+            let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
+            if step == 1 {
+                let mut encoder = g.device.create_command_encoder(&Default::default());
+                c.record_append_layers(&mut encoder, &lists).unwrap();
+                assert_eq!(c.visible(2).unwrap(), c.len() + n);
+                g.queue.submit([encoder.finish()]);
+            } else {
+                c.append_layers(&lists).unwrap();
+            }
+            c.advance(n).unwrap();
+        }
+        assert_eq!(c.len(), 6);
+        assert_matches(&c, &m).await;
+
+        let before = snapshot(&c).await;
+        let ledger = c.ledger().clone();
+        let mut scratch = CpuCache::new(&spec);
+        let one = step_rows(&spec, &mut scratch, 0, 1, 50);
+        let three = step_rows(&spec, &mut scratch, 0, 3, 51);
+        let (one, three) = (slabs_of(&one), slabs_of(&three));
+        let short = &one[2][1].data;
+        let short = match short {
+            HostData::F32(x) => &x[1..],
+            _ => unreachable!("step_rows makes f32 slabs"),
+        };
+        let short_slab = [one[2][0], HostSlab::f32(short, one[2][1].shape)];
+        let wrong_shape = [one[2][0], HostSlab::f32(&[0.0; 1], &[1, 1])];
+        let (bf, hf) = (
+            vec![half::bf16::ZERO; one[2][1].data.len()],
+            vec![half::f16::ZERO; one[2][1].data.len()],
+        );
+        let wrong_type = [
+            one[2][0],
+            if dtype == DType::BF16 {
+                HostSlab::f16(&hf, one[2][1].shape)
+            } else {
+                HostSlab::bf16(&bf, one[2][1].shape)
+            },
+        ];
+        let mut refusals: Vec<(&str, Result<()>)> = vec![
+            (
+                "two lists for three layers",
+                c.append_layers(&[&one[0], &one[1]]),
+            ),
+            (
+                "a bad shape in the last layer",
+                c.append_layers(&[&one[0], &[], &wrong_shape]),
+            ),
+            (
+                "3 rows do not fit in layer 2",
+                c.append_layers(&[&one[0], &[], &three[2]]),
+            ),
+            (
+                "a short slab in the last layer",
+                c.append_layers(&[&one[0], &[], &short_slab]),
+            ),
+        ];
+        if !dtype.is_quantized() {
+            refusals.push((
+                "an element type the slot does not take",
+                c.append_layers(&[&one[0], &[], &wrong_type]),
+            ));
+        }
+        for (what, got) in &refusals {
+            let err = got.as_ref().expect_err(what);
+            let expected = match *what {
+                "two lists for three layers" => {
+                    matches!(
+                        err,
+                        Error::LayerLists {
+                            expected: 3,
+                            got: 2
+                        }
+                    )
+                }
+                "a bad shape in the last layer" => {
+                    matches!(
+                        err,
+                        Error::SlabShape {
+                            layer: 2,
+                            slot: 1,
+                            ..
+                        }
+                    )
+                }
+                "3 rows do not fit in layer 2" => matches!(
+                    err,
+                    Error::CapacityExceeded {
+                        layer: 2,
+                        n_new: 3,
+                        ..
+                    }
+                ),
+                "a short slab in the last layer" => {
+                    matches!(
+                        err,
+                        Error::SourceSize {
+                            layer: 2,
+                            slot: 1,
+                            ..
+                        }
+                    )
+                }
+                _ => matches!(
+                    err,
+                    Error::SourceDType {
+                        layer: 2,
+                        slot: 1,
+                        ..
+                    }
+                ),
+            };
+            assert!(expected, "{dtype} {what}: {err}");
+            note!("refused as expected ({what}): {err}");
+        }
+        assert_eq!(c.ledger(), &ledger, "{dtype}: a refusal moved the ledger");
+        assert_eq!(snapshot(&c).await, before, "{dtype}: a refusal wrote bytes");
+        let rows = step_rows(&spec, &mut m, 6, 2, 9);
+        let slabs = slabs_of(&rows);
+        let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
+        c.append_layers(&lists).unwrap();
+        c.advance(2).unwrap();
+        assert_matches(&c, &m).await;
+    }
+    // 520 rows of 8 KiB: 4.06 MiB, over the upload ring, so written slot by slot; then one row more.
+    for dtype in [DType::F32, DType::Q8_0] {
+        note!("-- {dtype}, over 4 MiB");
+        let spec = CacheSpec::uniform(1, LayerSpec::kv(8, 128, 128), dtype, 600).unwrap();
+        let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
+        for (n, seed) in [(520, 60), (1, 61)] {
+            let rows = step_rows(&spec, &mut m, c.len(), n, seed);
+            let slabs = slabs_of(&rows);
+            let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
+            c.append_layers(&lists).unwrap();
+            c.advance(n).unwrap();
+        }
+        assert_matches(&c, &m).await;
+    }
+}

@@ -1,0 +1,117 @@
+//! A whole step's host rows in one upload: every layer's slabs are encoded into one host buffer,
+//! written once, and copied into their slots, where [`KvCache::append`] writes each slot on its own.
+//! On adapters whose `write_buffer` costs a fixed overhead per call (OpenGL: six times faster for a
+//! decode step of 64 slots) that overhead is paid once per step instead of once per slot.
+
+use super::{HostSlab, KvCache};
+use crate::codec::stored_bytes;
+use crate::error::{Error, Result};
+use crate::kernels::RING_BYTES;
+use crate::ledger::AppendPlan;
+
+impl KvCache {
+    /// Appends rows to every layer from host memory: `slabs[layer]` is what [`KvCache::append`] takes
+    /// for that layer (an empty list for a layer without slots, or to append nothing to it). Every
+    /// layer is checked before anything is written; a refused call changes no layer.
+    ///
+    /// The rows of a step up to 4 MiB go up in one upload and are copied into place by commands
+    /// recorded into `encoder`: they land when that encoder's commands run. Larger steps are
+    /// written slot by slot as [`KvCache::append`] writes them (at the next submission), since the
+    /// per-call overhead no longer matters there. Call [`KvCache::advance`] afterwards as usual.
+    pub fn record_append_layers(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        slabs: &[&[HostSlab<'_>]],
+    ) -> Result<()> {
+        let plans = self.plan_layers(slabs)?;
+        let total: u64 = plans
+            .iter()
+            .filter_map(|p| p.as_ref())
+            .map(|p| {
+                let row_bytes: u64 = self.slots[p.layer]
+                    .iter()
+                    .map(|sb| sb.placement.row_bytes)
+                    .sum();
+                p.n_new as u64 * row_bytes
+            })
+            .sum();
+        if total > RING_BYTES {
+            for plan in plans.iter().flatten() {
+                let [run] = plan.runs();
+                self.write_host_runs(plan.layer, slabs[plan.layer], &[(0, run)]);
+            }
+        } else if total > 0 {
+            let mut blob = std::mem::take(&mut self.upload_bytes);
+            blob.clear();
+            // (layer, slot, byte in the upload, byte in the slot, bytes)
+            let mut copies = Vec::new();
+            for plan in plans.iter().flatten() {
+                let [run] = plan.runs();
+                for (slot, slab) in slabs[plan.layer].iter().enumerate() {
+                    let sb = &self.slots[plan.layer][slot];
+                    let (offset, size) = sb.placement.bytes(&run);
+                    if size == 0 {
+                        continue;
+                    }
+                    let bytes = stored_bytes(
+                        slab.data,
+                        sb.dtype,
+                        sb.row_elems,
+                        sb.scale,
+                        &mut self.scratch,
+                    );
+                    copies.push((plan.layer, slot, blob.len() as u64, offset, size));
+                    blob.extend_from_slice(&bytes[..size as usize]);
+                }
+            }
+            let upload = self.uploads.push(&self.queue, &blob);
+            self.upload_bytes = blob;
+            for (layer, slot, from, to, size) in copies {
+                encoder.copy_buffer_to_buffer(
+                    &upload.buffer,
+                    upload.offset + from,
+                    &self.slots[layer][slot].buffer,
+                    to,
+                    size,
+                );
+            }
+        }
+        for plan in plans.into_iter().flatten() {
+            self.ledger.commit_append(plan);
+        }
+        Ok(())
+    }
+
+    /// [`KvCache::record_append_layers`] in its own submission: one upload, one command buffer of
+    /// copies, submitted before this returns.
+    pub fn append_layers(&mut self, slabs: &[&[HostSlab<'_>]]) -> Result<()> {
+        let mut encoder = self.encoder("kvgpu append_layers");
+        self.record_append_layers(&mut encoder, slabs)?;
+        self.queue.submit([encoder.finish()]);
+        Ok(())
+    }
+
+    /// Plans every layer's append (`None` for an empty list) and checks its host slabs.
+    fn plan_layers(&self, slabs: &[&[HostSlab<'_>]]) -> Result<Vec<Option<AppendPlan>>> {
+        let n_layers = self.spec.n_layers();
+        if slabs.len() != n_layers {
+            return Err(Error::LayerLists {
+                expected: n_layers,
+                got: slabs.len(),
+            });
+        }
+        let mut plans = Vec::with_capacity(n_layers);
+        for (layer, layer_slabs) in slabs.iter().enumerate() {
+            if layer_slabs.is_empty() {
+                plans.push(None);
+                continue;
+            }
+            let plan = self
+                .ledger
+                .plan_append_with(layer, layer_slabs.len(), |s| layer_slabs[s].shape)?;
+            self.check_host_slabs(layer, layer_slabs)?;
+            plans.push(Some(plan));
+        }
+        Ok(plans)
+    }
+}
