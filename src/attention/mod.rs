@@ -136,12 +136,14 @@ struct Job<'a> {
     default_scale: f32,
 }
 
-/// One pipeline to run once in [`Attention::prepare`]: a layer, its kind, a decode call's parameters.
+/// One pipeline to run once in [`Attention::prepare`]: a layer, its kind, a decode call's parameters,
+/// and the reduce workgroup size that call takes.
 type WarmUp = (
     usize,
     AttentionKind,
     crate::kernels::AttnParams,
     wgpu::ComputePipeline,
+    u32,
 );
 
 /// Query bindings of pass 1: q_a and q_b, each with its bound (offset, size).
@@ -324,12 +326,12 @@ impl Attention {
                 } => {
                     for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
                         let pipeline = self.kernels.attention_partial(dtypes, batch, rpl, rows);
-                        runs.push((layer, kind, params, pipeline));
+                        runs.push((layer, kind, params, pipeline, dispatch.reduce_lanes));
                     }
                 }
                 plan::Pass1::Stream(key) => {
                     let pipeline = self.kernels.attention_stream(&key).map_err(limit(layer))?;
-                    runs.push((layer, kind, params, pipeline));
+                    runs.push((layer, kind, params, pipeline, dispatch.reduce_lanes));
                 }
             }
         }
@@ -387,13 +389,13 @@ impl Attention {
                 label: Some("kvgpu attention warm-up"),
                 timestamp_writes: None,
             });
-            for ((layer, kind, _, pipeline), params) in runs.iter().zip(&params) {
+            for ((layer, kind, _, pipeline, lanes), params) in runs.iter().zip(&params) {
                 pass.set_pipeline(pipeline);
                 pass.set_bind_group(0, cache.attention_group(*layer, *kind), &[]);
                 pass.set_bind_group(1, &io, &[]);
                 pass.set_bind_group(2, &params.group, &[params.offset]);
                 pass.dispatch_workgroups(1, 1, 1);
-                pass.set_pipeline(self.kernels.attention_reduce());
+                pass.set_pipeline(self.kernels.attention_reduce(*lanes));
                 pass.set_bind_group(0, &reduce, &[]);
                 pass.set_bind_group(1, &params.group, &[params.offset]);
                 pass.dispatch_workgroups(1, 1, 1);

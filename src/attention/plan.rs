@@ -10,7 +10,7 @@
 
 use super::stream::{self, StreamKey, TeamSum};
 use crate::codec::DType;
-use crate::kernels::{AttnParams, HEAD_BATCHES, ROWS_PER_INVOCATION};
+use crate::kernels::{AttnParams, HEAD_BATCHES, REDUCE_LANES, ROWS_PER_INVOCATION};
 pub(crate) use crate::placement::Paging;
 
 /// Rows per tile of pass 1 with one row per invocation (`TILE` in the shaders).
@@ -198,6 +198,8 @@ pub(crate) struct Dispatch {
     /// queries x teams) and of the reduce per query (its grid is that x the pair's queries).
     pub pass1: (u32, u32),
     pub pass2: u32,
+    /// Invocations per reduce workgroup, one of [`REDUCE_LANES`].
+    pub reduce_lanes: u32,
     pub q_per_pair: usize,
     /// Scratch bytes one pair needs.
     pub stats_bytes: u64,
@@ -254,9 +256,23 @@ pub(crate) fn pass1_iterations_per_tile(
     1 + rpl + dots + rpl * (1 + hb) + span + rpl * (1 + hb) + span + value
 }
 
-/// Loop iterations of one reduce invocation (`attention_reduce.wgsl`) over `n_chunks`.
-pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize) -> usize {
-    2 * n_chunks + d_v.div_ceil(64) * (1 + n_chunks)
+/// Loop iterations of one reduce invocation (`attention_reduce.wgsl`, workgroups of `lanes`) over
+/// `n_chunks`.
+pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize, lanes: u32) -> usize {
+    2 * n_chunks + d_v.div_ceil(lanes as usize) * (1 + n_chunks)
+}
+
+/// Invocations per reduce workgroup: on a CPU adapter 8, one SIMD vector, so that each head's max
+/// and sum are worked out once per workgroup rather than once per vector of 8 (a 128-sequence
+/// batch's reduce took 25 of its 118 ms on llvmpipe with 64), unless an invocation's share of a long
+/// call's chunks would pass the loop budget; 64 on GPUs.
+fn reduce_lanes(n_chunks: usize, d_v: usize, cpu: bool) -> u32 {
+    let [wide, narrow] = REDUCE_LANES;
+    if cpu && reduce_iterations(n_chunks, d_v, narrow) + 1 < LOOP_BUDGET {
+        narrow
+    } else {
+        wide
+    }
 }
 
 /// Reduce workgroups per query on a CPU adapter: one per core of the software adapters here, each
@@ -267,11 +283,11 @@ const REDUCE_WORKGROUPS_CPU: usize = 2;
 /// Reduce workgroups per query: one per head on a GPU; on a CPU adapter the fewest from
 /// [`REDUCE_WORKGROUPS_CPU`] up whose heads each keep an invocation within the loop budget (a
 /// workgroup's heads are one more loop around [`reduce_iterations`]).
-fn reduce_workgroups(n_heads: usize, n_chunks: usize, d_v: usize, cpu: bool) -> usize {
+fn reduce_workgroups(n_heads: usize, n_chunks: usize, d_v: usize, lanes: u32, cpu: bool) -> usize {
     if !cpu {
         return n_heads;
     }
-    let per_head = reduce_iterations(n_chunks, d_v) + 1;
+    let per_head = reduce_iterations(n_chunks, d_v, lanes) + 1;
     let most_heads = ((LOOP_BUDGET - 1) / per_head).max(1);
     n_heads
         .div_ceil(most_heads)
@@ -525,7 +541,7 @@ fn finish(
         .min(s.n_q);
     if n_chunks > dev.max_workgroups
         || q_per_pair == 0
-        || reduce_iterations(n_chunks, s.d_v) + 1 >= LOOP_BUDGET
+        || reduce_iterations(n_chunks, s.d_v, REDUCE_LANES[0]) + 1 >= LOOP_BUDGET
     {
         return Err(format!(
             "{rows} rows need {n_chunks} chunks of at most {chunk_len} rows to stay within the loop \
@@ -566,6 +582,7 @@ fn finish(
         view_out: [0; 4],
         slot_scales: [s.scales[0], s.scales[1], s.scales[2], 1.0],
     };
+    let reduce_lanes = reduce_lanes(n_chunks, s.d_v, dev.cpu);
     Ok(Dispatch {
         params,
         kernel,
@@ -573,7 +590,8 @@ fn finish(
             n_chunks.div_ceil(per_group) as u32,
             (s.n_kv * n_batches) as u32,
         ),
-        pass2: reduce_workgroups(s.n_heads, n_chunks, s.d_v, dev.cpu) as u32,
+        pass2: reduce_workgroups(s.n_heads, n_chunks, s.d_v, reduce_lanes, dev.cpu) as u32,
+        reduce_lanes,
         q_per_pair,
         stats_bytes,
         part_bytes,
@@ -683,7 +701,8 @@ mod tests {
             Pass1::Stream(_) => d.params.chunk_len as usize,
         };
         let heads_per_workgroup = s.n_heads.div_ceil(d.pass2 as usize);
-        pass1.max(heads_per_workgroup * (reduce_iterations(d.n_chunks(), s.d_v) + 1))
+        pass1
+            .max(heads_per_workgroup * (reduce_iterations(d.n_chunks(), s.d_v, d.reduce_lanes) + 1))
     }
 
     impl Dispatch {
@@ -748,6 +767,59 @@ mod tests {
             }
         }
         assert!(checked > 1500, "{checked} plans checked");
+    }
+
+    #[test]
+    fn cpu_adapters_reduce_with_one_vector_unless_the_chunks_need_more_lanes() {
+        let mut fallbacks = 0;
+        for dev in devices() {
+            // Decode and a 128-sequence batch: few chunks, 8 lanes on a CPU adapter, 64 on a GPU.
+            let decode = gqa(DType::F16, 1, 32, 8, 128, 4096);
+            let batch = CallShape {
+                n_q: 128,
+                visible: 8192,
+                paging: Some(Paging {
+                    page_size: 16,
+                    table_base: 0,
+                    n_pages: 4096,
+                }),
+                ragged: Some(Ragged {
+                    lo: 0,
+                    seen: 39_486,
+                }),
+                ..decode
+            };
+            let lanes = if dev.cpu { 8 } else { 64 };
+            for s in [decode, batch, mla(DType::F16, 1, 4096)] {
+                let p = match plan(&s, &dev) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        assert_eq!(dev.choice, KernelChoice::StreamAlone, "{s:?}: {e}");
+                        continue;
+                    }
+                };
+                assert_eq!(p.reduce_lanes, lanes, "{dev:?} {s:?}");
+            }
+            // One query deep in a long sequence with a short window, beside one at its start: the
+            // chunks cover both, too many for 8 lanes to merge 128-element rows within the budget.
+            let far = CallShape {
+                window: 16,
+                ragged: Some(Ragged { lo: 0, seen: 17 }),
+                n_q: 2,
+                ..gqa(DType::F16, 2, 4, 1, 128, 100_001)
+            };
+            let far = CallShape {
+                paging: batch.paging,
+                ..far
+            };
+            let p = plan(&far, &dev).unwrap();
+            let narrow_fits = reduce_iterations(p.n_chunks(), 128, 8) < LOOP_BUDGET - 1;
+            let expected = if dev.cpu && narrow_fits { 8 } else { 64 };
+            assert_eq!(p.reduce_lanes, expected, "{dev:?}: {} chunks", p.n_chunks());
+            assert!(worst_iterations(&far, &p) < LOOP_BUDGET);
+            fallbacks += usize::from(dev.cpu && !narrow_fits);
+        }
+        assert!(fallbacks > 0, "no CPU plan needed the wide reduce");
     }
 
     #[test]

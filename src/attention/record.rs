@@ -143,7 +143,7 @@ impl Attention {
             pass.set_bind_group(2, &params.group, &[params.offset]);
             let (chunks, teams) = dispatch.pass1;
             pass.dispatch_workgroups(chunks, pair.q_count, teams);
-            pass.set_pipeline(self.kernels.attention_reduce());
+            pass.set_pipeline(self.kernels.attention_reduce(dispatch.reduce_lanes));
             pass.set_bind_group(0, &reduce, &[]);
             pass.set_bind_group(1, &params.group, &[params.offset]);
             pass.dispatch_workgroups(dispatch.pass2, pair.q_count, 1);

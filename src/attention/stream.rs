@@ -253,13 +253,14 @@ pub(crate) fn source(key: &StreamKey, prelude: &str, rows: &str) -> String {
     g.out
 }
 
-/// The bindings of pass 1 after the slots, as `shaders/attention_partial.wgsl` declares them.
+/// The bindings of pass 1 after the slots, as `shaders/attention_partial.wgsl` declares them, but
+/// the partial results in 16-byte vectors (one store for four of a lane's outputs).
 const BINDINGS: &str = "\
 @group(0) @binding(3) var<storage, read> table: array<u32>;
 @group(1) @binding(0) var<storage, read> q_a: array<f32>;
 @group(1) @binding(1) var<storage, read> q_b: array<f32>;
 @group(1) @binding(2) var<storage, read_write> stats: array<f32>;
-@group(1) @binding(3) var<storage, read_write> part: array<f32>;
+@group(1) @binding(3) var<storage, read_write> part: array<vec4<f32>>;
 @group(2) @binding(0) var<uniform> p: AttnParams;
 ";
 
@@ -507,7 +508,8 @@ impl Gen {
             line!(self, "    let o{h}_base = (out0 + {h}u) * {}u;", k.d_v);
             for j in 0..v.steps() {
                 let guard = self.guard(&v, j);
-                let at = format!("o{h}_base + (lane + {}u) * {}u", j * k.lanes, v.u());
+                // In vectors of 4: d_v and u are multiples of 4 in every streaming shape.
+                let at = format!("(o{h}_base + (lane + {}u) * {}u) / 4u", j * k.lanes, v.u());
                 let names = v.parts(&format!("o{h}_"), j);
                 let parts = v.n_parts();
                 let mut body = String::new();
@@ -517,9 +519,16 @@ impl Gen {
                 } else {
                     ""
                 };
-                for i in 0..v.u() {
+                let elem = |i: u32| {
                     let (name, c) = (&names[(i % parts) as usize], i / parts);
-                    let _ = write!(body, "part[{at} + {i}u] = {name}[{c}]{scale}; ");
+                    format!("{name}[{c}]{scale}")
+                };
+                for g in 0..v.u() / 4 {
+                    let [e0, e1, e2, e3] = [0, 1, 2, 3].map(|i| elem(4 * g + i));
+                    let _ = write!(
+                        body,
+                        "part[{at} + {g}u] = vec4<f32>({e0}, {e1}, {e2}, {e3}); "
+                    );
                 }
                 line!(self, "    if {guard} {{ {body}}}");
             }
@@ -710,7 +719,7 @@ impl Gen {
         }
         line!(
             self,
-            "        && parts * 2u <= arrayLength(&stats) && parts * p.d_v <= arrayLength(&part);"
+            "        && parts * 2u <= arrayLength(&stats) && parts * (p.d_v / 4u) <= arrayLength(&part);"
         );
         line!(self, "}}");
     }

@@ -83,6 +83,10 @@ fn storage_layout(device: &wgpu::Device, label: &str, read_only: &[bool]) -> wgp
     })
 }
 
+/// Invocations of a reduce workgroup (`attention_reduce.wgsl`): 64, and 8 (one SIMD vector) on CPU
+/// adapters where an invocation's loops stay within the loop budget.
+pub(crate) const REDUCE_LANES: [u32; 2] = [64, 8];
+
 /// One kernel: its shader module and pipeline layout; pipelines are made from them per variant.
 #[derive(Debug)]
 struct Kernel {
@@ -149,7 +153,9 @@ struct AttentionKernels {
     partial: Kernel,
     /// Tiled pass-1 pipelines.
     partial_pipelines: Mutex<HashMap<PartialKey, wgpu::ComputePipeline>>,
-    reduce: wgpu::ComputePipeline,
+    reduce: Kernel,
+    /// The reduce pipeline of each workgroup size of [`REDUCE_LANES`], made on first use.
+    reduce_pipelines: [OnceLock<wgpu::ComputePipeline>; 2],
     /// Generated streaming pass-1 pipelines by shape.
     stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
 }
@@ -353,12 +359,12 @@ impl Kernels {
                 "kvgpu attention_reduce",
                 wgsl::ATTENTION_REDUCE,
                 &[&self.reduce_layout, &self.params_layout],
-            )
-            .pipeline(device, "main", &[]);
+            );
             AttentionKernels {
                 partial,
                 partial_pipelines: Mutex::new(HashMap::new()),
                 reduce,
+                reduce_pipelines: Default::default(),
                 stream_pipelines: Mutex::new(HashMap::new()),
             }
         })
@@ -461,8 +467,16 @@ impl Kernels {
         .then_some(n)
     }
 
-    pub(crate) fn attention_reduce(&self) -> &wgpu::ComputePipeline {
-        &self.attention().reduce
+    /// The reduce pipeline with workgroups of `lanes` invocations (one of [`REDUCE_LANES`]).
+    pub(crate) fn attention_reduce(&self, lanes: u32) -> &wgpu::ComputePipeline {
+        let kernels = self.attention();
+        let i = REDUCE_LANES.iter().position(|&l| l == lanes).unwrap_or(0);
+        kernels.reduce_pipelines[i].get_or_init(|| {
+            let lanes = f64::from(REDUCE_LANES[i]);
+            kernels
+                .reduce
+                .pipeline(&self.device, "main", &[("LANES", lanes)])
+        })
     }
 }
 
