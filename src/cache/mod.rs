@@ -13,7 +13,7 @@ mod zero;
 
 use std::sync::{Arc, OnceLock};
 
-use crate::codec::{DType, padded_row_bytes, row_elems, stored_bytes};
+use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes};
 use crate::error::{Error, Result};
 use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing};
 use crate::ledger::{AppendPlan, Ledger};
@@ -37,6 +37,12 @@ struct SlotBuffer {
 }
 
 impl SlotBuffer {
+    /// Host rows as this slot stores them: borrowed when they already are, else encoded into
+    /// `scratch`.
+    fn stored<'a>(&self, data: HostData<'a>, scratch: &'a mut Vec<u8>) -> &'a [u8] {
+        stored_bytes(data, self.dtype, self.row_elems, self.scale, scratch)
+    }
+
     /// The bits of `1 / scale` a scaled fp8 slot's writes multiply by; 0 for any other slot.
     fn inv_scale_bits(&self) -> u32 {
         self.scale
@@ -372,13 +378,7 @@ impl KvCache {
             if runs.iter().all(|(_, run)| run.n_rows == 0) {
                 continue;
             }
-            let bytes = stored_bytes(
-                slab.data,
-                sb.dtype,
-                sb.row_elems,
-                sb.scale,
-                &mut self.scratch,
-            );
+            let bytes = sb.stored(slab.data, &mut self.scratch);
             let row_bytes = sb.placement.row_bytes as usize;
             for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
                 let (offset, size) = sb.placement.bytes(run);

@@ -4,7 +4,7 @@
 
 use super::source::{self, Source, SourceJob};
 use super::{GpuSlab, HostSlab, KvCache};
-use crate::codec::{DType, stored_bytes};
+use crate::codec::DType;
 use crate::error::Result;
 use crate::kernels::{WriteParams, grid, write_outputs};
 
@@ -93,13 +93,7 @@ impl KvCache {
             bytes.resize(bytes.len().next_multiple_of(16), 0);
             starts.push(bytes.len() as u64);
             let sb = &self.slots[layer][slot];
-            bytes.extend_from_slice(stored_bytes(
-                slab.data,
-                sb.dtype,
-                sb.row_elems,
-                sb.scale,
-                &mut self.scratch,
-            ));
+            bytes.extend_from_slice(sb.stored(slab.data, &mut self.scratch));
         }
         bytes.resize(bytes.len().next_multiple_of(16), 0);
         if bytes.len() as u64 > self.max_binding {

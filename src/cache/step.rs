@@ -4,7 +4,6 @@
 //! decode step of 64 slots) that overhead is paid once per step instead of once per slot.
 
 use super::{HostSlab, KvCache};
-use crate::codec::stored_bytes;
 use crate::error::{Error, Result};
 use crate::kernels::RING_BYTES;
 use crate::ledger::AppendPlan;
@@ -53,13 +52,7 @@ impl KvCache {
                     if size == 0 {
                         continue;
                     }
-                    let bytes = stored_bytes(
-                        slab.data,
-                        sb.dtype,
-                        sb.row_elems,
-                        sb.scale,
-                        &mut self.scratch,
-                    );
+                    let bytes = sb.stored(slab.data, &mut self.scratch);
                     copies.push((plan.layer, slot, blob.len() as u64, offset, size));
                     blob.extend_from_slice(&bytes[..size as usize]);
                 }

@@ -4,7 +4,7 @@
 
 use super::{
     append_both, append_random, assert_matches, buffer_with, cache_on, default_limits_gpu,
-    snapshot, values,
+    model_rows, snapshot, values,
 };
 use kvgpu::reference::{self, CpuCache};
 use kvgpu::wgpu;
@@ -900,12 +900,7 @@ fn step_rows(
         for (s, slot) in layer.slots.iter().enumerate() {
             let shape = [&[n][..], &slot.trailing].concat();
             let data = values(seed * 97 + (l * 7 + s) as u64, shape.iter().product());
-            let dtype = m.dtype(l, s).expect("the model has the slot");
-            let bits: Vec<u32> = data
-                .iter()
-                .map(|&x| reference::f32_to_bits(x, dtype))
-                .collect();
-            m.write_rows(l, s, at, &bits);
+            model_rows(m, l, s, at, &data);
             slots.push((shape, data));
         }
         out.push(slots);

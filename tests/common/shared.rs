@@ -266,13 +266,18 @@ pub fn append_random(cache: &mut KvCache, layer: usize, n: usize, seed: u64) -> 
 pub fn append_both(c: &mut KvCache, m: &mut CpuCache, layer: usize, n: usize, seed: u64) {
     let start = c.visible(layer).unwrap();
     for (s, d) in append_random(c, layer, n, seed).iter().enumerate() {
-        let dtype = m.dtype(layer, s).expect("the model has the slot");
-        let bits: Vec<u32> = d
-            .iter()
-            .map(|&x| reference::f32_to_bits(x, dtype))
-            .collect();
-        m.write_rows(layer, s, start, &bits);
+        model_rows(m, layer, s, start, d);
     }
+}
+
+/// f32 rows written into slot `slot` of `layer` of the model from row `at`, as the slot stores them.
+pub fn model_rows(m: &mut CpuCache, layer: usize, slot: usize, at: usize, data: &[f32]) {
+    let dtype = m.dtype(layer, slot).expect("the model has the slot");
+    let bits: Vec<u32> = data
+        .iter()
+        .map(|&x| reference::f32_to_bits(x, dtype))
+        .collect();
+    m.write_rows(layer, slot, at, &bits);
 }
 
 /// Every slot buffer on the GPU equals the model, word for word, at full capacity.
