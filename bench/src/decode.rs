@@ -330,7 +330,6 @@ pub fn run(
             drop(c);
             let t = t.elapsed().as_secs_f64();
             gpu.queue.submit([encoder.finish()]);
-            gpu.queue.submit([]);
             timer.wait()?;
             cache.borrow_mut().truncate(ctx)?;
             Ok(t)

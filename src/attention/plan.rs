@@ -804,13 +804,9 @@ mod tests {
             // chunks cover both, too many for 8 lanes to merge 128-element rows within the budget.
             let far = CallShape {
                 window: 16,
-                ragged: Some(Ragged { lo: 0, seen: 17 }),
-                n_q: 2,
-                ..gqa(DType::F16, 2, 4, 1, 128, 100_001)
-            };
-            let far = CallShape {
                 paging: batch.paging,
-                ..far
+                ragged: Some(Ragged { lo: 0, seen: 17 }),
+                ..gqa(DType::F16, 2, 4, 1, 128, 100_001)
             };
             let p = plan(&far, &dev).unwrap();
             let narrow_fits = reduce_iterations(p.n_chunks(), 128, 8) < LOOP_BUDGET - 1;
