@@ -924,7 +924,8 @@ fn slabs_of(rows: &[Vec<(Vec<usize>, Vec<f32>)>]) -> Vec<Vec<HostSlab<'_>>> {
 /// every storage type, on a hybrid spec (MLA, a layer without slots, GQA): steps of 3, 1 and 2 rows,
 /// the middle one recorded into the caller's encoder. Then every refusal (the wrong number of layer
 /// lists, a bad slab in the last layer, capacity in one layer, a short slab, a wrong element type)
-/// leaves every slot's bytes and the ledger as they were, and the cache still takes a step. Last, a
+/// raises no wgpu validation error and leaves every slot's bytes and the ledger as they were, and
+/// the cache still takes a step. Last, a
 /// step over the 4 MiB upload ring (written slot by slot) and a small one after it.
 pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
     for dtype in DType::STORAGE {
@@ -979,6 +980,7 @@ pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
                 HostSlab::bf16(&bf, one[2][1].shape)
             },
         ];
+        let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let mut refusals: Vec<(&str, Result<()>)> = vec![
             (
                 "two lists for three layers",
@@ -1003,6 +1005,11 @@ pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
                 c.append_layers(&[&one[0], &[], &wrong_type]),
             ));
         }
+        g.queue.submit([]);
+        assert!(
+            scope.pop().await.is_none(),
+            "{dtype}: a refused append_layers reached wgpu"
+        );
         for (what, got) in &refusals {
             let err = got.as_ref().expect_err(what);
             let expected = match *what {
