@@ -46,6 +46,13 @@ const TERMS: usize = 16;
 /// SIMD vector of llvmpipe and lavapipe.
 pub(crate) const ALONE_TEAMS: u32 = 8;
 
+/// Rows of the blocks that one-invocation teams take in turn through a page table (team `t` of a
+/// workgroup takes the blocks `t, t + 8, ...` of its rows): a lane crosses a page at most once per
+/// block instead of every few rows, and a team still takes at most one block more than a chunk's
+/// rows (the planner's loop budget). 8 was the fastest of 4, 8 and whole 16-row pages on GL
+/// (docs/benchmarks.md).
+pub(crate) const ALONE_BLOCK_ROWS: u32 = 8;
+
 impl StreamKey {
     /// Invocations per workgroup.
     pub(crate) fn workgroup_size(&self) -> u32 {
@@ -391,8 +398,10 @@ impl Gen {
             "    if p.window > 0u && last + 1u > p.window {{ first = last + 1u - p.window; }}"
         );
         if k.sum == TeamSum::Alone {
-            // The workgroup's 8 chunks share 8 chunks' rows, interleaved: this team takes rows
-            // `c_start + team + 8 i`, so that a short sequence still keeps every lane busy.
+            // The workgroup's 8 chunks share 8 chunks' rows, interleaved, so that a short sequence
+            // still keeps every lane busy: this team takes rows `c_start + team + 8 i`, or, through a
+            // page table, the blocks of ALONE_BLOCK_ROWS rows `team + 8 i` (row r is in block
+            // r / ALONE_BLOCK_ROWS), whose rows rarely cross a page.
             line!(
                 self,
                 "    let c_start = p.lo + (chunk - team) * p.chunk_len;"
@@ -402,10 +411,18 @@ impl Gen {
                 self,
                 "    let end = min(min(p.visible, c_start + {ALONE_TEAMS}u * p.chunk_len), last + 1u);"
             );
-            line!(
-                self,
-                "    let start = lo_row + (team + {ALONE_TEAMS}u - (lo_row - c_start) % {ALONE_TEAMS}u) % {ALONE_TEAMS}u;"
-            );
+            if k.rows == RowMode::Contiguous {
+                line!(
+                    self,
+                    "    let start = lo_row + (team + {ALONE_TEAMS}u - (lo_row - c_start) % {ALONE_TEAMS}u) % {ALONE_TEAMS}u;"
+                );
+            } else {
+                line!(self, "    let b0 = lo_row / {ALONE_BLOCK_ROWS}u;");
+                line!(
+                    self,
+                    "    let start = max(lo_row, (b0 + (team + {ALONE_TEAMS}u - b0 % {ALONE_TEAMS}u) % {ALONE_TEAMS}u) * {ALONE_BLOCK_ROWS}u);"
+                );
+            }
         } else {
             line!(self, "    let c_start = p.lo + chunk * p.chunk_len;");
             line!(self, "    let start = max(c_start, first);");
@@ -490,8 +507,13 @@ impl Gen {
             line!(self, "    var page_next = start;");
             line!(self, "    var page_base = 0u;");
         }
-        let step = match k.sum {
-            TeamSum::Alone => format!("r += {ALONE_TEAMS}u"),
+        let step = match (k.sum, k.rows) {
+            (TeamSum::Alone, RowMode::Contiguous) => format!("r += {ALONE_TEAMS}u"),
+            // At the end of a block the team moves on to its next one, 7 blocks on.
+            (TeamSum::Alone, _) => format!(
+                "r = select(r + 1u, r + {}u, (r + 1u) % {ALONE_BLOCK_ROWS}u == 0u)",
+                1 + (ALONE_TEAMS - 1) * ALONE_BLOCK_ROWS
+            ),
             _ => "r++".into(),
         };
         line!(self, "    for (var r = start; r < end; {step}) {{");

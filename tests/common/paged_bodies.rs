@@ -931,6 +931,74 @@ async fn check_batch(
     }
 }
 
+/// GQA (layer 0) and MLA (layer 1) attention of the last `n_q` rows of `seq` over a pool of
+/// [`gqa_mla_spec`]'s layers, through its page table, against the twins over `rows`.
+#[allow(clippy::too_many_arguments)]
+async fn check_sequence(
+    g: &Gpu,
+    c: &PagedCache,
+    att: &mut Attention,
+    (seq, rows): (SeqId, &SeqRows),
+    (d, r, rope): (usize, usize, usize),
+    n_q: usize,
+    options: &AttentionOptions,
+    what: &str,
+) {
+    let visible = c.len(seq).unwrap();
+    let q = values(visible as u64 + 50, n_q * HEADS * d);
+    let qb = super::f32_buffer(&g.device, &q).await;
+    let out = super::output(&g.device, n_q * HEADS * d).await;
+    att.gqa(
+        Kv::Sequence(c, seq),
+        0,
+        Queries::new(&qb, n_q, HEADS, d),
+        &out,
+        options,
+    )
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let want = reference::attention_gqa(
+        &q,
+        [n_q, HEADS, d],
+        &rows[0][0],
+        &rows[0][1],
+        N_KV,
+        d,
+        options,
+    );
+    super::assert_close(
+        &super::read_f32(g, &out).await,
+        &want,
+        &format!("{what} GQA"),
+    );
+    let ql = values(visible as u64 + 60, n_q * HEADS * r);
+    let qr = values(visible as u64 + 70, n_q * HEADS * rope);
+    let (lb, rb_) = (
+        super::f32_buffer(&g.device, &ql).await,
+        super::f32_buffer(&g.device, &qr).await,
+    );
+    let out = super::output(&g.device, n_q * HEADS * r).await;
+    let q = MlaQueries {
+        latent: Queries::new(&lb, n_q, HEADS, r),
+        rope: Queries::new(&rb_, n_q, HEADS, rope),
+    };
+    att.mla(Kv::Sequence(c, seq), 1, q, &out, options)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let want = reference::attention_mla(
+        &ql,
+        &qr,
+        [n_q, HEADS, r],
+        &rows[1][0],
+        &rows[1][1],
+        rope,
+        options,
+    );
+    super::assert_close(
+        &super::read_f32(g, &out).await,
+        &want,
+        &format!("{what} MLA"),
+    );
+}
+
 /// GQA and MLA attention over sequences of a paged pool match the CPU twins for every storage type
 /// and every pass-1 kernel of the adapter: sequences whose pages interleave, forks sharing full and
 /// partly filled pages, private copies made by both a fork and its parent (from the host and from
@@ -996,60 +1064,17 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
                         scale: None,
                     };
                     let what = format!("{dtype} {choice:?} {seq} ({visible} rows) n_q {n_q}");
-                    // GQA, layer 0.
-                    let q = values(visible as u64 + 50, n_q * HEADS * d);
-                    let qb = super::f32_buffer(&g.device, &q).await;
-                    let out = super::output(&g.device, n_q * HEADS * d).await;
-                    att.gqa(
-                        Kv::Sequence(&c, seq),
-                        0,
-                        Queries::new(&qb, n_q, HEADS, d),
-                        &out,
+                    check_sequence(
+                        g,
+                        &c,
+                        &mut att,
+                        (seq, rows),
+                        (d, r, rope),
+                        n_q,
                         &options,
+                        &what,
                     )
-                    .unwrap();
-                    let want = reference::attention_gqa(
-                        &q,
-                        [n_q, HEADS, d],
-                        &rows[0][0],
-                        &rows[0][1],
-                        N_KV,
-                        d,
-                        &options,
-                    );
-                    super::assert_close(
-                        &super::read_f32(g, &out).await,
-                        &want,
-                        &format!("{what} GQA"),
-                    );
-                    // MLA, layer 1.
-                    let ql = values(visible as u64 + 60, n_q * HEADS * r);
-                    let qr = values(visible as u64 + 70, n_q * HEADS * rope);
-                    let (lb, rb_) = (
-                        super::f32_buffer(&g.device, &ql).await,
-                        super::f32_buffer(&g.device, &qr).await,
-                    );
-                    let out = super::output(&g.device, n_q * HEADS * r).await;
-                    let q = MlaQueries {
-                        latent: Queries::new(&lb, n_q, HEADS, r),
-                        rope: Queries::new(&rb_, n_q, HEADS, rope),
-                    };
-                    att.mla(Kv::Sequence(&c, seq), 1, q, &out, &options)
-                        .unwrap();
-                    let want = reference::attention_mla(
-                        &ql,
-                        &qr,
-                        [n_q, HEADS, r],
-                        &rows[1][0],
-                        &rows[1][1],
-                        rope,
-                        &options,
-                    );
-                    super::assert_close(
-                        &super::read_f32(g, &out).await,
-                        &want,
-                        &format!("{what} MLA"),
-                    );
+                    .await;
                 }
             }
         }
@@ -1159,6 +1184,54 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             super::read_f32(g, &out).await.iter().all(|&x| x == -7.0),
             "{dtype}: written"
         );
+    }
+}
+
+/// Sequences of hundreds of rows in pages of 5 (so that the rows a one-invocation team takes in
+/// turn cross pages, and each team takes several of them), through their page tables and as ragged
+/// batches, with windows that start inside a page, match the CPU twins on every pass-1 kernel of
+/// the adapter, for f32 and f16 storage.
+pub async fn long_paged_sequences_match_the_reference(g: &Gpu) {
+    for dtype in [DType::F32, DType::F16] {
+        let (spec, dims) = gqa_mla_spec(dtype, 400);
+        let widths = widths_of(&spec);
+        let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 5, 200).unwrap();
+        let a = c.add_sequence().unwrap();
+        let b = c.add_sequence().unwrap();
+        // a and b take pages in turn; c shares a's first 233 rows, inside a page.
+        let mut ra = step(g, &mut c, a, 151, 11, false).await;
+        let mut rb = step(g, &mut c, b, 97, 12, true).await;
+        ra = grown(&ra, &step(g, &mut c, a, 149, 13, false).await);
+        rb = grown(&rb, &step(g, &mut c, b, 73, 14, false).await);
+        let fork = c.fork(a, 233).unwrap();
+        let rc = grown(
+            &prefix(&ra, 233, &widths),
+            &step(g, &mut c, fork, 40, 15, false).await,
+        );
+        let seqs = [(a, &ra), (b, &rb), (fork, &rc)];
+        let batch: Vec<(SeqId, usize)> = vec![(a, 1), (b, 2), (fork, 1)];
+        let mut att = Attention::with_kernels(super::kernels_for(g));
+        for choice in super::attention_bodies::kernels(g) {
+            let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
+            if !(takes(0) && takes(1)) {
+                continue; // Refused, as paged_attention_matches_the_reference checks.
+            }
+            att.set_kernel(choice);
+            for (window, soft_cap) in [(None, None), (Some(37), Some(4.0))] {
+                let options = AttentionOptions {
+                    window,
+                    soft_cap,
+                    scale: None,
+                };
+                for &(seq, rows) in &seqs {
+                    let n = c.len(seq).unwrap();
+                    let what = format!("{dtype} {choice:?} {seq} ({n} rows) window {window:?}");
+                    check_sequence(g, &c, &mut att, (seq, rows), dims, 2, &options, &what).await;
+                }
+                let what = format!("{dtype} {choice:?} batch {batch:?} window {window:?}");
+                check_batch(g, &c, &mut att, &batch, &seqs, dims, &options, &what).await;
+            }
+        }
     }
 }
 
