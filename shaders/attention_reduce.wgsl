@@ -13,7 +13,8 @@ override LANES: u32 = 64u;
 // 16 LANES elements of a head, reading each chunk's (max, sum) and working out its weight once. (No
 // loop but those over heads, chunks and passes: the planner counts their iterations.)
 
-@group(0) @binding(0) var<storage, read> stats: array<f32>;
+// (max, sum) of each (chunk, query, head).
+@group(0) @binding(0) var<storage, read> stats: array<vec2<f32>>;
 // Read as vectors of 4 (the scratch buffer is a multiple of 16 bytes); element by element where d_v
 // is not a multiple of 4.
 @group(0) @binding(1) var<storage, read> part: array<vec4<f32>>;
@@ -60,7 +61,7 @@ fn main(
     let rows = p.q_count * p.n_heads;
     if local >= p.q_count || p.q_first >= p.n_q || p.q_count > p.n_q - p.q_first
         || !view_fits(p.view_out, p.n_q, p.n_heads, p.d_v, arrayLength(&out))
-        || p.n_chunks * rows * 2u > arrayLength(&stats)
+        || p.n_chunks * rows > arrayLength(&stats)
         || p.n_chunks * rows > (4u * arrayLength(&part)) / max(p.d_v, 1u) {
         return;
     }
@@ -69,16 +70,17 @@ fn main(
         var m = NEG;
         for (var c = 0u; c < p.n_chunks; c++) {
             let s = (c * p.q_count + local) * p.n_heads + h;
-            if stats[2u * s + 1u] > 0.0 {
-                m = max(m, stats[2u * s]);
+            let st = stats[s];
+            if st.y > 0.0 {
+                m = max(m, st.x);
             }
         }
         var l = 0.0;
         for (var c = 0u; c < p.n_chunks; c++) {
             let s = (c * p.q_count + local) * p.n_heads + h;
-            let sum = stats[2u * s + 1u];
-            if sum > 0.0 {
-                l += sum * exp(stats[2u * s] - m);
+            let st = stats[s];
+            if st.y > 0.0 {
+                l += st.y * exp(st.x - m);
             }
         }
         let inv = select(0.0, 1.0 / l, l > 0.0);
@@ -92,9 +94,9 @@ fn main(
             for (var c = 0u; c < p.n_chunks; c++) {
                 let s = (c * p.q_count + local) * p.n_heads + h;
                 // A chunk's weight; chunks that saw no row of the query are skipped.
-                let sum = stats[2u * s + 1u];
-                if sum > 0.0 {
-                    let w = exp(stats[2u * s] - m);
+                let st = stats[s];
+                if st.y > 0.0 {
+                    let w = exp(st.x - m);
                     add4(&o0, s, d[0], whole, w);
                     add4(&o1, s, d[1], whole, w);
                     add4(&o2, s, d[2], whole, w);
