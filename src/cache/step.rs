@@ -76,8 +76,12 @@ impl KvCache {
     }
 
     /// [`KvCache::record_append_layers`] in its own submission: one upload, one command buffer of
-    /// copies, submitted before this returns.
+    /// copies, submitted before this returns. A call whose every list is empty (once their count is
+    /// checked) submits nothing.
     pub fn append_layers(&mut self, slabs: &[&[HostSlab<'_>]]) -> Result<()> {
+        if slabs.iter().all(|layer| layer.is_empty()) {
+            return self.plan_layers(slabs).map(|_| ());
+        }
         let mut encoder = self.encoder("kvgpu append_layers");
         self.record_append_layers(&mut encoder, slabs)?;
         self.queue.submit([encoder.finish()]);

@@ -1005,6 +1005,13 @@ pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
                 c.append_layers(&[&one[0], &[], &wrong_type]),
             ));
         }
+        // Every list empty: nothing is written (and nothing submitted), but the count is checked.
+        let nothing: [&[HostSlab]; 3] = [&[], &[], &[]];
+        c.append_layers(&nothing).unwrap();
+        refusals.push((
+            "two empty lists for three layers",
+            c.append_layers(&nothing[..2]),
+        ));
         g.queue.submit([]);
         assert!(
             scope.pop().await.is_none(),
@@ -1013,7 +1020,7 @@ pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
         for (what, got) in &refusals {
             let err = got.as_ref().expect_err(what);
             let expected = match *what {
-                "two lists for three layers" => {
+                "two lists for three layers" | "two empty lists for three layers" => {
                     matches!(
                         err,
                         Error::LayerLists {
