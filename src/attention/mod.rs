@@ -417,6 +417,15 @@ impl Attention {
         self.facts.choice
     }
 
+    /// Plans later calls as for a GPU even on a CPU adapter (`true`), or as the adapter says
+    /// (`false`): the grid sizes, team widths and reduce workgroups a GPU gets, so that the tests can
+    /// check those kernels against the CPU twins on the software adapters. Not for apps: a CPU
+    /// adapter runs such plans slower.
+    #[doc(hidden)]
+    pub fn plan_as_for_a_gpu(&mut self, yes: bool) {
+        self.facts.cpu = !yes && self.kernels.is_cpu();
+    }
+
     /// Records GQA / MHA attention of `layer` (slots K `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`)
     /// into `encoder` over the rows `kv` names: a cache's (`&cache`), a sequence of a paged pool
     /// ([`Kv::Sequence`]) or a ragged batch of a pool's sequences ([`Kv::Batch`], one dispatch pair).

@@ -244,6 +244,37 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
     gqa_prefill_and_decode_match_an_independent_model(g).await;
 }
 
+/// The plans a GPU gets (1,024-workgroup grids, 32-lane teams summing through workgroup memory, a
+/// reduce of 64 invocations per head), run here on whatever adapter the suite has: GQA and MLA over
+/// several chunks, with window and soft-cap, every kernel, f32 and f16, against the twins.
+pub async fn gpu_plans_match_the_reference(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    att.plan_as_for_a_gpu(true);
+    #[rustfmt::skip]
+    let cases = [
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 1, window: None, soft_cap: None },
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 700, n_q: 7, window: Some(300), soft_cap: Some(30.0) },
+    ];
+    let mla = Mla {
+        n_heads: 16,
+        visible: 600,
+        n_q: 2,
+        window: None,
+        soft_cap: None,
+    };
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for dtype in [DType::F32, DType::F16] {
+            let mut worst = 0f32;
+            for (i, &case) in cases.iter().enumerate() {
+                worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 70 + i as u64).await);
+            }
+            check_mla(g, &mut att, mla, [dtype; 2], 80).await;
+            note!("{dtype} {kernel:?} as for a GPU: worst scaled GQA error {worst:e}");
+        }
+    }
+}
+
 /// GQA and MLA over q8_0, q4_0 and fp8 storage against the twins over the dequantized read-back, on
 /// every kernel of the adapter (where the forced streaming kernels refuse a shape, `ran` asserts it
 /// should), then a prefill and decode steps against an independent CPU model. The twins see the
