@@ -262,15 +262,30 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
         window: None,
         soft_cap: None,
     };
+    let types = [DType::F32, DType::F16];
+    check_every_kernel(g, &mut att, &cases, mla, &types, 70, "as for a GPU").await;
+}
+
+/// The GQA `cases` and `mla` on every kernel of the adapter, for each of `types`, against the twins
+/// (seeds from `seed`).
+async fn check_every_kernel(
+    g: &Gpu,
+    att: &mut Attention,
+    cases: &[Gqa],
+    mla: Mla,
+    types: &[DType],
+    seed: u64,
+    what: &str,
+) {
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for dtype in [DType::F32, DType::F16] {
+        for &dtype in types {
             let mut worst = 0f32;
             for (i, &case) in cases.iter().enumerate() {
-                worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 70 + i as u64).await);
+                worst = worst.max(check_gqa(g, att, case, [dtype; 2], seed + i as u64).await);
             }
-            check_mla(g, &mut att, mla, [dtype; 2], 80).await;
-            note!("{dtype} {kernel:?} as for a GPU: worst scaled GQA error {worst:e}");
+            check_mla(g, att, mla, [dtype; 2], seed + 10).await;
+            note!("{dtype} {kernel:?} {what}: worst scaled GQA error {worst:e}");
         }
     }
 }
@@ -460,16 +475,7 @@ async fn over_4096_rows(g: &Gpu, types: &[DType]) {
         window: None,
         soft_cap: None,
     };
-    for kernel in kernels(g) {
-        att.set_kernel(kernel);
-        for &dtype in types {
-            note!("-- {dtype} {kernel:?}");
-            for (i, &case) in cases.iter().enumerate() {
-                check_gqa(g, &mut att, case, [dtype; 2], 40 + i as u64).await;
-            }
-            check_mla(g, &mut att, mla, [dtype; 2], 50).await;
-        }
-    }
+    check_every_kernel(g, &mut att, &cases, mla, types, 40, "over 4,096 rows").await;
 }
 
 #[derive(Clone, Copy, Debug)]
