@@ -509,7 +509,7 @@ impl Gen {
         }
         let step = match (k.sum, k.rows) {
             (TeamSum::Alone, RowMode::Contiguous) => format!("r += {ALONE_TEAMS}u"),
-            // At the end of a block the team moves on to its next one, 7 blocks on.
+            // At the end of a block the team moves on to its next one, ALONE_TEAMS - 1 blocks on.
             (TeamSum::Alone, _) => format!(
                 "r = select(r + 1u, r + {}u, (r + 1u) % {ALONE_BLOCK_ROWS}u == 0u)",
                 1 + (ALONE_TEAMS - 1) * ALONE_BLOCK_ROWS

@@ -905,28 +905,17 @@ async fn check_batch(
     for &(seq, n_q) in batch {
         let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
         let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
-        let want = reference::attention_gqa(
-            &q[x..y],
-            [n_q, HEADS, d],
-            &rows[0][0],
-            &rows[0][1],
-            N_KV,
-            d,
-            options,
-        );
-        super::assert_close(&got[x..y], &want, &format!("{what}: {seq} GQA"));
-        let (x, y) = (at * HEADS * r, (at + n_q) * HEADS * r);
+        let (xl, yl) = (at * HEADS * r, (at + n_q) * HEADS * r);
         let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
-        let want = reference::attention_mla(
-            &ql[x..y],
-            &qr[xr..yr],
-            [n_q, HEADS, r],
-            &rows[1][0],
-            &rows[1][1],
-            rope,
+        assert_twins(
+            (&got[x..y], &got_mla[xl..yl]),
+            (&q[x..y], &ql[xl..yl], &qr[xr..yr]),
+            n_q,
+            rows,
+            (d, r, rope),
             options,
+            &format!("{what}: {seq}"),
         );
-        super::assert_close(&got_mla[x..y], &want, &format!("{what}: {seq} MLA"));
         at += n_q;
     }
 }
@@ -945,8 +934,8 @@ async fn check_sequence(
     what: &str,
 ) {
     let visible = c.len(seq).unwrap();
-    let q = values(visible as u64 + 50, n_q * HEADS * d);
-    let qb = super::f32_buffer(&g.device, &q).await;
+    let qg = values(visible as u64 + 50, n_q * HEADS * d);
+    let qb = super::f32_buffer(&g.device, &qg).await;
     let out = super::output(&g.device, n_q * HEADS * d).await;
     att.gqa(
         Kv::Sequence(c, seq),
@@ -956,20 +945,7 @@ async fn check_sequence(
         options,
     )
     .unwrap_or_else(|e| panic!("{what}: {e}"));
-    let want = reference::attention_gqa(
-        &q,
-        [n_q, HEADS, d],
-        &rows[0][0],
-        &rows[0][1],
-        N_KV,
-        d,
-        options,
-    );
-    super::assert_close(
-        &super::read_f32(g, &out).await,
-        &want,
-        &format!("{what} GQA"),
-    );
+    let got = super::read_f32(g, &out).await;
     let ql = values(visible as u64 + 60, n_q * HEADS * r);
     let qr = values(visible as u64 + 70, n_q * HEADS * rope);
     let (lb, rb_) = (
@@ -983,20 +959,49 @@ async fn check_sequence(
     };
     att.mla(Kv::Sequence(c, seq), 1, q, &out, options)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got_mla = super::read_f32(g, &out).await;
+    assert_twins(
+        (&got, &got_mla),
+        (&qg, &ql, &qr),
+        n_q,
+        rows,
+        (d, r, rope),
+        options,
+        what,
+    );
+}
+
+/// GQA output `got.0` (layer 0, queries `q.0`) and MLA output `got.1` (layer 1, latent and rope
+/// queries `q.1`, `q.2`) of the last `n_q` rows of a sequence holding `rows`, against the twins.
+fn assert_twins(
+    got: (&[f32], &[f32]),
+    q: (&[f32], &[f32], &[f32]),
+    n_q: usize,
+    rows: &SeqRows,
+    (d, r, rope): (usize, usize, usize),
+    options: &AttentionOptions,
+    what: &str,
+) {
+    let want = reference::attention_gqa(
+        q.0,
+        [n_q, HEADS, d],
+        &rows[0][0],
+        &rows[0][1],
+        N_KV,
+        d,
+        options,
+    );
+    super::assert_close(got.0, &want, &format!("{what} GQA"));
     let want = reference::attention_mla(
-        &ql,
-        &qr,
+        q.1,
+        q.2,
         [n_q, HEADS, r],
         &rows[1][0],
         &rows[1][1],
         rope,
         options,
     );
-    super::assert_close(
-        &super::read_f32(g, &out).await,
-        &want,
-        &format!("{what} MLA"),
-    );
+    super::assert_close(got.1, &want, &format!("{what} MLA"));
 }
 
 /// GQA and MLA attention over sequences of a paged pool match the CPU twins for every storage type
