@@ -218,7 +218,7 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
         Gqa { n_kv: 2, group: 1, d_k: 64, d_v: 64, visible: 1, n_q: 1, window: None, soft_cap: None },
         // d_v differs from d_k.
         Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 64, visible: 2, n_q: 1, window: None, soft_cap: None },
-        Gqa { n_kv: 1, group: 8, d_k: 64, d_v: 64, visible: 63, n_q: 7, window: None, soft_cap: Some(30.0) },
+        Gqa { n_kv: 1, group: 8, d_k: 128, d_v: 128, visible: 63, n_q: 7, window: None, soft_cap: Some(30.0) },
         Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 64, n_q: 1, window: Some(16), soft_cap: None },
         Gqa { n_kv: 4, group: 1, d_k: 64, d_v: 64, visible: 65, n_q: 7, window: Some(32), soft_cap: Some(20.0) },
         Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 7, window: None, soft_cap: None },
@@ -463,10 +463,12 @@ pub async fn quantized_attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
 /// adapter, for each of `types`.
 async fn over_4096_rows(g: &Gpu, types: &[DType]) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
+    // Shapes of `gqa_matches_the_reference_for_every_dtype`: the suite's tests share one kernel
+    // registry, and a new shape costs seconds of shader compiles on a cold OpenGL cache.
     #[rustfmt::skip]
     let cases = [
         Gqa { n_kv: 1, group: 8, d_k: 128, d_v: 128, visible: 4096, n_q: 1, window: None, soft_cap: None },
-        Gqa { n_kv: 2, group: 4, d_k: 64, d_v: 64, visible: 4096, n_q: 7, window: Some(1000), soft_cap: Some(50.0) },
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 4096, n_q: 7, window: Some(1000), soft_cap: Some(50.0) },
     ];
     let mla = Mla {
         n_heads: 16,
@@ -1027,10 +1029,12 @@ pub async fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups
 /// builds none, the calls that follow run and match the twins, and a head count that does not divide
 /// into a layer's KV heads is refused.
 pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu) {
+    // Shapes the other tests of the suite also run (their kernels compile once on the shared
+    // registry): GQA with d_k != d_v, MLA's small per-head rows, odd 16-bit dims.
     let layers = vec![
-        LayerSpec::kv(2, 64, 64),
+        LayerSpec::kv(2, 128, 64),
         LayerSpec::empty(),
-        LayerSpec::mla(64, 16),
+        LayerSpec::mla(32, 8),
         LayerSpec::kv(2, 33, 17),
     ];
     for kernel in [KernelChoice::Auto].into_iter().chain(kernels(g)) {
@@ -1085,17 +1089,17 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             }
             c.advance(5).unwrap();
             let (q, qb) = {
-                let q = values(310, 4 * 64);
+                let q = values(310, 4 * 128);
                 let qb = f32_buffer(&g.device, &q).await;
                 (q, qb)
             };
             let out = output(&g.device, 4 * 64).await;
             let options = AttentionOptions::default();
-            att.gqa(&c, 0, Queries::new(&qb, 1, 4, 64), &out, &options)
+            att.gqa(&c, 0, Queries::new(&qb, 1, 4, 128), &out, &options)
                 .unwrap();
             let want = reference::attention_gqa(
                 &q,
-                [1, 4, 64],
+                [1, 4, 128],
                 &c.read_f32_async(0, 0).await.unwrap(),
                 &c.read_f32_async(0, 1).await.unwrap(),
                 2,
@@ -1303,7 +1307,8 @@ pub async fn mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output
     let cases = [
         FusedMla { n_heads: 4, visible: 50, n_q: 3, pad: 3,
             out: OutView { offset: 3, strides: [4 * 32 + 9, 32, 1] } },
-        FusedMla { n_heads: 16, visible: 300, n_q: 1, pad: 64,
+        // The first case's heads: one kernel for both (each head count compiles its own).
+        FusedMla { n_heads: 4, visible: 300, n_q: 1, pad: 64,
             out: OutView { offset: 1, strides: [0, 33, 1] } },
         FusedMla { n_heads: 2, visible: 5, n_q: 5, pad: 0,
             out: OutView { offset: 0, strides: [32, 5 * 32, 1] } },
