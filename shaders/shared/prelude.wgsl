@@ -52,7 +52,8 @@ struct AttnParams {
     page_size: u32,
     table_base: u32,
     n_pages: u32,
-    _pad: u32,
+    // Teams (KV head x head batch) side by side in a workgroup of one-invocation teams; 1 otherwise.
+    team_width: u32,
     // The f32 views of q_a, q_b and the output: (offset in its binding, query stride, head stride,
     // element stride), in elements; element (i, h, e) is x + i * y + h * z + e * w.
     view_a: vec4<u32>,

@@ -8,7 +8,7 @@
 //! before any unrolling) and cuts the context into chunks short enough to stay within
 //! [`LOOP_BUDGET`], on every adapter.
 
-use super::stream::{self, StreamKey, TeamSum};
+use super::stream::{self, ALONE_TEAMS, StreamKey, TeamSum};
 use crate::codec::DType;
 use crate::kernels::{AttnParams, HEAD_BATCHES, REDUCE_LANES, ROWS_PER_INVOCATION};
 pub(crate) use crate::placement::Paging;
@@ -86,7 +86,7 @@ pub enum KernelChoice {
     StreamSubgroup,
     /// The generated streaming kernel with one invocation per team: each reads whole rows of its
     /// own chunk, so there is nothing to sum between invocations (any adapter; what CPU adapters
-    /// pick).
+    /// without subgroups pick).
     StreamAlone,
 }
 
@@ -102,16 +102,6 @@ pub(crate) enum Pass1 {
         rows: RowMode,
     },
     Stream(StreamKey),
-}
-
-impl Pass1 {
-    /// Chunks one workgroup of pass 1 takes (pass 1's grid is these workgroups, not the chunks).
-    pub(crate) fn chunks_per_workgroup(&self) -> u32 {
-        match self {
-            Pass1::Stream(key) => key.chunks_per_workgroup(),
-            Pass1::Tiled { .. } => 1,
-        }
-    }
 }
 
 /// The shapes of one call, already checked against each other and the layer.
@@ -416,11 +406,22 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     let n_batches = group / key.heads as usize;
     let teams = s.n_kv * n_batches;
     fits_dimension(teams, "KV heads x head batches", dev)?;
-    // A workgroup of one-invocation teams takes `per` chunks: a call of few chunks (many queries,
-    // a short context) would leave most of its SIMD lanes idle.
-    let per = key.chunks_per_workgroup() as usize;
+    // A workgroup of one-invocation teams holds `width` teams side by side (KV heads and head
+    // batches: the lanes read one row's slices together) and takes `per` chunks for each, so that
+    // every lane has a team and a chunk when the teams are not a multiple of 8.
+    let (per, width) = match key.sum {
+        TeamSum::Alone => {
+            let width = (0..4)
+                .map(|i| ALONE_TEAMS as usize >> i)
+                .find(|&w| teams.is_multiple_of(w))
+                .unwrap_or(1);
+            (ALONE_TEAMS as usize / width, width)
+        }
+        _ => (1, 1),
+    };
+    // In (team, chunk) pairs: a workgroup of one-invocation teams holds 8 of them.
     let target = if dev.cpu {
-        STREAM_WORKGROUPS_CPU * per
+        STREAM_WORKGROUPS_CPU * key.workgroup_size() as usize / key.lanes as usize
     } else {
         TARGET_WORKGROUPS
     };
@@ -431,9 +432,13 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
         TeamSum::Alone => ALONE_MIN_ROWS,
         _ => 16,
     };
+    // A batch's chunks split the sequences much longer than its mean. Counted in workgroups of one-
+    // invocation teams, since `width` teams walk a chunk together: every chunk past a short
+    // sequence's end is a workgroup with no row (on GL a batch of 128 sequences of mean 308 rows ran
+    // 1.19-1.24x the contiguous call with 4 chunks each, 1.05-1.15x with 1).
     let want = target
         .div_ceil(teams * s.n_q)
-        .max(ragged_chunks(s, rows, teams, target))
+        .max(ragged_chunks(s, rows, teams, target / width))
         .next_multiple_of(per)
         .min(rows.div_ceil(shortest))
         .max(1);
@@ -446,6 +451,7 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
         chunk_len,
         lo,
         rows,
+        (per, width),
         Pass1::Stream(key),
     )
 }
@@ -514,6 +520,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
         tiles_per_chunk * tile,
         lo,
         rows,
+        (1, 1),
         kernel,
     )
 }
@@ -524,7 +531,8 @@ fn query_chunk_bytes(s: &CallShape) -> u64 {
 }
 
 /// The dispatch of `kernel` over chunks of `chunk_len` rows from `lo`, split into pairs whose
-/// partial results fit one binding.
+/// partial results fit one binding. A workgroup takes `per` chunks of `width` teams (one-invocation
+/// teams; `(1, 1)` for the other kernels).
 #[allow(clippy::too_many_arguments)]
 fn finish(
     s: &CallShape,
@@ -534,11 +542,11 @@ fn finish(
     chunk_len: usize,
     lo: usize,
     rows: usize,
+    (per, width): (usize, usize),
     kernel: Pass1,
 ) -> Result<Dispatch, String> {
-    // A workgroup of one-invocation teams takes `per_group` chunks, which share their rows.
-    let per_group = kernel.chunks_per_workgroup() as usize;
-    let n_chunks = rows.div_ceil(chunk_len).next_multiple_of(per_group);
+    // A workgroup of one-invocation teams takes `per` chunks, which share their rows.
+    let n_chunks = rows.div_ceil(chunk_len).next_multiple_of(per);
     let q_per_pair = usize::try_from(dev.max_binding / (n_chunks as u64 * query_chunk_bytes(s)))
         .unwrap_or(usize::MAX)
         .min(s.n_q);
@@ -578,7 +586,7 @@ fn finish(
         page_size: s.paging.map_or(0, |p| p.page_size as u32),
         table_base: s.paging.map_or(0, |p| p.table_base as u32),
         n_pages: s.paging.map_or(0, |p| p.n_pages as u32),
-        _pad: 0,
+        team_width: width as u32,
         // The views come from the bindings the recorder checks (src/attention/view.rs).
         view_a: [0; 4],
         view_b: [0; 4],
@@ -589,10 +597,7 @@ fn finish(
     Ok(Dispatch {
         params,
         kernel,
-        pass1: (
-            n_chunks.div_ceil(per_group) as u32,
-            (s.n_kv * n_batches) as u32,
-        ),
+        pass1: ((n_chunks / per) as u32, (s.n_kv * n_batches / width) as u32),
         pass2: reduce_workgroups(s.n_heads, n_chunks, s.d_v, reduce_lanes, dev.cpu) as u32,
         reduce_lanes,
         q_per_pair,
@@ -604,7 +609,6 @@ fn finish(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::attention::stream::ALONE_TEAMS;
 
     const LAVAPIPE: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
@@ -724,8 +728,9 @@ mod tests {
             let d = plan(&gqa(DType::F16, 1, 32, 8, 128, 4096), &dev).unwrap();
             assert!(d.n_chunks() > 1, "{dev:?}: {d:?}");
             assert!(d.params.chunk_len as usize * d.n_chunks() >= 4096);
-            let per = d.kernel.chunks_per_workgroup();
-            assert_eq!(d.pass1, (d.params.n_chunks.div_ceil(per), 8));
+            // Subgroups on both: one workgroup per chunk and KV head.
+            assert_eq!(d.pass1, (d.params.n_chunks, 8));
+            assert_eq!(d.params.team_width, 1);
             assert_eq!(d.pairs().count(), 1);
         }
     }
@@ -864,7 +869,7 @@ mod tests {
         let key = stream(plan(&llama, &LAVAPIPE).unwrap()).unwrap();
         assert_eq!((key.sum, key.lanes, key.heads), (TeamSum::Subgroup, 8, 4));
         // A CPU adapter without subgroups: one-invocation teams of two heads (the register
-        // budget), eight chunks per workgroup.
+        // budget). Its 16 teams (8 KV heads x 2 head batches) fill two workgroups of 8 per chunk.
         let no_subgroups = DeviceFacts {
             subgroup: None,
             ..LAVAPIPE
@@ -872,8 +877,19 @@ mod tests {
         let d = plan(&llama, &no_subgroups).unwrap();
         let key = stream(d).unwrap();
         assert_eq!((key.sum, key.lanes, key.heads), (TeamSum::Alone, 1, 2));
-        assert_eq!(d.n_chunks() % ALONE_TEAMS as usize, 0);
-        assert_eq!(d.pass1.0 as usize * ALONE_TEAMS as usize, d.n_chunks());
+        assert_eq!((d.params.team_width, d.pass1), (8, (d.params.n_chunks, 2)));
+        // Fewer teams than 8 share a workgroup with more chunks: 2 teams (MHA over 2 KV heads) take
+        // 4 chunks each, 3 teams 8 chunks each.
+        for (n_kv, width) in [(2, 2), (3, 1)] {
+            let d = plan(&gqa(DType::F16, 1, n_kv, n_kv, 128, 4096), &no_subgroups).unwrap();
+            let per = ALONE_TEAMS as usize / width;
+            assert_eq!(d.params.team_width as usize, width);
+            assert_eq!(d.n_chunks() % per, 0);
+            assert_eq!(
+                d.pass1,
+                ((d.n_chunks() / per) as u32, (n_kv / width) as u32)
+            );
+        }
         let key = stream(plan(&llama, &GPU).unwrap()).unwrap();
         assert_eq!((key.sum, key.lanes), (TeamSum::Subgroup, 32));
         let gpu_without = DeviceFacts {

@@ -10,8 +10,9 @@
 //! elements of the queries and of the output in registers. Per row, each lane's partial dot products
 //! are summed over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes`
 //! invocations, else through workgroup memory with one barrier per row; or not at all, where a team
-//! is one invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, each on its
-//! own chunk: [`TeamSum::Alone`], for CPU adapters without subgroups), and an online softmax folds
+//! is one invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, side by side
+//! on one row's KV heads where there are enough: [`TeamSum::Alone`], for CPU adapters without
+//! subgroups), and an online softmax folds
 //! the row's values into the accumulators, rescaling only when a head's maximum grows. MLA takes its
 //! values from the latent vectors it has just loaded for the scores.
 //!
@@ -33,24 +34,25 @@ pub(crate) enum TeamSum {
     /// Workgroup memory and one barrier per row: any adapter.
     Shared,
     /// No sum: a team is one invocation, which reads whole rows, and a workgroup is
-    /// [`ALONE_TEAMS`] such teams, each on its own chunk of rows. No barrier and no cross-lane
-    /// traffic: for CPU adapters, where a workgroup is one SIMD vector and a barrier per row cost
-    /// about half of the kernel's time on llvmpipe.
+    /// [`ALONE_TEAMS`] invocations: `p.team_width` teams (KV head x head batch, 8 where they are a
+    /// multiple of 8) side by side on the same rows, each on `8 / team_width` chunks. No barrier
+    /// and no cross-lane traffic: for CPU adapters, where a workgroup is one SIMD vector and a
+    /// barrier per row cost about half of the kernel's time on llvmpipe.
     Alone,
 }
 
 /// Products per statement of a generated dot product.
 const TERMS: usize = 16;
 
-/// Teams (invocations, each its own chunk) in one workgroup of the [`TeamSum::Alone`] kernel: one
-/// SIMD vector of llvmpipe and lavapipe.
+/// Invocations (each a team) in one workgroup of the [`TeamSum::Alone`] kernel: one SIMD vector of
+/// llvmpipe and lavapipe.
 pub(crate) const ALONE_TEAMS: u32 = 8;
 
-/// Rows of the blocks that one-invocation teams take in turn through a page table (team `t` of a
-/// workgroup takes the blocks `t, t + 8, ...` of its rows): a lane crosses a page at most once per
-/// block instead of every few rows, and a team still takes at most one block more than a chunk's
-/// rows (the planner's loop budget). 8 was the fastest of 4, 8 and whole 16-row pages on GL
-/// (docs/benchmarks.md).
+/// Rows of the blocks that one-invocation teams take in turn through a page table, where a team
+/// takes several chunks (invocation `t` of the `n` on a team's chunks takes the blocks `t, t + n,
+/// ...` of their rows): a lane crosses a page at most once per block instead of every few rows, and
+/// still takes at most one block more than a chunk's rows (the planner's loop budget). 8 was the
+/// fastest of 4, 8 and whole 16-row pages on GL (docs/benchmarks.md).
 pub(crate) const ALONE_BLOCK_ROWS: u32 = 8;
 
 impl StreamKey {
@@ -59,14 +61,6 @@ impl StreamKey {
         match self.sum {
             TeamSum::Alone => ALONE_TEAMS,
             _ => self.lanes,
-        }
-    }
-
-    /// Chunks one workgroup takes.
-    pub(crate) fn chunks_per_workgroup(&self) -> u32 {
-        match self.sum {
-            TeamSum::Alone => ALONE_TEAMS,
-            _ => 1,
         }
     }
 }
@@ -342,13 +336,21 @@ impl Gen {
         self.in_bounds(&a, &b, &v);
         line!(self, "@compute @workgroup_size({})", k.workgroup_size());
         if k.sum == TeamSum::Alone {
-            // Each invocation is a team of one lane, on chunk `ALONE_TEAMS wg.x + its index`.
+            // Each invocation is a team of one lane. A workgroup holds `p.team_width` teams (KV head
+            // x head batch) side by side, each on `per` chunks: invocation i is team
+            // `i % team_width` of the workgroup's, on its chunk `i / team_width`.
             line!(
                 self,
-                "fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) team: u32) {{"
+                "fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) i: u32) {{"
             );
             line!(self, "    let lane = 0u;");
-            line!(self, "    let chunk = wg.x * {ALONE_TEAMS}u + team;");
+            line!(self, "    let width = p.team_width;");
+            line!(self, "    let per = {ALONE_TEAMS}u / width;");
+            line!(self, "    let sub = i / width;");
+            line!(self, "    let chunk = wg.x * per + sub;");
+            line!(self, "    let kvb = wg.z * width + i % width;");
+            line!(self, "    let kv = kvb / max(p.n_batches, 1u);");
+            line!(self, "    let batch = kvb % max(p.n_batches, 1u);");
         } else {
             line!(
                 self,
@@ -356,9 +358,9 @@ impl Gen {
             );
             // Grid (chunks, queries, teams), as in shaders/attention_partial.wgsl.
             line!(self, "    let chunk = wg.x;");
+            line!(self, "    let kv = wg.z / max(p.n_batches, 1u);");
+            line!(self, "    let batch = wg.z % max(p.n_batches, 1u);");
         }
-        line!(self, "    let kv = wg.z / max(p.n_batches, 1u);");
-        line!(self, "    let batch = wg.z % max(p.n_batches, 1u);");
         line!(self, "    let local = wg.y;");
         line!(self, "    let qi = p.q_first + local;");
         line!(
@@ -398,29 +400,30 @@ impl Gen {
             "    if p.window > 0u && last + 1u > p.window {{ first = last + 1u - p.window; }}"
         );
         if k.sum == TeamSum::Alone {
-            // The workgroup's 8 chunks share 8 chunks' rows, interleaved, so that a short sequence
-            // still keeps every lane busy: this team takes rows `c_start + team + 8 i`, or, through a
-            // page table, the blocks of ALONE_BLOCK_ROWS rows `team + 8 i` (row r is in block
-            // r / ALONE_BLOCK_ROWS), whose rows rarely cross a page.
+            // A team's `per` chunks share their rows, interleaved, so that a short sequence still
+            // keeps every lane busy: this invocation takes rows `c_start + sub + per i`, or, through
+            // a page table, the blocks of ALONE_BLOCK_ROWS rows `sub + per i` (row r is in block
+            // r / ALONE_BLOCK_ROWS), whose rows rarely cross a page. With one chunk (`per` 1) that
+            // is every row of it in turn.
             line!(
                 self,
-                "    let c_start = p.lo + (chunk - team) * p.chunk_len;"
+                "    let c_start = p.lo + (chunk - sub) * p.chunk_len;"
             );
             line!(self, "    let lo_row = max(c_start, first);");
             line!(
                 self,
-                "    let end = min(min(p.visible, c_start + {ALONE_TEAMS}u * p.chunk_len), last + 1u);"
+                "    let end = min(min(p.visible, c_start + per * p.chunk_len), last + 1u);"
             );
             if k.rows == RowMode::Contiguous {
                 line!(
                     self,
-                    "    let start = lo_row + (team + {ALONE_TEAMS}u - (lo_row - c_start) % {ALONE_TEAMS}u) % {ALONE_TEAMS}u;"
+                    "    let start = lo_row + (sub + per - (lo_row - c_start) % per) % per;"
                 );
             } else {
                 line!(self, "    let b0 = lo_row / {ALONE_BLOCK_ROWS}u;");
                 line!(
                     self,
-                    "    let start = max(lo_row, (b0 + (team + {ALONE_TEAMS}u - b0 % {ALONE_TEAMS}u) % {ALONE_TEAMS}u) * {ALONE_BLOCK_ROWS}u);"
+                    "    let start = max(lo_row, (b0 + (sub + per - b0 % per) % per) * {ALONE_BLOCK_ROWS}u);"
                 );
             }
         } else {
@@ -435,6 +438,17 @@ impl Gen {
             self,
             "    let out0 = (chunk * p.q_count + local) * p.n_heads + h0;"
         );
+        if k.sum == TeamSum::Alone {
+            // An invocation that takes no row (a short sequence's chunks past its end) writes an
+            // empty result, which the reduce skips, and loads no query (no barrier follows).
+            line!(self, "    if start >= end {{");
+            for h in 0..k.heads {
+                line!(self, "        stats[2u * (out0 + {h}u)] = NEG;");
+                line!(self, "        stats[2u * (out0 + {h}u) + 1u] = 0.0;");
+            }
+            line!(self, "        return;");
+            line!(self, "    }}");
+        }
         // The lane's query elements.
         for (s, q) in [(&a, "q_a"), (&b, "q_b")] {
             if s.vecs == 0 {
@@ -508,11 +522,10 @@ impl Gen {
             line!(self, "    var page_base = 0u;");
         }
         let step = match (k.sum, k.rows) {
-            (TeamSum::Alone, RowMode::Contiguous) => format!("r += {ALONE_TEAMS}u"),
-            // At the end of a block the team moves on to its next one, ALONE_TEAMS - 1 blocks on.
+            (TeamSum::Alone, RowMode::Contiguous) => "r += per".into(),
+            // At the end of a block the invocation moves on to its next one, per - 1 blocks on.
             (TeamSum::Alone, _) => format!(
-                "r = select(r + 1u, r + {}u, (r + 1u) % {ALONE_BLOCK_ROWS}u == 0u)",
-                1 + (ALONE_TEAMS - 1) * ALONE_BLOCK_ROWS
+                "r = select(r + 1u, r + 1u + (per - 1u) * {ALONE_BLOCK_ROWS}u, (r + 1u) % {ALONE_BLOCK_ROWS}u == 0u)"
             ),
             _ => "r++".into(),
         };
@@ -701,6 +714,12 @@ impl Gen {
             self,
             "        && queries_fit(parts) && p.n_kv * p.group == p.n_heads"
         );
+        if k.sum == TeamSum::Alone {
+            line!(
+                self,
+                "        && (p.team_width == 1u || p.team_width == 2u || p.team_width == 4u || p.team_width == 8u)"
+            );
+        }
         line!(
             self,
             "        && p.q_count >= 1u && p.q_first < p.n_q && p.q_count <= p.n_q - p.q_first"

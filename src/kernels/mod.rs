@@ -618,7 +618,7 @@ mod tests {
             ("page_size", at(&a.page_size)),
             ("table_base", at(&a.table_base)),
             ("n_pages", at(&a.n_pages)),
-            ("_pad", at(&a._pad)),
+            ("team_width", at(&a.team_width)),
             ("view_a", at(a.view_a.as_ptr())),
             ("view_b", at(a.view_b.as_ptr())),
             ("view_out", at(a.view_out.as_ptr())),

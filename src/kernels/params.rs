@@ -73,7 +73,9 @@ pub(crate) struct AttnParams {
     pub page_size: u32,
     pub table_base: u32,
     pub n_pages: u32,
-    pub _pad: u32,
+    /// Teams (KV head x head batch) side by side in one workgroup of one-invocation teams (1, 2, 4
+    /// or 8; the workgroup's other invocations take further chunks); 1 for the other kernels.
+    pub team_width: u32,
     /// The f32 views of q_a, q_b and the output: (offset in its binding, query, head and element
     /// strides), in elements.
     pub view_a: [u32; 4],

@@ -845,9 +845,11 @@ fn prefix(rows: &SeqRows, n: usize, widths: &[Vec<usize>]) -> SeqRows {
         .collect()
 }
 
-/// KV heads and query heads of [`gqa_mla_spec`]'s attention layers.
-const N_KV: usize = 2;
-const HEADS: usize = 4;
+/// KV heads and query heads of [`gqa_mla_spec`]'s attention layers. 8 KV heads of 2 query heads each
+/// fill a workgroup of one-invocation teams side by side (`KernelChoice::StreamAlone`); MLA's one
+/// KV head makes its teams share a workgroup's chunks instead.
+const N_KV: usize = 8;
+const HEADS: usize = 16;
 
 /// A GQA layer (`N_KV` heads of `d`) and an MLA layer (latent `r`, rope `rope`) of `dtype`, odd widths
 /// or whole blocks of 32 for the block-quantized types; with `(d, r, rope)`.
