@@ -419,9 +419,9 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
         }
         _ => (1, 1),
     };
-    // In (team, chunk) pairs: a workgroup of one-invocation teams holds 8 of them.
+    // In (team, chunk) pairs: a workgroup holds `per * width` of them (8 one-invocation teams).
     let target = if dev.cpu {
-        STREAM_WORKGROUPS_CPU * key.workgroup_size() as usize / key.lanes as usize
+        STREAM_WORKGROUPS_CPU * per * width
     } else {
         TARGET_WORKGROUPS
     };

@@ -12,9 +12,9 @@
 //! invocations, else through workgroup memory with one barrier per row; or not at all, where a team
 //! is one invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, side by side
 //! on one row's KV heads where there are enough: [`TeamSum::Alone`], for CPU adapters without
-//! subgroups), and an online softmax folds
-//! the row's values into the accumulators, rescaling only when a head's maximum grows. MLA takes its
-//! values from the latent vectors it has just loaded for the scores.
+//! subgroups), and an online softmax folds the row's values into the accumulators, rescaling only
+//! when a head's maximum grows. MLA takes its values from the latent vectors it has just loaded for
+//! the scores.
 //!
 //! Every loop over elements and heads is unrolled in the generated text: the only loop left walks the
 //! chunk's rows, so an invocation runs one loop iteration per row (the planner keeps chunks within
@@ -349,8 +349,6 @@ impl Gen {
             line!(self, "    let sub = i / width;");
             line!(self, "    let chunk = wg.x * per + sub;");
             line!(self, "    let kvb = wg.z * width + i % width;");
-            line!(self, "    let kv = kvb / max(p.n_batches, 1u);");
-            line!(self, "    let batch = kvb % max(p.n_batches, 1u);");
         } else {
             line!(
                 self,
@@ -358,9 +356,15 @@ impl Gen {
             );
             // Grid (chunks, queries, teams), as in shaders/attention_partial.wgsl.
             line!(self, "    let chunk = wg.x;");
-            line!(self, "    let kv = wg.z / max(p.n_batches, 1u);");
-            line!(self, "    let batch = wg.z % max(p.n_batches, 1u);");
         }
+        // The team: its KV head and head batch.
+        let team = if k.sum == TeamSum::Alone {
+            "kvb"
+        } else {
+            "wg.z"
+        };
+        line!(self, "    let kv = {team} / max(p.n_batches, 1u);");
+        line!(self, "    let batch = {team} % max(p.n_batches, 1u);");
         line!(self, "    let local = wg.y;");
         line!(self, "    let qi = p.q_first + local;");
         line!(
