@@ -70,10 +70,10 @@ fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
     // index, so every dropped tile shows (see the shared body).
     let _serial = serial();
     let g = gpu();
-    for dtype in [DType::F32, DType::BF16] {
-        let visible = (g.limits().max_slot_bytes() / (64 * dtype.size()) as u64) as usize;
+    for types in [[DType::F32; 2], [DType::F16, DType::BF16]] {
+        let visible = (g.limits().max_slot_bytes() / (64 * types[0].size()) as u64) as usize;
         pollster::block_on(shared::many_queries_over_a_long_context_see_every_row(
-            g, dtype, visible,
+            g, types, visible,
         ));
     }
 }

@@ -203,19 +203,22 @@ async fn many_queries_over_2048_rows_of_deepseek_v2_lite_mla() {
 /// over as many rows as one slot of the device's binding limit holds (128 MiB on lavapipe). This
 /// suite's device binds 1 GiB, 4,194,304 f32 rows, which would take SwiftShader about 150 s for f32
 /// alone, so f32 runs the full slot of a device with WebGPU's default limits instead (128 MiB, 524,288
-/// rows, about 20 s on 2 cores) and bf16 an eighth of its default slot, 131,071 rows (the last tile
-/// partial, about 5 s). SwiftShader is a CPU adapter, where 16 queries on one KV head already make
-/// the 16 workgroups kvgpu aims for, so only the loop-budget cut splits the context: without it one
-/// workgroup would walk all 524,288 (or 131,071) rows, far beyond 16,384.
+/// rows, about 20 s on 2 cores) and f16 keys with bf16 values an eighth of its default slot, 131,071
+/// rows (the last tile partial, about 5 s). SwiftShader is a CPU adapter, where 16 queries on one KV
+/// head already make the 16 workgroups kvgpu aims for, so only the loop-budget cut splits the
+/// context: without it one workgroup would walk all 524,288 (or 131,071) rows, far beyond 16,384.
 #[wasm_bindgen_test]
 async fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
     let d = shared::default_limits_gpu(&gpu().await).await;
     let full_slot = (d.limits().max_slot_bytes() / (64 * 4)) as usize;
     assert_eq!(full_slot, 524_288, "{:?}", d.limits());
-    for (dtype, visible) in [(DType::F32, full_slot), (DType::BF16, 131_071)] {
+    for (types, visible) in [
+        ([DType::F32; 2], full_slot),
+        ([DType::F16, DType::BF16], 131_071),
+    ] {
         let clock = Stopwatch::start();
-        shared::many_queries_over_a_long_context_see_every_row(&d, dtype, visible).await;
-        note!("{dtype}, {visible} rows: {:.1} s", clock.seconds());
+        shared::many_queries_over_a_long_context_see_every_row(&d, types, visible).await;
+        note!("{types:?}, {visible} rows: {:.1} s", clock.seconds());
     }
 }
 

@@ -111,11 +111,33 @@ pub fn kernel_takes(kernel: KernelChoice, spec: &CacheSpec, layer: usize) -> boo
 }
 
 /// `layer` with its first two slots (K and V, or MLA's latent and rope key) stored as `types`.
-fn stored_as(mut layer: LayerSpec, types: [DType; 2]) -> LayerSpec {
+pub fn stored_as(mut layer: LayerSpec, types: [DType; 2]) -> LayerSpec {
     for (slot, dtype) in layer.slots.iter_mut().zip(types) {
         slot.dtype = Some(dtype);
     }
     layer
+}
+
+/// K and V storage for case `i` of a test over `types`: each type for both, but f16 and bf16, where
+/// both are asked for, in one layer, one as K and the other as V, swapped from case to case. The
+/// two differ only in how a vector is unpacked, so over a test's cases each is read both ways, with
+/// half the kernels of a layer per type (on a cold OpenGL cache every kernel costs seconds).
+pub fn storage_pairs(types: &[DType], i: usize) -> Vec<[DType; 2]> {
+    use DType::{BF16, F16};
+    let both = types.contains(&F16) && types.contains(&BF16);
+    let mixed = if i.is_multiple_of(2) {
+        [F16, BF16]
+    } else {
+        [BF16, F16]
+    };
+    types
+        .iter()
+        .filter_map(|&t| match t {
+            F16 if both => Some(mixed),
+            BF16 if both => None,
+            t => Some([t, t]),
+        })
+        .collect()
 }
 
 /// Whether one call under `att`'s kernel ran: a forced streaming kernel refuses a shape it cannot
@@ -228,18 +250,20 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
         Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 70, n_q: 3, window: Some(9), soft_cap: None },
         // Enough workgroups per chunk that one chunk holds tiles of 8 rows per invocation, the last tile
         // partial (on CPU adapters), with a window and with odd 16-bit dims.
-        Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 32, visible: 600, n_q: 2, window: Some(550), soft_cap: None },
+        Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 64, visible: 600, n_q: 2, window: Some(550), soft_cap: None },
         Gqa { n_kv: 8, group: 2, d_k: 33, d_v: 17, visible: 700, n_q: 3, window: None, soft_cap: Some(30.0) },
     ];
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for dtype in DType::ALL {
-            let mut worst = 0f32;
-            for (i, &case) in cases.iter().enumerate() {
-                worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 10 + i as u64).await);
+        // f32, and f16 with bf16 (see `storage_pairs`).
+        let mut worst = [0f32; 2];
+        for (i, &case) in cases.iter().enumerate() {
+            for (w, types) in worst.iter_mut().zip(storage_pairs(&DType::ALL, i)) {
+                *w = w.max(check_gqa(g, &mut att, case, types, 10 + i as u64).await);
             }
-            note!("{dtype} {kernel:?}: worst scaled error {worst:e}");
         }
+        let [w32, w16] = worst;
+        note!("{kernel:?}: worst scaled error {w32:e} (f32), {w16:e} (f16 and bf16)");
     }
     gqa_prefill_and_decode_match_an_independent_model(g).await;
 }
@@ -262,31 +286,45 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
         window: None,
         soft_cap: None,
     };
-    let types = [DType::F32, DType::F16];
-    check_every_kernel(g, &mut att, &cases, mla, &types, 70, "as for a GPU").await;
+    let mla_types = [DType::F32, DType::F16];
+    check_every_kernel(
+        g,
+        &mut att,
+        &cases,
+        &DType::ALL,
+        mla,
+        &mla_types,
+        70,
+        "as for a GPU",
+    )
+    .await;
 }
 
-/// The GQA `cases` and `mla` on every kernel of the adapter, for each of `types`, against the twins
-/// (seeds from `seed`).
+/// The GQA `cases` for `gqa_types` (as [`storage_pairs`] pairs them) and `mla` for each of
+/// `mla_types`, on every kernel of the adapter, against the twins (seeds from `seed`).
+#[allow(clippy::too_many_arguments)]
 async fn check_every_kernel(
     g: &Gpu,
     att: &mut Attention,
     cases: &[Gqa],
+    gqa_types: &[DType],
     mla: Mla,
-    types: &[DType],
+    mla_types: &[DType],
     seed: u64,
     what: &str,
 ) {
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for &dtype in types {
-            let mut worst = 0f32;
-            for (i, &case) in cases.iter().enumerate() {
-                worst = worst.max(check_gqa(g, att, case, [dtype; 2], seed + i as u64).await);
+        let mut worst = 0f32;
+        for (i, &case) in cases.iter().enumerate() {
+            for pair in storage_pairs(gqa_types, i) {
+                worst = worst.max(check_gqa(g, att, case, pair, seed + i as u64).await);
             }
-            check_mla(g, att, mla, [dtype; 2], seed + 10).await;
-            note!("{dtype} {kernel:?} {what}: worst scaled GQA error {worst:e}");
         }
+        for &dtype in mla_types {
+            worst = worst.max(check_mla(g, att, mla, [dtype; 2], seed + 10).await);
+        }
+        note!("{kernel:?} {what}: worst scaled error {worst:e}");
     }
 }
 
@@ -463,8 +501,9 @@ pub async fn quantized_attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
 /// adapter, for each of `types`.
 async fn over_4096_rows(g: &Gpu, types: &[DType]) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    // Shapes of `gqa_matches_the_reference_for_every_dtype`: the suite's tests share one kernel
-    // registry, and a new shape costs seconds of shader compiles on a cold OpenGL cache.
+    // The shapes and storage of cases 2 and 3 of `gqa_matches_the_reference_for_every_dtype` (even
+    // and odd: the same `storage_pairs`): the suite's tests share one kernel registry, and a new
+    // kernel costs seconds of shader compiles on a cold OpenGL cache.
     #[rustfmt::skip]
     let cases = [
         Gqa { n_kv: 1, group: 8, d_k: 128, d_v: 128, visible: 4096, n_q: 1, window: None, soft_cap: None },
@@ -477,7 +516,17 @@ async fn over_4096_rows(g: &Gpu, types: &[DType]) {
         window: None,
         soft_cap: None,
     };
-    check_every_kernel(g, &mut att, &cases, mla, types, 40, "over 4,096 rows").await;
+    check_every_kernel(
+        g,
+        &mut att,
+        &cases,
+        types,
+        mla,
+        types,
+        40,
+        "over 4,096 rows",
+    )
+    .await;
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -627,17 +676,17 @@ async fn check_gqa_3x4(
     out: &wgpu::Buffer,
     what: &str,
 ) {
-    let (n_q, n_heads) = (3, 4);
+    let (n_q, n_heads, d) = (3, 4, 128);
     let options = AttentionOptions::default();
-    att.gqa(c, 0, Queries::new(qb, n_q, n_heads, 64), out, &options)
+    att.gqa(c, 0, Queries::new(qb, n_q, n_heads, d), out, &options)
         .unwrap();
     let want = reference::attention_gqa(
         q,
-        [n_q, n_heads, 64],
+        [n_q, n_heads, d],
         &c.read_f32_async(0, 0).await.unwrap(),
         &c.read_f32_async(0, 1).await.unwrap(),
         2,
-        64,
+        d,
         &options,
     );
     assert_close(&read_f32(g, out).await, &want, what);
@@ -645,16 +694,19 @@ async fn check_gqa_3x4(
 
 pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    for dtype in DType::ALL {
-        note!("-- {dtype}");
-        let mut c = cache_on(
-            g,
-            CacheSpec::new(vec![LayerSpec::kv(2, 64, 64)], dtype, 256).unwrap(),
-        );
+    // Every type (`storage_pairs` of both parities), in the shapes of `gqa_matches`' cases 2 and 3.
+    for types in [
+        [DType::F32; 2],
+        [DType::F16, DType::BF16],
+        [DType::BF16, DType::F16],
+    ] {
+        note!("-- {types:?}");
+        let layer = stored_as(LayerSpec::kv(2, 128, 128), types);
+        let mut c = cache_on(g, CacheSpec::new(vec![layer], types[0], 256).unwrap());
         let (n_q, n_heads) = (3, 4);
-        let q = values(5, n_q * n_heads * 64);
+        let q = values(5, n_q * n_heads * 128);
         let qb = f32_buffer(&g.device, &q).await;
-        let out = output(&g.device, n_q * n_heads * 64).await;
+        let out = output(&g.device, n_q * n_heads * 128).await;
         append_random(&mut c, 0, 200, 1);
         c.advance(200).unwrap();
         // Speculative rollback: the 3 new rows follow row 39, and rows 43.. of the old run are unseen.
@@ -668,7 +720,7 @@ pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
             &q,
             &qb,
             &out,
-            &format!("{dtype} after truncate"),
+            &format!("{types:?} after truncate"),
         )
         .await;
         c.advance(n_q).unwrap();
@@ -681,7 +733,7 @@ pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
             &q,
             &qb,
             &out,
-            &format!("{dtype} after reset"),
+            &format!("{types:?} after reset"),
         )
         .await;
         c.advance(n_q).unwrap();
@@ -694,7 +746,7 @@ pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
             &q,
             &qb,
             &out,
-            &format!("{dtype} after reset_fast"),
+            &format!("{types:?} after reset_fast"),
         )
         .await;
     }
@@ -702,24 +754,25 @@ pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
 
 pub async fn many_calls_with_different_parameters_share_one_encoder(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
+    // The shapes and storage of `gqa_matches`' cases 0 and 1 (see `storage_pairs`).
     let layers = vec![
-        LayerSpec::kv(2, 64, 64),
+        stored_as(LayerSpec::kv(2, 64, 64), [DType::F16, DType::BF16]),
         LayerSpec::empty(),
-        LayerSpec::kv(1, 128, 32),
+        stored_as(LayerSpec::kv(2, 128, 64), [DType::BF16, DType::F16]),
     ];
     let mut c = cache_on(g, CacheSpec::new(layers, DType::F16, 300).unwrap());
     for layer in [0, 2] {
         append_random(&mut c, layer, 300, layer as u64 + 1);
     }
     let q0 = values(1, 6 * 64);
-    let q2 = values(2, 4 * 128);
+    let q2 = values(2, 8 * 128);
     let (q0b, q2b) = (
         f32_buffer(&g.device, &q0).await,
         f32_buffer(&g.device, &q2).await,
     );
     let (out0, out2) = (
         output(&g.device, 6 * 64).await,
-        output(&g.device, 4 * 32).await,
+        output(&g.device, 8 * 64).await,
     );
     let o0 = AttentionOptions {
         window: Some(50),
@@ -744,7 +797,7 @@ pub async fn many_calls_with_different_parameters_share_one_encoder(g: &Gpu) {
         &mut encoder,
         &c,
         2,
-        Queries::new(&q2b, 1, 4, 128),
+        Queries::new(&q2b, 1, 8, 128),
         &out2,
         &o2,
     )
@@ -761,11 +814,11 @@ pub async fn many_calls_with_different_parameters_share_one_encoder(g: &Gpu) {
     );
     let want2 = reference::attention_gqa(
         &q2,
-        [1, 4, 128],
+        [1, 8, 128],
         &c.read_f32_async(2, 0).await.unwrap(),
         &c.read_f32_async(2, 1).await.unwrap(),
-        1,
-        32,
+        2,
+        64,
         &o2,
     );
     assert_close(&read_f32(g, &out0).await, &want0, "layer 0");
@@ -1030,21 +1083,23 @@ pub async fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups
 /// into a layer's KV heads is refused.
 pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu) {
     // Shapes the other tests of the suite also run (their kernels compile once on the shared
-    // registry): GQA with d_k != d_v, MLA's small per-head rows, odd 16-bit dims.
-    let layers = vec![
-        LayerSpec::kv(2, 128, 64),
-        LayerSpec::empty(),
-        LayerSpec::mla(32, 8),
-        LayerSpec::kv(2, 33, 17),
-    ];
+    // registry): GQA with d_k != d_v and odd 16-bit dims (the storage of `gqa_matches`' cases 1 and
+    // 7, see `storage_pairs`), MLA's small per-head rows. Every type: f32, and bf16 with f16.
     for kernel in [KernelChoice::Auto].into_iter().chain(kernels(g)) {
-        for dtype in DType::ALL {
-            let spec = CacheSpec::new(layers.clone(), dtype, 64).unwrap();
+        for types in [[DType::F32; 2], [DType::BF16, DType::F16]] {
+            let layers = vec![
+                stored_as(LayerSpec::kv(2, 128, 64), types),
+                LayerSpec::empty(),
+                LayerSpec::mla(32, 8),
+                stored_as(LayerSpec::kv(2, 33, 17), types),
+            ];
+            let dtype = types[0];
+            let spec = CacheSpec::new(layers, dtype, 64).unwrap();
             let mut c = cache_on(g, spec);
-            // The default choice for the first type on a fresh kernel registry, so nothing is built
-            // before; the rest on the run's shared one (a fresh registry recompiles everything,
-            // which cold OpenGL pays in seconds: 18 pipelines here were built twice).
-            let fresh = kernel == KernelChoice::Auto && dtype == DType::ALL[0];
+            // The default choice for f32 on a fresh kernel registry, so nothing is built before;
+            // the rest on the run's shared one (a fresh registry recompiles everything, which cold
+            // OpenGL pays in seconds: 18 pipelines here were built twice).
+            let fresh = kernel == KernelChoice::Auto && dtype == DType::F32;
             let mut att = if fresh {
                 Attention::new(&g.device, &g.queue).unwrap()
             } else {
@@ -1081,9 +1136,9 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             let built = att.prepare(&c, 4).unwrap();
             assert!(
                 !fresh || built >= 2,
-                "{kernel:?} {dtype}: {built} pipelines"
+                "{kernel:?} {types:?}: {built} pipelines"
             );
-            assert_eq!(att.prepare(&c, 4).unwrap(), 0, "{kernel:?} {dtype}");
+            assert_eq!(att.prepare(&c, 4).unwrap(), 0, "{kernel:?} {types:?}");
             for l in [0, 2, 3] {
                 append_random(&mut c, l, 5, 300 + l as u64);
             }
@@ -1106,10 +1161,10 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
                 64,
                 &options,
             );
-            let what = format!("{dtype} {kernel:?} after prepare");
+            let what = format!("{types:?} {kernel:?} after prepare");
             assert_close(&read_f32(g, &out).await, &want, &what);
             // Nothing new was needed for that call.
-            assert_eq!(att.prepare(&c, 4).unwrap(), 0, "{kernel:?} {dtype}");
+            assert_eq!(att.prepare(&c, 4).unwrap(), 0, "{kernel:?} {types:?}");
         }
     }
 }
@@ -1185,7 +1240,13 @@ struct FusedGqa {
 
 /// One GQA step whose queries, keys and values all come out of one fused buffer of rows
 /// `[q | k | v]` (after `pad` elements), with its output written into a larger buffer.
-async fn check_fused_gqa(g: &Gpu, att: &mut Attention, case: FusedGqa, dtype: DType, seed: u64) {
+async fn check_fused_gqa(
+    g: &Gpu,
+    att: &mut Attention,
+    case: FusedGqa,
+    types: [DType; 2],
+    seed: u64,
+) {
     let FusedGqa {
         n_kv,
         d_k,
@@ -1196,8 +1257,8 @@ async fn check_fused_gqa(g: &Gpu, att: &mut Attention, case: FusedGqa, dtype: DT
     } = case;
     let n_heads = n_kv * case.group;
     let spec = CacheSpec::new(
-        vec![LayerSpec::kv(n_kv, d_k, d_v)],
-        dtype,
+        vec![stored_as(LayerSpec::kv(n_kv, d_k, d_v), types)],
+        types[0],
         case.visible.max(8),
     )
     .unwrap();
@@ -1254,7 +1315,7 @@ async fn check_fused_gqa(g: &Gpu, att: &mut Attention, case: FusedGqa, dtype: DT
         d_v,
         &options,
     );
-    let what = format!("{dtype} {case:?} {:?}", att.kernel());
+    let what = format!("{types:?} {case:?} {:?}", att.kernel());
     assert_view_close(&read_f32(g, &out).await, case.out, out_shape, &want, &what);
     assert_eq!(
         read_f32(g, &qkv).await,
@@ -1282,10 +1343,10 @@ pub async fn gqa_reads_fused_qkv_rows_and_writes_a_strided_output(g: &Gpu) {
     ];
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for dtype in DType::ALL {
-            note!("-- fused QKV, {dtype} {kernel:?}");
-            for (i, &case) in cases.iter().enumerate() {
-                check_fused_gqa(g, &mut att, case, dtype, 90 + i as u64).await;
+        note!("-- fused QKV, {kernel:?}");
+        for (i, &case) in cases.iter().enumerate() {
+            for types in storage_pairs(&DType::ALL, i) {
+                check_fused_gqa(g, &mut att, case, types, 90 + i as u64).await;
             }
         }
     }

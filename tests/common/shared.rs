@@ -656,7 +656,8 @@ pub async fn deepseek_v2_lite_mla_matches_the_reference(
 ) -> f32 {
     let (n_heads, r, p, seed) = (16, 512, 64, 80);
     let spec = CacheSpec::new(vec![LayerSpec::mla(r, p)], dtype, visible).unwrap();
-    let mut c = KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device");
+    // The run's shared kernel registry: `attention_over_4096_rows_splits_the_sequence` runs the shape.
+    let mut c = cache_on(g, spec);
     append_random(&mut c, 0, visible - n_q, seed);
     c.advance(visible - n_q).unwrap();
     append_random(&mut c, 0, n_q, seed + 1);
@@ -721,11 +722,17 @@ pub fn ones_below(n: usize, e: usize) -> usize {
 
 /// 16 queries (4 heads on 1 KV head, d = 64) over `visible` rows with K = 0, so every visible row
 /// weighs the same, and V's element `e` = bit `e` of the row index: each output is the share of the
-/// query's rows with that bit set, so every dropped or repeated tile shows.
-pub async fn many_queries_over_a_long_context_see_every_row(g: &Gpu, dtype: DType, visible: usize) {
+/// query's rows with that bit set, so every dropped or repeated tile shows. K and V are stored as
+/// `types`; on the run's shared kernel registry (`gqa_matches` runs the same shape).
+pub async fn many_queries_over_a_long_context_see_every_row(
+    g: &Gpu,
+    types: [DType; 2],
+    visible: usize,
+) {
     let (n_kv, group, d, n_q) = (1, 4, 64, 16);
-    let spec = CacheSpec::new(vec![LayerSpec::kv(n_kv, d, d)], dtype, visible).unwrap();
-    let mut c = KvCache::new(&g.device, &g.queue, spec).expect("cache fits the device");
+    let layer = attention_bodies::stored_as(LayerSpec::kv(n_kv, d, d), types);
+    let spec = CacheSpec::new(vec![layer], types[0], visible).unwrap();
+    let mut c = cache_on(g, spec);
     let block = 16_384.min(visible);
     let zeros = vec![0f32; block * d];
     let mut v = vec![0f32; block * d];
@@ -775,14 +782,14 @@ pub async fn many_queries_over_a_long_context_see_every_row(g: &Gpu, dtype: DTyp
                 let err = (g - want).abs() / (1.0 + want);
                 assert!(
                     err <= TOL as f64,
-                    "{dtype}, {visible} rows: query {qi} head {h} element {e}: {g} vs {want}"
+                    "{types:?}, {visible} rows: query {qi} head {h} element {e}: {g} vs {want}"
                 );
                 worst = worst.max(err);
             }
         }
     }
     note!(
-        "{dtype}: {n_q} queries over {visible} rows see every row: worst scaled error {worst:e} \
+        "{types:?}: {n_q} queries over {visible} rows see every row: worst scaled error {worst:e} \
          (fill {fill_s:.1} s, attention + readback {attention_s:.1} s)"
     );
 }
