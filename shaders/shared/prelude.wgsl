@@ -62,6 +62,9 @@ struct AttnParams {
     // Scales of slots a, b and v: 1 but for scaled fp8 slots, whose stored numbers times the scale
     // are the values.
     slot_scales: vec4<f32>,
+    // 1 where pass 1 writes the normalised output itself into the output, bound in place of the
+    // partial results, and no reduce runs (a streaming kernel's call of one chunk); 0 otherwise.
+    direct: u32,
 }
 
 // Element (i, h, e) of view `v`.

@@ -146,8 +146,15 @@ type WarmUp = (
     u32,
 );
 
-/// Query bindings of pass 1: q_a and q_b, each with its bound (offset, size).
-type IoKey = (wgpu::Buffer, (u64, u64), wgpu::Buffer, (u64, u64));
+/// Query bindings of pass 1: q_a and q_b, each with its bound (offset, size), and the output where it
+/// is bound in place of the partial results (`AttnParams::direct`).
+type IoKey = (
+    wgpu::Buffer,
+    (u64, u64),
+    wgpu::Buffer,
+    (u64, u64),
+    Option<OutKey>,
+);
 /// Output binding of the reduce pass, with its bound (offset, size).
 type OutKey = (wgpu::Buffer, (u64, u64));
 

@@ -592,6 +592,9 @@ fn finish(
         view_b: [0; 4],
         view_out: [0; 4],
         slot_scales: [s.scales[0], s.scales[1], s.scales[2], 1.0],
+        // Whether pass 1 writes the output itself depends on the output's binding (the recorder).
+        direct: 0,
+        _pad: [0; 3],
     };
     let reduce_lanes = reduce_lanes(n_chunks, s.d_v, dev.cpu);
     Ok(Dispatch {

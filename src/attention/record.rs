@@ -36,6 +36,8 @@ impl Attention {
         let q_a = job.q_a.buffer;
         let q_b = job.q_b.map_or(q_a, |q| q.buffer);
         let out = job.out.buffer;
+        dispatch.params.direct =
+            u32::from(writes_directly(&dispatch, views.out.view, out, [q_a, q_b]));
         // A batch's query table lies in the stats scratch after the partial results: per query its
         // own row and first page-table entry.
         let table_words: Vec<u32> = rows.ragged.map_or(Vec::new(), |q| q.concat());
@@ -60,15 +62,23 @@ impl Attention {
             }
         };
         let (a, b, o) = (views.q_a, views.q_b, views.out);
+        let out_key = (out.clone(), (o.bind_offset, o.bind_size));
+        let direct = dispatch.params.direct != 0;
         let io = self.io_groups.get_or_try_insert(
             (
                 q_a.clone(),
                 (a.bind_offset, a.bind_size),
                 q_b.clone(),
                 (b.bind_offset, b.bind_size),
+                direct.then(|| out_key.clone()),
             ),
-            &[q_a, q_b],
+            &[q_a, q_b, out][..if direct { 3 } else { 2 }],
             || {
+                let part = if direct {
+                    range(out, &o)
+                } else {
+                    scratch.part.as_entire_binding()
+                };
                 let (group, error) = scoped(device, || {
                     device.create_bind_group(&wgpu::BindGroupDescriptor {
                         label: Some("kvgpu attention io"),
@@ -77,17 +87,17 @@ impl Attention {
                             entry(0, range(q_a, &a)),
                             entry(1, range(q_b, &b)),
                             entry(2, scratch.stats.as_entire_binding()),
-                            entry(3, scratch.part.as_entire_binding()),
+                            entry(3, part),
                         ],
                     })
                 });
                 error.map_or(Ok(group), |e| Err(refused("query")(e)))
             },
         )?;
-        let reduce = self.out_groups.get_or_try_insert(
-            (out.clone(), (o.bind_offset, o.bind_size)),
-            &[out],
-            || {
+        let reduce = if direct {
+            None
+        } else {
+            Some(self.out_groups.get_or_try_insert(out_key, &[out], || {
                 let (group, error) = scoped(device, || {
                     device.create_bind_group(&wgpu::BindGroupDescriptor {
                         label: Some("kvgpu attention_reduce"),
@@ -100,8 +110,8 @@ impl Attention {
                     })
                 });
                 error.map_or(Ok(group), |e| Err(refused("output")(e)))
-            },
-        )?;
+            })?)
+        };
         let partial =
             match dispatch.kernel {
                 Pass1::Tiled {
@@ -143,10 +153,12 @@ impl Attention {
             pass.set_bind_group(2, &params.group, &[params.offset]);
             let (chunks, teams) = dispatch.pass1;
             pass.dispatch_workgroups(chunks, pair.q_count, teams);
-            pass.set_pipeline(self.kernels.attention_reduce(dispatch.reduce_lanes));
-            pass.set_bind_group(0, &reduce, &[]);
-            pass.set_bind_group(1, &params.group, &[params.offset]);
-            pass.dispatch_workgroups(dispatch.pass2, pair.q_count, 1);
+            if let Some(reduce) = &reduce {
+                pass.set_pipeline(self.kernels.attention_reduce(dispatch.reduce_lanes));
+                pass.set_bind_group(0, reduce, &[]);
+                pass.set_bind_group(1, &params.group, &[params.offset]);
+                pass.dispatch_workgroups(dispatch.pass2, pair.q_count, 1);
+            }
         }
         Ok(())
     }
@@ -388,6 +400,31 @@ impl Attention {
         self.io_groups.clear();
         self.out_groups.clear();
     }
+}
+
+/// Whether pass 1 writes the call's output itself (`AttnParams::direct`): a streaming kernel, one
+/// chunk and one dispatch pair, so every query and head has one partial result, already the output
+/// once normalised (the reduce's one weight would be exp(0) = 1); an output view with the partial
+/// results' layout (`[n_q, n_heads, d_v]`, contiguous, at the start of its binding, whole 16-byte
+/// vectors), so it can be bound in their place; and a buffer no query is read from, since one
+/// dispatch may not both read and write a buffer.
+fn writes_directly(
+    d: &Dispatch,
+    out_view: [u32; 4],
+    out: &wgpu::Buffer,
+    queries: [&wgpu::Buffer; 2],
+) -> bool {
+    let p = &d.params;
+    matches!(d.kernel, Pass1::Stream(_))
+        && p.n_chunks == 1
+        && d.q_per_pair >= p.n_q as usize
+        && p.d_v.is_multiple_of(4)
+        && out_view[0] == 0
+        && out_view[3] == 1
+        // (The views give a dimension of one element stride 0.)
+        && (p.n_heads == 1 || out_view[2] == p.d_v)
+        && (p.n_q == 1 || u64::from(out_view[1]) == u64::from(p.n_heads) * u64::from(p.d_v))
+        && queries.iter().all(|&q| q != out)
 }
 
 /// The rows one call reads: the visible rows of a cache's layer, or of a sequence of a paged pool

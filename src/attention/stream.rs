@@ -19,7 +19,10 @@
 //! Every loop over elements and heads is unrolled in the generated text: the only loop left walks the
 //! chunk's rows, so an invocation runs one loop iteration per row (the planner keeps chunks within
 //! the software adapters' loop budget). The partial results have the layout of
-//! `shaders/attention_partial.wgsl`, so `shaders/attention_reduce.wgsl` merges either kernel's.
+//! `shaders/attention_partial.wgsl`, so `shaders/attention_reduce.wgsl` merges either kernel's. A
+//! call of one chunk whose output has that layout (`[n_q, n_heads, d_v]`, contiguous, at the start of
+//! its binding) binds it in their place: pass 1 writes the normalised output, and no reduce runs
+//! (`AttnParams::direct`).
 
 use std::fmt::Write as _;
 
@@ -444,8 +447,9 @@ impl Gen {
         );
         if k.sum == TeamSum::Alone {
             // An invocation that takes no row (a short sequence's chunks past its end) writes an
-            // empty result, which the reduce skips, and loads no query (no barrier follows).
-            line!(self, "    if start >= end {{");
+            // empty result, which the reduce skips, and loads no query (no barrier follows). One
+            // that writes the output itself (`p.direct`, one chunk) goes on and writes zeros.
+            line!(self, "    if start >= end && p.direct == 0u {{");
             for h in 0..k.heads {
                 line!(self, "        stats[2u * (out0 + {h}u)] = NEG;");
                 line!(self, "        stats[2u * (out0 + {h}u) + 1u] = 0.0;");
@@ -536,7 +540,8 @@ impl Gen {
         line!(self, "    for (var r = start; r < end; {step}) {{");
         self.row(&a, &b, &v);
         line!(self, "    }}");
-        // Results: (max, sum) per head from lane 0, each lane's share of the unnormalised output.
+        // Results: (max, sum) per head from lane 0, each lane's share of the unnormalised output
+        // (normalised where it is the output: `p.direct`).
         line!(self, "    if lane == 0u {{");
         for h in 0..k.heads {
             line!(self, "        stats[2u * (out0 + {h}u)] = m{h};");
@@ -544,6 +549,12 @@ impl Gen {
         }
         line!(self, "    }}");
         for h in 0..k.heads {
+            // Where this call's one chunk is the whole result (`p.direct`), the output itself, as
+            // the reduce would write it (its one weight is exp(0) = 1): 0 where no row was seen.
+            line!(
+                self,
+                "    let inv{h} = select(1.0, select(0.0, 1.0 / l{h}, l{h} > 0.0), p.direct != 0u);"
+            );
             line!(self, "    let o{h}_base = (out0 + {h}u) * {}u;", k.d_v);
             for j in 0..v.steps() {
                 let guard = self.guard(&v, j);
@@ -560,7 +571,7 @@ impl Gen {
                 };
                 let elem = |i: u32| {
                     let (name, c) = (&names[(i % parts) as usize], i / parts);
-                    format!("{name}[{c}]{scale}")
+                    format!("{name}[{c}]{scale} * inv{h}")
                 };
                 for g in 0..v.u() / 4 {
                     let [e0, e1, e2, e3] = [0, 1, 2, 3].map(|i| elem(4 * g + i));

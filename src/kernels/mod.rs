@@ -623,6 +623,7 @@ mod tests {
             ("view_b", at(a.view_b.as_ptr())),
             ("view_out", at(a.view_out.as_ptr())),
             ("slot_scales", at(a.slot_scales.as_ptr() as *const u32)),
+            ("direct", at(&a.direct)),
         ];
         assert_eq!(layout_of("AttnParams", size_of::<AttnParams>()), host);
     }

@@ -83,6 +83,10 @@ pub(crate) struct AttnParams {
     pub view_out: [u32; 4],
     /// Scales of slots a, b and v (1 but for scaled fp8 slots), and padding.
     pub slot_scales: [f32; 4],
+    /// 1 where pass 1 writes the normalised output itself into the output, bound in place of the
+    /// partial results, and no reduce runs (a streaming kernel's call of one chunk); 0 otherwise.
+    pub direct: u32,
+    pub _pad: [u32; 3],
 }
 
 /// Bytes of the binding every parameter bind group exposes: the largest parameter struct.

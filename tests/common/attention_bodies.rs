@@ -1553,6 +1553,28 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
         "a refused call wrote the output"
     );
     assert_eq!(c.visible(0).unwrap(), 4);
+
+    // The output in the queries' own buffer after them, at a binding boundary (byte 256): taken, on
+    // every kernel. A call of one chunk binds such an output in place of its partial results when it
+    // is a buffer of its own; here it may not (one dispatch would read and write one buffer).
+    let shared = f32_buffer(&g.device, &values(5, 128)).await;
+    let (k, v) = (
+        c.read_f32_async(0, 0).await.unwrap(),
+        c.read_f32_async(0, 1).await.unwrap(),
+    );
+    let want = reference::attention_gqa(&values(5, 16), [1, 2, 8], &k, &v, 2, 8, &dflt);
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        let q = Queries::new(&shared, 1, 2, 8);
+        att.gqa(&c, 0, q, Output::new(&shared).at(64), &dflt)
+            .unwrap();
+        let got = read_f32(g, &shared).await;
+        assert_close(
+            &got[64..80],
+            &want,
+            &format!("{kernel:?}, output beside the queries"),
+        );
+    }
 }
 
 /// The value of fp8 code `b` (`e4m3`: 4 exponent bits, else e5m2's 5), or `None` for infinity and
