@@ -1,7 +1,8 @@
 //! Attention over the visible rows of one cache layer: GQA / MHA over K and V slots, and DeepSeek's
 //! absorbed MLA over `compressed_kv` and `k_pe`. Flash-decoding: chunks of the sequence go to separate
 //! workgroups, then a reduce pass merges them (`shaders/attention_reduce.wgsl`); both are recorded
-//! into the caller's encoder.
+//! into the caller's encoder. A streaming call of one chunk whose output is laid out as its partial
+//! results writes the output in pass 1 and records no reduce (`record::writes_directly`).
 //!
 //! Pass 1 has two kernels ([`KernelChoice`]). The *streaming* kernel (`stream.rs`, WGSL generated and
 //! compiled once per shape) gives each KV head and chunk a team of lanes that split every row in

@@ -64,6 +64,22 @@ impl Attention {
         let (a, b, o) = (views.q_a, views.q_b, views.out);
         let out_key = (out.clone(), (o.bind_offset, o.bind_size));
         let direct = dispatch.params.direct != 0;
+        // The reduce's group: the output and the scratch. Where pass 1 writes the output itself, it
+        // is built only to tell which buffer wgpu refused (pass 1's group binds the output too).
+        let reduce_group = || {
+            let (group, error) = scoped(device, || {
+                device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some("kvgpu attention_reduce"),
+                    layout: kernels.reduce_layout(),
+                    entries: &[
+                        entry(0, scratch.stats.as_entire_binding()),
+                        entry(1, scratch.part.as_entire_binding()),
+                        entry(2, range(out, &o)),
+                    ],
+                })
+            });
+            error.map_or(Ok(group), |e| Err(refused("output")(e)))
+        };
         let io = self.io_groups.get_or_try_insert(
             (
                 q_a.clone(),
@@ -93,24 +109,22 @@ impl Attention {
                 });
                 error.map_or(Ok(group), |e| Err(refused("query")(e)))
             },
-        )?;
+        );
+        let io = match io {
+            Ok(group) => group,
+            Err(e) if direct => {
+                reduce_group()?;
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         let reduce = if direct {
             None
         } else {
-            Some(self.out_groups.get_or_try_insert(out_key, &[out], || {
-                let (group, error) = scoped(device, || {
-                    device.create_bind_group(&wgpu::BindGroupDescriptor {
-                        label: Some("kvgpu attention_reduce"),
-                        layout: kernels.reduce_layout(),
-                        entries: &[
-                            entry(0, scratch.stats.as_entire_binding()),
-                            entry(1, scratch.part.as_entire_binding()),
-                            entry(2, range(out, &o)),
-                        ],
-                    })
-                });
-                error.map_or(Ok(group), |e| Err(refused("output")(e)))
-            })?)
+            Some(
+                self.out_groups
+                    .get_or_try_insert(out_key, &[out], reduce_group)?,
+            )
         };
         let partial =
             match dispatch.kernel {
