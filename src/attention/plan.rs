@@ -39,6 +39,8 @@ pub(crate) const LANE_FLOATS_SHARED: usize = 320;
 /// The same for the kernel whose teams are one invocation ([`TeamSum::Alone`]): it holds whole
 /// rows.
 pub(crate) const LANE_FLOATS_ALONE: usize = 800;
+/// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
+const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
 /// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
 /// team loads its queries and writes its partial output once per chunk, whole heads of both.
 const ALONE_MIN_ROWS: usize = 64;
@@ -377,14 +379,30 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         group.is_multiple_of(h)
             && stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a) <= most
     })?;
+    // On a CPU adapter a subgroup team takes whole groups of several KV heads, within the same
+    // register budget: its lanes then read a run of the row instead of one head's slice at the
+    // row's stride. On lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4 KV heads per
+    // team than with 1 (docs/benchmarks.md). GPUs keep one, for more workgroups.
+    let team_floats = stream::lane_floats(s.dtypes, lanes as usize, heads, dims, s.v_from_a);
+    let kvs = match sum {
+        TeamSum::Subgroup if dev.cpu && heads == group => KV_HEADS_PER_TEAM
+            .into_iter()
+            .find(|&n| s.n_kv.is_multiple_of(n) && n * team_floats <= most)
+            .unwrap_or(1),
+        _ => 1,
+    };
     Some(StreamKey {
         dtypes: s.dtypes,
         lanes,
         heads: heads as u32,
+        kvs: kvs as u32,
         d_a: s.d_a as u32,
         d_b: s.d_b as u32,
         d_v: s.d_v as u32,
         v_from_a: s.v_from_a,
+        // Left out only where a branch costs (see `StreamKey::soft_cap`): elsewhere one kernel
+        // serves calls with and without a cap (fewer cold compiles on GL).
+        soft_cap: s.soft_cap > 0.0 || !(dev.cpu && sum == TeamSum::Subgroup),
         sum,
         rows: s.row_mode(),
         narrow,
@@ -417,7 +435,8 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
                 .unwrap_or(1);
             (ALONE_TEAMS as usize / width, width)
         }
-        _ => (1, 1),
+        // A workgroup is one team of `kvs` KV heads.
+        _ => (1, key.kvs as usize),
     };
     // In (team, chunk) pairs: a workgroup holds `per * width` of them (8 one-invocation teams).
     let target = if dev.cpu {
@@ -438,7 +457,10 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     // 1.19-1.24x the contiguous call with 4 chunks each, 1.05-1.15x with 1).
     let want = target
         .div_ceil(teams * s.n_q)
-        .max(ragged_chunks(s, rows, teams, target / width))
+        .max(match key.sum {
+            TeamSum::Alone => ragged_chunks(s, rows, teams, target / width),
+            _ => ragged_chunks(s, rows, teams / width, target / width),
+        })
         .next_multiple_of(per)
         .min(rows.div_ceil(shortest))
         .max(1);
@@ -731,9 +753,12 @@ mod tests {
             let d = plan(&gqa(DType::F16, 1, 32, 8, 128, 4096), &dev).unwrap();
             assert!(d.n_chunks() > 1, "{dev:?}: {d:?}");
             assert!(d.params.chunk_len as usize * d.n_chunks() >= 4096);
-            // Subgroups on both: one workgroup per chunk and KV head.
-            assert_eq!(d.pass1, (d.params.n_chunks, 8));
-            assert_eq!(d.params.team_width, 1);
+            // Subgroups on both: one workgroup per chunk and team, a team of 4 whole groups of
+            // KV heads on the CPU adapter (register budget: 4 x 160 floats), of one on the GPU.
+            let kvs = if dev.cpu { 4 } else { 1 };
+            assert!(matches!(d.kernel, Pass1::Stream(k) if k.kvs == kvs && k.heads == 4));
+            assert_eq!(d.pass1, (d.params.n_chunks, 8 / kvs));
+            assert_eq!(d.params.team_width, kvs);
             assert_eq!(d.pairs().count(), 1);
         }
     }
