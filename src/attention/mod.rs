@@ -9,7 +9,9 @@
 //! 16-byte loads and keep their share of the queries and outputs in registers; it sums a row's dot
 //! products with `subgroupAdd` where the device has subgroups of one size (request
 //! `wgpu::Features::SUBGROUP` when the adapter offers it: [`crate::Gpu`] does), else through
-//! workgroup memory. The *tiled* kernel (`shaders/attention_partial.wgsl`) takes every other shape
+//! workgroup memory. On CPU adapters with subgroups a team takes several KV heads whole, so that its
+//! lanes read a run of each row; on CPU adapters without them a team is one invocation reading whole
+//! rows (`KernelChoice::StreamAlone`). The *tiled* kernel (`shaders/attention_partial.wgsl`) takes every other shape
 //! (head dimensions that are not whole 16-byte vectors).
 //!
 //! Work is proportional to the visible rows (or the window), never to the capacity. Pipelines are
@@ -240,7 +242,9 @@ impl Attention {
     /// submits one dispatch of it that returns at once, touching no memory, then waits for the device
     /// (natively; in the browser the submission runs on its own). Call it while loading a model so the
     /// first token does not wait. Returns how many pass-1 pipelines it built (0 when every one was built
-    /// before). Other layers are skipped; a head count that does not divide into a GQA layer's KV heads
+    /// before). It builds the kernels of calls without a logit soft-cap: on CPU adapters with
+    /// subgroups (lavapipe) a call with one takes its own kernel, compiled when first used. Other
+    /// layers are skipped; a head count that does not divide into a GQA layer's KV heads
     /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
     /// [`Error::AttentionRequest`], both before anything is built.
     pub fn prepare(&mut self, cache: &KvCache, n_heads: usize) -> Result<usize> {

@@ -747,6 +747,43 @@ mod tests {
         }
     }
 
+    /// Which KV heads a team takes and whether its kernel has the logit cap: lavapipe's subgroup
+    /// teams take whole groups of up to 8 KV heads within the register budget, and leave the cap out
+    /// of calls without one; GPUs and the other kernels keep one KV head and the cap.
+    #[test]
+    fn cpu_subgroup_teams_take_whole_groups_of_kv_heads() {
+        let key = |s: &CallShape, dev: &DeviceFacts| match plan(s, dev).unwrap().kernel {
+            Pass1::Stream(k) => (k.kvs, k.heads, k.soft_cap),
+            other => panic!("{s:?}: {other:?}"),
+        };
+        let capped = |mut s: CallShape| {
+            s.soft_cap = 30.0;
+            s
+        };
+        let llama = gqa(DType::F32, 1, 32, 8, 128, 4096);
+        assert_eq!(key(&llama, &LAVAPIPE), (4, 4, false));
+        assert_eq!(key(&capped(llama), &LAVAPIPE), (4, 4, true));
+        assert_eq!(key(&llama, &GPU), (1, 4, true));
+        // Small heads: 8 KV heads of 64 fit (8 x (2 x (8 + 8) + 16) floats); 2 KV heads take 2.
+        assert_eq!(
+            key(&gqa(DType::F16, 1, 16, 8, 64, 512), &LAVAPIPE),
+            (8, 2, false)
+        );
+        assert_eq!(
+            key(&gqa(DType::F16, 1, 8, 2, 64, 512), &LAVAPIPE),
+            (2, 4, false)
+        );
+        // A group of 32, wider than a team's heads (16 at most): one KV head per team.
+        assert_eq!(key(&gqa(DType::F32, 1, 64, 2, 128, 512), &LAVAPIPE).0, 1);
+        // MLA has one latent head; OpenGL's one-invocation teams keep the cap's branch.
+        assert_eq!(key(&mla(DType::F16, 1, 512), &LAVAPIPE).0, 1);
+        let gl = DeviceFacts {
+            subgroup: None,
+            ..LAVAPIPE
+        };
+        assert_eq!(key(&llama, &gl), (1, 2, true));
+    }
+
     #[test]
     fn a_4096_row_decode_is_split_into_chunks() {
         for dev in [LAVAPIPE, GPU] {
