@@ -226,6 +226,7 @@ impl Attention {
                 max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
                 offset_alignment: limits.min_storage_buffer_offset_alignment.into(),
                 cpu: kernels.is_cpu(),
+                cores: host_threads(),
                 subgroup: kernels.subgroup_size(),
                 choice: KernelChoice::Auto,
             },
@@ -642,4 +643,13 @@ impl Attention {
                 label: Some("kvgpu attention"),
             })
     }
+}
+
+/// The host's threads (a CPU adapter's parallelism): 4 where the platform does not say.
+fn host_threads() -> usize {
+    #[cfg(not(target_arch = "wasm32"))]
+    if let Ok(n) = std::thread::available_parallelism() {
+        return n.get();
+    }
+    4
 }

@@ -39,6 +39,12 @@ pub(crate) const LANE_FLOATS_SHARED: usize = 320;
 /// The same for the kernel whose teams are one invocation ([`TeamSum::Alone`]): it holds whole
 /// rows.
 pub(crate) const LANE_FLOATS_ALONE: usize = 800;
+/// Workgroups per host thread for teams of several KV heads on a CPU adapter: each is a quarter of
+/// a row's KV heads or more, and fewer, longer chunks leave less to the reduce. On lavapipe (2
+/// threads, so 8 workgroups instead of 32) Llama-3-8B's decode at 512 rows took 0.88-0.97 ms (f32)
+/// and 0.70-0.82 (f16) against 1.03-1.17 and 0.88-1.17; at 4k the same within the noise
+/// (docs/benchmarks.md).
+const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
 /// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
@@ -61,6 +67,9 @@ pub(crate) struct DeviceFacts {
     /// `min_storage_buffer_offset_alignment`: where a query or output binding may start.
     pub offset_alignment: u64,
     pub cpu: bool,
+    /// The host's threads, where a CPU adapter runs its workgroups (`available_parallelism`; 4
+    /// where the platform does not say).
+    pub cores: usize,
     /// The subgroup size, when the device has subgroups and every subgroup has this size.
     pub subgroup: Option<u32>,
     /// Which pass-1 kernel the app asked for.
@@ -439,7 +448,9 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
         _ => (1, key.kvs as usize),
     };
     // In (team, chunk) pairs: a workgroup holds `per * width` of them (8 one-invocation teams).
-    let target = if dev.cpu {
+    let target = if dev.cpu && key.kvs > 1 {
+        KV_TEAM_WORKGROUPS_PER_CORE * dev.cores.max(1) * per * width
+    } else if dev.cpu {
         STREAM_WORKGROUPS_CPU * per * width
     } else {
         TARGET_WORKGROUPS
@@ -640,6 +651,7 @@ mod tests {
         max_binding: 128 << 20,
         offset_alignment: 256,
         cpu: true,
+        cores: 2,
         subgroup: Some(8),
         choice: KernelChoice::Auto,
     };
@@ -648,6 +660,7 @@ mod tests {
         max_binding: 2 << 30,
         offset_alignment: 256,
         cpu: false,
+        cores: 16,
         subgroup: Some(32),
         choice: KernelChoice::Auto,
     };
@@ -795,6 +808,10 @@ mod tests {
             let kvs = if dev.cpu { 4 } else { 1 };
             assert!(matches!(d.kernel, Pass1::Stream(k) if k.kvs == kvs && k.heads == 4));
             assert_eq!(d.pass1, (d.params.n_chunks, 8 / kvs));
+            if dev.cpu {
+                // 4 workgroups per host thread: 2 threads, 2 teams, 4 chunks.
+                assert_eq!(d.params.n_chunks, 4);
+            }
             assert_eq!(d.params.team_width, kvs);
             assert_eq!(d.pairs().count(), 1);
         }
