@@ -129,43 +129,29 @@ impl StreamRead {
         let few = [2u32, 4, 8]
             .into_iter()
             .filter(|&g| n_vec4.div_ceil(g * 256) < 60_000);
-        for groups in per_grids.into_iter().chain(few) {
-            let groups = groups.clamp(1, 65535);
-            let stride = groups * 256;
-            let params = uniform(&self.device, bytemuck::cast_slice(&[n_vec4, stride, 0, 0]));
-            let bind = group(
-                &self.device,
-                &self.pipe,
-                [
-                    self.src.as_entire_binding(),
-                    self.sink.as_entire_binding(),
-                    params.as_entire_binding(),
-                ],
-            );
-            let [t] = interleaved(
-                warm,
-                reps,
-                [&mut || timer.gpu(|enc| dispatch(enc, &self.pipe, &bind, groups))],
-            )?;
-            best = best.min(t);
-        }
+        // (kernel, workgroups, its second parameter: the grid stride, or the words per workgroup)
+        let mut runs: Vec<(&wgpu::ComputePipeline, u32, u32)> = per_grids
+            .into_iter()
+            .chain(few)
+            .map(|groups| {
+                let groups = groups.clamp(1, 65535);
+                (&self.pipe, groups, groups * 256)
+            })
+            .collect();
         // A few workgroups of one SIMD vector each, every one on its own run of the buffer in
         // unrolled steps of 4 KiB, the lanes side by side: how the attention kernels read a row on
         // CPU adapters. On lavapipe this read about 1.6 times faster than every grid above, so without
         // it a kernel could report more than the roofline.
         let step = ROW_LANES * ROW_LOADS;
-        for groups in [2u32, 4, 8, 16] {
+        runs.extend([2u32, 4, 8, 16].into_iter().filter_map(|groups| {
             let per_group = n_vec4.div_ceil(groups).next_multiple_of(step);
-            if per_group / step >= 60_000 {
-                continue;
-            }
-            let params = uniform(
-                &self.device,
-                bytemuck::cast_slice(&[n_vec4, per_group, 0, 0]),
-            );
+            (per_group / step < 60_000).then_some((&self.rows, groups, per_group))
+        }));
+        for (pipe, groups, param) in runs {
+            let params = uniform(&self.device, bytemuck::cast_slice(&[n_vec4, param, 0, 0]));
             let bind = group(
                 &self.device,
-                &self.rows,
+                pipe,
                 [
                     self.src.as_entire_binding(),
                     self.sink.as_entire_binding(),
@@ -175,7 +161,7 @@ impl StreamRead {
             let [t] = interleaved(
                 warm,
                 reps,
-                [&mut || timer.gpu(|enc| dispatch(enc, &self.rows, &bind, groups))],
+                [&mut || timer.gpu(|enc| dispatch(enc, pipe, &bind, groups))],
             )?;
             best = best.min(t);
         }
