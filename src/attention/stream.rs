@@ -943,42 +943,37 @@ impl Gen {
                 }
             }
         };
-        // A one-invocation team holds whole rows: it loads the values after the scores, so that
-        // the row's keys and values are not live at once (fewer registers, and a cold compile on
-        // Mesa's GL took seconds less).
-        let late_v = k.sum == TeamSum::Alone && !k.v_from_a;
-        // A team of several KV heads takes each of them in turn: its slices of the row (its vectors
-        // from `ua + kk * vecs`, registers tagged `k{kk}_`) and its `heads` query heads.
+        // A team of several KV heads takes each of them in turn.
         debug_assert!(k.kvs == 1 || k.sum == TeamSum::Subgroup, "{k:?}");
         for kk in 0..k.kvs {
-            let tag = if kk == 0 {
-                String::new()
-            } else {
-                format!("k{kk}_")
-            };
-            let base = |u: &str, s: &Slice| match kk {
-                0 => u.to_string(),
-                _ => format!("({u} + {}u)", kk * s.vecs),
-            };
-            let heads = kk * k.heads..(kk + 1) * k.heads;
-            self.row_head(a, b, v, late_v, &tag, heads, &load, &base);
+            self.row_head(a, b, v, kk, &load);
         }
     }
 
-    /// One KV head's part of the row body: the loads of its slices, then its query heads `heads`.
-    #[allow(clippy::too_many_arguments)]
+    /// KV head `kk` of the team's part of the row body: the loads of its slices (its vectors from
+    /// `ua + kk * vecs`, registers tagged `k{kk}_`), then its `heads` query heads.
     fn row_head(
         &mut self,
         a: &Slice,
         b: &Slice,
         v: &Slice,
-        late_v: bool,
-        tag: &str,
-        heads: std::ops::Range<u32>,
+        kk: u32,
         load: &dyn Fn(&mut Gen, &Slice, &str, &str, &str),
-        base: &dyn Fn(&str, &Slice) -> String,
     ) {
         let k = self.key;
+        // A one-invocation team holds whole rows: it loads the values after the scores, so that
+        // the row's keys and values are not live at once (fewer registers, and a cold compile on
+        // Mesa's GL took seconds less).
+        let late_v = k.sum == TeamSum::Alone && !k.v_from_a;
+        let tag = &match kk {
+            0 => String::new(),
+            _ => format!("k{kk}_"),
+        };
+        let base = |u: &str, s: &Slice| match kk {
+            0 => u.to_string(),
+            _ => format!("({u} + {}u)", kk * s.vecs),
+        };
+        let heads = kk * k.heads..(kk + 1) * k.heads;
         load(self, a, &base("ua", a), "rva", tag);
         load(self, b, &base("ub", b), "rvb", tag);
         if !k.v_from_a && !late_v {
