@@ -32,6 +32,15 @@ const STREAM_WORKGROUPS_CPU: usize = 32;
 /// key is one 16-element vector on each of 4 lanes): with 2 heads per team, under the earlier 640,
 /// their attention took 1.03-1.08x the f16 time at 16k; with 4, 0.78-0.86x.
 pub(crate) const LANE_FLOATS: usize = 656;
+/// The same for MLA's subgroup kernel on CPU adapters, which takes two rows per loop iteration
+/// ([`StreamKey::two_rows`]; both rows' elements count): DeepSeek-V2-Lite's f32 and f16 latent rows
+/// take 8 heads per team (1,232 floats), so each row is loaded by 2 teams instead of 4, and each
+/// spilled query element and accumulator serves two rows. On lavapipe its decode at 4k took
+/// 0.69-0.81 of the time of 4 heads and one row per iteration (f32, f16; q8_0, q4_0 and bf16
+/// 0.76-0.87), and a first call's compile there took 8-12.6 s against 2-2.6 (an empty shader
+/// cache). Two rows alone gained 5-10%, 8 heads alone 10-13%; 16 heads (one team per row)
+/// compiled for 44 s and ran no faster (docs/benchmarks.md).
+pub(crate) const LANE_FLOATS_TWO_ROWS: usize = 1400;
 /// The same for the kernel that sums through workgroup memory (OpenGL, the browser): its kernels are
 /// kept smaller, since there a cold shader compile is what a first call waits for (Mesa's GL path
 /// took seconds for DeepSeek-V2-Lite's MLA with 4 heads per team).
@@ -379,20 +388,24 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         (TeamSum::Alone, _) => 1,
     };
     let group = s.n_heads / s.n_kv;
+    // MLA on a CPU adapter with subgroups: two rows per iteration, and more heads per team.
+    let two_rows = dev.cpu && sum == TeamSum::Subgroup && s.v_from_a;
     let most = match sum {
+        TeamSum::Subgroup if two_rows => LANE_FLOATS_TWO_ROWS,
         TeamSum::Subgroup => LANE_FLOATS,
         TeamSum::Shared => LANE_FLOATS_SHARED,
         TeamSum::Alone => LANE_FLOATS_ALONE,
     };
+    let rows = if two_rows { 2 } else { 1 };
     let heads = HEAD_BATCHES.into_iter().find(|&h| {
         group.is_multiple_of(h)
-            && stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a) <= most
+            && stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a, rows) <= most
     })?;
     // On a CPU adapter a subgroup team takes whole groups of several KV heads, within the same
     // register budget: its lanes then read a run of the row instead of one head's slice at the
     // row's stride. On lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4 KV heads per
     // team than with 1 (docs/benchmarks.md). GPUs keep one, for more workgroups.
-    let team_floats = stream::lane_floats(s.dtypes, lanes as usize, heads, dims, s.v_from_a);
+    let team_floats = stream::lane_floats(s.dtypes, lanes as usize, heads, dims, s.v_from_a, rows);
     let kvs = match sum {
         TeamSum::Subgroup if dev.cpu && heads == group => KV_HEADS_PER_TEAM
             .into_iter()
@@ -412,6 +425,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         // Left out only where a branch costs (see `StreamKey::soft_cap`): elsewhere one kernel
         // serves calls with and without a cap (fewer cold compiles on GL).
         soft_cap: s.soft_cap > 0.0 || !(dev.cpu && sum == TeamSum::Subgroup),
+        two_rows,
         sum,
         rows: s.row_mode(),
         narrow,
@@ -991,9 +1005,13 @@ mod tests {
         // MLA takes its values from the latent it scores.
         let key = stream(plan(&mla(DType::BF16, 1, 4096), &LAVAPIPE).unwrap()).unwrap();
         assert!(key.v_from_a && key.d_b == 64);
-        // Four of its 16 heads per team: 4 x (72 + 64) + 72 registers per lane; the same for its
-        // quantized rows (4 x (80 + 64) + 80).
-        assert_eq!(key.heads, 4);
+        // On a CPU adapter, two rows per iteration and eight of its 16 heads per team:
+        // 8 x (72 + 64) + 2 x 72 registers per lane; the same for its quantized rows
+        // (8 x (80 + 64) + 2 x 80). A GPU's teams of 32 lanes hold 8 heads with one row
+        // (8 x (24 + 16) + 24) and keep one row per iteration.
+        assert_eq!((key.heads, key.two_rows), (8, true));
+        let key = stream(plan(&mla(DType::BF16, 1, 4096), &GPU).unwrap()).unwrap();
+        assert_eq!((key.heads, key.two_rows, key.lanes), (8, false, 32));
         for dtype in DType::QUANTIZED {
             let words = |e: usize| dtype.row_bytes(e).unwrap() as usize / 4;
             let s = CallShape {
@@ -1002,7 +1020,7 @@ mod tests {
                 ..mla(DType::F16, 1, 4096)
             };
             let key = stream(plan(&s, &LAVAPIPE).unwrap()).unwrap();
-            assert_eq!(key.heads, 4, "{dtype}");
+            assert_eq!((key.heads, key.two_rows), (8, true), "{dtype}");
         }
         // A head of 6 elements is not a whole number of vectors: the tiled kernel, or a refusal
         // when a streaming kernel is forced.
