@@ -52,7 +52,9 @@ pub(crate) const LANE_FLOATS_ALONE: usize = 800;
 /// a row's KV heads or more, and fewer, longer chunks leave less to the reduce. On lavapipe (2
 /// threads, so 8 workgroups instead of 32) Llama-3-8B's decode at 512 rows took 0.88-0.97 ms (f32)
 /// and 0.70-0.82 (f16) against 1.03-1.17 and 0.88-1.17; at 4k the same within the noise
-/// (docs/benchmarks.md).
+/// (docs/benchmarks.md). The same for MLA's teams of two rows per iteration (8 heads): on lavapipe
+/// DeepSeek-V2-Lite's decode at 512 rows took 0.60-0.71 of the time of 32 workgroups, at 4k
+/// 0.91-0.99.
 const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
@@ -462,7 +464,7 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
         _ => (1, key.kvs as usize),
     };
     // In (team, chunk) pairs: a workgroup holds `per * width` of them (8 one-invocation teams).
-    let target = if dev.cpu && key.kvs > 1 {
+    let target = if dev.cpu && (key.kvs > 1 || key.two_rows) {
         KV_TEAM_WORKGROUPS_PER_CORE * dev.cores.max(1) * per * width
     } else if dev.cpu {
         STREAM_WORKGROUPS_CPU * per * width
@@ -829,6 +831,11 @@ mod tests {
             assert_eq!(d.params.team_width, kvs);
             assert_eq!(d.pairs().count(), 1);
         }
+        // DeepSeek's MLA on the CPU adapter: 2 teams of 8 heads that take two rows per iteration,
+        // on the same 4 workgroups per host thread.
+        let d = plan(&mla(DType::F16, 1, 4096), &LAVAPIPE).unwrap();
+        assert!(matches!(d.kernel, Pass1::Stream(k) if k.two_rows && k.heads == 8));
+        assert_eq!(d.pass1, (4, 2));
     }
 
     #[test]
