@@ -54,7 +54,7 @@ pub(crate) const LANE_FLOATS_ALONE: usize = 800;
 /// and 0.70-0.82 (f16) against 1.03-1.17 and 0.88-1.17; at 4k the same within the noise
 /// (docs/benchmarks.md). The same for MLA's teams of two rows per iteration (8 heads): on lavapipe
 /// DeepSeek-V2-Lite's decode at 512 rows took 0.60-0.71 of the time of 32 workgroups, at 4k
-/// 0.91-0.99.
+/// 0.92-0.99.
 const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
