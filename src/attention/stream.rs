@@ -814,43 +814,44 @@ impl Gen {
         line!(self, "}}");
     }
 
+    /// Row `row` (WGSL: `r` or `r + 1u`) of the chunk as `name`, its row in the slots: the row
+    /// itself, or through the page table, whose entry is read once per page (where `guard`, a
+    /// condition followed by `&&`, holds).
+    fn stored_row(&mut self, name: &str, row: &str, guard: &str) {
+        if self.key.rows == RowMode::Contiguous {
+            line!(self, "        let {name} = {row};");
+            return;
+        }
+        let operand = if row == "r" {
+            row.to_string()
+        } else {
+            format!("({row})")
+        };
+        // (`>=`: one-invocation teams step over rows.)
+        line!(self, "        if {guard}{row} >= page_next {{");
+        line!(
+            self,
+            "            page_base = stored({row}, tb) - {operand};"
+        );
+        line!(
+            self,
+            "            page_next = ({operand} / p.page_size + 1u) * p.page_size;"
+        );
+        line!(self, "        }}");
+        line!(self, "        let {name} = page_base + {row};");
+    }
+
     /// The body of the row loop for row `r`: the lane's loads of the row, its partial dot products,
     /// their sums over the team, the online softmax (rescaling only when a head's maximum grows) and
     /// the values.
     fn row(&mut self, a: &Slice, b: &Slice, v: &Slice) {
         let k = self.key;
-        if k.rows == RowMode::Contiguous {
-            line!(self, "        let sr = r;");
-        } else {
-            // (`>=`: one-invocation teams step over rows.)
-            line!(self, "        if r >= page_next {{");
-            line!(self, "            page_base = stored(r, tb) - r;");
-            line!(
-                self,
-                "            page_next = (r / p.page_size + 1u) * p.page_size;"
-            );
-            line!(self, "        }}");
-            line!(self, "        let sr = page_base + r;");
-        }
+        self.stored_row("sr", "r", "");
         if k.two_rows {
             // The second row, where the chunk has one (uniform: every lane's `r` and `end`). Its
             // loads are guarded by `has1`, and its weights are 0 without it.
             line!(self, "        let has1 = r + 1u < end;");
-            if k.rows == RowMode::Contiguous {
-                line!(self, "        let sr1 = r + 1u;");
-            } else {
-                line!(self, "        if has1 && r + 1u >= page_next {{");
-                line!(
-                    self,
-                    "            page_base = stored(r + 1u, tb) - (r + 1u);"
-                );
-                line!(
-                    self,
-                    "            page_next = ((r + 1u) / p.page_size + 1u) * p.page_size;"
-                );
-                line!(self, "        }}");
-                line!(self, "        let sr1 = page_base + r + 1u;");
-            }
+            self.stored_row("sr1", "r + 1u", "has1 && ");
         }
         let load = |g: &mut Gen, s: &Slice, base: &str, stride: &str, tag: &str, sr: &str| {
             // The second row, `sr1`, is loaded only where the chunk has it.
@@ -1172,9 +1173,12 @@ impl Gen {
     ) {
         for j in 0..v.steps() {
             let os = v.parts(&format!("o{h}_"), j);
+            let xs: Vec<Vec<String>> = rows
+                .iter()
+                .map(|(_, tag, _)| v.parts(&xv(tag), j))
+                .collect();
             for (i, o) in os.iter().enumerate() {
-                for (_, tag, x) in rows {
-                    let xs = v.parts(&xv(tag), j);
+                for ((_, _, x), xs) in rows.iter().zip(&xs) {
                     line!(
                         self,
                         "        {o} = fma(vec4<f32>(e{h}{x}), {}, {o});",
