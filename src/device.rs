@@ -1,5 +1,6 @@
 //! Adapter and device helpers for apps and tests: the backend from `WGPU_BACKEND`, the adapter from
-//! `WGPU_ADAPTER_NAME`, the adapter's full limits, and `SHADER_F16` / `TIMESTAMP_QUERY` when present.
+//! `WGPU_ADAPTER_NAME`, the adapter's full limits, and `SHADER_F16` / `TIMESTAMP_QUERY` / `SUBGROUP` /
+//! `SHADER_INT64` when present.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -64,8 +65,11 @@ impl Gpu {
                 })?,
         };
         // Subgroups let attention sum a row's dot products with `subgroupAdd`.
-        let wanted =
-            wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY | wgpu::Features::SUBGROUP;
+        // 64-bit integers let attention on a CPU adapter load its rows in 64-bit words.
+        let wanted = wgpu::Features::SHADER_F16
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::SUBGROUP
+            | wgpu::Features::SHADER_INT64;
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("kvgpu"),

@@ -35,6 +35,7 @@ fn read(buffer: &wgpu::Buffer) -> Vec<f32> {
 common::shared_tests!(attention_bodies, serial: serial;
     gqa_matches_the_reference_for_every_dtype,
     gpu_plans_match_the_reference,
+    cpu_plans_of_32_bit_loads_match_the_reference,
     attention_reads_every_stored_code_exactly,
     attention_over_4096_rows_splits_the_sequence,
     mla_matches_the_reference_for_every_dtype,

@@ -110,6 +110,7 @@ browser_tests!(source_bodies:
 browser_tests!(attention_bodies:
     attention_reads_every_stored_code_exactly,
     gpu_plans_match_the_reference,
+    cpu_plans_of_32_bit_loads_match_the_reference,
     quantized_storage_matches_the_reference,
     mixed_storage_matches_the_reference,
     quantized_attention_over_4096_rows_splits_the_sequence,

@@ -228,6 +228,7 @@ impl Attention {
                 cpu: kernels.is_cpu(),
                 cores: host_threads(),
                 subgroup: kernels.subgroup_size(),
+                int64: kernels.has_int64(),
                 choice: KernelChoice::Auto,
             },
             device,
@@ -437,6 +438,14 @@ impl Attention {
     #[doc(hidden)]
     pub fn plan_as_for_a_gpu(&mut self, yes: bool) {
         self.facts.cpu = !yes && self.kernels.is_cpu();
+    }
+
+    /// Plans later calls as for a device without `wgpu::Features::SHADER_INT64` (`true`), or as the
+    /// device says (`false`): a CPU adapter's kernels then load 32-bit words instead of 64-bit ones,
+    /// so that the tests can check those kernels against the CPU twins on lavapipe too. Not for apps.
+    #[doc(hidden)]
+    pub fn plan_without_int64(&mut self, yes: bool) {
+        self.facts.int64 = !yes && self.kernels.has_int64();
     }
 
     /// Records GQA / MHA attention of `layer` (slots K `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`)

@@ -83,6 +83,8 @@ pub(crate) struct DeviceFacts {
     pub cores: usize,
     /// The subgroup size, when the device has subgroups and every subgroup has this size.
     pub subgroup: Option<u32>,
+    /// The device has `wgpu::Features::SHADER_INT64`.
+    pub int64: bool,
     /// Which pass-1 kernel the app asked for.
     pub choice: KernelChoice,
 }
@@ -428,6 +430,9 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         // serves calls with and without a cap (fewer cold compiles on GL).
         soft_cap: s.soft_cap > 0.0 || !(dev.cpu && sum == TeamSum::Subgroup),
         two_rows,
+        // A CPU adapter loads a storage vector component by component, lane by lane: 64-bit
+        // components halve that. GPUs keep 32-bit words (their 16-byte loads are one instruction).
+        wide: dev.cpu && dev.int64,
         sum,
         rows: s.row_mode(),
         narrow,
@@ -669,6 +674,7 @@ mod tests {
         cpu: true,
         cores: 2,
         subgroup: Some(8),
+        int64: true,
         choice: KernelChoice::Auto,
     };
     const GPU: DeviceFacts = DeviceFacts {
@@ -678,6 +684,7 @@ mod tests {
         cpu: false,
         cores: 16,
         subgroup: Some(32),
+        int64: true,
         choice: KernelChoice::Auto,
     };
 
@@ -971,6 +978,15 @@ mod tests {
         // Auto: subgroups where the device has them, one team per KV head with its whole group.
         let key = stream(plan(&llama, &LAVAPIPE).unwrap()).unwrap();
         assert_eq!((key.sum, key.lanes, key.heads), (TeamSum::Subgroup, 8, 4));
+        // A CPU adapter loads 64-bit words where the device has 64-bit integers; a GPU keeps
+        // 32-bit words.
+        assert!(key.wide);
+        let no_int64 = DeviceFacts {
+            int64: false,
+            ..LAVAPIPE
+        };
+        assert!(!stream(plan(&llama, &no_int64).unwrap()).unwrap().wide);
+        assert!(!stream(plan(&llama, &GPU).unwrap()).unwrap().wide);
         // A CPU adapter without subgroups: one-invocation teams of two heads (the register
         // budget). Its 16 teams (8 KV heads x 2 head batches) fill two workgroups of 8 per chunk.
         let no_subgroups = DeviceFacts {

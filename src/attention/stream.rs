@@ -6,7 +6,8 @@
 //! subgroups, `kvs` consecutive KV heads with all of their query heads: [`StreamKey::kvs`]). The
 //! lanes split every row between them in 16-byte loads (`vec4<u32>`: four f32, eight 16-bit,
 //! sixteen q8_0 or fp8 elements; q4_0 in 8-byte loads of sixteen, so that a head of 128 still spans
-//! eight lanes; the block types also load the vector holding that vector's scale), lane `l` taking
+//! eight lanes; the block types also load the vector holding that vector's scale; on CPU adapters
+//! with 64-bit integers the same bytes as two 64-bit words, [`StreamKey::wide`]), lane `l` taking
 //! the vectors `l, l + lanes, l + 2 lanes, ...` of the head's slice, so each lane keeps only its own
 //! elements of the queries and of the output in registers. Per row, each lane's partial dot products
 //! are summed over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes`
@@ -100,6 +101,11 @@ pub(crate) struct StreamKey {
     /// every register is memory, `plan::LANE_FLOATS_TWO_ROWS`).
     pub two_rows: bool,
     pub sum: TeamSum,
+    /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
+    /// `u64`) and split into 32-bit words after the load (CPU adapters with
+    /// `wgpu::Features::SHADER_INT64`): a software adapter loads a storage vector component by
+    /// component, lane by lane, so this halves its loads.
+    pub wide: bool,
     /// How the kernel finds a query's rows.
     pub rows: RowMode,
     /// Slots a, b and v whose rows are not whole 16-byte vectors (block-quantized rows whose scales
@@ -149,6 +155,8 @@ struct Slice {
     unit: u32,
     /// Read as words (see [`StreamKey::narrow`]).
     narrow: bool,
+    /// Loaded as 64-bit words (see [`StreamKey::wide`]; not a narrow slot).
+    wide: bool,
 }
 
 /// Elements in one q4_0 vector where a head's slice is whole 16-byte vectors of 32 for every lane
@@ -170,10 +178,20 @@ impl Slice {
 
     /// The WGSL type of the slot's binding.
     fn binding_type(&self) -> &'static str {
-        if self.narrow {
-            "u32"
+        match (self.narrow, self.wide, self.words()) {
+            (true, _, _) => "u32",
+            (false, true, 2) => "u64",
+            (false, true, _) => "vec2<u64>",
+            (false, false, words) => words_type(words),
+        }
+    }
+
+    /// Vector `at` of the slot (WGSL), as 32-bit words.
+    fn read(&self, at: &str) -> String {
+        if self.wide && !self.narrow {
+            format!("words{}(slot_{}[{at}])", self.words(), self.slot)
         } else {
-            words_type(self.words())
+            format!("slot_{}[{at}]", self.slot)
         }
     }
 
@@ -320,6 +338,7 @@ impl Gen {
             lanes,
             unit,
             narrow,
+            wide: self.key.wide && !narrow,
         }
     }
 
@@ -625,6 +644,23 @@ impl Gen {
     /// twin decodes them: once for each storage type the slots read (their names say the type, so
     /// that K and V of different types each get theirs).
     fn unpack(&mut self, a: &Slice, b: &Slice, v: &Slice) {
+        // 64-bit words split into 32-bit ones, low word first (little-endian, as stored).
+        for s in [a, b, v] {
+            if !s.wide || s.vecs == 0 || self.out.contains(&format!("fn words{}(", s.words())) {
+                continue;
+            }
+            if s.words() == 2 {
+                line!(
+                    self,
+                    "fn words2(w: u64) -> vec2<u32> {{ return vec2<u32>(u32(w), u32(w >> 32u)); }}"
+                );
+            } else {
+                line!(
+                    self,
+                    "fn words4(w: vec2<u64>) -> vec4<u32> {{ return vec4<u32>(u32(w.x), u32(w.x >> 32u), u32(w.y), u32(w.y >> 32u)); }}"
+                );
+            }
+        }
         let mut types: Vec<DType> = Vec::new();
         for s in [a, b, v] {
             if s.vecs > 0 && !types.contains(&s.dtype) {
@@ -873,10 +909,12 @@ impl Gen {
                 for c in 0..s.steps().div_ceil(per / k.lanes) {
                     line!(
                         g,
-                        "        let sc{}{tag}_{c} = slot_{}[{rs} * {stride} + sv{} + {base} / {per}u + {c}u];",
+                        "        let sc{}{tag}_{c} = {};",
                         s.slot,
-                        s.slot,
-                        s.slot
+                        s.read(&format!(
+                            "{rs} * {stride} + sv{} + {base} / {per}u + {c}u",
+                            s.slot
+                        ))
                     );
                 }
             }
@@ -898,7 +936,7 @@ impl Gen {
                             "let i = {sr} * {stride} + {vi} * 2u; let w = vec2<u32>({src}[i], {src}[i + 1u]); "
                         )
                     } else {
-                        format!("let w = {src}[{at}]; ")
+                        format!("let w = {}; ", s.read(&at))
                     };
                     if let Some((uw, per)) = s.scales() {
                         // Value vector `vi` of the row lies in block `blk`, whose scale is half
@@ -919,8 +957,8 @@ impl Gen {
                             )
                         } else {
                             format!(
-                                "scale_of{uw}({src}[{sr} * {stride} + sv{} + {vi} / {per}u], ({sw}) % {uw}u, {hi})",
-                                s.slot
+                                "scale_of{uw}({}, ({sw}) % {uw}u, {hi})",
+                                s.read(&format!("{sr} * {stride} + sv{} + {vi} / {per}u", s.slot))
                             )
                         };
                         let _ = write!(body, "let d = {scale}; ");
@@ -972,14 +1010,16 @@ impl Gen {
                 } else if s.dtype == DType::F32 {
                     line!(
                         g,
-                        "        if {guard} {{ {} = bitcast<vec4<f32>>({src}[{at}]); }}",
-                        names[0]
+                        "        if {guard} {{ {} = bitcast<vec4<f32>>({}); }}",
+                        names[0],
+                        s.read(&at)
                     );
                 } else {
                     let t = if s.dtype == DType::F16 { "f16" } else { "bf16" };
                     line!(
                         g,
-                        "        if {guard} {{ let w = {src}[{at}]; {} = even_{t}(w); {} = odd_{t}(w); }}",
+                        "        if {guard} {{ let w = {}; {} = even_{t}(w); {} = odd_{t}(w); }}",
+                        s.read(&at),
                         names[0],
                         names[1]
                     );
@@ -1274,6 +1314,8 @@ mod tests {
                                     v_from_a,
                                     soft_cap: rows == RowMode::Paged,
                                     two_rows: false,
+                                    // 64-bit loads for two of the three row modes.
+                                    wide: rows != RowMode::Paged,
                                     sum,
                                     rows,
                                     narrow,
@@ -1296,7 +1338,10 @@ mod tests {
         let mut checked = 0;
         for dtype in DType::STORAGE {
             for (kvs, heads, d_k, d_v) in [(2, 1, 128, 64), (4, 4, 128, 128), (8, 2, 96, 32)] {
-                for rows in [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged] {
+                for (rows, wide) in [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged]
+                    .into_iter()
+                    .flat_map(|r| [(r, false), (r, true)])
+                {
                     let narrow = [dtype.block().is_some() && rows == RowMode::Ragged; 3];
                     let key = StreamKey {
                         dtypes: [dtype, DType::F32, dtype],
@@ -1309,6 +1354,7 @@ mod tests {
                         v_from_a: false,
                         soft_cap: rows == RowMode::Contiguous,
                         two_rows: false,
+                        wide,
                         sum: TeamSum::Subgroup,
                         rows,
                         narrow,
@@ -1320,7 +1366,7 @@ mod tests {
                 }
             }
         }
-        assert!(checked >= 45, "{checked} kernels");
+        assert!(checked >= 90, "{checked} kernels");
     }
 
     /// Kernels that take two rows per iteration ([`StreamKey::two_rows`]): MLA as the planner asks
@@ -1343,7 +1389,10 @@ mod tests {
                     floats * kvs as usize <= plan::LANE_FLOATS_TWO_ROWS,
                     "{floats}"
                 );
-                for rows in [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged] {
+                for (rows, wide) in [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged]
+                    .into_iter()
+                    .flat_map(|r| [(r, false), (r, true)])
+                {
                     let narrow = [dtype.block().is_some() && rows == RowMode::Ragged; 3];
                     let key = StreamKey {
                         dtypes: [dtype; 3],
@@ -1356,6 +1405,7 @@ mod tests {
                         v_from_a,
                         soft_cap: rows != RowMode::Contiguous,
                         two_rows: true,
+                        wide,
                         sum: TeamSum::Subgroup,
                         rows,
                         narrow,
@@ -1365,7 +1415,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 84);
+        assert_eq!(checked, 168);
     }
 
     /// Slots of different types side by side: each type's unpacking is declared once (f16 and bf16,
@@ -1392,7 +1442,10 @@ mod tests {
             let mla = dtypes[0] == dtypes[2] && dtypes[1] != dtypes[0];
             let (d_a, d_b, d_v) = if mla { (512, 64, 512) } else { (128, 0, 64) };
             for sum in [TeamSum::Subgroup, TeamSum::Shared, TeamSum::Alone] {
-                for rows in [RowMode::Contiguous, RowMode::Ragged] {
+                for (rows, wide) in [RowMode::Contiguous, RowMode::Ragged]
+                    .into_iter()
+                    .flat_map(|r| [(r, false), (r, true)])
+                {
                     let narrow = dtypes.map(|t| t.block().is_some() && rows == RowMode::Ragged);
                     let key = StreamKey {
                         dtypes,
@@ -1406,6 +1459,7 @@ mod tests {
                         soft_cap: false,
                         // As the planner asks on CPU adapters.
                         two_rows: mla && sum == TeamSum::Subgroup,
+                        wide,
                         sum,
                         rows,
                         narrow,
@@ -1415,6 +1469,6 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 72);
+        assert_eq!(checked, 144);
     }
 }

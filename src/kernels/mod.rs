@@ -455,6 +455,13 @@ impl Kernels {
         Ok(pipeline)
     }
 
+    /// Whether the device has 64-bit integers in shaders (`wgpu::Features::SHADER_INT64`).
+    pub(crate) fn has_int64(&self) -> bool {
+        self.device
+            .features()
+            .contains(wgpu::Features::SHADER_INT64)
+    }
+
     /// The size of every subgroup, when the device has subgroups (`wgpu::Features::SUBGROUP`) of one
     /// size between 4 and 64.
     pub(crate) fn subgroup_size(&self) -> Option<u32> {

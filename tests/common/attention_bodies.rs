@@ -300,6 +300,47 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     .await;
 }
 
+/// The subgroup kernels a CPU adapter runs on a device without 64-bit integers, which load 32-bit
+/// words: on lavapipe, which has them (`Gpu` asks for them), every other test of this suite runs the
+/// kernels of 64-bit loads. GQA with teams of several KV heads, DeepSeek's MLA with two rows per
+/// iteration, every storage type, against the twins.
+pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
+    let info = g.adapter.get_info();
+    if !g.device.features().contains(wgpu::Features::SHADER_INT64)
+        || !kernels(g).contains(&KernelChoice::StreamSubgroup)
+    {
+        note!(
+            "skipped here: {:?} has no 64-bit integers or no subgroups, so the kernels of this \
+             suite load 32-bit words already",
+            info.backend
+        );
+        return;
+    }
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    att.plan_without_int64(true);
+    att.set_kernel(KernelChoice::StreamSubgroup);
+    #[rustfmt::skip]
+    let cases = [
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 7, window: None, soft_cap: None },
+        Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 64, visible: 600, n_q: 2, window: Some(550), soft_cap: Some(30.0) },
+    ];
+    let mla = Mla {
+        n_heads: 16,
+        visible: 1000,
+        n_q: 2,
+        window: None,
+        soft_cap: Some(50.0),
+    };
+    let mut worst = 0f32;
+    for dtype in DType::STORAGE {
+        for (i, &case) in cases.iter().enumerate() {
+            worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 90 + i as u64).await);
+        }
+        worst = worst.max(check_mla(g, &mut att, mla, [dtype; 2], 95).await);
+    }
+    note!("StreamSubgroup with 32-bit loads: worst scaled error {worst:e}");
+}
+
 /// The GQA `cases` for `gqa_types` (as [`storage_pairs`] pairs them) and `mla` for each of
 /// `mla_types`, on every kernel of the adapter, against the twins (seeds from `seed`).
 #[allow(clippy::too_many_arguments)]
