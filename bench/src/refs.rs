@@ -85,8 +85,10 @@ fn group(
 pub struct StreamRead {
     device: wgpu::Device,
     pipe: wgpu::ComputePipeline,
-    /// Workgroups of [`ROW_LANES`] invocations, each streaming its own run of the buffer.
-    rows: wgpu::ComputePipeline,
+    /// Workgroups of [`ROW_LANES`] invocations, each streaming its own run of the buffer: in 32-bit
+    /// words, and in 64-bit words where the device has 64-bit integers (as kvgpu's attention reads
+    /// rows on a CPU adapter then).
+    rows: Vec<wgpu::ComputePipeline>,
     src: wgpu::Buffer,
     sink: wgpu::Buffer,
 }
@@ -112,7 +114,11 @@ impl StreamRead {
                 "bench stream_read",
                 include_str!("../shaders/stream_read.wgsl"),
             ),
-            rows: pipeline(device, "bench stream_read rows", &rows_source()),
+            rows: [false, true]
+                .into_iter()
+                .filter(|&wide| !wide || device.features().contains(wgpu::Features::SHADER_INT64))
+                .map(|wide| pipeline(device, "bench stream_read rows", &rows_source(wide)))
+                .collect(),
             src,
             sink: storage(device, 4 << 20, "bench sink"),
         }
@@ -143,10 +149,12 @@ impl StreamRead {
         // CPU adapters. On lavapipe this read about 1.6 times faster than every grid above, so without
         // it a kernel could report more than the roofline.
         let step = ROW_LANES * ROW_LOADS;
-        runs.extend([2u32, 4, 8, 16].into_iter().filter_map(|groups| {
-            let per_group = n_vec4.div_ceil(groups).next_multiple_of(step);
-            (per_group / step < 60_000).then_some((&self.rows, groups, per_group))
-        }));
+        for rows in &self.rows {
+            runs.extend([2u32, 4, 8, 16].into_iter().filter_map(|groups| {
+                let per_group = n_vec4.div_ceil(groups).next_multiple_of(step);
+                (per_group / step < 60_000).then_some((rows, groups, per_group))
+            }));
+        }
         for (pipe, groups, param) in runs {
             let params = uniform(&self.device, bytemuck::cast_slice(&[n_vec4, param, 0, 0]));
             let bind = group(
@@ -177,14 +185,28 @@ const ROW_LOADS: u32 = 32;
 /// The whole-row read: workgroup `g` XORs 16-byte words `g * per_group ..` in steps of
 /// `ROW_LANES * ROW_LOADS` words (lane `l` takes words `l, l + ROW_LANES, ...` of a step), unrolled,
 /// then the words past the last whole step one per lane. As `shaders/stream_read.wgsl`, the result
-/// is stored only when it equals a value the data never produces.
-fn rows_source() -> String {
+/// is stored only when it equals a value the data never produces. `wide`: each 16 bytes loaded as
+/// two 64-bit words (`vec2<u64>`), which a CPU adapter loads in half the steps.
+fn rows_source(wide: bool) -> String {
+    let (ty, zero, fold) = if wide {
+        (
+            "vec2<u64>",
+            "vec2<u64>(0lu)",
+            "u32(acc.x ^ acc.y) ^ u32((acc.x ^ acc.y) >> 32u)",
+        )
+    } else {
+        (
+            "vec4<u32>",
+            "vec4<u32>(0u)",
+            "acc.x ^ acc.y ^ acc.z ^ acc.w",
+        )
+    };
     let loads: Vec<String> = (0..ROW_LOADS)
         .map(|j| format!("src[b + {}u]", j * ROW_LANES))
         .collect();
     format!(
         "struct Params {{ n_vec4: u32, per_group: u32, _pad0: u32, _pad1: u32 }}
-@group(0) @binding(0) var<storage, read> src: array<vec4<u32>>;
+@group(0) @binding(0) var<storage, read> src: array<{ty}>;
 @group(0) @binding(1) var<storage, read_write> sink: array<u32>;
 @group(0) @binding(2) var<uniform> p: Params;
 
@@ -192,7 +214,7 @@ fn rows_source() -> String {
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {{
     let start = wg.x * p.per_group;
     let end = min(p.n_vec4, start + p.per_group);
-    var acc = vec4<u32>(0u);
+    var acc = {zero};
     var i = start;
     for (; i + {step}u <= end; i += {step}u) {{
         let b = i + lane;
@@ -201,7 +223,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     for (var j = i + lane; j < end; j += {ROW_LANES}u) {{
         acc ^= src[j];
     }}
-    let x = acc.x ^ acc.y ^ acc.z ^ acc.w;
+    let x = {fold};
     if x == 0x9e3779b9u {{
         sink[(wg.x * {ROW_LANES}u + lane) % arrayLength(&sink)] = x;
     }}
