@@ -287,9 +287,10 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
         soft_cap: None,
     };
     let mla_types = [DType::F32, DType::F16];
-    check_every_kernel(
+    check_kernels(
         g,
         &mut att,
+        &kernels(g),
         &cases,
         &DType::ALL,
         mla,
@@ -318,7 +319,6 @@ pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     }
     let mut att = Attention::with_kernels(super::kernels_for(g));
     att.plan_without_int64(true);
-    att.set_kernel(KernelChoice::StreamSubgroup);
     #[rustfmt::skip]
     let cases = [
         Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 7, window: None, soft_cap: None },
@@ -331,22 +331,28 @@ pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
         window: None,
         soft_cap: Some(50.0),
     };
-    let mut worst = 0f32;
-    for dtype in DType::STORAGE {
-        for (i, &case) in cases.iter().enumerate() {
-            worst = worst.max(check_gqa(g, &mut att, case, [dtype; 2], 90 + i as u64).await);
-        }
-        worst = worst.max(check_mla(g, &mut att, mla, [dtype; 2], 95).await);
-    }
-    note!("StreamSubgroup with 32-bit loads: worst scaled error {worst:e}");
+    check_kernels(
+        g,
+        &mut att,
+        &[KernelChoice::StreamSubgroup],
+        &cases,
+        &DType::STORAGE,
+        mla,
+        &DType::STORAGE,
+        90,
+        "with 32-bit loads",
+    )
+    .await;
 }
 
 /// The GQA `cases` for `gqa_types` (as [`storage_pairs`] pairs them) and `mla` for each of
-/// `mla_types`, on every kernel of the adapter, against the twins (seeds from `seed`).
+/// `mla_types`, on each of `kernels` (every kernel of the adapter: [`kernels`]), against the twins
+/// (seeds from `seed`).
 #[allow(clippy::too_many_arguments)]
-async fn check_every_kernel(
+async fn check_kernels(
     g: &Gpu,
     att: &mut Attention,
+    kernels: &[KernelChoice],
     cases: &[Gqa],
     gqa_types: &[DType],
     mla: Mla,
@@ -354,7 +360,7 @@ async fn check_every_kernel(
     seed: u64,
     what: &str,
 ) {
-    for kernel in kernels(g) {
+    for &kernel in kernels {
         att.set_kernel(kernel);
         let mut worst = 0f32;
         for (i, &case) in cases.iter().enumerate() {
@@ -557,9 +563,10 @@ async fn over_4096_rows(g: &Gpu, types: &[DType]) {
         window: None,
         soft_cap: None,
     };
-    check_every_kernel(
+    check_kernels(
         g,
         &mut att,
+        &kernels(g),
         &cases,
         types,
         mla,
