@@ -274,26 +274,14 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
 pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     att.plan_as_for_a_gpu(true);
-    #[rustfmt::skip]
-    let cases = [
-        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 1, window: None, soft_cap: None },
-        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 700, n_q: 7, window: Some(300), soft_cap: Some(30.0) },
-    ];
-    let mla = Mla {
-        n_heads: 16,
-        visible: 600,
-        n_q: 2,
-        window: None,
-        soft_cap: None,
-    };
     let mla_types = [DType::F32, DType::F16];
     check_kernels(
         g,
         &mut att,
         &kernels(g),
-        &cases,
+        &PLAN_CASES,
         &DType::ALL,
-        mla,
+        PLAN_MLA,
         &mla_types,
         70,
         "as for a GPU",
@@ -301,9 +289,26 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     .await;
 }
 
+/// The GQA calls of the tests of other plans than the adapter's own: over several chunks, one with
+/// window and soft-cap.
+#[rustfmt::skip]
+const PLAN_CASES: [Gqa; 2] = [
+    Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 1, window: None, soft_cap: None },
+    Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 700, n_q: 7, window: Some(300), soft_cap: Some(30.0) },
+];
+
+/// DeepSeek-V2-Lite's MLA call of those tests.
+const PLAN_MLA: Mla = Mla {
+    n_heads: 16,
+    visible: 600,
+    n_q: 2,
+    window: None,
+    soft_cap: None,
+};
+
 /// The subgroup kernels a CPU adapter runs on a device without 64-bit integers, which load 32-bit
 /// words: on lavapipe, which has them (`Gpu` asks for them), every other test of this suite runs the
-/// kernels of 64-bit loads. GQA with teams of several KV heads, DeepSeek's MLA with two rows per
+/// kernels of 64-bit loads. GQA with teams of 2 KV heads, DeepSeek's MLA with two rows per
 /// iteration, every storage type, against the twins.
 pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     let info = g.adapter.get_info();
@@ -319,25 +324,13 @@ pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     }
     let mut att = Attention::with_kernels(super::kernels_for(g));
     att.plan_without_int64(true);
-    #[rustfmt::skip]
-    let cases = [
-        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 1000, n_q: 7, window: None, soft_cap: None },
-        Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 64, visible: 600, n_q: 2, window: Some(550), soft_cap: Some(30.0) },
-    ];
-    let mla = Mla {
-        n_heads: 16,
-        visible: 1000,
-        n_q: 2,
-        window: None,
-        soft_cap: Some(50.0),
-    };
     check_kernels(
         g,
         &mut att,
         &[KernelChoice::StreamSubgroup],
-        &cases,
+        &PLAN_CASES,
         &DType::STORAGE,
-        mla,
+        PLAN_MLA,
         &DType::STORAGE,
         90,
         "with 32-bit loads",
