@@ -180,15 +180,15 @@ impl Slice {
     fn binding_type(&self) -> &'static str {
         match (self.narrow, self.wide, self.words()) {
             (true, _, _) => "u32",
-            (false, true, 2) => "u64",
-            (false, true, _) => "vec2<u64>",
-            (false, false, words) => words_type(words),
+            (_, true, 2) => "u64",
+            (_, true, _) => "vec2<u64>",
+            (_, false, words) => words_type(words),
         }
     }
 
     /// Vector `at` of the slot (WGSL), as 32-bit words.
     fn read(&self, at: &str) -> String {
-        if self.wide && !self.narrow {
+        if self.wide {
             format!("words{}(slot_{}[{at}])", self.words(), self.slot)
         } else {
             format!("slot_{}[{at}]", self.slot)
