@@ -8,8 +8,10 @@
 //! sixteen q8_0 or fp8 elements; q4_0 in 8-byte loads of sixteen, so that a head of 128 still spans
 //! eight lanes; the block types also load the vector holding that vector's scale; on CPU adapters
 //! with 64-bit integers the same bytes as two 64-bit words, [`StreamKey::wide`]), lane `l` taking
-//! the vectors `l, l + lanes, l + 2 lanes, ...` of the head's slice, so each lane keeps only its own
-//! elements of the queries and of the output in registers. Per row, each lane's partial dot products
+//! the vectors `l, l + lanes, l + 2 lanes, ...` of the head's slice (in 64-bit words, f32 and
+//! 16-bit slices whose steps pair up take two adjacent vectors per load instead: `2l, 2l + 1,
+//! 2 lanes + 2l, ...`), so each lane keeps only its own elements of the queries and of the output
+//! in registers. Per row, each lane's partial dot products
 //! are summed over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes`
 //! invocations, else through workgroup memory with one barrier per row; or not at all, where a team
 //! is one invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, side by side
@@ -102,9 +104,10 @@ pub(crate) struct StreamKey {
     pub two_rows: bool,
     pub sum: TeamSum,
     /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
-    /// `u64`) and split into 32-bit words after the load (CPU adapters with
-    /// `wgpu::Features::SHADER_INT64`): a software adapter loads a storage vector component by
-    /// component, lane by lane, so this halves its loads.
+    /// `u64`; f32 and 16-bit slices of whole pairs of steps two vectors at once, `vec4<u64>`) and
+    /// split into 32-bit words after the load (CPU adapters with `wgpu::Features::SHADER_INT64`): a
+    /// software adapter loads a storage vector component by component, lane by lane, so this halves
+    /// its loads, and the pairs halve the lane loops.
     pub wide: bool,
     /// How the kernel finds a query's rows.
     pub rows: RowMode,
@@ -157,6 +160,12 @@ struct Slice {
     narrow: bool,
     /// Loaded as 64-bit words (see [`StreamKey::wide`]; not a narrow slot).
     wide: bool,
+    /// Two steps per load (wide f32 and 16-bit slices of whole pairs of steps): the slot is bound
+    /// as `vec4<u64>`, and lane `l` takes vectors `2l` and `2l + 1` of each `2 lanes`. A software
+    /// adapter's load is a loop over the SIMD lanes whose per-lane overhead (the lane's mask, address
+    /// and bounds) then serves 32 bytes instead of 16: on lavapipe Llama-3-8B's decode took 0.85-0.95
+    /// of its time (docs/benchmarks.md).
+    pair: bool,
 }
 
 /// Elements in one q4_0 vector where a head's slice is whole 16-byte vectors of 32 for every lane
@@ -178,12 +187,29 @@ impl Slice {
 
     /// The WGSL type of the slot's binding.
     fn binding_type(&self) -> &'static str {
+        if self.pair {
+            return "vec4<u64>";
+        }
         match (self.narrow, self.wide, self.words()) {
             (true, _, _) => "u32",
             (_, true, 2) => "u64",
             (_, true, _) => "vec2<u64>",
             (_, false, words) => words_type(words),
         }
+    }
+
+    /// The slice's vector that this lane takes in step `j` (WGSL, in `lane`).
+    fn vec_of(&self, j: u32) -> String {
+        if self.pair {
+            format!("2u * lane + {}u", (j - j % 2) * self.lanes + j % 2)
+        } else {
+            format!("lane + {}u", j * self.lanes)
+        }
+    }
+
+    /// Vectors per load: 2 in a [`Slice::pair`].
+    fn per_load(&self) -> u32 {
+        if self.pair { 2 } else { 1 }
     }
 
     /// Vector `at` of the slot (WGSL), as 32-bit words.
@@ -252,6 +278,21 @@ impl Slice {
     fn last_lanes(&self) -> Option<u32> {
         let rem = self.vecs % self.lanes;
         (rem != 0).then_some(rem)
+    }
+}
+
+/// The statements that unpack one vector of an f32 or 16-bit slice, its 32-bit words `words`
+/// (WGSL), into its registers `names` (16-bit: through a `let` named `w`).
+fn plain(s: &Slice, names: &[String], words: &str, w: &str) -> String {
+    match s.dtype {
+        DType::F32 => format!("{} = bitcast<vec4<f32>>({words}); ", names[0]),
+        dtype => {
+            let t = if dtype == DType::F16 { "f16" } else { "bf16" };
+            format!(
+                "let {w} = {words}; {} = even_{t}({w}); {} = odd_{t}({w}); ",
+                names[0], names[1]
+            )
+        }
     }
 }
 
@@ -331,14 +372,21 @@ impl Gen {
         } else {
             per_vec(dtype) as u32
         };
+        let wide = self.key.wide && !narrow;
+        let vecs = d / unit;
         Slice {
             slot: ["a", "b", "v"][i],
             dtype,
-            vecs: d / unit,
+            vecs,
             lanes,
             unit,
             narrow,
-            wide: self.key.wide && !narrow,
+            wide,
+            // Whole pairs of steps only: a last, partial step would leave lanes without a pair.
+            pair: wide
+                && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+                && vecs > 0
+                && vecs.is_multiple_of(2 * lanes),
         }
     }
 
@@ -522,8 +570,8 @@ impl Gen {
                         let e = |i: u32| -> String {
                             let i = parts * i + c as u32;
                             format!(
-                                "{q}[{q}{h}_base + ((lane + {}u) * {u}u + {i}u) * {q}_se]",
-                                j * k.lanes
+                                "{q}[{q}{h}_base + (({}) * {u}u + {i}u) * {q}_se]",
+                                s.vec_of(j)
                             )
                         };
                         line!(self, "    var {name} = vec4<f32>(0.0);");
@@ -549,16 +597,16 @@ impl Gen {
                 }
             }
         }
-        line!(self, "    let ua = kv * {}u + lane;", a.vecs);
-        line!(self, "    let ub = kv * {}u + lane;", b.vecs);
-        line!(self, "    let uv = kv * {}u + lane;", v.vecs);
+        line!(self, "    let ua = kv * {}u + lane;", a.vecs / a.per_load());
+        line!(self, "    let ub = kv * {}u + lane;", b.vecs / b.per_load());
+        line!(self, "    let uv = kv * {}u + lane;", v.vecs / v.per_load());
         // Row strides in vectors (narrow slots: in words), and, for the block types, the first
         // vector (narrow: word) of a row's scales, after its values.
         for s in [&a, &b, &v] {
             let (unit, values) = if s.narrow {
                 (String::new(), s.words() * s.vecs)
             } else {
-                (format!(" / {}u", s.words()), s.vecs)
+                (format!(" / {}u", s.words() * s.per_load()), s.vecs)
             };
             line!(self, "    let rv{} = p.row_words_{}{unit};", s.slot, s.slot);
             if s.scales().is_some() {
@@ -605,7 +653,7 @@ impl Gen {
             for j in 0..v.steps() {
                 let guard = self.guard(&v, j);
                 // In vectors of 4: d_v and u are multiples of 4 in every streaming shape.
-                let at = format!("(o{h}_base + (lane + {}u) * {}u) / 4u", j * k.lanes, v.u());
+                let at = format!("(o{h}_base + ({}) * {}u) / 4u", v.vec_of(j), v.u());
                 let names = v.parts(&format!("o{h}_"), j);
                 let parts = v.n_parts();
                 let mut body = String::new();
@@ -819,7 +867,7 @@ impl Gen {
         );
         for s in [a, b, v] {
             let rw = format!("p.row_words_{}", s.slot);
-            let uw = s.words();
+            let uw = s.words() * s.per_load();
             if s.narrow {
                 // Words: the values, then one f16 scale per 32 elements.
                 line!(
@@ -839,7 +887,7 @@ impl Gen {
             line!(
                 self,
                 "        && {rw} % {uw}u == 0u && p.n_kv * {}u{scales} <= {rw} / {uw}u && rows_fit({rw} / {uw}u, arrayLength(&slot_{}))",
-                s.vecs,
+                s.vecs / s.per_load(),
                 s.slot
             );
         }
@@ -917,6 +965,24 @@ impl Gen {
                         ))
                     );
                 }
+            }
+            if s.pair {
+                // Not a block type: one load of 32 bytes takes steps j and j + 1.
+                for j in (0..s.steps()).step_by(2) {
+                    let names = [j, j + 1].map(|j| s.parts(&format!("x{}{tag}", s.slot), j));
+                    for n in names.iter().flatten() {
+                        line!(g, "        var {n} = vec4<f32>(0.0);");
+                    }
+                    let at = format!("{sr} * {stride} + {base} + {}u", j / 2 * k.lanes);
+                    line!(
+                        g,
+                        "        if true{has} {{ let w2 = slot_{}[{at}]; {}{}}}",
+                        s.slot,
+                        plain(s, &names[0], "words4(w2.xy)", "w0"),
+                        plain(s, &names[1], "words4(w2.zw)", "w1")
+                    );
+                }
+                return;
             }
             for j in 0..s.steps() {
                 let guard = format!("{}{has}", g.guard(s, j));
@@ -1007,21 +1073,11 @@ impl Gen {
                         let _ = write!(body, "{n} = {part}; ");
                     }
                     line!(g, "        if {guard} {{ {body}}}");
-                } else if s.dtype == DType::F32 {
-                    line!(
-                        g,
-                        "        if {guard} {{ {} = bitcast<vec4<f32>>({}); }}",
-                        names[0],
-                        s.read(&at)
-                    );
                 } else {
-                    let t = if s.dtype == DType::F16 { "f16" } else { "bf16" };
                     line!(
                         g,
-                        "        if {guard} {{ let w = {}; {} = even_{t}(w); {} = odd_{t}(w); }}",
-                        s.read(&at),
-                        names[0],
-                        names[1]
+                        "        if {guard} {{ {}}}",
+                        plain(s, &names, &s.read(&at), "w")
                     );
                 }
             }
@@ -1054,7 +1110,7 @@ impl Gen {
         }
         let base = |u: &str, s: &Slice| match kk {
             0 => u.to_string(),
-            _ => format!("({u} + {}u)", kk * s.vecs),
+            _ => format!("({u} + {}u)", kk * s.vecs / s.per_load()),
         };
         let heads = kk * k.heads..(kk + 1) * k.heads;
         let load_v = |g: &mut Gen| {
@@ -1367,6 +1423,56 @@ mod tests {
             }
         }
         assert!(checked >= 90, "{checked} kernels");
+    }
+
+    /// 64-bit kernels take two steps per load where an f32 or 16-bit slice has whole pairs of them
+    /// (the slot bound as `vec4<u64>`), and one step per load where it has not, or holds a block or
+    /// fp8 type; 32-bit kernels load no 64-bit word. Every one validates.
+    #[test]
+    fn whole_pairs_of_steps_take_one_load() {
+        let key = |dtype, d, wide| StreamKey {
+            dtypes: [dtype; 3],
+            lanes: 8,
+            heads: 4,
+            kvs: 1,
+            d_a: d,
+            d_b: 0,
+            d_v: d,
+            v_from_a: false,
+            soft_cap: false,
+            two_rows: false,
+            wide,
+            sum: TeamSum::Subgroup,
+            rows: RowMode::Contiguous,
+            narrow: [false; 3],
+        };
+        // (storage, head size, the slots' binding in 64-bit words): steps of 8 lanes.
+        for (dtype, d, binding) in [
+            (DType::F32, 128, "vec4<u64>"), // 32 vectors: two pairs of steps
+            (DType::F32, 64, "vec4<u64>"),  // one pair
+            (DType::F32, 32, "vec2<u64>"),  // one step
+            (DType::F32, 96, "vec2<u64>"),  // three steps
+            (DType::F16, 128, "vec4<u64>"),
+            (DType::BF16, 256, "vec4<u64>"),
+            (DType::F16, 64, "vec2<u64>"),
+            (DType::Q8_0, 256, "vec2<u64>"),
+            (DType::F8E4M3, 256, "vec2<u64>"),
+            (DType::Q4_0, 256, "vec2<u64>"),
+        ] {
+            let wide = key(dtype, d, true);
+            let text = source(&wide, PRELUDE, ROWS);
+            for slot in ["a", "v"] {
+                let decl = format!("var<storage, read> slot_{slot}: array<{binding}>;");
+                assert!(text.contains(&decl), "{wide:?}: no `{decl}`");
+            }
+            validate(&wide);
+            let narrow = key(dtype, d, false);
+            assert!(
+                !source(&narrow, PRELUDE, ROWS).contains("u64"),
+                "{narrow:?}"
+            );
+            validate(&narrow);
+        }
     }
 
     /// Kernels that take two rows per iteration ([`StreamKey::two_rows`]): MLA as the planner asks
