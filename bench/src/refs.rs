@@ -87,8 +87,8 @@ pub struct StreamRead {
     pipe: wgpu::ComputePipeline,
     /// Workgroups of [`ROW_LANES`] invocations, each streaming its own run of the buffer: in 32-bit
     /// words, and in 64-bit words where the device has 64-bit integers (as kvgpu's attention reads
-    /// rows on a CPU adapter then).
-    rows: Vec<wgpu::ComputePipeline>,
+    /// rows on a CPU adapter then), 16 and 32 bytes per load. With each, its 16-byte words per load.
+    rows: Vec<(wgpu::ComputePipeline, u32)>,
     src: wgpu::Buffer,
     sink: wgpu::Buffer,
 }
@@ -114,10 +114,16 @@ impl StreamRead {
                 "bench stream_read",
                 include_str!("../shaders/stream_read.wgsl"),
             ),
-            rows: [false, true]
+            rows: [RowLoad::U32x4, RowLoad::U64x2, RowLoad::U64x4]
                 .into_iter()
-                .filter(|&wide| !wide || device.features().contains(wgpu::Features::SHADER_INT64))
-                .map(|wide| pipeline(device, "bench stream_read rows", &rows_source(wide)))
+                .filter(|&load| {
+                    load == RowLoad::U32x4
+                        || device.features().contains(wgpu::Features::SHADER_INT64)
+                })
+                .map(|load| {
+                    let pipe = pipeline(device, "bench stream_read rows", &rows_source(load));
+                    (pipe, load.per_load())
+                })
                 .collect(),
             src,
             sink: storage(device, 4 << 20, "bench sink"),
@@ -149,9 +155,14 @@ impl StreamRead {
         // CPU adapters. On lavapipe this read about 1.6 times faster than every grid above, so without
         // it a kernel could report more than the roofline.
         let step = ROW_LANES * ROW_LOADS;
-        for rows in &self.rows {
+        for (rows, per_load) in &self.rows {
+            // In the kernel's loads (whole ones: a 32-byte read of an odd count would read more).
+            if !n_vec4.is_multiple_of(*per_load) {
+                continue;
+            }
+            let n = n_vec4 / per_load;
             runs.extend([2u32, 4, 8, 16].into_iter().filter_map(|groups| {
-                let per_group = n_vec4.div_ceil(groups).next_multiple_of(step);
+                let per_group = n.div_ceil(groups).next_multiple_of(step);
                 (per_group / step < 60_000).then_some((rows, groups, per_group))
             }));
         }
@@ -182,24 +193,47 @@ const ROW_LANES: u32 = 8;
 /// 16-byte loads per invocation in one step of the whole-row read.
 const ROW_LOADS: u32 = 32;
 
-/// The whole-row read: workgroup `g` XORs 16-byte words `g * per_group ..` in steps of
-/// `ROW_LANES * ROW_LOADS` words (lane `l` takes words `l, l + ROW_LANES, ...` of a step), unrolled,
-/// then the words past the last whole step one per lane. As `shaders/stream_read.wgsl`, the result
-/// is stored only when it equals a value the data never produces. `wide`: each 16 bytes loaded as
-/// two 64-bit words (`vec2<u64>`), which a CPU adapter loads in half the steps.
-fn rows_source(wide: bool) -> String {
-    let (ty, zero, fold) = if wide {
-        (
-            "vec2<u64>",
-            "vec2<u64>(0lu)",
-            "u32(acc.x ^ acc.y) ^ u32((acc.x ^ acc.y) >> 32u)",
-        )
-    } else {
-        (
+/// How the whole-row read loads its words.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowLoad {
+    /// 16 bytes as `vec4<u32>`.
+    U32x4,
+    /// 16 bytes as two 64-bit words, which a CPU adapter loads in half the steps.
+    U64x2,
+    /// 32 bytes as four 64-bit words (kvgpu's attention on a CPU adapter loads f32 and 16-bit rows
+    /// so).
+    U64x4,
+}
+
+impl RowLoad {
+    /// 16-byte words per load.
+    fn per_load(self) -> u32 {
+        if self == RowLoad::U64x4 { 2 } else { 1 }
+    }
+}
+
+/// The whole-row read: workgroup `g` XORs loads `g * per_group ..` (`load`'s words, `n_vec4 /
+/// per_load` of them) in steps of `ROW_LANES * ROW_LOADS` loads (lane `l` takes loads `l, l +
+/// ROW_LANES, ...` of a step), unrolled, then the loads past the last whole step one per lane. As
+/// `shaders/stream_read.wgsl`, the result is stored only when it equals a value the data never
+/// produces.
+fn rows_source(load: RowLoad) -> String {
+    let (ty, zero, fold) = match load {
+        RowLoad::U32x4 => (
             "vec4<u32>",
             "vec4<u32>(0u)",
             "acc.x ^ acc.y ^ acc.z ^ acc.w",
-        )
+        ),
+        RowLoad::U64x2 => (
+            "vec2<u64>",
+            "vec2<u64>(0lu)",
+            "u32(acc.x ^ acc.y) ^ u32((acc.x ^ acc.y) >> 32u)",
+        ),
+        RowLoad::U64x4 => (
+            "vec4<u64>",
+            "vec4<u64>(0lu)",
+            "u32(acc.x ^ acc.y ^ acc.z ^ acc.w) ^ u32((acc.x ^ acc.y ^ acc.z ^ acc.w) >> 32u)",
+        ),
     };
     let loads: Vec<String> = (0..ROW_LOADS)
         .map(|j| format!("src[b + {}u]", j * ROW_LANES))
@@ -213,7 +247,7 @@ fn rows_source(wide: bool) -> String {
 @compute @workgroup_size({ROW_LANES})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {{
     let start = wg.x * p.per_group;
-    let end = min(p.n_vec4, start + p.per_group);
+    let end = min(p.n_vec4 / {per_load}u, start + p.per_group);
     var acc = {zero};
     var i = start;
     for (; i + {step}u <= end; i += {step}u) {{
@@ -231,6 +265,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 ",
         loads.join(" ^ "),
         step = ROW_LANES * ROW_LOADS,
+        per_load = load.per_load(),
     )
 }
 
