@@ -1,5 +1,6 @@
 //! Parses and validates every `shaders/*.wgsl` with naga, each with `shaders/shared/prelude.wgsl`
-//! (dtype codes, shared parameter structs) prepended, reports all broken shaders at once with
+//! (dtype codes, shared parameter structs) prepended (and the zeroing kernels with their shared loop,
+//! `shaders/shared/zero_main.wgsl`, appended), reports all broken shaders at once with
 //! `file:line:col`, and writes the table of shader sources to `OUT_DIR/shaders.rs`.
 
 use std::fmt::Write as _;
@@ -21,6 +22,11 @@ fn main() {
     println!("cargo:rerun-if-changed={}", rows_path.display());
     let rows = fs::read_to_string(&rows_path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", rows_path.display()));
+    // The zeroing loop, shared by the zeroing kernels of 32-bit and of 64-bit words.
+    let zero_main_path = dir.join("shared").join("zero_main.wgsl");
+    println!("cargo:rerun-if-changed={}", zero_main_path.display());
+    let zero_main = fs::read_to_string(&zero_main_path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", zero_main_path.display()));
 
     let mut paths: Vec<PathBuf> = fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", dir.display()))
@@ -44,7 +50,9 @@ fn main() {
             .expect("shader file name is UTF-8");
         let with_rows = stem == "attention_partial";
         let extra = if with_rows { rows.as_str() } else { "" };
-        let source = format!("{prelude}{extra}{own}");
+        let zeroing = stem == "zero" || stem == "zero_int64";
+        let after = if zeroing { zero_main.as_str() } else { "" };
+        let source = format!("{prelude}{extra}{own}{after}");
         let shown = path
             .strip_prefix(env!("CARGO_MANIFEST_DIR"))
             .unwrap_or(path)
@@ -52,14 +60,26 @@ fn main() {
             .to_string();
         let first = prelude_lines + extra.lines().count();
         let shown = format!(
-            "{shown} (line numbers count the prelude{} first: {first} lines)",
+            "{shown} (line numbers count the prelude{} first: {first} lines{})",
             if with_rows {
                 " and shared/rows.wgsl"
             } else {
                 ""
+            },
+            if zeroing {
+                "; shared/zero_main.wgsl follows"
+            } else {
+                ""
             }
         );
-        match validate(&source, &shown) {
+        // Kernels named `*_int64` use 64-bit integers: the library builds them only on devices
+        // with `wgpu::Features::SHADER_INT64`.
+        let caps = if stem.ends_with("_int64") {
+            Capabilities::SHADER_INT64
+        } else {
+            Capabilities::empty()
+        };
+        match validate(&source, &shown, caps) {
             Ok(module) => describe_structs(&module, &mut described, &mut layouts),
             Err(report) => failures.push(report),
         }
@@ -69,9 +89,14 @@ fn main() {
         } else {
             String::new()
         };
+        let last = if zeroing {
+            format!(", include_str!({:?})", zero_main_path.display().to_string())
+        } else {
+            String::new()
+        };
         writeln!(
             table,
-            "pub(crate) const {konst}: &str = concat!(include_str!({:?}), {middle}include_str!({:?}));",
+            "pub(crate) const {konst}: &str = concat!(include_str!({:?}), {middle}include_str!({:?}){last});",
             prelude_path.display().to_string(),
             path.display().to_string()
         )
@@ -131,11 +156,11 @@ fn describe_structs(module: &naga::Module, described: &mut Vec<String>, out: &mu
 }
 
 /// Parses and validates one shader, with the capabilities wgpu grants every device (packed 16-bit
-/// float built-ins and pipeline-overridable constants need none).
-fn validate(source: &str, path: &str) -> Result<naga::Module, String> {
+/// float built-ins and pipeline-overridable constants need none), and `caps`.
+fn validate(source: &str, path: &str, caps: Capabilities) -> Result<naga::Module, String> {
     let module = naga::front::wgsl::parse_str(source)
         .map_err(|e| e.emit_to_string_with_path(source, path))?;
-    Validator::new(ValidationFlags::all(), Capabilities::empty())
+    Validator::new(ValidationFlags::all(), caps)
         .validate(&module)
         .map(|_| module.clone())
         .map_err(|e| e.emit_to_string_with_path(source, path))

@@ -124,7 +124,7 @@ pub fn slab_write(
     pack_rows(&bits, storage, row_elems)
 }
 
-/// Twin of `shaders/zero.wgsl`: zeroes words `[start, start + n)`, the part inside `words`.
+/// Twin of `shaders/zero.wgsl` and `zero_int64.wgsl`: zeroes words `[start, start + n)`, the part inside `words`.
 pub fn zero(words: &mut [u32], start: usize, n: usize) {
     let end = start.saturating_add(n).min(words.len());
     words[start.min(end)..end].fill(0);

@@ -17,6 +17,16 @@ fn is_fp8(t: u32) -> bool {
     return t == F8E4M3 || t == F8E5M2;
 }
 
+// Parameters of the zeroing kernels (zero.wgsl, zero_int64.wgsl); must match `ZeroParams` in
+// src/kernels/params.rs.
+struct ZeroParams {
+    start_word: u32,
+    n_words: u32,
+    // Invocations in the dispatch (workgroups x 256): the loop stride, in blocks.
+    thread_stride: u32,
+    _pad: u32,
+}
+
 // Parameters of both attention passes; must match `AttnParams` in src/kernels/params.rs.
 struct AttnParams {
     n_q: u32,

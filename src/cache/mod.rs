@@ -34,6 +34,8 @@ struct SlotBuffer {
     row_elems: usize,
     placement: Placement,
     zero_group: wgpu::BindGroup,
+    /// The buffer is whole 32-byte vectors and the device has the zeroing kernel of 64-bit words.
+    zero_int64: bool,
 }
 
 impl SlotBuffer {
@@ -159,10 +161,20 @@ impl KvCache {
                         let row_elems = slot.row_elems();
                         let dtype = spec.dtype_of(slot);
                         let row_bytes = padded_row_bytes(row_elems, dtype);
+                        // Whole vectors, as the zeroing kernels write them: of the device's
+                        // fastest one where that stays within the limits, else 16 bytes.
+                        let bytes = row_bytes * spec.max_seq_len() as u64;
+                        let wide = bytes.next_multiple_of(kernels.zero_vector_bytes());
+                        let size = if wide <= limits.max_buffer_size
+                            && wide <= limits.max_storage_buffer_binding_size
+                        {
+                            wide
+                        } else {
+                            bytes.next_multiple_of(16)
+                        };
                         let buffer = device.create_buffer(&wgpu::BufferDescriptor {
                             label: Some(&format!("kvgpu layer {l} {}", slot.name)),
-                            // Whole 16-byte vectors, as the zeroing kernel writes them.
-                            size: (row_bytes * spec.max_seq_len() as u64).next_multiple_of(16),
+                            size,
                             usage: wgpu::BufferUsages::STORAGE
                                 | wgpu::BufferUsages::COPY_DST
                                 | wgpu::BufferUsages::COPY_SRC,
@@ -185,6 +197,7 @@ impl KvCache {
                             row_elems,
                             placement: Placement { row_bytes },
                             zero_group,
+                            zero_int64: kernels.zero_vector_bytes() == 32 && size % 32 == 0,
                         }
                     })
                     .collect()
@@ -420,6 +433,7 @@ impl KvCache {
                             slot,
                             start_word,
                             n_words,
+                            int64: sb.zero_int64,
                         }
                     })
             })
@@ -446,6 +460,7 @@ impl KvCache {
                 slot,
                 start_word: 0,
                 n_words: self.slots[layer][slot].buffer.size() / 4,
+                int64: self.slots[layer][slot].zero_int64,
             })
             .collect();
         self.record_zeros(encoder, &ranges);
@@ -477,8 +492,8 @@ impl KvCache {
             label: Some("kvgpu zero"),
             timestamp_writes: None,
         });
-        pass.set_pipeline(self.kernels.zero());
         for ((r, groups, _), params) in dispatches.iter().zip(slots) {
+            pass.set_pipeline(self.kernels.zero(r.int64));
             pass.set_bind_group(0, &self.slots[r.layer][r.slot].zero_group, &[]);
             pass.set_bind_group(1, &params.group, &[params.offset]);
             pass.dispatch_workgroups(*groups, 1, 1);

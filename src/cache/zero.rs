@@ -1,9 +1,9 @@
-//! Zeroing plans: word ranges of slot buffers turned into dispatches of `shaders/zero.wgsl`. Pure, so
-//! the sizing is unit-tested on the CPU.
+//! Zeroing plans: word ranges of slot buffers turned into dispatches of `shaders/zero.wgsl` (or
+//! `zero_int64.wgsl`). Pure, so the sizing is unit-tested on the CPU.
 
 use crate::kernels::{ZeroParams, grid};
 
-/// 16-byte vectors one zeroing invocation clears per loop step (`BLOCK` in shaders/zero.wgsl).
+/// Vectors one zeroing invocation clears per loop step (`BLOCK` in shaders/shared/zero_main.wgsl).
 const ZERO_BLOCK: u64 = 8;
 
 /// Words `[start_word, start_word + n_words)` of one slot buffer to zero.
@@ -13,6 +13,8 @@ pub(crate) struct ZeroRange {
     pub slot: usize,
     pub start_word: u64,
     pub n_words: u64,
+    /// Zeroed by the kernel of 32-byte vectors of 64-bit words (`zero_int64.wgsl`).
+    pub int64: bool,
 }
 
 /// One dispatch per non-empty range: the range, its workgroups and its parameters. At most
@@ -25,8 +27,9 @@ pub(crate) fn zero_dispatches(
         .iter()
         .filter(|r| r.n_words > 0)
         .map(|r| {
-            // One invocation per ZERO_BLOCK 16-byte vectors the range touches.
-            let vectors = (r.start_word + r.n_words - 1) / 4 - r.start_word / 4 + 1;
+            // One invocation per ZERO_BLOCK vectors (16 or 32 bytes) the range touches.
+            let words = if r.int64 { 8 } else { 4 };
+            let vectors = (r.start_word + r.n_words - 1) / words - r.start_word / words + 1;
             let (groups, thread_stride) = grid(vectors.div_ceil(ZERO_BLOCK), max_groups);
             let params = ZeroParams {
                 start_word: r.start_word as u32,
@@ -50,6 +53,7 @@ mod tests {
             slot: 0,
             start_word,
             n_words,
+            int64: false,
         };
         let plans = zero_dispatches(&[r(0, 0), r(3, 2), r(0, 32 << 20)], 16);
         assert_eq!(plans.len(), 2, "the empty range is dropped");
@@ -62,5 +66,28 @@ mod tests {
             ((8u64 << 20) / ZERO_BLOCK).div_ceil(p.thread_stride as u64),
             256
         );
+    }
+
+    #[test]
+    fn the_kernel_of_64_bit_words_takes_32_byte_vectors() {
+        let r = |start_word, n_words| ZeroRange {
+            layer: 0,
+            slot: 0,
+            start_word,
+            n_words,
+            int64: true,
+        };
+        // Words 7 and 8 straddle two 32-byte vectors; words 0..64 are 8 of them: one block each.
+        let plans = zero_dispatches(&[r(7, 2), r(0, 64), r(0, 65), r(0, 32 << 20)], 16);
+        let strides: Vec<_> = plans.iter().map(|p| (p.1, p.2.thread_stride)).collect();
+        assert_eq!(&strides[..3], &[(1, 256), (1, 256), (1, 256)]);
+        // 128 MiB: 4M vectors, 512K blocks, over 16 workgroups of 256: 128 blocks per invocation.
+        let (_, groups, p) = plans[3];
+        assert_eq!((groups, p.thread_stride), (16, 4096));
+        assert_eq!(
+            ((4u64 << 20) / ZERO_BLOCK).div_ceil(p.thread_stride as u64),
+            128
+        );
+        assert!(plans.iter().all(|p| p.0.int64));
     }
 }

@@ -9,7 +9,8 @@
 
 use crate::kernels::Kernels;
 
-/// Parameters of `shaders/zero.wgsl`; must match its `ZeroParams`.
+/// Parameters of the zeroing kernels (`shaders/zero.wgsl`, `zero_int64.wgsl`); must match `ZeroParams`
+/// in `shaders/shared/prelude.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub(crate) struct ZeroParams {

@@ -667,7 +667,8 @@ pub async fn host_data_already_in_the_storage_type_is_stored_as_is(g: &Gpu) {
 
 /// Rows of 1 to 9 words (fp8 1 to 3; the block types one and three blocks: q8_0 rows of 9 and 26
 /// words, q4_0 of 5 and 14) and every (cut, end) pair: the scrubbed range starts and ends at every
-/// offset within a 16-byte vector, and the words around it must survive.
+/// offset within a 16-byte vector (32-byte for the zeroing kernel of 64-bit words, on lavapipe), and
+/// the words around it must survive.
 pub async fn scrub_matches_the_zero_twin_at_every_word_offset(g: &Gpu) {
     for dtype in DType::STORAGE {
         note!("-- {dtype}");
