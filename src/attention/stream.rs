@@ -212,6 +212,22 @@ impl Slice {
         if self.pair { 2 } else { 1 }
     }
 
+    /// Loads that cover the slice: the stride of one KV head in the binding's elements.
+    fn loads(&self) -> u32 {
+        self.vecs / self.per_load()
+    }
+
+    /// 32-bit words in one element of the binding (one load).
+    fn load_words(&self) -> u32 {
+        self.words() * self.per_load()
+    }
+
+    /// The first load of step `j` (of a pair's two steps), from the lanes' base: lanes take
+    /// consecutive loads.
+    fn step_load(&self, j: u32) -> u32 {
+        j / self.per_load() * self.lanes
+    }
+
     /// Vector `at` of the slot (WGSL), as 32-bit words.
     fn read(&self, at: &str) -> String {
         if self.wide {
@@ -597,16 +613,16 @@ impl Gen {
                 }
             }
         }
-        line!(self, "    let ua = kv * {}u + lane;", a.vecs / a.per_load());
-        line!(self, "    let ub = kv * {}u + lane;", b.vecs / b.per_load());
-        line!(self, "    let uv = kv * {}u + lane;", v.vecs / v.per_load());
+        line!(self, "    let ua = kv * {}u + lane;", a.loads());
+        line!(self, "    let ub = kv * {}u + lane;", b.loads());
+        line!(self, "    let uv = kv * {}u + lane;", v.loads());
         // Row strides in vectors (narrow slots: in words), and, for the block types, the first
         // vector (narrow: word) of a row's scales, after its values.
         for s in [&a, &b, &v] {
             let (unit, values) = if s.narrow {
                 (String::new(), s.words() * s.vecs)
             } else {
-                (format!(" / {}u", s.words() * s.per_load()), s.vecs)
+                (format!(" / {}u", s.load_words()), s.vecs)
             };
             line!(self, "    let rv{} = p.row_words_{}{unit};", s.slot, s.slot);
             if s.scales().is_some() {
@@ -867,7 +883,7 @@ impl Gen {
         );
         for s in [a, b, v] {
             let rw = format!("p.row_words_{}", s.slot);
-            let uw = s.words() * s.per_load();
+            let uw = s.load_words();
             if s.narrow {
                 // Words: the values, then one f16 scale per 32 elements.
                 line!(
@@ -887,7 +903,7 @@ impl Gen {
             line!(
                 self,
                 "        && {rw} % {uw}u == 0u && p.n_kv * {}u{scales} <= {rw} / {uw}u && rows_fit({rw} / {uw}u, arrayLength(&slot_{}))",
-                s.vecs / s.per_load(),
+                s.loads(),
                 s.slot
             );
         }
@@ -973,10 +989,11 @@ impl Gen {
                     for n in names.iter().flatten() {
                         line!(g, "        var {n} = vec4<f32>(0.0);");
                     }
-                    let at = format!("{sr} * {stride} + {base} + {}u", j / 2 * k.lanes);
+                    let guard = format!("{}{has}", g.guard(s, j));
+                    let at = format!("{sr} * {stride} + {base} + {}u", s.step_load(j));
                     line!(
                         g,
-                        "        if true{has} {{ let w2 = slot_{}[{at}]; {}{}}}",
+                        "        if {guard} {{ let w2 = slot_{}[{at}]; {}{}}}",
                         s.slot,
                         plain(s, &names[0], "words4(w2.xy)", "w0"),
                         plain(s, &names[1], "words4(w2.zw)", "w1")
@@ -990,7 +1007,7 @@ impl Gen {
                 for n in &names {
                     line!(g, "        var {n} = vec4<f32>(0.0);");
                 }
-                let at = format!("{sr} * {stride} + {base} + {}u", j * k.lanes);
+                let at = format!("{sr} * {stride} + {base} + {}u", s.step_load(j));
                 let src = format!("slot_{}", s.slot);
                 if s.dtype.is_quantized() {
                     let vi = format!("({base} + {}u)", j * k.lanes);
@@ -1110,7 +1127,7 @@ impl Gen {
         }
         let base = |u: &str, s: &Slice| match kk {
             0 => u.to_string(),
-            _ => format!("({u} + {}u)", kk * s.vecs / s.per_load()),
+            _ => format!("({u} + {}u)", kk * s.loads()),
         };
         let heads = kk * k.heads..(kk + 1) * k.heads;
         let load_v = |g: &mut Gen| {

@@ -23,7 +23,7 @@ pub use slabs::{GpuSlab, HostSlab, SlotView};
 pub use snapshot::CacheImport;
 pub(crate) use snapshot::{SlotRows, pump, write_slots};
 pub(crate) use staged::StagedRows;
-use zero::ZeroRange;
+use zero::{ZeroRange, zero_vector_bytes};
 
 struct SlotBuffer {
     buffer: wgpu::Buffer,
@@ -164,7 +164,8 @@ impl KvCache {
                         // Whole vectors, as the zeroing kernels write them: of the device's
                         // fastest one where that stays within the limits, else 16 bytes.
                         let bytes = row_bytes * spec.max_seq_len() as u64;
-                        let wide = bytes.next_multiple_of(kernels.zero_vector_bytes());
+                        let int64 = kernels.has_zero_int64();
+                        let wide = bytes.next_multiple_of(zero_vector_bytes(int64));
                         let size = if wide <= limits.max_buffer_size
                             && wide <= limits.max_storage_buffer_binding_size
                         {
@@ -197,7 +198,7 @@ impl KvCache {
                             row_elems,
                             placement: Placement { row_bytes },
                             zero_group,
-                            zero_int64: kernels.zero_vector_bytes() == 32 && size % 32 == 0,
+                            zero_int64: int64 && size % zero_vector_bytes(true) == 0,
                         }
                     })
                     .collect()

@@ -6,6 +6,12 @@ use crate::kernels::{ZeroParams, grid};
 /// Vectors one zeroing invocation clears per loop step (`BLOCK` in shaders/shared/zero_main.wgsl).
 const ZERO_BLOCK: u64 = 8;
 
+/// Bytes in one vector of a zeroing kernel: `zero.wgsl`'s `vec4<u32>`, or with `int64`
+/// `zero_int64.wgsl`'s `vec4<u64>`.
+pub(crate) const fn zero_vector_bytes(int64: bool) -> u64 {
+    if int64 { 32 } else { 16 }
+}
+
 /// Words `[start_word, start_word + n_words)` of one slot buffer to zero.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ZeroRange {
@@ -28,7 +34,7 @@ pub(crate) fn zero_dispatches(
         .filter(|r| r.n_words > 0)
         .map(|r| {
             // One invocation per ZERO_BLOCK vectors (16 or 32 bytes) the range touches.
-            let words = if r.int64 { 8 } else { 4 };
+            let words = zero_vector_bytes(r.int64) / 4;
             let vectors = (r.start_word + r.n_words - 1) / words - r.start_word / words + 1;
             let (groups, thread_stride) = grid(vectors.div_ceil(ZERO_BLOCK), max_groups);
             let params = ZeroParams {

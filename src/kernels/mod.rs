@@ -296,7 +296,7 @@ impl Kernels {
     }
 
     /// The zeroing kernel of 16-byte vectors, or with `int64` the one of 32-byte vectors where
-    /// the device has it ([`Kernels::zero_vector_bytes`]).
+    /// the device has it ([`Kernels::has_zero_int64`]).
     pub(crate) fn zero(&self, int64: bool) -> &wgpu::ComputePipeline {
         match (&self.zero_int64, int64) {
             (Some(wide), true) => wide,
@@ -304,10 +304,10 @@ impl Kernels {
         }
     }
 
-    /// Bytes in a vector of the device's fastest zeroing kernel: 32 where it has the one of 64-bit
-    /// words (CPU adapters with 64-bit integers), else 16.
-    pub(crate) fn zero_vector_bytes(&self) -> u64 {
-        if self.zero_int64.is_some() { 32 } else { 16 }
+    /// Whether the device has the zeroing kernel of 32-byte vectors of 64-bit words, its fastest
+    /// (CPU adapters with 64-bit integers).
+    pub(crate) fn has_zero_int64(&self) -> bool {
+        self.zero_int64.is_some()
     }
 
     pub(crate) fn zero_layout(&self) -> &wgpu::BindGroupLayout {
