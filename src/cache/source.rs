@@ -14,7 +14,8 @@ pub(crate) struct Source<'a> {
     pub usage: wgpu::BufferUsages,
     /// The source buffer is the destination slot's own buffer.
     pub is_destination: bool,
-    /// The source buffer is mapped (or being mapped) for the host.
+    /// The source buffer is mapped for the host, whole or in part ([`crate::kernels::is_mapped`]: a
+    /// mapping still pending is not seen).
     pub mapped: bool,
     pub dtype: DType,
     pub offset: u64,
