@@ -459,7 +459,8 @@ pub enum SourceProblem {
         usage: wgpu::BufferUsages,
         why: CopyBlocker,
     },
-    /// The buffer is mapped (or being mapped) for the host; the GPU cannot use it until it is unmapped.
+    /// The buffer is mapped for the host, whole or in part; the GPU cannot use it until it is
+    /// unmapped. (A `map_async` still pending is not seen: wgpu 30 does not tell it.)
     #[error("the buffer is mapped for the host; unmap it first")]
     Mapped,
     /// More non-contiguous trailing axes than the slab-write kernel walks.
@@ -619,9 +620,12 @@ pub enum AttentionProblem {
     SoftCap { cap: f32 },
     #[error("a sliding window of 0 rows sees nothing")]
     EmptyWindow,
-    /// A batch of sequences whose query counts do not add up to the queries given (or no sequence).
+    /// A batch of sequences whose query counts do not add up to the queries given.
     #[error("the batch's sequences take {batch} queries but {queries} were given")]
     BatchRows { batch: usize, queries: usize },
+    /// A batch that names no sequence.
+    #[error("the batch names no sequence")]
+    EmptyBatch,
     /// The call needs more than the device allows (workgroups, loop iterations, binding size).
     #[error("{detail}")]
     DeviceLimit { detail: String },

@@ -113,10 +113,13 @@ impl DeviceLimits {
         }
     }
 
-    /// The largest single slot buffer the device can bind whole.
+    /// The largest single slot buffer the device can bind whole. Slot buffers are whole 16-byte
+    /// vectors (the zeroing kernel writes them so), so a limit that is not (Vulkan and DX12 report
+    /// 2<sup>31</sup> - 1 bytes) is rounded down to one that is.
     pub fn max_slot_bytes(&self) -> u64 {
         self.max_storage_buffer_binding_size
             .min(self.max_buffer_size)
+            & !15
     }
 }
 
@@ -683,5 +686,29 @@ mod tests {
             .unwrap()
             .check_limits(&DeviceLimits::WEBGPU_DEFAULT)
             .unwrap();
+    }
+
+    /// Vulkan and DX12 report a binding limit of 2^31 - 1 bytes; a slot buffer is whole 16-byte
+    /// vectors, so a slot of 2^31 - 4 bytes (which would become 2^31) is refused, and the capacity
+    /// named fits once rounded.
+    #[test]
+    fn a_limit_that_is_not_whole_vectors_is_rounded_down() {
+        let odd = DeviceLimits {
+            max_storage_buffer_binding_size: (1 << 31) - 1,
+            max_buffer_size: u64::MAX,
+        };
+        assert_eq!(odd.max_slot_bytes(), (1 << 31) - 16);
+        let layer = LayerSpec::new(vec![SlotSpec::new("s", &[1])]);
+        let spec = CacheSpec::new(vec![layer.clone()], DType::F32, (1 << 29) - 1).unwrap();
+        let err = spec.check_limits(&odd).unwrap_err();
+        assert!(
+            matches!(err, Error::SlotTooLarge { limit, max_capacity, .. }
+                if limit == (1 << 31) - 16 && max_capacity == (1 << 29) - 4),
+            "{err:?}"
+        );
+        assert_eq!(spec.max_capacity_for(&odd), (1 << 29) - 4);
+        let fits = CacheSpec::new(vec![layer], DType::F32, (1 << 29) - 4).unwrap();
+        fits.check_limits(&odd).unwrap();
+        assert!(fits.total_bytes().next_multiple_of(16) < 1 << 31);
     }
 }

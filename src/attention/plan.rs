@@ -171,8 +171,10 @@ pub(crate) struct Ragged {
 /// query's chunks past its own rows end at once), so without this one long sequence among short
 /// ones would be one chunk on one core.
 fn ragged_chunks(s: &CallShape, rows: usize, teams: usize, target: usize) -> usize {
-    s.ragged
-        .map_or(1, |r| (rows * target).div_ceil((teams * r.seen).max(1)))
+    s.ragged.map_or(1, |r| {
+        rows.saturating_mul(target)
+            .div_ceil(teams.saturating_mul(r.seen).max(1))
+    })
 }
 
 /// How pass 1 finds a query's rows.
@@ -601,9 +603,23 @@ fn finish(
 ) -> Result<Dispatch, String> {
     // A workgroup of one-invocation teams takes `per` chunks, which share their rows.
     let n_chunks = rows.div_ceil(chunk_len).next_multiple_of(per);
-    let q_per_pair = usize::try_from(dev.max_binding / (n_chunks as u64 * query_chunk_bytes(s)))
-        .unwrap_or(usize::MAX)
-        .min(s.n_q);
+    // A ragged batch's query table (two words per query of the call) follows the partial results
+    // in the stats binding.
+    let table_bytes = match s.ragged {
+        Some(_) => 8 * s.n_q as u64,
+        None => 0,
+    };
+    if table_bytes >= dev.max_binding {
+        return Err(format!(
+            "a batch of {} queries needs a query table of {table_bytes} bytes, more than one storage \
+             binding of this device holds ({})",
+            s.n_q, dev.max_binding
+        ));
+    }
+    let q_per_pair =
+        usize::try_from((dev.max_binding - table_bytes) / (n_chunks as u64 * query_chunk_bytes(s)))
+            .unwrap_or(usize::MAX)
+            .min(s.n_q);
     if n_chunks > dev.max_workgroups
         || q_per_pair == 0
         || reduce_iterations(n_chunks, s.d_v, REDUCE_LANES[0]) + 1 >= LOOP_BUDGET
@@ -945,6 +961,54 @@ mod tests {
             fallbacks += usize::from(dev.cpu && !narrow_fits);
         }
         assert!(fallbacks > 0, "no CPU plan needed the wide reduce");
+    }
+
+    /// A ragged batch's query table shares the stats binding with the partial results: the pairs
+    /// leave room for it. Two sequences of 8,192 rows, every row a query of 1,024 one-dimensional
+    /// heads, took stats of 2^27 - 32,768 bytes beside a table of 131,072 on a 128 MiB binding.
+    #[test]
+    fn a_batch_leaves_room_for_its_query_table() {
+        let mut planned = 0;
+        for dev in devices() {
+            let s = CallShape {
+                paging: Some(Paging {
+                    page_size: 16,
+                    table_base: 0,
+                    n_pages: 1024,
+                }),
+                ragged: Some(Ragged {
+                    lo: 0,
+                    seen: 2 * (8192 * 8193 / 2),
+                }),
+                ..gqa(DType::F32, 16_384, 1024, 1, 1, 8192)
+            };
+            let Ok(p) = plan(&s, &dev) else { continue };
+            let table = 8 * s.n_q as u64;
+            assert!(
+                p.stats_bytes + table <= dev.max_binding && p.part_bytes <= dev.max_binding,
+                "{dev:?}: stats {} + table {table}, partials {}",
+                p.stats_bytes,
+                p.part_bytes
+            );
+            planned += 1;
+        }
+        assert!(planned >= 4, "{planned} plans");
+        // A table alone as large as the binding is refused, naming it (a device of 64 KiB bindings).
+        let s = CallShape {
+            paging: Some(Paging {
+                page_size: 16,
+                table_base: 0,
+                n_pages: 512,
+            }),
+            ragged: Some(Ragged { lo: 0, seen: 8192 }),
+            ..gqa(DType::F32, 8192, 1, 1, 4, 8192)
+        };
+        let small = DeviceFacts {
+            max_binding: 1 << 16,
+            ..LAVAPIPE
+        };
+        let e = plan(&s, &small).unwrap_err();
+        assert!(e.contains("query table of 65536 bytes"), "{e}");
     }
 
     #[test]

@@ -355,10 +355,11 @@ impl Attention {
                         .map(|&[last, _]| first(last as usize))
                         .min()
                         .unwrap_or(0),
+                    // (Saturating: on a 32-bit target a batch's rows may outnumber `usize`.)
                     seen: table
                         .iter()
                         .map(|&[last, _]| last as usize + 1 - first(last as usize))
-                        .sum(),
+                        .fold(0, usize::saturating_add),
                 }
             }),
         };
@@ -390,14 +391,7 @@ impl Attention {
             .scratch
             .as_ref()
             .map_or((0, 0), |s| (s.stats.size(), s.part.size()));
-        let max_binding = self.facts.max_binding;
-        let grow = |old: u64, needed: u64| {
-            needed
-                .max(old)
-                .next_power_of_two()
-                .min(max_binding.max(needed))
-                .max(16)
-        };
+        let grow = |old: u64, needed: u64| scratch_bytes(old, needed, self.facts.max_binding);
         let buffer = |label: &str, size: u64| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),
@@ -414,6 +408,17 @@ impl Attention {
         self.io_groups.clear();
         self.out_groups.clear();
     }
+}
+
+/// Bytes of a scratch buffer that holds `needed` (at most `max_binding`, the planner's bound) and
+/// had `old`: the next power of two, within the binding limit rounded down to whole 16-byte vectors
+/// (Vulkan and DX12 report 2<sup>31</sup> - 1 bytes, which no storage binding may be).
+fn scratch_bytes(old: u64, needed: u64, max_binding: u64) -> u64 {
+    needed
+        .max(old)
+        .next_power_of_two()
+        .min((max_binding & !15).max(needed))
+        .max(16)
 }
 
 /// Whether pass 1 writes the call's output itself (`AttnParams::direct`): a streaming kernel, one
@@ -521,10 +526,7 @@ impl<'a> Rows<'a> {
         let Some(paging) = paging else {
             return Err(Error::AttentionRequest {
                 layer,
-                problem: AttentionProblem::BatchRows {
-                    batch: 0,
-                    queries: 0,
-                },
+                problem: AttentionProblem::EmptyBatch,
             });
         };
         Ok(Self {
@@ -581,4 +583,23 @@ pub(super) fn slot_rows(
         scales: [scale(a)?, scale(b)?, scale(v)?],
         v_from_a: a == v && d_a == d_v,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scratch_bytes;
+
+    /// Scratch buffers grow by powers of two, stay whole 16-byte vectors within the binding limit,
+    /// and are never smaller than a call needs.
+    #[test]
+    fn scratch_stays_within_a_limit_that_is_not_whole_vectors() {
+        let odd = (1 << 31) - 1;
+        assert_eq!(scratch_bytes(0, 1_610_612_736, odd), (1 << 31) - 16);
+        assert_eq!(scratch_bytes(0, 100, odd), 128);
+        assert_eq!(scratch_bytes(256, 100, odd), 256);
+        assert_eq!(scratch_bytes(0, 4, odd), 16);
+        // A need within the limit's last 15 bytes is met exactly (the planner keeps it within).
+        assert_eq!(scratch_bytes(0, odd - 3, odd), odd - 3);
+        assert_eq!(scratch_bytes(0, 96 << 20, 128 << 20), 128 << 20);
+    }
 }

@@ -571,14 +571,18 @@ impl PageLedger {
         let mut needed = 0usize;
         for (&seq, &n) in &per_seq {
             let s = &self.seqs[&seq];
-            let top = (0..self.shapes.len())
+            // The highest visible row of any layer, and the first layer that has it.
+            let (layer, top) = (0..self.shapes.len())
                 .filter(|&l| !self.shapes[l].is_empty())
-                .map(|l| s.visible(l))
-                .max()
-                .unwrap_or(s.len);
+                .map(|l| (l, s.visible(l)))
+                .fold(None, |best: Option<(usize, usize)>, (l, v)| match best {
+                    Some((_, b)) if b >= v => best,
+                    _ => Some((l, v)),
+                })
+                .unwrap_or((0, s.len));
             if n > self.max_seq_len - top {
                 return Err(Error::CapacityExceeded {
-                    layer: 0,
+                    layer,
                     position: top,
                     n_new: n,
                     capacity: self.max_seq_len,
@@ -642,6 +646,28 @@ mod tests {
         assert_eq!(l.add(), Ok(SeqId(u32::MAX - 1)));
         let before = l.clone();
         assert_eq!(l.add(), Err(Error::SequenceIdsExhausted));
+        assert_eq!(l, before);
+    }
+
+    /// A refused admission names the first layer with slots, not layer 0 (which has none here).
+    #[test]
+    fn admission_names_a_layer_that_has_slots() {
+        let mut l = PageLedger::new(&CacheSpec::hybrid(DType::F32, 16).unwrap(), 4, 8);
+        let seq = l.add().unwrap();
+        let before = l.clone();
+        assert!(
+            matches!(
+                l.admits(&[(seq, 17)]),
+                Err(Error::CapacityExceeded {
+                    layer: 3,
+                    position: 0,
+                    n_new: 17,
+                    ..
+                })
+            ),
+            "{:?}",
+            l.admits(&[(seq, 17)])
+        );
         assert_eq!(l, before);
     }
 

@@ -77,12 +77,13 @@ impl SnapshotHeader {
 
     /// Bytes of the rows of one slot.
     fn section_bytes(&self, layer: usize, slot: usize) -> u64 {
-        self.spec.row_bytes(layer, slot).unwrap_or(0) * self.len as u64
+        (self.spec.row_bytes(layer, slot).unwrap_or(0)).saturating_mul(self.len as u64)
     }
 
-    /// Bytes of every slot's rows.
+    /// Bytes of every slot's rows (`u64::MAX` for a header built by hand whose rows no `u64`
+    /// counts; a parsed header has at most `max_seq_len` rows).
     pub fn rows_bytes(&self) -> u64 {
-        self.spec.bytes_per_token() * self.len as u64
+        self.spec.bytes_per_token().saturating_mul(self.len as u64)
     }
 
     /// Bytes of the whole snapshot: header, rows and checksums.
@@ -840,5 +841,18 @@ mod tests {
         )
         .unwrap();
         assert!(Snapshot::parse_for(&bytes, &renamed).is_ok());
+    }
+
+    /// A header built by hand with more rows than any `u64` counts saturates its sizes.
+    #[test]
+    fn sizes_of_a_header_built_by_hand_saturate() {
+        let header = SnapshotHeader {
+            spec: CacheSpec::llama3_8b(DType::F16, 1).unwrap(),
+            len: usize::MAX,
+            page_size: 0,
+        };
+        assert_eq!(header.rows_bytes(), u64::MAX);
+        assert_eq!(header.total_bytes(), u64::MAX);
+        assert_eq!(header.section_bytes(0, 0), u64::MAX);
     }
 }
