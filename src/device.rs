@@ -218,10 +218,16 @@ pub async fn read_buffer_async(
             buffer.size()
         ));
     }
-    if crate::kernels::is_mapped(buffer) {
-        return refuse(
-            "cannot read back a buffer that is mapped for the host; unmap it first".into(),
-        );
+    match crate::kernels::held(buffer) {
+        crate::kernels::Held::Mapped => {
+            return refuse(
+                "cannot read back a buffer that is mapped for the host; unmap it first".into(),
+            );
+        }
+        crate::kernels::Held::Destroyed => {
+            return refuse("cannot read back a destroyed buffer".into());
+        }
+        crate::kernels::Held::No => {}
     }
     if !crate::kernels::queue_belongs_to(device, queue) {
         return Err(Error::QueueMismatch);

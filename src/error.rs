@@ -463,6 +463,9 @@ pub enum SourceProblem {
     /// unmapped. (A `map_async` still pending is not seen: wgpu 30 does not tell it.)
     #[error("the buffer is mapped for the host; unmap it first")]
     Mapped,
+    /// The app destroyed the buffer.
+    #[error("the buffer was destroyed")]
+    Destroyed,
     /// More non-contiguous trailing axes than the slab-write kernel walks.
     #[error("{axes} non-contiguous trailing axes; at most {max} are supported")]
     TooManyAxes { axes: usize, max: usize },
@@ -581,6 +584,9 @@ pub enum BufferProblem {
     IsSlot,
     #[error("it is mapped for the host; unmap it first")]
     Mapped,
+    /// The app destroyed it.
+    #[error("it was destroyed")]
+    Destroyed,
     /// The view's last element lies beyond any index kvgpu can count.
     #[error(
         "shape {shape:?} from element {offset} along strides {strides:?} overflows: its last element \

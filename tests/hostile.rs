@@ -9,9 +9,9 @@
 //!
 //! Each sweep collects its failures (panics included) and reports them all at once, with the input.
 //! The tests after the sweeps are the defects the first run of these sweeps found, one each. The
-//! `known_defect_*` tests still marked `#[ignore]` are what kvgpu does not detect yet (buffers the app
-//! destroyed: wgpu reports them only at `Queue::submit`); run them with
-//! `cargo test --test hostile -- --ignored`.
+//! `known_defect_*` tests still marked `#[ignore]` are what kvgpu does not detect yet (a slot buffer
+//! the app destroyed through a view, a `map_async` still pending: wgpu reports them only at
+//! `Queue::submit`); run them with `cargo test --test hostile -- --ignored`.
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
@@ -1852,35 +1852,47 @@ fn attention_with_the_queue_of_another_device() {
 }
 
 /// A destroyed source buffer: `append_gpu` of an f32 source into an f32 cache (the copy path)
-/// returns `Ok`, and the submission panics inside wgpu: "In Queue::submit: Buffer with 'hostile
-/// source' label has been destroyed". The same when the buffer was used once (its bind group cached) and destroyed
-/// after. (On the kernel path of a fresh buffer it is refused, but as `ForeignDevice`, "belongs to
-/// another device", which misnames the cause.)
+/// returned `Ok`, and the submission panicked inside wgpu: "In Queue::submit: Buffer with 'hostile
+/// source' label has been destroyed"; the same when the buffer was used once (its bind group
+/// cached) and destroyed after. On the kernel path a fresh one was refused as `UnverifiedBuffer`
+/// or `ForeignDevice`, which misnamed the cause. Now both paths refuse it as destroyed.
 #[test]
-#[ignore = "known defect in src/cache/gpu_append.rs: destroyed source buffers reach the queue"]
-fn known_defect_destroyed_gpu_source() {
+fn destroyed_gpu_source() {
     let _serial = serial();
     for dtype in [DType::F32, DType::F16] {
-        let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], dtype, 4).unwrap());
-        let b = f32_buffer(&values(1, 8), USAGE);
-        let slabs = |shape: &'static [usize], offset| GpuSlab {
-            buffer: &b,
-            dtype: DType::F32,
-            offset,
-            shape,
-            strides: None,
-        };
-        c.append_gpu(0, &[slabs(&[1, 4], 0), slabs(&[1, 2], 4)])
-            .unwrap();
-        c.advance(1).unwrap();
-        b.destroy();
-        let ledger = c.ledger().clone();
-        let words = snapshot(&c);
-        assert!(
-            c.append_gpu(0, &[slabs(&[1, 4], 0), slabs(&[1, 2], 4)])
-                .is_err()
-        );
-        assert_eq!((c.ledger(), snapshot(&c)), (&ledger, words));
+        for used_before in [true, false] {
+            let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], dtype, 4).unwrap());
+            let b = f32_buffer(&values(1, 8), USAGE);
+            let slabs = |shape: &'static [usize], offset| GpuSlab {
+                buffer: &b,
+                dtype: DType::F32,
+                offset,
+                shape,
+                strides: None,
+            };
+            if used_before {
+                c.append_gpu(0, &[slabs(&[1, 4], 0), slabs(&[1, 2], 4)])
+                    .unwrap();
+                c.advance(1).unwrap();
+            }
+            b.destroy();
+            let ledger = c.ledger().clone();
+            let words = snapshot(&c);
+            let e = c
+                .append_gpu(0, &[slabs(&[1, 4], 0), slabs(&[1, 2], 4)])
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::SourceLayout {
+                        problem: SourceProblem::Destroyed,
+                        ..
+                    }
+                ),
+                "{dtype}, used before {used_before}: {e}"
+            );
+            assert_eq!((c.ledger(), snapshot(&c)), (&ledger, words));
+        }
     }
 }
 
@@ -1954,7 +1966,7 @@ fn a_buffer_mapped_in_part_is_refused() {
 /// panics inside wgpu ("Buffer ... is still mapped"). wgpu 30 has no `map_state`, and a view of a
 /// buffer whose mapping is pending fails as for an unmapped one.
 #[test]
-#[ignore = "known defect in src/kernels/mod.rs: is_mapped does not see a pending mapping"]
+#[ignore = "known defect in src/kernels/mod.rs: held() does not see a pending mapping"]
 fn known_defect_read_buffer_of_a_buffer_being_mapped() {
     let _serial = serial();
     let g = gpu();
@@ -2009,34 +2021,51 @@ fn read_buffer_of_a_mapped_buffer() {
     assert!(read_buffer(&g.device, &g.queue, &b, 0, 4).is_err());
 }
 
-/// `read_buffer` of a destroyed buffer panics inside wgpu: "In Queue::submit: Buffer with 'hostile
-/// source' label has been destroyed".
+/// `read_buffer` of a destroyed buffer panicked inside wgpu: "In Queue::submit: Buffer with
+/// 'hostile source' label has been destroyed".
 #[test]
-#[ignore = "known defect in src/device.rs: read_buffer of a destroyed buffer"]
-fn known_defect_read_buffer_of_a_destroyed_buffer() {
+fn read_buffer_of_a_destroyed_buffer() {
     let _serial = serial();
     let g = gpu();
     let b = buffer(&[1, 2, 3, 4], USAGE);
     b.destroy();
-    assert!(read_buffer(&g.device, &g.queue, &b, 0, 4).is_err());
+    let e = read_buffer(&g.device, &g.queue, &b, 0, 4).unwrap_err();
+    assert!(e.to_string().contains("destroyed"), "{e}");
 }
 
-/// A query buffer destroyed after one call (its bind group cached): the next `gqa` returns `Ok` and
-/// the submission panics inside wgpu: "In Queue::submit: In a dispatch command, indirect:false: Buffer
-/// with 'hostile source' label has been destroyed".
+/// A query or output buffer destroyed after one call (its bind group cached): the next `gqa`
+/// returned `Ok` and the submission panicked inside wgpu: "In Queue::submit: In a dispatch command,
+/// indirect:false: Buffer with 'hostile source' label has been destroyed".
 #[test]
-#[ignore = "known defect in src/attention/record.rs: destroyed query buffers reach the queue"]
-fn known_defect_attention_with_a_destroyed_query_buffer() {
+fn attention_with_a_destroyed_query_or_output_buffer() {
     let _serial = serial();
     let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
     append_random(&mut c, 0, 2, 1);
     let mut att = Attention::for_cache(&c);
-    let q = f32_buffer(&values(3, 8), USAGE);
-    let out = f32_buffer(&[0.0; 8], USAGE);
     let o = AttentionOptions::default();
-    att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o).unwrap();
-    q.destroy();
-    assert!(att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o).is_err());
+    for destroy_query in [true, false] {
+        let q = f32_buffer(&values(3, 8), USAGE);
+        let out = f32_buffer(&[0.0; 8], USAGE);
+        att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o).unwrap();
+        if destroy_query {
+            q.destroy()
+        } else {
+            out.destroy()
+        }
+        let e = att
+            .gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::AttentionBuffer {
+                    problem: BufferProblem::Destroyed,
+                    ..
+                }
+            ),
+            "query destroyed {destroy_query}: {e}"
+        );
+    }
 }
 
 /// An output buffer still mapped (`mapped_at_creation: true`): `gqa` returns `Ok` and the submission

@@ -8,7 +8,7 @@ use super::{Attention, AttentionOptions, Job, Kv, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::codec::DType;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
-use crate::kernels::scoped;
+use crate::kernels::{Held, scoped};
 use crate::paged::PagedCache;
 use crate::seq::SeqId;
 
@@ -251,8 +251,10 @@ impl Attention {
                 which,
                 problem,
             };
-            if crate::kernels::is_mapped(buffer) {
-                return Err(problem(BufferProblem::Mapped));
+            match crate::kernels::held(buffer) {
+                Held::Mapped => return Err(problem(BufferProblem::Mapped)),
+                Held::Destroyed => return Err(problem(BufferProblem::Destroyed)),
+                Held::No => {}
             }
             let usage = buffer.usage();
             if !usage.contains(wgpu::BufferUsages::STORAGE) {

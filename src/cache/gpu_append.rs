@@ -135,7 +135,7 @@ impl KvCache {
             buffer_size: slab.buffer.size(),
             usage: slab.buffer.usage(),
             is_destination: slab.buffer == &self.slots[layer][slot].buffer,
-            mapped: crate::kernels::is_mapped(slab.buffer),
+            held: crate::kernels::held(slab.buffer),
             dtype: slab.dtype,
             offset,
             shape,

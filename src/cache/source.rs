@@ -5,7 +5,7 @@
 
 use crate::codec::DType;
 use crate::error::{CopyBlocker, Error, Result, SourceProblem};
-use crate::kernels::{MAX_SOURCE_RANK, WriteParams};
+use crate::kernels::{Held, MAX_SOURCE_RANK, WriteParams};
 
 /// What the planner needs to know of a source: its buffer's size and usage, and the slab's layout.
 #[derive(Clone, Copy, Debug)]
@@ -14,9 +14,9 @@ pub(crate) struct Source<'a> {
     pub usage: wgpu::BufferUsages,
     /// The source buffer is the destination slot's own buffer.
     pub is_destination: bool,
-    /// The source buffer is mapped for the host, whole or in part ([`crate::kernels::is_mapped`]: a
-    /// mapping still pending is not seen).
-    pub mapped: bool,
+    /// Whether the app holds the source buffer: mapped for the host (whole or in part) or destroyed
+    /// ([`crate::kernels::held`]: a mapping still pending is not seen).
+    pub held: Held,
     pub dtype: DType,
     pub offset: u64,
     pub shape: &'a [usize],
@@ -114,8 +114,10 @@ pub(crate) fn plan_source(
     if src.is_destination {
         return Err(layout_err(SourceProblem::IsDestination));
     }
-    if src.mapped {
-        return Err(layout_err(SourceProblem::Mapped));
+    match src.held {
+        Held::Mapped => return Err(layout_err(SourceProblem::Mapped)),
+        Held::Destroyed => return Err(layout_err(SourceProblem::Destroyed)),
+        Held::No => {}
     }
     if n_new == 0 || src.shape.contains(&0) {
         return Ok(SourceJob::Nothing);
@@ -264,7 +266,7 @@ mod tests {
             buffer_size: size,
             usage: BOTH,
             is_destination: false,
-            mapped: false,
+            held: Held::No,
             dtype,
             offset,
             shape,

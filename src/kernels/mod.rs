@@ -548,17 +548,40 @@ pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bo
     }
 }
 
-/// Whether `buffer` is mapped for the host, whole or in part. wgpu 30 has no `map_state`: a read
-/// view of the whole buffer is asked for, which wgpu grants while the whole is mapped and refuses
-/// as out of bounds while only a part is (an unmapped buffer is "not mapped"). A mapping still
-/// pending is not seen.
-pub(crate) fn is_mapped(buffer: &wgpu::Buffer) -> bool {
+/// What keeps an app's buffer from the device, as far as wgpu tells ([`held`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// Nothing seen: the device may use it.
+    No,
+    /// Mapped for the host, whole or in part.
+    Mapped,
+    /// Destroyed by the app.
+    Destroyed,
+}
+
+/// Whether `buffer` is mapped for the host (whole or in part) or destroyed. wgpu 30 has no
+/// `map_state`: a read view of the whole buffer is asked for, which wgpu grants while the whole is
+/// mapped, and refuses as out of bounds while only a part is, as destroyed for a destroyed buffer,
+/// and as "not mapped" otherwise. A mapping still pending is not seen; in the browser neither a
+/// partial mapping nor a destroyed buffer is (WebGPU words its refusals otherwise).
+pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
     let whole = buffer.size() & !3;
-    whole > 0
-        && match buffer.get_mapped_range(..whole) {
-            Ok(_) => true,
-            Err(e) => e.to_string().contains("Buffer access out of bounds"),
+    if whole == 0 {
+        return Held::No;
+    }
+    match buffer.get_mapped_range(..whole) {
+        Ok(_) => Held::Mapped,
+        Err(e) => {
+            let e = e.to_string();
+            if e.contains("has been destroyed") {
+                Held::Destroyed
+            } else if e.contains("Buffer access out of bounds") {
+                Held::Mapped
+            } else {
+                Held::No
+            }
         }
+    }
 }
 
 /// Runs `f` inside a validation error scope of `device` and returns what it made, with the error wgpu
