@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use crate::error::{Error, Result};
+use crate::kernels::{Held, held, queue_belongs_to};
 use crate::spec::DeviceLimits;
 
 /// How to get an adapter, for errors that find none.
@@ -218,18 +219,18 @@ pub async fn read_buffer_async(
             buffer.size()
         ));
     }
-    match crate::kernels::held(buffer) {
-        crate::kernels::Held::Mapped => {
+    match held(buffer) {
+        Held::Mapped => {
             return refuse(
                 "cannot read back a buffer that is mapped for the host; unmap it first".into(),
             );
         }
-        crate::kernels::Held::Destroyed => {
+        Held::Destroyed => {
             return refuse("cannot read back a destroyed buffer".into());
         }
-        crate::kernels::Held::No => {}
+        Held::No => {}
     }
-    if !crate::kernels::queue_belongs_to(device, queue) {
+    if !queue_belongs_to(device, queue) {
         return Err(Error::QueueMismatch);
     }
     read_range(device, queue, buffer, offset, size)

@@ -117,9 +117,10 @@ impl DeviceLimits {
     /// vectors (the zeroing kernel writes them so), so a limit that is not (Vulkan and DX12 report
     /// 2<sup>31</sup> - 1 bytes) is rounded down to one that is.
     pub fn max_slot_bytes(&self) -> u64 {
-        self.max_storage_buffer_binding_size
-            .min(self.max_buffer_size)
-            & !15
+        crate::kernels::whole_vectors_within(
+            self.max_storage_buffer_binding_size
+                .min(self.max_buffer_size),
+        )
     }
 }
 

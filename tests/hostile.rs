@@ -1930,12 +1930,7 @@ fn mapped_gpu_source() {
 fn a_buffer_mapped_in_part_is_refused() {
     let _serial = serial();
     let g = gpu();
-    let b = g.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("half mapped"),
-        size: 8192,
-        usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
-    });
+    let b = sized(8192, U::MAP_WRITE | U::COPY_SRC);
     b.slice(..4096)
         .map_async(wgpu::MapMode::Write, |r| r.unwrap());
     g.device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
@@ -1970,12 +1965,7 @@ fn a_buffer_mapped_in_part_is_refused() {
 fn known_defect_read_buffer_of_a_buffer_being_mapped() {
     let _serial = serial();
     let g = gpu();
-    let b = g.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("being mapped"),
-        size: 64,
-        usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
-    });
+    let b = sized(64, U::MAP_WRITE | U::COPY_SRC);
     b.slice(..).map_async(wgpu::MapMode::Write, |_| {});
     assert!(read_buffer(&g.device, &g.queue, &b, 0, 16).is_err());
 }

@@ -223,7 +223,7 @@ impl Attention {
             out_groups: GroupCache::new(GROUPS, PIN_BYTES),
             facts: DeviceFacts {
                 max_workgroups: limits.max_compute_workgroups_per_dimension as usize,
-                max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
+                max_binding: crate::kernels::binding_limit(&limits),
                 offset_alignment: limits.min_storage_buffer_offset_alignment.into(),
                 cpu: kernels.is_cpu(),
                 cores: host_threads(),

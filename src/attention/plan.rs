@@ -157,6 +157,10 @@ pub(crate) struct CallShape {
     pub ragged: Option<Ragged>,
 }
 
+/// Bytes of one query's entry in a ragged batch's query table: its own row and its first page-table
+/// entry, two 32-bit words.
+pub(crate) const QUERY_TABLE_BYTES: u64 = 8;
+
 /// What the planner knows of a ragged batch's queries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Ragged {
@@ -606,7 +610,7 @@ fn finish(
     // A ragged batch's query table (two words per query of the call) follows the partial results
     // in the stats binding.
     let table_bytes = match s.ragged {
-        Some(_) => 8 * s.n_q as u64,
+        Some(_) => QUERY_TABLE_BYTES * s.n_q as u64,
         None => 0,
     };
     if table_bytes >= dev.max_binding {
@@ -983,7 +987,7 @@ mod tests {
                 ..gqa(DType::F32, 16_384, 1024, 1, 1, 8192)
             };
             let Ok(p) = plan(&s, &dev) else { continue };
-            let table = 8 * s.n_q as u64;
+            let table = QUERY_TABLE_BYTES * s.n_q as u64;
             assert!(
                 p.stats_bytes + table <= dev.max_binding && p.part_bytes <= dev.max_binding,
                 "{dev:?}: stats {} + table {table}, partials {}",

@@ -8,7 +8,7 @@ use super::{Attention, AttentionOptions, Job, Kv, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::codec::DType;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
-use crate::kernels::{Held, scoped};
+use crate::kernels::{Held, scoped, whole_vectors_within};
 use crate::paged::PagedCache;
 use crate::seq::SeqId;
 
@@ -40,11 +40,13 @@ impl Attention {
             u32::from(writes_directly(&dispatch, views.out.view, out, [q_a, q_b]));
         // A batch's query table lies in the stats scratch after the partial results: per query its
         // own row and first page-table entry.
-        let table_words: Vec<u32> = rows.ragged.map_or(Vec::new(), |q| q.concat());
-        let table_bytes = 4 * table_words.len() as u64;
-        if rows.ragged.is_some() {
-            dispatch.params.table_base = (dispatch.stats_bytes / 4) as u32;
-        }
+        let (table_words, table_bytes): (Vec<u32>, u64) = match rows.ragged {
+            Some(q) => {
+                dispatch.params.table_base = (dispatch.stats_bytes / 4) as u32;
+                (q.concat(), plan::QUERY_TABLE_BYTES * q.len() as u64)
+            }
+            None => (Vec::new(), 0),
+        };
         self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes);
         let Some(scratch) = &self.scratch else {
             return Err(Error::Device {
@@ -419,7 +421,7 @@ fn scratch_bytes(old: u64, needed: u64, max_binding: u64) -> u64 {
     needed
         .max(old)
         .next_power_of_two()
-        .min((max_binding & !15).max(needed))
+        .min(whole_vectors_within(max_binding).max(needed))
         .max(16)
 }
 
@@ -447,6 +449,9 @@ fn writes_directly(
         && (p.n_q == 1 || u64::from(out_view[1]) == u64::from(p.n_heads) * u64::from(p.d_v))
         && queries.iter().all(|&q| q != out)
 }
+
+// A query table entry as the recorder writes it is the planner's size.
+const _: () = assert!(std::mem::size_of::<[u32; 2]>() as u64 == plan::QUERY_TABLE_BYTES);
 
 /// The rows one call reads: the visible rows of a cache's layer, or of a sequence of a paged pool
 /// (whose pages are the slot buffers of `store`, read through its page table).

@@ -15,7 +15,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes};
 use crate::error::{Error, Result};
-use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing};
+use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing, VECTOR_BYTES, binding_limit};
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
@@ -171,7 +171,7 @@ impl KvCache {
                         {
                             wide
                         } else {
-                            bytes.next_multiple_of(16)
+                            bytes.next_multiple_of(VECTOR_BYTES)
                         };
                         let buffer = device.create_buffer(&wgpu::BufferDescriptor {
                             label: Some(&format!("kvgpu layer {l} {}", slot.name)),
@@ -230,7 +230,7 @@ impl KvCache {
             max_workgroups: limits.max_compute_workgroups_per_dimension,
             zero_workgroups,
             min_storage_offset_alignment: limits.min_storage_buffer_offset_alignment as u64,
-            max_binding: limits.max_storage_buffer_binding_size.min(u32::MAX as u64),
+            max_binding: binding_limit(&limits),
         }
     }
 

@@ -1,7 +1,7 @@
 //! Zeroing plans: word ranges of slot buffers turned into dispatches of `shaders/zero.wgsl` (or
 //! `zero_int64.wgsl`). Pure, so the sizing is unit-tested on the CPU.
 
-use crate::kernels::{ZeroParams, grid};
+use crate::kernels::{VECTOR_BYTES, ZeroParams, grid};
 
 /// Vectors one zeroing invocation clears per loop step (`BLOCK` in shaders/shared/zero_main.wgsl).
 const ZERO_BLOCK: u64 = 8;
@@ -9,7 +9,11 @@ const ZERO_BLOCK: u64 = 8;
 /// Bytes in one vector of a zeroing kernel: `zero.wgsl`'s `vec4<u32>`, or with `int64`
 /// `zero_int64.wgsl`'s `vec4<u64>`.
 pub(crate) const fn zero_vector_bytes(int64: bool) -> u64 {
-    if int64 { 32 } else { 16 }
+    if int64 {
+        2 * VECTOR_BYTES
+    } else {
+        VECTOR_BYTES
+    }
 }
 
 /// Words `[start_word, start_word + n_words)` of one slot buffer to zero.

@@ -24,6 +24,22 @@ pub(crate) mod wgsl {
     include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 }
 
+/// Bytes of one 16-byte vector (`vec4<u32>`): slot buffers and attention scratch are whole ones,
+/// as the zeroing and streaming kernels load and store them.
+pub(crate) const VECTOR_BYTES: u64 = 16;
+
+/// The largest size of whole vectors within `limit`. Vulkan and DX12 report a binding limit of
+/// 2<sup>31</sup> - 1 bytes, which no buffer of whole vectors may fill.
+pub(crate) const fn whole_vectors_within(limit: u64) -> u64 {
+    limit - limit % VECTOR_BYTES
+}
+
+/// The storage binding limit kvgpu plans with: the device's, at most `u32::MAX` bytes, since kernel
+/// parameters address a binding in 32-bit words.
+pub(crate) fn binding_limit(limits: &wgpu::Limits) -> u64 {
+    limits.max_storage_buffer_binding_size.min(u32::MAX as u64)
+}
+
 /// Invocations per workgroup of the zeroing and slab-write kernels (`@workgroup_size(256)`).
 pub(crate) const WORKGROUP_SIZE: u32 = 256;
 
