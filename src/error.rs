@@ -460,7 +460,8 @@ pub enum SourceProblem {
         why: CopyBlocker,
     },
     /// The buffer is mapped for the host, whole or in part; the GPU cannot use it until it is
-    /// unmapped. (A `map_async` still pending is not seen: wgpu 30 does not tell it.)
+    /// unmapped. (In the browser a `map_async` still pending counts too; natively it is not seen:
+    /// wgpu 30 does not tell it.)
     #[error("the buffer is mapped for the host; unmap it first")]
     Mapped,
     /// The app destroyed the buffer.
@@ -582,6 +583,7 @@ pub enum BufferProblem {
     },
     #[error("it is one of the cache's own slot buffers")]
     IsSlot,
+    /// It is mapped for the host, whole or in part (as [`SourceProblem::Mapped`]).
     #[error("it is mapped for the host; unmap it first")]
     Mapped,
     /// The app destroyed it.
