@@ -1957,6 +1957,48 @@ fn a_buffer_mapped_in_part_is_refused() {
         .unwrap();
 }
 
+/// A buffer mapped at creation whose mutable view is still open: wgpu refuses a second view of it for
+/// Rust's aliasing rules, which `held` took for "not mapped", so `read_buffer` and `append_gpu`
+/// submitted it and wgpu panicked ("Buffer ... is still mapped").
+#[test]
+fn a_buffer_with_an_open_view_is_refused() {
+    let _serial = serial();
+    let g = gpu();
+    let b = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("open view"),
+        size: 4096,
+        usage: U::MAP_WRITE | U::COPY_SRC,
+        mapped_at_creation: true,
+    });
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap());
+    let slab = |offset: u64, shape: &'static [usize]| GpuSlab {
+        buffer: &b,
+        dtype: DType::F32,
+        offset,
+        shape,
+        strides: None,
+    };
+    let ledger = c.ledger().clone();
+    {
+        let mut view = b.slice(..).get_mapped_range_mut().unwrap();
+        view.slice(..4).copy_from_slice(&1.0f32.to_le_bytes());
+        let e = read_buffer(&g.device, &g.queue, &b, 0, 16).unwrap_err();
+        assert!(e.to_string().contains("mapped"), "{e}");
+        let e = c
+            .append_gpu(0, &[slab(0, &[1, 4]), slab(4, &[1, 2])])
+            .unwrap_err();
+        assert!(e.to_string().contains("mapped"), "{e}");
+        assert_eq!(c.ledger(), &ledger);
+    }
+    // The view dropped, the buffer is still mapped; unmapped, it goes through.
+    assert!(read_buffer(&g.device, &g.queue, &b, 0, 16).is_err());
+    b.unmap();
+    let head = read_buffer(&g.device, &g.queue, &b, 0, 4).unwrap();
+    assert_eq!(head, 1.0f32.to_le_bytes());
+    c.append_gpu(0, &[slab(0, &[1, 4]), slab(4, &[1, 2])])
+        .unwrap();
+}
+
 /// A source whose `map_async` is still pending: `read_buffer` returns `Ok` and the submission
 /// panics inside wgpu ("Buffer ... is still mapped"). wgpu 30 has no `map_state`, and a view of a
 /// buffer whose mapping is pending fails as for an unmapped one.

@@ -580,10 +580,12 @@ pub(crate) enum Held {
 /// In the browser WebGPU tells: a buffer whose `mapState` is not `"unmapped"` is mapped or being
 /// mapped. It has no word for a destroyed buffer, which WebGPU then reports at submit.
 ///
-/// Natively wgpu 30 has no `map_state`: a read view of the whole buffer is asked for, which wgpu
-/// grants while the whole is mapped, and refuses as out of bounds while only a part is, as
-/// destroyed for a destroyed buffer, and as "not mapped" otherwise. A mapping still pending is not
-/// seen there. The hostile tests pin the wording on both native backends.
+/// Natively wgpu 30 has no `map_state`: a read view of the whole buffer is asked for. wgpu grants it
+/// while the whole is mapped, and refuses it as "not mapped" for a buffer that is not (or whose
+/// mapping is still pending, which is not seen), as destroyed for a destroyed buffer, and otherwise
+/// for a mapping: out of bounds while only a part is mapped, or for Rust's aliasing rules while a
+/// mutable view is open. Any refusal but the first two counts as mapped. The hostile tests pin the
+/// wording on both native backends.
 pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
     #[cfg(target_arch = "wasm32")]
     if let Some(web) = buffer.as_webgpu() {
@@ -605,12 +607,12 @@ pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
         Ok(_) => Held::Mapped,
         Err(e) => {
             let e = e.to_string();
-            if e.contains("has been destroyed") {
-                Held::Destroyed
-            } else if e.contains("Buffer access out of bounds") {
-                Held::Mapped
-            } else {
+            if e.contains("Buffer is not mapped") {
                 Held::No
+            } else if e.contains("has been destroyed") {
+                Held::Destroyed
+            } else {
+                Held::Mapped
             }
         }
     }
