@@ -302,6 +302,13 @@ impl Readback {
         if size == 0 {
             return Ok(None);
         }
+        // A buffer of another device may be larger than any of this one.
+        let largest = device.limits().max_buffer_size;
+        if size > largest {
+            return Err(format!(
+                "a readback of {size} bytes needs a staging buffer larger than this device's                  largest buffer ({largest} bytes)"
+            ));
+        }
         let staging = staging_buffer(device, size);
         Self::start_in(device, queue, buffer, ranges, staging)
             .await

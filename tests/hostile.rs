@@ -2027,6 +2027,25 @@ fn read_buffer_of_a_foreign_buffer() {
     );
 }
 
+/// A readback larger than the reading device's largest buffer: the staging buffer was created outside
+/// the copy's error scope, and wgpu panicked on its size. The buffer is of a device with the
+/// adapter's limits, read with one of WebGPU's defaults (256 MiB buffers).
+#[test]
+fn read_buffer_larger_than_the_reading_device_takes() {
+    let _serial = serial();
+    let g = gpu();
+    let (device, queue) = other_device();
+    let bytes = device.limits().max_buffer_size + 16;
+    assert!(
+        g.device.limits().max_buffer_size >= bytes,
+        "the test device's buffers must outgrow the default-limit device's: {:?}",
+        g.device.limits()
+    );
+    let big = sized(bytes, USAGE);
+    let e = read_buffer(device, queue, &big, 0, bytes).unwrap_err();
+    assert!(e.to_string().contains("largest buffer"), "{e}");
+}
+
 /// `read_buffer(&device, &queue_of_another_device, &buffer, 0, 4)` panics inside wgpu: "In
 /// Queue::submit: Device with 'kvgpu' label of CommandBuffer with '' label doesn't match Device with ''
 /// label of Queue with '' label".
