@@ -116,10 +116,14 @@ impl DeviceLimits {
     /// The largest single slot buffer the device can bind whole. Slot buffers are whole 16-byte
     /// vectors (the zeroing kernel writes them so), so a limit that is not (Vulkan and DX12 report
     /// 2<sup>31</sup> - 1 bytes) is rounded down to one that is.
+    ///
+    /// It is at most 4 GiB (`u32::MAX` rounded down) on any device: kernel parameters address a
+    /// slot in 32-bit words, and attention binds a slot whole.
     pub fn max_slot_bytes(&self) -> u64 {
         crate::kernels::whole_vectors_within(
             self.max_storage_buffer_binding_size
-                .min(self.max_buffer_size),
+                .min(self.max_buffer_size)
+                .min(u32::MAX as u64),
         )
     }
 }
@@ -711,5 +715,26 @@ mod tests {
         let fits = CacheSpec::new(vec![layer], DType::F32, (1 << 29) - 4).unwrap();
         fits.check_limits(&odd).unwrap();
         assert!(fits.total_bytes().next_multiple_of(16) < 1 << 31);
+    }
+
+    /// A device that binds and holds more than 4 GiB still gets slots of at most 4 GiB, which its
+    /// 32-bit addressing reaches.
+    #[test]
+    fn slots_stay_within_32_bit_addressing() {
+        let huge = DeviceLimits {
+            max_storage_buffer_binding_size: 1 << 40,
+            max_buffer_size: 1 << 40,
+        };
+        assert_eq!(huge.max_slot_bytes(), (1 << 32) - 16);
+        let layer = LayerSpec::new(vec![SlotSpec::new("s", &[4])]);
+        let over = CacheSpec::new(vec![layer.clone()], DType::F32, 1 << 28).unwrap();
+        let err = over.check_limits(&huge).unwrap_err();
+        assert!(
+            matches!(err, Error::SlotTooLarge { limit, max_capacity, .. }
+                if limit == (1 << 32) - 16 && max_capacity == (1 << 28) - 1),
+            "{err:?}"
+        );
+        let fits = CacheSpec::new(vec![layer], DType::F32, (1 << 28) - 1).unwrap();
+        fits.check_limits(&huge).unwrap();
     }
 }

@@ -2212,3 +2212,46 @@ fn known_defect_destroyed_slot_buffer() {
     c.reset();
     let _ = c.read_f32(0, 1);
 }
+
+/// A device that binds more than its largest buffer holds (storage bindings of the adapter's
+/// 128 MiB, buffers of 32 MiB). A scattered batch whose upload (40 MiB) lay between the two made an
+/// upload buffer larger than the device takes: a validation error, which wgpu turns into a panic
+/// outside an error scope. The batch now takes the per-run path and lands whole.
+#[test]
+fn a_device_binding_more_than_its_largest_buffer_holds() {
+    let _serial = serial();
+    let g = gpu();
+    let limits = wgpu::Limits {
+        max_buffer_size: 32 << 20,
+        ..g.adapter.limits()
+    };
+    assert!(
+        limits.max_storage_buffer_binding_size > 40 << 20,
+        "{limits:?}"
+    );
+    let (device, queue) = pollster::block_on(g.adapter.request_device(&wgpu::DeviceDescriptor {
+        required_limits: limits,
+        ..Default::default()
+    }))
+    .unwrap();
+    let rows = 40_000;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 128, 128)], DType::F32, rows).unwrap();
+    let mut pool = PagedCache::new(&device, &queue, spec, 16, rows / 16).unwrap();
+    pool.set_scatter(ScatterChoice::Always);
+    let s = pool.add_sequence().unwrap();
+    let (k, v) = (values(1, rows * 128), values(2, rows * 128));
+    let shape = [rows, 1, 128];
+    let (scope, batch) = (
+        device.push_error_scope(wgpu::ErrorFilter::Validation),
+        pool.append_batch(
+            0,
+            &[(s, rows)],
+            &[HostSlab::f32(&k, &shape), HostSlab::f32(&v, &shape)],
+        ),
+    );
+    batch.unwrap();
+    assert!(pollster::block_on(scope.pop()).is_none());
+    pool.advance(s, rows).unwrap();
+    let back = pollster::block_on(pool.read_f32_async(s, 0, 1)).unwrap();
+    assert!(back == v, "the values read back differ");
+}

@@ -34,10 +34,14 @@ pub(crate) const fn whole_vectors_within(limit: u64) -> u64 {
     limit - limit % VECTOR_BYTES
 }
 
-/// The storage binding limit kvgpu plans with: the device's, at most `u32::MAX` bytes, since kernel
-/// parameters address a binding in 32-bit words.
+/// The storage binding limit kvgpu plans with: the device's, within its largest buffer (a device may
+/// bind more than one buffer holds, and kvgpu makes the scratch and upload buffers it binds), and at
+/// most `u32::MAX` bytes, since kernel parameters address a binding in 32-bit words.
 pub(crate) fn binding_limit(limits: &wgpu::Limits) -> u64 {
-    limits.max_storage_buffer_binding_size.min(u32::MAX as u64)
+    limits
+        .max_storage_buffer_binding_size
+        .min(limits.max_buffer_size)
+        .min(u32::MAX as u64)
 }
 
 /// Invocations per workgroup of the zeroing and slab-write kernels (`@workgroup_size(256)`).
@@ -644,6 +648,19 @@ fn poll_now<F: std::future::Future>(future: F) -> Option<F::Output> {
 mod tests {
     use super::wgsl::WGSL_LAYOUTS;
     use super::*;
+
+    /// kvgpu's binding limit is the device's, within its largest buffer and 32-bit addressing.
+    #[test]
+    fn the_binding_limit_is_within_the_largest_buffer() {
+        let limits = |binding: u64, buffer: u64| wgpu::Limits {
+            max_storage_buffer_binding_size: binding,
+            max_buffer_size: buffer,
+            ..wgpu::Limits::default()
+        };
+        assert_eq!(binding_limit(&limits(128 << 20, 256 << 20)), 128 << 20);
+        assert_eq!(binding_limit(&limits(1 << 30, 256 << 20)), 256 << 20);
+        assert_eq!(binding_limit(&limits(1 << 40, 1 << 40)), u32::MAX as u64);
+    }
 
     /// `(member, offset)` of every copy of WGSL struct `name`, after checking each copy's size.
     fn layout_of(name: &str, size: usize) -> Vec<(&'static str, u32)> {
