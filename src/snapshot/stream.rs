@@ -105,20 +105,20 @@ impl SnapshotStream {
                 });
             }
             if at >= rows_end {
-                let n = ((total - at) as usize).min(bytes.len());
+                let n = within(total - at, bytes.len());
                 self.tail.extend_from_slice(&bytes[..n]);
                 self.received += n as u64;
                 bytes = &bytes[n..];
                 continue;
             }
-            let n = ((rows_end - at) as usize).min(bytes.len());
+            let n = within(rows_end - at, bytes.len());
             let (rows, rest) = bytes.split_at(n);
             self.crc.update(rows);
             let mut offset = at - layout.rows_at;
             let mut rows = rows;
             while !rows.is_empty() {
                 let (layer, slot, first, size) = layout.sections[self.section];
-                let k = ((first + size - offset) as usize).min(rows.len());
+                let k = within(first + size - offset, rows.len());
                 sink.rows(layer, slot, offset - first, &rows[..k]);
                 offset += k as u64;
                 rows = &rows[k..];
@@ -195,12 +195,27 @@ impl SnapshotStream {
     }
 }
 
+/// Bytes to take of `available` when `remaining` are still wanted: counted in 64 bits, so a stream
+/// with more than 4 GiB left does not wrap on 32-bit targets (wasm32), where the cast of 2^32 left
+/// took nothing and the import never ended.
+fn within(remaining: u64, available: usize) -> usize {
+    remaining.min(available as u64) as usize
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::{fabricated, spec};
     use super::*;
     use crate::codec::DType;
     use crate::reference::Xorshift;
+
+    #[test]
+    fn the_bytes_taken_do_not_wrap_past_4_gib() {
+        assert_eq!(within(1 << 32, 10), 10);
+        assert_eq!(within((1 << 32) + 3, 10), 10);
+        assert_eq!(within(3, 10), 3);
+        assert_eq!(within(0, 10), 0);
+    }
 
     /// Collects every piece into per-slot byte vectors, refusing nothing (or the header, when told).
     #[derive(Default)]
