@@ -587,7 +587,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
 
 /// Scratch bytes of one query in one chunk: the unnormalised output and (max, sum) per head.
 fn query_chunk_bytes(s: &CallShape) -> u64 {
-    (s.n_heads * s.d_v.max(2) * 4) as u64
+    s.n_heads as u64 * s.d_v.max(2) as u64 * 4
 }
 
 /// The dispatch of `kernel` over chunks of `chunk_len` rows from `lo`, split into pairs whose
@@ -634,8 +634,10 @@ fn finish(
             s.n_heads, s.d_v,
         ));
     }
-    let stats_bytes = (n_chunks * q_per_pair * s.n_heads * 2 * 4) as u64;
-    let part_bytes = (n_chunks * q_per_pair * s.n_heads * s.d_v * 4) as u64;
+    // In 64 bits: a 32-bit target's usize does not hold them for every shape `prepare` takes.
+    let entries = n_chunks as u64 * q_per_pair as u64 * s.n_heads as u64; // (chunk, query, head)
+    let stats_bytes = entries * 2 * 4;
+    let part_bytes = entries * s.d_v as u64 * 4;
     let params = AttnParams {
         n_q: s.n_q as u32,
         n_heads: s.n_heads as u32,
