@@ -11,7 +11,10 @@
 //! commands submitted with it. A host append into a page shared after a fork first submits the copy
 //! that gives the writer its private page, so the copy sees every earlier host append and every
 //! command submitted before it: submit an encoder holding GPU appends to a parent before host
-//! appends to its forks.
+//! appends to its forks. The table entries a recorded GPU append changes are written with
+//! `Queue::write_buffer` too, so they reach every command of the next submission, those recorded
+//! before the append included: record an attention over a sequence after a GPU append to it in the
+//! same encoder, or submit the attention first.
 
 mod ledger;
 mod snapshot;
