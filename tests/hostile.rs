@@ -1937,24 +1937,16 @@ fn a_buffer_mapped_in_part_is_refused() {
     let e = read_buffer(&g.device, &g.queue, &b, 4096, 16).unwrap_err();
     assert!(e.to_string().contains("mapped"), "{e}");
     let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap());
-    let slab = |offset: u64, shape: &'static [usize]| GpuSlab {
-        buffer: &b,
-        dtype: DType::F32,
-        offset,
-        shape,
-        strides: None,
-    };
     let ledger = c.ledger().clone();
     let e = c
-        .append_gpu(0, &[slab(1024, &[1, 4]), slab(1028, &[1, 2])])
+        .append_gpu(0, &shared::mla_4_2_token(&b, 1024))
         .unwrap_err();
     assert!(e.to_string().contains("mapped"), "{e}");
     assert_eq!(c.ledger(), &ledger);
     // Once unmapped, the same calls go through.
     b.unmap();
     read_buffer(&g.device, &g.queue, &b, 4096, 16).unwrap();
-    c.append_gpu(0, &[slab(1024, &[1, 4]), slab(1028, &[1, 2])])
-        .unwrap();
+    c.append_gpu(0, &shared::mla_4_2_token(&b, 1024)).unwrap();
 }
 
 /// A buffer mapped at creation whose mutable view is still open: wgpu refuses a second view of it for
@@ -1971,22 +1963,13 @@ fn a_buffer_with_an_open_view_is_refused() {
         mapped_at_creation: true,
     });
     let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap());
-    let slab = |offset: u64, shape: &'static [usize]| GpuSlab {
-        buffer: &b,
-        dtype: DType::F32,
-        offset,
-        shape,
-        strides: None,
-    };
     let ledger = c.ledger().clone();
     {
         let mut view = b.slice(..).get_mapped_range_mut().unwrap();
         view.slice(..4).copy_from_slice(&1.0f32.to_le_bytes());
         let e = read_buffer(&g.device, &g.queue, &b, 0, 16).unwrap_err();
         assert!(e.to_string().contains("mapped"), "{e}");
-        let e = c
-            .append_gpu(0, &[slab(0, &[1, 4]), slab(4, &[1, 2])])
-            .unwrap_err();
+        let e = c.append_gpu(0, &shared::mla_4_2_token(&b, 0)).unwrap_err();
         assert!(e.to_string().contains("mapped"), "{e}");
         assert_eq!(c.ledger(), &ledger);
     }
@@ -1995,8 +1978,7 @@ fn a_buffer_with_an_open_view_is_refused() {
     b.unmap();
     let head = read_buffer(&g.device, &g.queue, &b, 0, 4).unwrap();
     assert_eq!(head, 1.0f32.to_le_bytes());
-    c.append_gpu(0, &[slab(0, &[1, 4]), slab(4, &[1, 2])])
-        .unwrap();
+    c.append_gpu(0, &shared::mla_4_2_token(&b, 0)).unwrap();
 }
 
 /// A source whose `map_async` is still pending: `read_buffer` returns `Ok` and the submission

@@ -240,7 +240,7 @@ async fn app_buffers_of_another_device_are_refused() {
 /// tell it).
 #[wasm_bindgen_test]
 async fn a_buffer_mapped_in_part_or_being_mapped_is_refused() {
-    use kvgpu::{CacheSpec, GpuSlab, KvCache, LayerSpec, read_buffer_async, verify_buffer};
+    use kvgpu::{CacheSpec, KvCache, LayerSpec, read_buffer_async, verify_buffer};
     use wasm_bindgen::JsValue;
 
     let g = gpu().await;
@@ -253,14 +253,7 @@ async fn a_buffer_mapped_in_part_or_being_mapped_is_refused() {
     verify_buffer(&g.device, &b).await.unwrap();
     let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap();
     let mut c = shared::cache_on(&g, spec);
-    let slab = |offset: u64, shape: &'static [usize]| GpuSlab {
-        buffer: &b,
-        dtype: DType::F32,
-        offset,
-        shape,
-        strides: None,
-    };
-    let append = |c: &mut KvCache| c.append_gpu(0, &[slab(1024, &[1, 4]), slab(1028, &[1, 2])]);
+    let append = |c: &mut KvCache| c.append_gpu(0, &shared::mla_4_2_token(&b, 1024));
     let ledger = c.ledger().clone();
     // The first half is being mapped: map_async has been called and has not resolved.
     let mapped = js_sys::Promise::new(&mut |resolve, _| {

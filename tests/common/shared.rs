@@ -17,6 +17,20 @@ use kvgpu::{
 /// own `exp`, so 1e-5 relative to the values' scale (|v| < 2), and never looser for larger outputs.
 pub const TOL: f32 = 1e-5;
 
+/// One token of an MLA layer of a latent of 4 and a rope key of 2, f32, read from `buffer`: its
+/// latent from element `offset`, its rope key right after. The source of the mapping tests
+/// (tests/hostile.rs, tests/web.rs).
+pub fn mla_4_2_token(buffer: &wgpu::Buffer, offset: u64) -> [GpuSlab<'_>; 2] {
+    let slab = |offset, shape| GpuSlab {
+        buffer,
+        dtype: DType::F32,
+        offset,
+        shape,
+        strides: None,
+    };
+    [slab(offset, &[1, 4]), slab(offset + 4, &[1, 2])]
+}
+
 /// A line on stderr natively, on the browser console (shown with `-- --nocapture`) in the browser.
 macro_rules! note {
     ($($arg:tt)*) => {{
