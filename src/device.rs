@@ -306,7 +306,8 @@ impl Readback {
         let largest = device.limits().max_buffer_size;
         if size > largest {
             return Err(format!(
-                "a readback of {size} bytes needs a staging buffer larger than this device's                  largest buffer ({largest} bytes)"
+                "a readback of {size} bytes needs a staging buffer larger than this device's \
+                 largest buffer ({largest} bytes)"
             ));
         }
         let staging = staging_buffer(device, size);
