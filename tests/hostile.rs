@@ -2025,7 +2025,10 @@ fn read_buffer_larger_than_the_reading_device_takes() {
     );
     let big = sized(bytes, USAGE);
     let e = read_buffer(device, queue, &big, 0, bytes).unwrap_err();
-    assert!(e.to_string().contains("this device's largest buffer"), "{e}");
+    assert!(
+        e.to_string().contains("this device's largest buffer"),
+        "{e}"
+    );
 }
 
 /// `read_buffer(&device, &queue_of_another_device, &buffer, 0, 4)` panics inside wgpu: "In
