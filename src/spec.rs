@@ -113,18 +113,20 @@ impl DeviceLimits {
         }
     }
 
-    /// The largest single slot buffer the device can bind whole. Slot buffers are whole 16-byte
-    /// vectors (the zeroing kernel writes them so), so a limit that is not (Vulkan and DX12 report
-    /// 2<sup>31</sup> - 1 bytes) is rounded down to one that is.
-    ///
-    /// It is at most 4 GiB (`u32::MAX` rounded down) on any device: kernel parameters address a
-    /// slot in 32-bit words, and attention binds a slot whole.
+    /// The storage binding limit kvgpu plans with: the device's, within its largest buffer (a device
+    /// may bind more than one buffer holds, and kvgpu makes the scratch and upload buffers it binds),
+    /// and at most `u32::MAX` bytes, since kernel parameters address a binding in 32-bit words.
+    pub fn binding_bytes(&self) -> u64 {
+        self.max_storage_buffer_binding_size
+            .min(self.max_buffer_size)
+            .min(u32::MAX as u64)
+    }
+
+    /// The largest single slot buffer the device can bind whole: [`binding_bytes`](Self::binding_bytes)
+    /// in whole 16-byte vectors (the zeroing kernel writes slots so; Vulkan and DX12 report a binding
+    /// limit of 2<sup>31</sup> - 1 bytes, which is rounded down). So it is at most 4 GiB on any device.
     pub fn max_slot_bytes(&self) -> u64 {
-        crate::kernels::whole_vectors_within(
-            self.max_storage_buffer_binding_size
-                .min(self.max_buffer_size)
-                .min(u32::MAX as u64),
-        )
+        crate::kernels::whole_vectors_within(self.binding_bytes())
     }
 }
 

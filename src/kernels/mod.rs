@@ -34,14 +34,11 @@ pub(crate) const fn whole_vectors_within(limit: u64) -> u64 {
     limit - limit % VECTOR_BYTES
 }
 
-/// The storage binding limit kvgpu plans with: the device's, within its largest buffer (a device may
-/// bind more than one buffer holds, and kvgpu makes the scratch and upload buffers it binds), and at
-/// most `u32::MAX` bytes, since kernel parameters address a binding in 32-bit words.
+/// The storage binding limit kvgpu plans with on a device ([`DeviceLimits::binding_bytes`]).
+///
+/// [`DeviceLimits::binding_bytes`]: crate::DeviceLimits::binding_bytes
 pub(crate) fn binding_limit(limits: &wgpu::Limits) -> u64 {
-    limits
-        .max_storage_buffer_binding_size
-        .min(limits.max_buffer_size)
-        .min(u32::MAX as u64)
+    crate::DeviceLimits::from_wgpu(limits).binding_bytes()
 }
 
 /// Invocations per workgroup of the zeroing and slab-write kernels (`@workgroup_size(256)`).
