@@ -93,6 +93,10 @@ pub enum Error {
     #[error("{seq} is not in the pool (never added, or removed)")]
     UnknownSequence { seq: SeqId },
 
+    /// A paged pool was given a sequence id that another pool handed out.
+    #[error("{seq} was handed out by another pool")]
+    SequenceOfAnotherPool { seq: SeqId },
+
     /// A paged pool has handed out every sequence id it can (2^32).
     #[error("the pool has handed out every sequence id it can (2^32)")]
     SequenceIdsExhausted,

@@ -1,17 +1,39 @@
 //! Sequence ids: the one name a sequence has in a cache, its plans and its errors.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+
 /// A sequence of a cache. A [`crate::KvCache`] holds one, [`SeqId::FIRST`]; a [`crate::PagedCache`]
 /// holds many, each named by the id `add_sequence` or `fork` returned (ids are never reused).
+///
+/// An id carries the pool that handed it out: given to another pool, it is refused with
+/// [`crate::Error::SequenceOfAnotherPool`] instead of naming that pool's sequence of the same number.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqId(pub(crate) u32);
+pub struct SeqId {
+    /// The pool's tag ([`pool_tag`]; 0 for the sequence of a single-sequence cache).
+    pub(crate) pool: u32,
+    /// The sequence's number within its pool, in creation order.
+    pub(crate) n: u32,
+}
 
 impl SeqId {
     /// The one sequence of a single-sequence cache.
-    pub const FIRST: SeqId = SeqId(0);
+    pub const FIRST: SeqId = SeqId { pool: 0, n: 0 };
 }
 
 impl std::fmt::Display for SeqId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "sequence {}", self.0)
+        write!(f, "sequence {}", self.n)
+    }
+}
+
+/// A tag for a new pool, never 0 (the single-sequence caches' tag) and distinct from every other
+/// pool's of this process until 2<sup>32</sup> - 1 pools have been made.
+pub(crate) fn pool_tag() -> u32 {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    loop {
+        let tag = NEXT.fetch_add(1, Ordering::Relaxed);
+        if tag != 0 {
+            return tag;
+        }
     }
 }

@@ -16,4 +16,5 @@ common::shared_tests!(paged_bodies:
     many_sequences_grow_the_page_table,
     scattered_appends_take_every_source,
     published_prefixes_start_sequences_from_their_pages,
+    sequences_of_another_pool_are_refused,
 );

@@ -139,6 +139,7 @@ browser_tests!(paged_bodies:
     many_sequences_grow_the_page_table,
     scattered_appends_take_every_source,
     published_prefixes_start_sequences_from_their_pages,
+    sequences_of_another_pool_are_refused,
 );
 
 // tests/snapshot.rs (its Vulkan-to-OpenGL test is native only; here snapshots move between two

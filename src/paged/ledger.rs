@@ -73,6 +73,8 @@ pub struct PageLedger {
     /// Free pages; the next one taken is the last.
     free: Vec<u32>,
     seqs: BTreeMap<SeqId, Sequence>,
+    /// The tag of every id this ledger hands out ([`crate::seq::pool_tag`]).
+    pool: u32,
     next_id: u32,
     prefixes: Prefixes,
 }
@@ -113,6 +115,7 @@ impl PageLedger {
             refs: vec![0; n_pages],
             free: (0..n_pages as u32).rev().collect(),
             seqs: BTreeMap::new(),
+            pool: crate::seq::pool_tag(),
             next_id: 0,
             prefixes: Prefixes::default(),
         }
@@ -155,7 +158,17 @@ impl PageLedger {
     }
 
     pub(crate) fn seq(&self, seq: SeqId) -> Result<&Sequence> {
+        self.check_pool(seq)?;
         self.seqs.get(&seq).ok_or(Error::UnknownSequence { seq })
+    }
+
+    /// Refuses an id another pool handed out.
+    pub(crate) fn check_pool(&self, seq: SeqId) -> Result<()> {
+        if seq.pool == self.pool {
+            Ok(())
+        } else {
+            Err(Error::SequenceOfAnotherPool { seq })
+        }
     }
 
     /// Committed rows of `seq`.
@@ -193,7 +206,10 @@ impl PageLedger {
 
     /// A new, empty sequence (it takes no page until it is written).
     pub(crate) fn add(&mut self) -> Result<SeqId> {
-        let id = SeqId(self.next_id);
+        let id = SeqId {
+            pool: self.pool,
+            n: self.next_id,
+        };
         self.next_id = self
             .next_id
             .checked_add(1)
@@ -211,6 +227,7 @@ impl PageLedger {
 
     /// Removes `seq`; the pages it alone held return to the pool.
     pub(crate) fn remove(&mut self, seq: SeqId) -> Result<()> {
+        self.check_pool(seq)?;
         let s = self
             .seqs
             .remove(&seq)
@@ -643,7 +660,11 @@ mod tests {
     fn the_last_sequence_id_is_refused_and_changes_nothing() {
         let mut l = PageLedger::new(&spec(8), 2, 4);
         l.next_id = u32::MAX - 1;
-        assert_eq!(l.add(), Ok(SeqId(u32::MAX - 1)));
+        let last = SeqId {
+            pool: l.pool,
+            n: u32::MAX - 1,
+        };
+        assert_eq!(l.add(), Ok(last));
         let before = l.clone();
         assert_eq!(l.add(), Err(Error::SequenceIdsExhausted));
         assert_eq!(l, before);
@@ -815,7 +836,10 @@ mod tests {
                 // Mostly live sequences; sometimes one never added.
                 let pick = |rng: &mut crate::reference::Xorshift| {
                     if ids.is_empty() || rng.below(20) == 0 {
-                        SeqId(1000 + rng.below(5) as u32)
+                        SeqId {
+                            pool: l.pool,
+                            n: 1000 + rng.below(5) as u32,
+                        }
                     } else {
                         ids[rng.below(ids.len())]
                     }

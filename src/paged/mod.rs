@@ -206,6 +206,7 @@ impl PagedCache {
 
     /// Where the rows of `seq` lie, for attention.
     pub(crate) fn paging(&self, seq: SeqId) -> Result<Paging> {
+        self.ledger.check_pool(seq)?;
         let row = *self
             .table_rows
             .get(&seq)

@@ -1879,3 +1879,95 @@ pub async fn published_prefixes_start_sequences_from_their_pages(g: &Gpu) {
         assert_eq!(c.add_sequence_with_prefix(&tokens).unwrap().1, 0);
     }
 }
+
+/// A sequence id names a sequence of the pool that handed it out only: given to another pool, where
+/// a sequence of the same number lives, every call that takes an id refuses it with
+/// `SequenceOfAnotherPool` and changes nothing, and the other pool's own sequence is untouched.
+pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 32).unwrap();
+    let pool = || PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 4, 8).unwrap();
+    let (mut a, mut b) = (pool(), pool());
+    let shape = [2, 1, 4];
+    let rows = values(3, 8);
+    let slabs = [HostSlab::f32(&rows, &shape), HostSlab::f32(&rows, &shape)];
+    let theirs = a.add_sequence().unwrap();
+    a.append(theirs, 0, &slabs).unwrap();
+    a.advance(theirs, 2).unwrap();
+    let ours = b.add_sequence().unwrap();
+    b.append(ours, 0, &slabs).unwrap();
+    b.advance(ours, 2).unwrap();
+    // Both are their pool's first sequence: the same number, told apart by their pools.
+    assert_eq!(format!("{theirs}"), format!("{ours}"));
+    assert_ne!(theirs, ours);
+
+    let ledger = b.ledger().clone();
+    let words = [
+        b.read_pool_words_async(0, 0).await.unwrap(),
+        b.read_pool_words_async(0, 1).await.unwrap(),
+    ];
+    let refused = |e: Error, what: &str| {
+        assert_eq!(e, Error::SequenceOfAnotherPool { seq: theirs }, "{what}");
+        assert!(e.to_string().contains("another pool"), "{what}: {e}");
+    };
+    refused(b.len(theirs).unwrap_err(), "len");
+    refused(b.visible(theirs, 0).unwrap_err(), "visible");
+    refused(b.append(theirs, 0, &slabs).unwrap_err(), "append");
+    refused(
+        b.append_batch(0, &[(ours, 1), (theirs, 1)], &slabs)
+            .unwrap_err(),
+        "append_batch",
+    );
+    refused(b.advance(theirs, 1).unwrap_err(), "advance");
+    refused(b.truncate(theirs, 0).unwrap_err(), "truncate");
+    refused(b.fork(theirs, 1).unwrap_err(), "fork");
+    refused(
+        b.publish_prefix(theirs, &[1, 2]).unwrap_err(),
+        "publish_prefix",
+    );
+    refused(b.admits(&[(ours, 1), (theirs, 1)]).unwrap_err(), "admits");
+    refused(
+        b.snapshot_sequence_async(theirs).await.unwrap_err(),
+        "snapshot",
+    );
+    refused(b.remove(theirs).unwrap_err(), "remove");
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let q = super::f32_buffer(&g.device, &values(4, 2 * 4)).await;
+    let out = super::output(&g.device, 2 * 4).await;
+    let dflt = AttentionOptions::default();
+    let e = att
+        .gqa(
+            Kv::Sequence(&b, theirs),
+            0,
+            Queries::new(&q, 1, 1, 4),
+            &out,
+            &dflt,
+        )
+        .unwrap_err();
+    refused(e, "attention over one sequence");
+    let batch = [(ours, 1), (theirs, 1)];
+    let e = att
+        .gqa(
+            Kv::Batch(&b, &batch),
+            0,
+            Queries::new(&q, 2, 1, 4),
+            &out,
+            &dflt,
+        )
+        .unwrap_err();
+    refused(e, "attention over a batch");
+    assert!(
+        super::read_f32(g, &out).await.iter().all(|&x| x == -7.0),
+        "a refused attention wrote"
+    );
+
+    assert_eq!(b.ledger(), &ledger, "a refusal changed the ledger");
+    for (slot, words) in words.iter().enumerate() {
+        assert_eq!(&b.read_pool_words_async(0, slot).await.unwrap(), words);
+    }
+    // Each pool still has its own sequence, whole.
+    let kept: Vec<f32> = rows.clone();
+    assert_eq!(b.read_f32_async(ours, 0, 0).await.unwrap(), kept);
+    assert_eq!(a.read_f32_async(theirs, 0, 1).await.unwrap(), kept);
+    b.remove(ours).unwrap();
+    assert_eq!(a.len(theirs), Ok(2));
+}
