@@ -228,6 +228,9 @@ pub async fn read_buffer_async(
         Held::Destroyed => {
             return refuse("cannot read back a destroyed buffer".into());
         }
+        Held::Invalid => {
+            return refuse("cannot read back an invalid buffer (its creation failed)".into());
+        }
         Held::No => {}
     }
     if !queue_belongs_to(device, queue) {

@@ -471,6 +471,10 @@ pub enum SourceProblem {
     /// The app destroyed the buffer.
     #[error("the buffer was destroyed")]
     Destroyed,
+    /// The buffer is invalid: its creation failed with a validation error. (In the browser WebGPU
+    /// reports one at submit instead.)
+    #[error("the buffer is invalid: its creation failed")]
+    Invalid,
     /// More non-contiguous trailing axes than the slab-write kernel walks.
     #[error("{axes} non-contiguous trailing axes; at most {max} are supported")]
     TooManyAxes { axes: usize, max: usize },
@@ -593,6 +597,9 @@ pub enum BufferProblem {
     /// The app destroyed it.
     #[error("it was destroyed")]
     Destroyed,
+    /// Its creation failed (as [`SourceProblem::Invalid`]).
+    #[error("it is invalid: its creation failed")]
+    Invalid,
     /// The view's last element lies beyond any index kvgpu can count.
     #[error(
         "shape {shape:?} from element {offset} along strides {strides:?} overflows: its last element \

@@ -2069,6 +2069,65 @@ fn read_buffer_of_a_destroyed_buffer() {
     assert!(e.to_string().contains("destroyed"), "{e}");
 }
 
+/// A buffer whose creation failed (an invalid usage, caught by an error scope) was refused as
+/// "mapped", a wrong word: wgpu refuses a view of it as invalid, and `held` counted any refusal
+/// but "not mapped" and "destroyed" as a mapping. `read_buffer`, `append_gpu` and attention now
+/// name it invalid, and change nothing.
+#[test]
+fn an_invalid_buffer_is_refused_as_invalid() {
+    let _serial = serial();
+    let g = gpu();
+    let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let b = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("invalid"),
+        size: 64,
+        usage: U::MAP_WRITE | USAGE,
+        mapped_at_creation: false,
+    });
+    let error = pollster::block_on(scope.pop());
+    assert!(error.is_some(), "MAP_WRITE with STORAGE was taken");
+    let e = read_buffer(&g.device, &g.queue, &b, 0, 16).unwrap_err();
+    assert!(e.to_string().contains("invalid"), "{e}");
+
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap());
+    let (ledger, words) = (c.ledger().clone(), snapshot(&c));
+    let e = c.append_gpu(0, &shared::mla_4_2_token(&b, 0)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::SourceLayout {
+                problem: SourceProblem::Invalid,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!((c.ledger(), snapshot(&c)), (&ledger, words));
+
+    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
+    append_random(&mut c, 0, 2, 1);
+    let mut att = Attention::for_cache(&c);
+    let q = f32_buffer(&values(3, 8), USAGE);
+    let out = f32_buffer(&[-7.0; 8], USAGE);
+    let o = AttentionOptions::default();
+    for (query, output) in [(&b, &out), (&q, &b)] {
+        let e = att
+            .gqa(&c, 0, Queries::new(query, 1, 1, 4), output, &o)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::AttentionBuffer {
+                    problem: BufferProblem::Invalid,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    assert_eq!(read_f32s(&out, 8), [-7.0; 8]);
+}
+
 /// A query or output buffer destroyed after one call (its bind group cached): the next `gqa`
 /// returned `Ok` and the submission panicked inside wgpu: "In Queue::submit: In a dispatch command,
 /// indirect:false: Buffer with 'hostile source' label has been destroyed".

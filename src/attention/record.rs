@@ -256,6 +256,7 @@ impl Attention {
             match crate::kernels::held(buffer) {
                 Held::Mapped => return Err(problem(BufferProblem::Mapped)),
                 Held::Destroyed => return Err(problem(BufferProblem::Destroyed)),
+                Held::Invalid => return Err(problem(BufferProblem::Invalid)),
                 Held::No => {}
             }
             let usage = buffer.usage();

@@ -117,6 +117,7 @@ pub(crate) fn plan_source(
     match src.held {
         Held::Mapped => return Err(layout_err(SourceProblem::Mapped)),
         Held::Destroyed => return Err(layout_err(SourceProblem::Destroyed)),
+        Held::Invalid => return Err(layout_err(SourceProblem::Invalid)),
         Held::No => {}
     }
     if n_new == 0 || src.shape.contains(&0) {

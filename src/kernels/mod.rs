@@ -574,6 +574,9 @@ pub(crate) enum Held {
     Mapped,
     /// Destroyed by the app.
     Destroyed,
+    /// Invalid: its creation failed (a validation error of `create_buffer`). Natively only; the
+    /// browser reports one at submit.
+    Invalid,
 }
 
 /// Whether `buffer` is mapped for the host (whole or in part) or destroyed.
@@ -583,10 +586,10 @@ pub(crate) enum Held {
 ///
 /// Natively wgpu 30 has no `map_state`: a read view of the whole buffer is asked for. wgpu grants it
 /// while the whole is mapped, and refuses it as "not mapped" for a buffer that is not (or whose
-/// mapping is still pending, which is not seen), as destroyed for a destroyed buffer, and otherwise
-/// for a mapping: out of bounds while only a part is mapped, or for Rust's aliasing rules while a
-/// mutable view is open. Any refusal but the first two counts as mapped. The hostile tests pin the
-/// wording on both native backends.
+/// mapping is still pending, which is not seen), as destroyed for a destroyed buffer, as invalid for
+/// a buffer whose creation failed, and otherwise for a mapping: out of bounds while only a part is
+/// mapped, or for Rust's aliasing rules while a mutable view is open. Any refusal but the first
+/// three counts as mapped. The hostile tests pin the wording on both native backends.
 pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
     #[cfg(target_arch = "wasm32")]
     if let Some(web) = buffer.as_webgpu() {
@@ -612,6 +615,8 @@ pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
                 Held::No
             } else if e.contains("has been destroyed") {
                 Held::Destroyed
+            } else if e.trim_end().ends_with(" is invalid") {
+                Held::Invalid
             } else {
                 Held::Mapped
             }
