@@ -93,9 +93,11 @@ pub enum Error {
     #[error("{seq} is not in the pool (never added, or removed)")]
     UnknownSequence { seq: SeqId },
 
-    /// A paged pool was given a sequence id that another pool handed out.
-    #[error("{seq} was handed out by another pool")]
-    SequenceOfAnotherPool { seq: SeqId },
+    /// A paged pool was given a sequence id it did not hand out: another pool's, or
+    /// [`SeqId::FIRST`] of a single-sequence cache. (Ids carry their pool, so such an id never names
+    /// this pool's sequence of the same number.)
+    #[error("{seq} was not handed out by this pool (it is another pool's id)")]
+    ForeignSequence { seq: SeqId },
 
     /// A paged pool has handed out every sequence id it can (2^32).
     #[error("the pool has handed out every sequence id it can (2^32)")]

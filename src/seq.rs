@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// holds many, each named by the id `add_sequence` or `fork` returned (ids are never reused).
 ///
 /// An id carries the pool that handed it out: given to another pool, it is refused with
-/// [`crate::Error::SequenceOfAnotherPool`] instead of naming that pool's sequence of the same number.
+/// [`crate::Error::ForeignSequence`] instead of naming that pool's sequence of the same number.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId {
     /// The pool's tag ([`pool_tag`]; 0 for the sequence of a single-sequence cache).

@@ -2072,14 +2072,15 @@ fn read_buffer_of_a_destroyed_buffer() {
 /// A buffer whose creation failed (an invalid usage, caught by an error scope) was refused as
 /// "mapped", a wrong word: wgpu refuses a view of it as invalid, and `held` counted any refusal
 /// but "not mapped" and "destroyed" as a mapping. `read_buffer`, `append_gpu` and attention now
-/// name it invalid, and change nothing.
+/// name it invalid, and change nothing. wgpu quotes the label inside its messages, so `held` reads
+/// only how a message ends: this buffer's label is the phrase wgpu uses for an unmapped buffer.
 #[test]
 fn an_invalid_buffer_is_refused_as_invalid() {
     let _serial = serial();
     let g = gpu();
     let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
     let b = g.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("invalid"),
+        label: Some("Buffer is not mapped"),
         size: 64,
         usage: U::MAP_WRITE | USAGE,
         mapped_at_creation: false,

@@ -579,7 +579,7 @@ pub(crate) enum Held {
     Invalid,
 }
 
-/// Whether `buffer` is mapped for the host (whole or in part) or destroyed.
+/// Whether `buffer` is mapped for the host (whole or in part), destroyed or invalid.
 ///
 /// In the browser WebGPU tells: a buffer whose `mapState` is not `"unmapped"` is mapped or being
 /// mapped. It has no word for a destroyed buffer, which WebGPU then reports at submit.
@@ -610,13 +610,15 @@ pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
     match buffer.get_mapped_range(..whole) {
         Ok(_) => Held::Mapped,
         Err(e) => {
+            // Judged by how the message ends: wgpu quotes the buffer's label inside it.
             let e = e.to_string();
-            if e.contains("Buffer is not mapped") {
-                Held::No
-            } else if e.contains("has been destroyed") {
-                Held::Destroyed
-            } else if e.trim_end().ends_with(" is invalid") {
+            let e = e.trim_end();
+            if e.ends_with(" is invalid") {
                 Held::Invalid
+            } else if e.ends_with(" has been destroyed") {
+                Held::Destroyed
+            } else if e.ends_with("Buffer is not mapped") {
+                Held::No
             } else {
                 Held::Mapped
             }

@@ -167,7 +167,7 @@ impl PageLedger {
         if seq.pool == self.pool {
             Ok(())
         } else {
-            Err(Error::SequenceOfAnotherPool { seq })
+            Err(Error::ForeignSequence { seq })
         }
     }
 

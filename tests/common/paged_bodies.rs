@@ -1384,8 +1384,9 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
         let (mut one, mut all) = (make(), make());
         // One by one as the pool chooses, the batch always scattered.
         all.set_scatter(ScatterChoice::Always);
-        // The same history in both: s0 with 7 rows, s1 forked from it at 5, s2 empty.
-        let mut ids = Vec::new();
+        // The same history in both: s0 with 7 rows, s1 forked from it at 5, s2 empty. Each pool's
+        // ids are its own (`[s0, s1, s2, gone]`).
+        let mut ids: Vec<[SeqId; 4]> = Vec::new();
         for c in [&mut one, &mut all] {
             let s0 = c.add_sequence().unwrap();
             for (layer, w) in widths.iter().enumerate() {
@@ -1404,10 +1405,12 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
             let s2 = c.add_sequence().unwrap();
             let gone = c.add_sequence().unwrap();
             c.remove(gone).unwrap();
-            ids = vec![s0, s1, s2, gone];
+            ids.push([s0, s1, s2, gone]);
         }
-        let (s0, s1, s2, gone) = (ids[0], ids[1], ids[2], ids[3]);
-        let batch = [(s0, 2), (s1, 4), (s2, 5), (s0, 1)];
+        let step = |[s0, s1, s2, _]: [SeqId; 4]| [(s0, 2), (s1, 4), (s2, 5), (s0, 1)];
+        let batch_one = step(ids[0]);
+        let [s0, s1, s2, gone] = ids[1];
+        let batch = step(ids[1]);
         let total = 12;
         // Layer 0 from the host, layer 1 from GPU buffers (rows of row_elems + 3 f32).
         for layer in 0..2 {
@@ -1429,7 +1432,7 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
                 .map(|k| row_strides(&shape_of(total)[k], widths[layer][k] + 3))
                 .collect();
             let mut first = 0;
-            for &(seq, n) in &batch {
+            for &(seq, n) in &batch_one {
                 let shapes = shape_of(n);
                 if layer == 0 {
                     let parts: Vec<&[f32]> = (0..2)
@@ -1490,12 +1493,12 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
                 all.append_gpu_batch(layer, &batch, &slabs).unwrap();
             }
         }
-        for c in [&mut one, &mut all] {
+        for (c, [s0, s1, s2, _]) in [(&mut one, ids[0]), (&mut all, ids[1])] {
             for (seq, n) in [(s0, 3), (s1, 4), (s2, 5)] {
                 c.advance(seq, n).unwrap();
             }
         }
-        assert_eq!(one.ledger(), all.ledger(), "{dtype}: ledgers");
+        same_ledgers((one.ledger(), &ids[0]), (all.ledger(), &ids[1]), dtype);
         for layer in 0..2 {
             for slot in 0..2 {
                 assert_eq!(
@@ -1539,6 +1542,39 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
             "{dtype}: a refused batch changed the ledger"
         );
         assert_eq!(all.read_pool_words_async(0, 0).await.unwrap(), words);
+    }
+}
+
+/// Asserts that two pools' ledgers hold the same state, sequence `a.1[i]` of the first as `b.1[i]` of
+/// the second (ids carry their pool, so the ledgers themselves never compare equal): the same live
+/// sequences with the same lengths, pages and pending rows, and the same free pages and page holders.
+fn same_ledgers(a: (&PageLedger, &[SeqId]), b: (&PageLedger, &[SeqId]), dtype: DType) {
+    let ((la, ia), (lb, ib)) = (a, b);
+    let live = |l: &PageLedger, ids: &[SeqId]| -> Vec<usize> {
+        let seqs: Vec<SeqId> = l.sequences().collect();
+        ids.iter()
+            .enumerate()
+            .filter(|(_, id)| seqs.contains(id))
+            .map(|(i, _)| i)
+            .collect()
+    };
+    assert_eq!(live(la, ia), live(lb, ib), "{dtype}: live sequences");
+    assert_eq!(la.sequences().count(), lb.sequences().count(), "{dtype}");
+    for i in live(la, ia) {
+        let (x, y) = (ia[i], ib[i]);
+        assert_eq!(la.len(x), lb.len(y), "{dtype}: sequence {i} length");
+        assert_eq!(la.pages(x), lb.pages(y), "{dtype}: sequence {i} pages");
+        for layer in 0..la.n_layers() {
+            assert_eq!(la.pending(x, layer), lb.pending(y, layer), "{dtype}: {i}");
+        }
+    }
+    assert_eq!(la.free_pages(), lb.free_pages(), "{dtype}: free pages");
+    for page in 0..la.n_pages() as u32 {
+        assert_eq!(
+            la.page_refs(page),
+            lb.page_refs(page),
+            "{dtype}: page {page}"
+        );
     }
 }
 
@@ -1882,7 +1918,7 @@ pub async fn published_prefixes_start_sequences_from_their_pages(g: &Gpu) {
 
 /// A sequence id names a sequence of the pool that handed it out only: given to another pool, where
 /// a sequence of the same number lives, every call that takes an id refuses it with
-/// `SequenceOfAnotherPool` and changes nothing, and the other pool's own sequence is untouched.
+/// `ForeignSequence` and changes nothing, and the other pool's own sequence is untouched.
 pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 32).unwrap();
     let pool = || PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 4, 8).unwrap();
@@ -1906,7 +1942,7 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
         b.read_pool_words_async(0, 1).await.unwrap(),
     ];
     let refused = |e: Error, what: &str| {
-        assert_eq!(e, Error::SequenceOfAnotherPool { seq: theirs }, "{what}");
+        assert_eq!(e, Error::ForeignSequence { seq: theirs }, "{what}");
         assert!(e.to_string().contains("another pool"), "{what}: {e}");
     };
     refused(b.len(theirs).unwrap_err(), "len");
@@ -1929,6 +1965,27 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
         b.snapshot_sequence_async(theirs).await.unwrap_err(),
         "snapshot",
     );
+    refused(
+        b.read_f32_async(theirs, 0, 0).await.unwrap_err(),
+        "read_f32",
+    );
+    let gpu_rows = super::f32_buffer(&g.device, &rows).await;
+    let gpu_slab = || GpuSlab {
+        buffer: &gpu_rows,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: None,
+    };
+    refused(
+        b.append_gpu(theirs, 0, &[gpu_slab(), gpu_slab()])
+            .unwrap_err(),
+        "append_gpu",
+    );
+    let e = b
+        .append_gpu_batch(0, &[(theirs, 2)], &[gpu_slab(), gpu_slab()])
+        .unwrap_err();
+    refused(e, "append_gpu_batch");
     refused(b.remove(theirs).unwrap_err(), "remove");
     let mut att = Attention::with_kernels(super::kernels_for(g));
     let q = super::f32_buffer(&g.device, &values(4, 2 * 4)).await;
