@@ -17,4 +17,5 @@ common::shared_tests!(paged_bodies:
     scattered_appends_take_every_source,
     published_prefixes_start_sequences_from_their_pages,
     sequences_of_another_pool_are_refused,
+    recorded_appends_change_the_table_in_encoder_order,
 );

@@ -140,6 +140,7 @@ browser_tests!(paged_bodies:
     scattered_appends_take_every_source,
     published_prefixes_start_sequences_from_their_pages,
     sequences_of_another_pool_are_refused,
+    recorded_appends_change_the_table_in_encoder_order,
 );
 
 // tests/snapshot.rs (its Vulkan-to-OpenGL test is native only; here snapshots move between two

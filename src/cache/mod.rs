@@ -302,6 +302,19 @@ impl KvCache {
             .collect();
     }
 
+    /// Records into `encoder` a copy of `bytes` (whole words) into `dst` at byte `at`, through the
+    /// upload ring: the bytes land where the copy stands among the encoder's commands.
+    pub(crate) fn record_upload(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        bytes: &[u8],
+        dst: &wgpu::Buffer,
+        at: u64,
+    ) {
+        let upload = self.uploads.push(&self.queue, bytes);
+        encoder.copy_buffer_to_buffer(&upload.buffer, upload.offset, dst, at, bytes.len() as u64);
+    }
+
     pub fn queue(&self) -> &wgpu::Queue {
         &self.queue
     }

@@ -11,10 +11,10 @@
 //! commands submitted with it. A host append into a page shared after a fork first submits the copy
 //! that gives the writer its private page, so the copy sees every earlier host append and every
 //! command submitted before it: submit an encoder holding GPU appends to a parent before host
-//! appends to its forks. The table entries a recorded GPU append changes are written with
-//! `Queue::write_buffer` too, so they reach every command of the next submission, those recorded
-//! before the append included: record an attention over a sequence after a GPU append to it in the
-//! same encoder, or submit the attention first.
+//! appends to its forks. The table entries a recorded GPU append changes are copied into the table
+//! by a command recorded with it, so they change where the append stands in its encoder: an
+//! attention recorded before the append reads the pages it was recorded against, one recorded after
+//! it the append's (a host append's entries, like its rows, land ahead of the next submission).
 
 mod ledger;
 mod snapshot;
@@ -44,8 +44,8 @@ pub struct PagedCache {
     /// copy directly); made on the first copy.
     staging: Option<wgpu::Buffer>,
     /// The page tables attention reads: one row of `table_width` entries per sequence, entry `i`
-    /// holding the sequence's page `i`. Entries change with `Queue::write_buffer`, only where a
-    /// sequence's pages changed.
+    /// holding the sequence's page `i`. Entries change only where a sequence's pages changed: with
+    /// `Queue::write_buffer` for host calls, by a recorded copy for recorded GPU appends.
     table: wgpu::Buffer,
     table_width: usize,
     /// The table row of each sequence, and the rows free for reuse.
@@ -218,8 +218,10 @@ impl PagedCache {
         })
     }
 
-    /// A table row for a new sequence, growing the table when every row is taken (the old rows are
-    /// copied in a submission of their own, after every table write made so far).
+    /// A table row for a new sequence, growing the table when every row is taken. The grown table
+    /// is written whole from the ledger with `Queue::write_buffer`, not copied from the old one on
+    /// the GPU: a recorded GPU append not yet submitted writes its entries into the old table, and
+    /// the new one must hold them too.
     fn take_table_row(&mut self) -> Result<usize> {
         if let Some(row) = self.free_rows.pop() {
             return Ok(row);
@@ -231,9 +233,14 @@ impl PagedCache {
             }
             let rows = (self.row_capacity * 2).min(self.most_rows);
             let table = table_buffer(self.device(), self.table_width, rows);
-            let mut encoder = self.encoder("kvgpu page table growth");
-            encoder.copy_buffer_to_buffer(&self.table, 0, &table, 0, self.table.size());
-            self.queue().submit([encoder.finish()]);
+            let mut entries = vec![0u32; self.table_width * self.row_capacity];
+            for (&seq, &row) in &self.table_rows {
+                let pages = self.ledger.pages(seq).unwrap_or_default();
+                let at = row * self.table_width;
+                entries[at..at + pages.len()].copy_from_slice(pages);
+            }
+            self.queue()
+                .write_buffer(&table, 0, bytemuck::cast_slice(&entries));
             self.store.set_page_table(table.clone());
             self.table = table;
             self.row_capacity = rows;
@@ -241,15 +248,21 @@ impl PagedCache {
         Ok(row)
     }
 
-    /// Writes the table entries of `seq` from page index `from` to its end.
-    fn write_table(&self, seq: SeqId, from: usize) {
+    /// Writes the table entries of `seq` from page index `from` to its end: with
+    /// `Queue::write_buffer` (landing at the next submission, ahead of its commands), or, for a
+    /// recorded GPU append, by a copy recorded into its encoder, so that the commands recorded
+    /// before the append still read the entries they were recorded against.
+    fn write_table(&mut self, seq: SeqId, from: usize, encoder: Option<&mut wgpu::CommandEncoder>) {
         let (Some(&row), Ok(pages)) = (self.table_rows.get(&seq), self.ledger.pages(seq)) else {
             return;
         };
         if from < pages.len() {
             let at = ((row * self.table_width + from) * 4) as u64;
-            self.queue()
-                .write_buffer(&self.table, at, bytemuck::cast_slice(&pages[from..]));
+            let bytes = bytemuck::cast_slice(&pages[from..]);
+            match encoder {
+                Some(encoder) => self.store.record_upload(encoder, bytes, &self.table, at),
+                None => self.queue().write_buffer(&self.table, at, bytes),
+            }
         }
     }
 
@@ -314,7 +327,7 @@ impl PagedCache {
         let row = self.take_table_row()?;
         let (seq, made) = make(&mut self.ledger).inspect_err(|_| self.free_rows.push(row))?;
         self.table_rows.insert(seq, row);
-        self.write_table(seq, 0);
+        self.write_table(seq, 0, None);
         Ok((seq, made))
     }
 
@@ -503,12 +516,13 @@ impl PagedCache {
             self.store.write_host_runs(layer, slabs, &runs);
         }
         for plan in plans {
-            self.commit(plan);
+            self.commit(plan, None);
         }
     }
 
-    /// Commits a plan to the ledger and writes the table entries it changed.
-    fn commit(&mut self, plan: &PagedPlan) {
+    /// Commits a plan to the ledger and writes the table entries it changed (see
+    /// [`PagedCache::write_table`]).
+    fn commit(&mut self, plan: &PagedPlan, encoder: Option<&mut wgpu::CommandEncoder>) {
         let first_new = self.ledger.pages(plan.seq).map_or(0, <[u32]>::len);
         self.ledger.commit_append(plan);
         // The first entry that changed: a private copy's, or the first new page's.
@@ -517,7 +531,7 @@ impl PagedCache {
             .iter()
             .map(|c| c.index)
             .fold(first_new, usize::min);
-        self.write_table(plan.seq, from);
+        self.write_table(plan.seq, from, encoder);
     }
 
     /// Records an append from GPU buffers to `seq` into `encoder` (as
@@ -604,7 +618,7 @@ impl PagedCache {
             None => self.store.record_gpu_moves(encoder, layer, slabs, moves),
         }
         for plan in plans {
-            self.commit(plan);
+            self.commit(plan, Some(encoder));
         }
         Ok(())
     }

@@ -134,7 +134,7 @@ impl PagedCache {
     fn commit_import(&mut self, plan: ImportPlan, row: usize) -> SeqId {
         self.ledger = plan.ledger;
         self.table_rows.insert(plan.seq, row);
-        self.write_table(plan.seq, 0);
+        self.write_table(plan.seq, 0, None);
         plan.seq
     }
 }

@@ -2028,3 +2028,165 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
     b.remove(ours).unwrap();
     assert_eq!(a.len(theirs), Ok(2));
 }
+
+/// A recorded GPU append changes page-table entries where it stands among the encoder's commands:
+/// an attention recorded before it reads the table it was recorded against, one recorded after it
+/// the new one. Here the append writes into a page a fork shares, so its table entry moves to a
+/// private copy that the append fills; read through the new entry too early, the earlier attention
+/// would see that page empty. Then an append recorded before the page table grows: the grown table
+/// holds its entries when the encoder runs, after the growth.
+pub async fn recorded_appends_change_the_table_in_encoder_order(g: &Gpu) {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 16).unwrap();
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 2, 64).unwrap();
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let opts = AttentionOptions::default();
+    let (k, v) = (values(11, 4 * 4), values(12, 4 * 4));
+    let host = |n: usize| {
+        let shape = [n, 1, 4];
+        (k[..n * 4].to_vec(), v[..n * 4].to_vec(), shape)
+    };
+    // The reference over the first `n` rows for one query of 2 heads.
+    let want = |q: &[f32], n: usize| {
+        reference::attention_gqa(q, [1, 2, 4], &k[..n * 4], &v[..n * 4], 1, 4, &opts)
+    };
+    let (k4, v4) = (
+        super::f32_buffer(&g.device, &k[12..16]).await,
+        super::f32_buffer(&g.device, &v[12..16]).await,
+    );
+    let gpu_row = [
+        GpuSlab {
+            buffer: &k4,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &[1, 1, 4],
+            strides: None,
+        },
+        GpuSlab {
+            buffer: &v4,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &[1, 1, 4],
+            strides: None,
+        },
+    ];
+    let (q1, q2) = (values(13, 8), values(14, 8));
+    let (qb1, qb2) = (
+        super::f32_buffer(&g.device, &q1).await,
+        super::f32_buffer(&g.device, &q2).await,
+    );
+
+    // A parent of 3 rows in pages of 2; its fork shares both pages, the second partly filled.
+    let parent = c.add_sequence().unwrap();
+    let (pk, pv, shape) = host(3);
+    c.append(
+        parent,
+        0,
+        &[HostSlab::f32(&pk, &shape), HostSlab::f32(&pv, &shape)],
+    )
+    .unwrap();
+    c.advance(parent, 3).unwrap();
+    let child = c.fork(parent, 3).unwrap();
+    let shared = c.ledger().pages(child).unwrap().to_vec();
+    assert_eq!(shared, c.ledger().pages(parent).unwrap());
+
+    let (before, after) = (
+        super::output(&g.device, 8).await,
+        super::output(&g.device, 8).await,
+    );
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    att.record_gqa(
+        &mut encoder,
+        Kv::Sequence(&c, child),
+        0,
+        Queries::new(&qb1, 1, 2, 4),
+        &before,
+        &opts,
+    )
+    .unwrap();
+    c.record_append_gpu(&mut encoder, child, 0, &gpu_row)
+        .unwrap();
+    let copied = c.ledger().pages(child).unwrap().to_vec();
+    assert_eq!(copied[0], shared[0], "the full page stays shared");
+    assert_ne!(copied[1], shared[1], "the append takes a private copy");
+    att.record_gqa(
+        &mut encoder,
+        Kv::Sequence(&c, child),
+        0,
+        Queries::new(&qb2, 1, 2, 4),
+        &after,
+        &opts,
+    )
+    .unwrap();
+    g.queue.submit([encoder.finish()]);
+    let got = super::read_f32(g, &before).await;
+    super::assert_close(&got, &want(&q1, 3), "attention recorded before the append");
+    let got = super::read_f32(g, &after).await;
+    super::assert_close(&got, &want(&q2, 4), "attention recorded after the append");
+    c.advance(child, 1).unwrap();
+    assert_eq!(c.read_f32_async(child, 0, 0).await.unwrap(), k[..16]);
+    assert_eq!(c.read_f32_async(parent, 0, 0).await.unwrap(), k[..12]);
+
+    // A sequence of one full page; an append recorded into the first table gives it a new page,
+    // then the table grows (8 rows at first) before the encoder is submitted. The attention
+    // recorded after both reads the grown table, which must hold the new entry.
+    let s = c.add_sequence().unwrap();
+    let (sk, sv, shape) = host(2);
+    c.append(
+        s,
+        0,
+        &[HostSlab::f32(&sk, &shape), HostSlab::f32(&sv, &shape)],
+    )
+    .unwrap();
+    c.advance(s, 2).unwrap();
+    let (k3, v3) = (
+        super::f32_buffer(&g.device, &k[8..12]).await,
+        super::f32_buffer(&g.device, &v[8..12]).await,
+    );
+    let third = [
+        GpuSlab {
+            buffer: &k3,
+            ..gpu_row[0]
+        },
+        GpuSlab {
+            buffer: &v3,
+            ..gpu_row[1]
+        },
+    ];
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    c.record_append_gpu(&mut encoder, s, 0, &third).unwrap();
+    assert_eq!(c.ledger().pages(s).unwrap().len(), 2, "a new page");
+    let mut others = Vec::new();
+    while others.len() < 8 {
+        others.push(c.add_sequence().unwrap());
+    }
+    let grown = super::output(&g.device, 8).await;
+    att.record_gqa(
+        &mut encoder,
+        Kv::Sequence(&c, s),
+        0,
+        Queries::new(&qb2, 1, 2, 4),
+        &grown,
+        &opts,
+    )
+    .unwrap();
+    g.queue.submit([encoder.finish()]);
+    let got = super::read_f32(g, &grown).await;
+    super::assert_close(&got, &want(&q2, 3), "attention over the grown table");
+    // And in a submission of its own, through the grown table.
+    c.advance(s, 1).unwrap();
+    let later = super::output(&g.device, 8).await;
+    att.gqa(
+        Kv::Sequence(&c, s),
+        0,
+        Queries::new(&qb1, 1, 2, 4),
+        &later,
+        &opts,
+    )
+    .unwrap();
+    let got = super::read_f32(g, &later).await;
+    super::assert_close(
+        &got,
+        &want(&q1, 3),
+        "a later attention over the grown table",
+    );
+}
