@@ -223,6 +223,11 @@ pub enum Error {
     #[error("the buffer belongs to another device (wgpu refused to bind it: {reason})")]
     ForeignBuffer { reason: String },
 
+    /// [`verify_buffer`](crate::verify_buffer) found a buffer no device can use: the app destroyed
+    /// it, or its creation failed ([`BufferProblem::Destroyed`], [`BufferProblem::Invalid`]).
+    #[error("the buffer cannot be used: {problem}")]
+    UnusableBuffer { problem: BufferProblem },
+
     /// In a browser, a synchronous call was given a buffer that
     /// [`verify_buffer`](crate::verify_buffer) has not accepted for this device: WebGPU reports a
     /// buffer of another device only asynchronously, so the call cannot check it before recording.

@@ -9,12 +9,15 @@
 //! the buffer nor the device alive), and a synchronous call given a buffer it has not seen is
 //! refused with [`Error::UnverifiedBuffer`] before anything is recorded.
 
-use crate::error::{Error, Result};
+use crate::error::{BufferProblem, Error, Result};
+use crate::kernels::{Held, held};
 
 /// Checks that kvgpu may bind or copy `buffer` on `device`, and remembers the answer where a
 /// synchronous call cannot find it out itself (in a browser).
 ///
-/// A buffer of another device is refused with [`Error::ForeignBuffer`]. The probe binds the buffer's
+/// A buffer of another device is refused with [`Error::ForeignBuffer`]; natively, one the app
+/// destroyed or whose creation failed with [`Error::UnusableBuffer`] (a browser does not tell: there
+/// such a buffer is refused as another device's, or reported by WebGPU at submit). The probe binds the buffer's
 /// first word as read-only storage when it has `STORAGE` usage, otherwise copies it when it has
 /// `COPY_SRC`; nothing is submitted. A buffer with neither usage, or under 4 bytes, cannot be used
 /// by kvgpu at all: it is not probed and returns `Ok`, and the calls that would use it refuse it
@@ -28,6 +31,15 @@ pub async fn verify_buffer(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Resu
     let storage = usage.contains(wgpu::BufferUsages::STORAGE);
     if buffer.size() < 4 || !(storage || usage.contains(wgpu::BufferUsages::COPY_SRC)) {
         return Ok(());
+    }
+    // Asked first: the probe would fail on such a buffer too, and read as another device's.
+    let problem = match held(buffer) {
+        Held::Destroyed => Some(BufferProblem::Destroyed),
+        Held::Invalid => Some(BufferProblem::Invalid),
+        Held::No | Held::Mapped => None,
+    };
+    if let Some(problem) = problem {
+        return Err(Error::UnusableBuffer { problem });
     }
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
     if storage {

@@ -2067,11 +2067,23 @@ fn read_buffer_of_a_destroyed_buffer() {
     b.destroy();
     let e = read_buffer(&g.device, &g.queue, &b, 0, 4).unwrap_err();
     assert!(e.to_string().contains("destroyed"), "{e}");
+    // verify_buffer named it another device's: its probe fails on a destroyed buffer too.
+    let e = pollster::block_on(verify_buffer(&g.device, &b)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::UnusableBuffer {
+                problem: BufferProblem::Destroyed
+            }
+        ),
+        "{e}"
+    );
 }
 
 /// A buffer whose creation failed (an invalid usage, caught by an error scope) was refused as
 /// "mapped", a wrong word: wgpu refuses a view of it as invalid, and `held` counted any refusal
-/// but "not mapped" and "destroyed" as a mapping. `read_buffer`, `append_gpu` and attention now
+/// but "not mapped" and "destroyed" as a mapping (and `verify_buffer` called it another
+/// device's). `read_buffer`, `verify_buffer`, `append_gpu` and attention now
 /// name it invalid, and change nothing. wgpu quotes the label inside its messages, so `held` reads
 /// only how a message ends: this buffer's label is the phrase wgpu uses for an unmapped buffer.
 #[test]
@@ -2089,6 +2101,16 @@ fn an_invalid_buffer_is_refused_as_invalid() {
     assert!(error.is_some(), "MAP_WRITE with STORAGE was taken");
     let e = read_buffer(&g.device, &g.queue, &b, 0, 16).unwrap_err();
     assert!(e.to_string().contains("invalid"), "{e}");
+    let e = pollster::block_on(verify_buffer(&g.device, &b)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::UnusableBuffer {
+                problem: BufferProblem::Invalid
+            }
+        ),
+        "{e}"
+    );
 
     let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap());
     let (ledger, words) = (c.ledger().clone(), snapshot(&c));
