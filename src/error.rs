@@ -228,6 +228,19 @@ pub enum Error {
     #[error("the buffer cannot be used: {problem}")]
     UnusableBuffer { problem: BufferProblem },
 
+    /// A slot buffer the app destroyed through a view ([`crate::KvCache::view`],
+    /// [`crate::PagedCache::pool_view`]; [`BufferProblem::Destroyed`]): no call that uses the slot
+    /// can run again, and the cache has to be made anew.
+    #[error(
+        "layer {layer} slot {slot}: the slot buffer cannot be used: {problem} through a view; make \
+         the cache anew"
+    )]
+    UnusableSlot {
+        layer: usize,
+        slot: usize,
+        problem: BufferProblem,
+    },
+
     /// In a browser, a synchronous call was given a buffer that
     /// [`verify_buffer`](crate::verify_buffer) has not accepted for this device: WebGPU reports a
     /// buffer of another device only asynchronously, so the call cannot check it before recording.

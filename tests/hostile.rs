@@ -9,9 +9,9 @@
 //!
 //! Each sweep collects its failures (panics included) and reports them all at once, with the input.
 //! The tests after the sweeps are the defects the first run of these sweeps found, one each. The
-//! `known_defect_*` tests still marked `#[ignore]` are what kvgpu does not detect yet (a slot buffer
-//! the app destroyed through a view, a `map_async` still pending: wgpu reports them only at
-//! `Queue::submit`); run them with `cargo test --test hostile -- --ignored`.
+//! `known_defect_*` test still marked `#[ignore]` is what kvgpu does not detect yet (a `map_async`
+//! still pending: wgpu reports it only at `Queue::submit`); run it with
+//! `cargo test --test hostile -- --ignored`.
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
@@ -2264,20 +2264,162 @@ fn attention_soft_cap_so_large_that_tanh_underflows() {
     assert_eq!(mismatch(&got, &want), None, "gpu {got:?}, twin {want:?}");
 }
 
-/// `SlotView::buffer` is a `&wgpu::Buffer`, and `wgpu::Buffer::destroy` takes `&self`: after
-/// `cache.full_view(0, 0)?.buffer.destroy()`, `cache.reset()` panics inside wgpu: "In Queue::submit:
-/// In a dispatch command, indirect:false: Buffer with 'kvgpu layer 0 k' label has been destroyed".
-/// (`reset` returns `()`, so it cannot refuse; the view may need to hand out less than the buffer.)
+/// Checks that `got` is the refusal of slot `(layer, slot)`, destroyed.
+fn destroyed<T: Debug>((layer, slot): (usize, usize), got: Result<T>) {
+    match got {
+        Err(Error::UnusableSlot {
+            layer: l,
+            slot: s,
+            problem: BufferProblem::Destroyed,
+        }) if (l, s) == (layer, slot) => {}
+        other => {
+            panic!("layer {layer} slot {slot} destroyed: expected UnusableSlot, got {other:?}")
+        }
+    }
+}
+
+/// `SlotView::buffer` is the slot's `&wgpu::Buffer`, and `wgpu::Buffer::destroy` takes `&self`.
+/// Once the app destroys it, every call that would use the slot is refused with
+/// `Error::UnusableSlot` naming it and changes nothing, and no wgpu validation error is raised
+/// (natively one panics: before, `reset` panicked in `Queue::submit`, "Buffer with 'kvgpu layer 0 k'
+/// label has been destroyed"). `reset` skips the slot. The other layer keeps working.
 #[test]
-#[ignore = "known defect in src/cache/slabs.rs: a view hands out the slot buffer, which the app can destroy"]
-fn known_defect_destroyed_slot_buffer() {
+fn a_slot_buffer_destroyed_through_a_view() {
     let _serial = serial();
-    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
-    append_random(&mut c, 0, 2, 1);
-    c.full_view(0, 0).unwrap().buffer.destroy();
-    let _ = c.truncate_and_scrub(0);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4); 2], DType::F32, 8).unwrap();
+    let mut c = cache(spec.clone());
+    for layer in 0..2 {
+        append_random(&mut c, layer, 2, layer as u64);
+    }
+    c.advance(2).unwrap();
+    let layer_1 = c.read_f32(1, 1).unwrap();
+    c.view(0, 1).unwrap().buffer.destroy();
+    let at = (0, 1);
+    let (k, shape) = (values(3, 4), [1, 1, 4]);
+    let slabs = [HostSlab::f32(&k, &shape), HostSlab::f32(&k, &shape)];
+    let source = f32_buffer(&k, USAGE);
+    let gpu_slab = GpuSlab {
+        buffer: &source,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: None,
+    };
+    destroyed(at, c.append(0, &slabs));
+    destroyed(at, c.append_layers(&[&slabs, &slabs]));
+    destroyed(at, c.append_gpu(0, &[gpu_slab, gpu_slab]));
+    destroyed(at, c.truncate_and_scrub(1));
+    destroyed(at, c.read_f32(0, 1));
+    destroyed(at, c.read_full_words(0, 1));
+    destroyed(at, c.snapshot());
+    let q = f32_buffer(&[1.0; 4], USAGE);
+    let out = f32_buffer(&[0.0; 4], USAGE);
+    let mut att = Attention::for_cache(&c);
+    destroyed(at, att.prepare(&c, 1));
+    destroyed(
+        at,
+        att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &Default::default()),
+    );
+    assert_eq!((c.len(), c.visible(0).unwrap()), (2, 2));
+    // The slots left: slot 0 of layer 0 reads, layer 1 attends and appends.
+    assert_eq!(c.read_f32(0, 0).unwrap().len(), 8);
+    att.gqa(&c, 1, Queries::new(&q, 1, 1, 4), &out, &Default::default())
+        .unwrap();
+    c.append(1, &slabs).unwrap();
+    assert_eq!(c.read_f32(1, 1).unwrap()[..8], layer_1[..]);
+    // Truncating to the length drops no row, so it writes nothing and is not refused.
+    c.truncate_and_scrub(2).unwrap();
     c.reset();
-    let _ = c.read_f32(0, 1);
+    assert_eq!(c.len(), 0);
+    assert!(c.read_f32(1, 0).unwrap().is_empty());
+    let mut full = cache(spec);
+    for layer in 0..2 {
+        append_random(&mut full, layer, 2, 7);
+    }
+    full.advance(2).unwrap();
+    let snapshot = full.snapshot().unwrap();
+    destroyed(at, c.import(&snapshot));
+    destroyed(at, c.import_from(&snapshot[..]));
+    assert_eq!(c.len(), 0);
+}
+
+/// A pool buffer the app destroyed through `PagedCache::pool_view` (as
+/// `a_slot_buffer_destroyed_through_a_view`): appends, reads, snapshots and attention that would use
+/// it are refused; a fork's private page copy touches every layer, so it is refused in any layer.
+#[test]
+fn a_pool_buffer_destroyed_through_a_view() {
+    let _serial = serial();
+    let g = gpu();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4); 2], DType::F32, 16).unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 4, 8).unwrap();
+    let (k, shape) = (values(4, 8), [2, 1, 4]);
+    let slabs = [HostSlab::f32(&k, &shape), HostSlab::f32(&k, &shape)];
+    let s = pool.add_sequence().unwrap();
+    for layer in 0..2 {
+        pool.append(s, layer, &slabs).unwrap();
+    }
+    pool.advance(s, 2).unwrap();
+    let snapshot = pool.snapshot_sequence(s).unwrap();
+    let fork = pool.fork(s, 2).unwrap();
+    pool.pool_view(1, 0).unwrap().buffer.destroy();
+    let at = (1, 0);
+    let (one, one_shape) = (values(5, 4), [1, 1, 4]);
+    let row = [
+        HostSlab::f32(&one, &one_shape),
+        HostSlab::f32(&one, &one_shape),
+    ];
+    let source = f32_buffer(&one, USAGE);
+    let gpu_slab = GpuSlab {
+        buffer: &source,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &one_shape,
+        strides: None,
+    };
+    destroyed(at, pool.append(s, 1, &row));
+    destroyed(at, pool.append_batch(1, &[(s, 1)], &row));
+    destroyed(at, pool.append_gpu(s, 1, &[gpu_slab, gpu_slab]));
+    // The fork shares a partly filled page: its first append copies the page in every layer.
+    destroyed(at, pool.append(fork, 0, &row));
+    destroyed(at, pool.append_gpu(fork, 0, &[gpu_slab, gpu_slab]));
+    destroyed(at, pollster::block_on(pool.read_f32_async(s, 1, 0)));
+    destroyed(at, pool.snapshot_sequence(s));
+    destroyed(at, pool.import_sequence(&snapshot));
+    let q = f32_buffer(&[1.0; 4], USAGE);
+    let out = f32_buffer(&[0.0; 4], USAGE);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    destroyed(at, att.prepare_paged(&pool, 1));
+    let opts = AttentionOptions::default();
+    destroyed(
+        at,
+        att.gqa(
+            Kv::Sequence(&pool, s),
+            1,
+            Queries::new(&q, 1, 1, 4),
+            &out,
+            &opts,
+        ),
+    );
+    assert_eq!(pool.ledger().sequences().count(), 2);
+    assert_eq!(pool.free_pages(), 8 - 1);
+    assert_eq!(
+        (pool.len(s).unwrap(), pool.visible(fork, 0).unwrap()),
+        (2, 2)
+    );
+    // Layer 0 of a sequence that shares no page appends, reads and attends (`s` shares its page
+    // with the fork: its append would copy it too).
+    let t = pool.add_sequence().unwrap();
+    pool.append(t, 0, &row).unwrap();
+    let rows = pollster::block_on(pool.read_f32_async(t, 0, 0)).unwrap();
+    assert_eq!(rows, one);
+    att.gqa(
+        Kv::Sequence(&pool, t),
+        0,
+        Queries::new(&q, 1, 1, 4),
+        &out,
+        &opts,
+    )
+    .unwrap();
 }
 
 /// A device that binds more than its largest buffer holds (storage bindings of the adapter's

@@ -57,19 +57,28 @@ fn step_layers(cache: &mut KvCache, k: &[f16], v: &[f16]) -> Result<()> {
     Ok(())
 }
 
-/// The cache's slot buffers and row sizes, K and V of each layer in turn.
-fn buffers(cache: &KvCache) -> Result<Vec<(wgpu::Buffer, u64)>> {
+/// Buffers of a cache's size and usage, K and V of each layer in turn, with their row sizes: where
+/// the raw step writes. Not the cache's own buffers: a slot whose view was handed out is asked
+/// whether the app destroyed it on each use, which the measured steps must not pay.
+fn raw_buffers(gpu: &Gpu, spec: &CacheSpec) -> Result<Vec<(wgpu::Buffer, u64)>> {
     let mut out = Vec::new();
     for layer in 0..LAYERS {
         for slot in 0..2 {
-            let view = cache.full_view(layer, slot)?;
-            out.push((view.buffer.clone(), view.row_bytes));
+            let buffer = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("bench raw step"),
+                size: spec.slot_bytes(layer, slot)?,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            out.push((buffer, spec.row_bytes(layer, slot)?));
         }
     }
     Ok(out)
 }
 
-/// The same bytes written straight into the cache's buffers at row `pos`, without kvgpu.
+/// The same bytes written straight into buffers like the cache's at row `pos`, without kvgpu.
 fn raw_step(
     queue: &wgpu::Queue,
     bufs: &[(wgpu::Buffer, u64)],
@@ -226,7 +235,7 @@ pub fn run(
         fill(&mut near, 10)?;
         fill(&mut far, 4000)?;
         timer.wait()?;
-        let far_bufs = buffers(&far)?;
+        let far_bufs = raw_buffers(gpu, &spec)?;
         let mut a = || -> Result<f64> {
             let t = timer.host(|| step(&mut near, &k, &v))?;
             near.truncate(10)?;
@@ -299,7 +308,7 @@ pub fn run(
     let mut vec_pts = Vec::new();
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
     fill(&mut cache, max_ctx)?;
-    let bufs = buffers(&cache)?;
+    let bufs = raw_buffers(gpu, &spec)?;
     let mut candle = Candle::new(cap)?;
     let mut flat = FlatVec {
         slots: (0..2 * LAYERS).map(|_| vec![0.0f32; cap * ROW]).collect(),

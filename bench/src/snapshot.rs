@@ -34,7 +34,9 @@ pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Resul
     cache.advance(len)?;
     let mut bytes = cache.snapshot()?;
     let rows_bytes = spec.bytes_per_token() * len as u64;
-    // The slot buffers and the bytes of their rows, for the plain readback and upload.
+    // The slot buffers and the bytes of their rows, for the plain readback and upload. Viewing them
+    // makes each export ask whether the app destroyed them: 16 checks of about 0.6 us, against
+    // milliseconds of readback.
     let mut slots = Vec::new();
     for layer in 0..LAYERS {
         for slot in 0..2 {

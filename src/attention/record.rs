@@ -579,9 +579,11 @@ pub(super) fn slot_rows(
     d_a: usize,
     d_v: usize,
 ) -> Result<SlotRows> {
+    // A slot buffer the app destroyed through a view would fail the submission.
+    cache.check_layer_usable(layer)?;
     let (a, b, v) = kind.slots();
     let words = |slot: usize| -> Result<usize> {
-        Ok((cache.full_view(layer, slot)?.row_bytes / 4) as usize)
+        Ok((cache.slot_view(layer, slot, true)?.row_bytes / 4) as usize)
     };
     let dtype = |slot: usize| cache.spec().slot_dtype(layer, slot);
     let scale = |slot: usize| Ok::<_, Error>(cache.spec().slot_scale(layer, slot)?.unwrap_or(1.0));

@@ -29,6 +29,7 @@ impl KvCache {
             .ledger
             .plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
         let [run] = plan.runs();
+        self.check_layer_usable(layer)?;
         let moves = self.prepare_gpu_runs(layer, slabs, plan.n_new, &[(0, run)])?;
         self.record_gpu_moves(encoder, layer, slabs, moves);
         self.ledger.commit_append(plan);

@@ -11,11 +11,14 @@ mod staged;
 mod step;
 mod zero;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes};
-use crate::error::{Error, Result};
-use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing, VECTOR_BYTES, binding_limit};
+use crate::error::{BufferProblem, Error, Result};
+use crate::kernels::{
+    GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, binding_limit, held,
+};
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits};
@@ -36,6 +39,9 @@ struct SlotBuffer {
     zero_group: wgpu::BindGroup,
     /// The buffer is whole 32-byte vectors and the device has the zeroing kernel of 64-bit words.
     zero_int64: bool,
+    /// A view of the buffer was handed to the app, which may destroy it (`wgpu::Buffer::destroy`
+    /// takes `&self`): every call that uses the slot asks wgpu first ([`SlotBuffer::unusable`]).
+    viewed: AtomicBool,
 }
 
 impl SlotBuffer {
@@ -49,6 +55,20 @@ impl SlotBuffer {
     fn inv_scale_bits(&self) -> u32 {
         self.scale
             .map_or(0, |s| crate::codec::inverse_scale(s).to_bits())
+    }
+
+    /// Whether the app destroyed the buffer through a view. Only a slot whose view was handed out is
+    /// asked, natively: asking costs about 0.5-2 us (a formatted wgpu error). WebGPU has no word for a destroyed
+    /// buffer (it reports one at submit), so in a browser nothing is asked.
+    fn unusable(&self) -> Option<BufferProblem> {
+        if cfg!(target_arch = "wasm32") || !self.viewed.load(Ordering::Relaxed) {
+            return None;
+        }
+        match held(&self.buffer) {
+            Held::Destroyed => Some(BufferProblem::Destroyed),
+            Held::Invalid => Some(BufferProblem::Invalid),
+            Held::No | Held::Mapped => None,
+        }
     }
 }
 
@@ -199,6 +219,7 @@ impl KvCache {
                             placement: Placement { row_bytes },
                             zero_group,
                             zero_int64: int64 && size % zero_vector_bytes(true) == 0,
+                            viewed: AtomicBool::new(false),
                         }
                     })
                     .collect()
@@ -350,6 +371,30 @@ impl KvCache {
         Ok(&self.slots[layer][slot])
     }
 
+    /// Refuses a slot of `layer` whose buffer the app destroyed through a view
+    /// ([`Error::UnusableSlot`]). A layer the cache lacks has no slot to refuse.
+    pub(crate) fn check_layer_usable(&self, layer: usize) -> Result<()> {
+        let slots = self.slots.get(layer).map_or(0, Vec::len);
+        (0..slots).try_for_each(|slot| self.check_slot_usable(layer, slot))
+    }
+
+    /// [`KvCache::check_layer_usable`] of every layer.
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        (0..self.slots.len()).try_for_each(|layer| self.check_layer_usable(layer))
+    }
+
+    /// Refuses one slot whose buffer the app destroyed through a view; `(layer, slot)` exists.
+    fn check_slot_usable(&self, layer: usize, slot: usize) -> Result<()> {
+        match self.slots[layer][slot].unusable() {
+            Some(problem) => Err(Error::UnusableSlot {
+                layer,
+                slot,
+                problem,
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Appends one slab per slot of `layer` from host memory. The rows reach the GPU at the next queue
     /// submission, ahead of the commands submitted with it.
     pub fn append(&mut self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<AppendPlan> {
@@ -358,6 +403,7 @@ impl KvCache {
             .plan_append_with(layer, slabs.len(), |s| slabs[s].shape)?;
         let [run] = plan.runs();
         self.check_host_slabs(layer, slabs)?;
+        self.check_layer_usable(layer)?;
         self.write_host_runs(layer, slabs, &[(0, run)]);
         self.ledger.commit_append(plan);
         Ok(plan)
@@ -434,6 +480,9 @@ impl KvCache {
         new_len: usize,
     ) -> Result<()> {
         let dropped = self.ledger.plan_truncate(new_len)?;
+        for d in dropped.iter().filter(|d| d.run().n_rows > 0) {
+            self.check_layer_usable(d.layer)?;
+        }
         let ranges: Vec<ZeroRange> = dropped
             .iter()
             .flat_map(|d| {
@@ -465,10 +514,13 @@ impl KvCache {
     }
 
     /// Records the zeroing of the whole cache (one zeroing-kernel dispatch per slot buffer, all in one
-    /// compute pass) and sets the length to 0.
+    /// compute pass) and sets the length to 0. A slot buffer the app destroyed through a view is
+    /// skipped: nothing is left to zero there, and every later call that uses it is refused
+    /// ([`Error::UnusableSlot`]).
     pub fn record_reset(&mut self, encoder: &mut wgpu::CommandEncoder) {
         let ranges: Vec<ZeroRange> = (0..self.slots.len())
             .flat_map(|layer| (0..self.slots[layer].len()).map(move |slot| (layer, slot)))
+            .filter(|&(layer, slot)| self.slots[layer][slot].unusable().is_none())
             .map(|(layer, slot)| ZeroRange {
                 layer,
                 slot,

@@ -162,6 +162,7 @@ impl KvCache {
     /// next slot's copy running while this one is checksummed and written, so besides what `out`
     /// keeps the host holds two staging buffers as large as the largest slot's committed rows.
     pub async fn export_async<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
+        self.check_usable()?;
         let len = self.len();
         let mut writer = SnapshotWriter::new(out, &self.spec, len, 0)?;
         let slots: Vec<SlotRows<'_>> = self
@@ -260,6 +261,7 @@ impl KvCache {
 
     /// The appends of `len` rows to every layer with slots, checked against the capacity.
     fn plan_import(&self, len: usize) -> Result<Vec<AppendPlan>> {
+        self.check_usable()?;
         let shapes: Vec<Vec<Vec<usize>>> = self
             .spec
             .layers()

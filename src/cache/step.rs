@@ -23,6 +23,9 @@ impl KvCache {
         slabs: &[&[HostSlab<'_>]],
     ) -> Result<()> {
         let plans = self.plan_layers(slabs)?;
+        for plan in plans.iter().flatten() {
+            self.check_layer_usable(plan.layer)?;
+        }
         let total: u64 = plans
             .iter()
             .filter_map(|p| p.as_ref())

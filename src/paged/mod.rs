@@ -423,6 +423,7 @@ impl PagedCache {
             .ledger
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
         self.store.check_host_slabs(layer, slabs)?;
+        self.check_usable(layer, std::slice::from_ref(&plan))?;
         self.write_host(layer, slabs, &[plan]);
         Ok(())
     }
@@ -440,6 +441,7 @@ impl PagedCache {
     ) -> Result<()> {
         let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
         self.store.check_host_slabs(layer, slabs)?;
+        self.check_usable(layer, &plans)?;
         self.write_host(layer, slabs, &plans);
         Ok(())
     }
@@ -486,6 +488,16 @@ impl PagedCache {
     /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
     /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
     /// (landing at the next submission, after the copies).
+    /// Refuses an append to `layer` by `plans` that would use a slot buffer the app destroyed
+    /// through [`PagedCache::pool_view`]: the layer's, and every layer's when a shared page is copied.
+    fn check_usable(&self, layer: usize, plans: &[PagedPlan]) -> Result<()> {
+        if plans.iter().any(|p| !p.copies.is_empty()) {
+            self.store.check_usable()
+        } else {
+            self.store.check_layer_usable(layer)
+        }
+    }
+
     fn write_host(&mut self, layer: usize, slabs: &[HostSlab<'_>], plans: &[PagedPlan]) {
         let runs = moving_runs(plans);
         let mut encoder = None;
@@ -588,6 +600,7 @@ impl PagedCache {
         rows: usize,
         plans: &[PagedPlan],
     ) -> Result<()> {
+        self.check_usable(layer, plans)?;
         let runs = moving_runs(plans);
         let copy_runs = if self.kernels().is_cpu() {
             COPY_RUNS_CPU
@@ -637,7 +650,7 @@ impl PagedCache {
     }
 
     /// The whole pool buffer of a slot, every page, for the app's own kernels (rows of page `p` start
-    /// at row `p · page_size`).
+    /// at row `p · page_size`). The app must not destroy the buffer (see [`KvCache::view`]).
     pub fn pool_view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
         self.store.full_view(layer, slot)
     }
@@ -700,7 +713,7 @@ impl PagedCache {
                 for slot in 0..self.spec.layers()[layer].slots.len() {
                     let view = self
                         .store
-                        .full_view(layer, slot)
+                        .slot_view(layer, slot, true)
                         .expect("a slot of the spec");
                     let size = rows as u64 * view.row_bytes;
                     if size == 0 {

@@ -21,13 +21,14 @@ impl PagedCache {
     ) -> Result<u64> {
         let len = self.ledger.len(seq)?;
         let pages = self.ledger.pages(seq)?;
+        self.store.check_usable()?;
         let p = self.page_size();
         let mut writer = SnapshotWriter::new(out, &self.spec, len, p)?;
         // Each slot's rows through the sequence's pages.
         let mut slots = Vec::new();
         for layer in 0..self.spec.n_layers() {
             for slot in 0..self.spec.layers()[layer].slots.len() {
-                let view = self.store.full_view(layer, slot)?;
+                let view = self.store.slot_view(layer, slot, true)?;
                 let row_bytes = view.row_bytes;
                 let ranges: Vec<(u64, u64)> = (0..len.div_ceil(p))
                     .map(|i| {
@@ -109,6 +110,7 @@ impl PagedCache {
     /// A new sequence of `len` rows in every layer with slots, planned on a copy of the ledger
     /// (admission, pages, the longest sequence), which replaces it once the rows are written.
     fn plan_import(&self, len: usize) -> Result<ImportPlan> {
+        self.store.check_usable()?;
         let mut ledger = self.ledger.clone();
         let seq = ledger.add()?;
         ledger.admits(&[(seq, len)])?;
@@ -178,7 +180,11 @@ impl SequenceImport<'_> {
     pub fn finish(self) -> Result<SeqId> {
         let header = self.stream.finish()?;
         let plan = match self.plan {
-            Some(plan) => plan,
+            Some(plan) => {
+                // Planned when the header came; a slot buffer may have been destroyed since.
+                self.pool.store.check_usable()?;
+                plan
+            }
             None => self.pool.plan_import(header.len)?,
         };
         let row = self.pool.take_table_row()?;
