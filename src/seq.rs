@@ -20,9 +20,14 @@ impl SeqId {
     pub const FIRST: SeqId = SeqId { pool: 0, n: 0 };
 }
 
+/// `sequence 3 of pool 7`: errors name the pool too, so that an id given to another pool reads as
+/// what it is. The sequence of a single-sequence cache is `sequence 0`.
 impl std::fmt::Display for SeqId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "sequence {}", self.n)
+        match self.pool {
+            0 => write!(f, "sequence {}", self.n),
+            pool => write!(f, "sequence {} of pool {pool}", self.n),
+        }
     }
 }
 
@@ -35,5 +40,16 @@ pub(crate) fn pool_tag() -> u32 {
         if tag != 0 {
             return tag;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_id_names_its_pool() {
+        assert_eq!(SeqId::FIRST.to_string(), "sequence 0");
+        assert_eq!(SeqId { pool: 7, n: 3 }.to_string(), "sequence 3 of pool 7");
     }
 }

@@ -162,6 +162,11 @@ impl PageLedger {
         self.seqs.get(&seq).ok_or(Error::UnknownSequence { seq })
     }
 
+    /// The tag of this pool's ids (`sequence 3 of pool 7` in errors).
+    pub(crate) fn pool(&self) -> u32 {
+        self.pool
+    }
+
     /// Refuses an id another pool handed out.
     pub(crate) fn check_pool(&self, seq: SeqId) -> Result<()> {
         if seq.pool == self.pool {

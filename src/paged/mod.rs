@@ -106,6 +106,7 @@ const FIRST_TABLE_ROWS: usize = 8;
 impl std::fmt::Debug for PagedCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PagedCache")
+            .field("pool", &self.ledger.pool())
             .field("dtype", &self.spec.dtype())
             .field("layers", &self.spec.n_layers())
             .field("page_size", &self.ledger.page_size())
