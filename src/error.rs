@@ -228,12 +228,12 @@ pub enum Error {
     #[error("the buffer cannot be used: {problem}")]
     UnusableBuffer { problem: BufferProblem },
 
-    /// A slot buffer the app destroyed through a view ([`crate::KvCache::view`],
-    /// [`crate::PagedCache::pool_view`]; [`BufferProblem::Destroyed`]): no call that uses the slot
-    /// can run again, and the cache has to be made anew.
+    /// A slot buffer handed out by a view ([`crate::KvCache::view`], [`crate::KvCache::full_view`],
+    /// [`crate::PagedCache::pool_view`]) that the app destroyed ([`BufferProblem::Destroyed`]; natively
+    /// only): no call that uses the slot can run again, and the cache or pool has to be made anew.
     #[error(
-        "layer {layer} slot {slot}: the slot buffer cannot be used: {problem} through a view; make \
-         the cache anew"
+        "layer {layer} slot {slot}: the slot buffer handed out by a view cannot be used ({problem}); \
+         make the cache or pool anew"
     )]
     UnusableSlot {
         layer: usize,

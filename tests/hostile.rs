@@ -2327,8 +2327,10 @@ fn a_slot_buffer_destroyed_through_a_view() {
         .unwrap();
     c.append(1, &slabs).unwrap();
     assert_eq!(c.read_f32(1, 1).unwrap()[..8], layer_1[..]);
-    // Truncating to the length drops no row, so it writes nothing and is not refused.
+    // Truncating to the length drops only layer 1's pending row: layer 0 is not written, so the call
+    // is not refused.
     c.truncate_and_scrub(2).unwrap();
+    assert_eq!((c.visible(0).unwrap(), c.visible(1).unwrap()), (2, 2));
     c.reset();
     assert_eq!(c.len(), 0);
     assert!(c.read_f32(1, 0).unwrap().is_empty());

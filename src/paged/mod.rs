@@ -485,10 +485,6 @@ impl PagedCache {
         Ok(plans)
     }
 
-    /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
-    /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
-    /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
-    /// (landing at the next submission, after the copies).
     /// Refuses an append to `layer` by `plans` that would use a slot buffer the app destroyed
     /// through [`PagedCache::pool_view`]: the layer's, and every layer's when a shared page is copied.
     fn check_usable(&self, layer: usize, plans: &[PagedPlan]) -> Result<()> {
@@ -499,6 +495,10 @@ impl PagedCache {
         }
     }
 
+    /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
+    /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
+    /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
+    /// (landing at the next submission, after the copies).
     fn write_host(&mut self, layer: usize, slabs: &[HostSlab<'_>], plans: &[PagedPlan]) {
         let runs = moving_runs(plans);
         let mut encoder = None;

@@ -1932,8 +1932,11 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
     let ours = b.add_sequence().unwrap();
     b.append(ours, 0, &slabs).unwrap();
     b.advance(ours, 2).unwrap();
-    // Both are their pool's first sequence: the same number, told apart by their pools.
-    assert_eq!(format!("{theirs}"), format!("{ours}"));
+    // Both are their pool's first sequence: the same number, told apart by their pools (in their
+    // names too).
+    let (t, o) = (format!("{theirs}"), format!("{ours}"));
+    assert!(t.starts_with("sequence 0 of pool ") && o.starts_with("sequence 0 of pool "));
+    assert_ne!(t, o);
     assert_ne!(theirs, ours);
 
     let ledger = b.ledger().clone();
