@@ -93,7 +93,7 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Te
 }
 
 /// The pass-1 kernel to measure: `KVGPU_BENCH_KERNEL=auto|tiled|shared|subgroup|alone` (default auto).
-fn kernel_choice() -> Result<KernelChoice> {
+pub(crate) fn kernel_choice() -> Result<KernelChoice> {
     Ok(
         match std::env::var("KVGPU_BENCH_KERNEL")
             .as_deref()
@@ -148,7 +148,7 @@ fn candle_inputs(
     Ok((qt, kt, vt))
 }
 
-enum Kind {
+pub(crate) enum Kind {
     Gqa,
     Mla,
 }
@@ -169,6 +169,113 @@ pub fn run(
     Ok(())
 }
 
+/// A layer shape of the attention parts: Llama-3-8B's GQA or DeepSeek-V2-Lite's MLA.
+pub(crate) struct Shape {
+    pub label: &'static str,
+    pub layer: LayerSpec,
+    pub heads: usize,
+    /// KV heads (1 for MLA's shared latent).
+    pub groups: usize,
+    pub dk: usize,
+    pub dv: usize,
+    /// MLA's rope part of the keys (0 for GQA).
+    pub dr: usize,
+}
+
+impl Shape {
+    pub(crate) fn of(kind: &Kind) -> Shape {
+        match kind {
+            Kind::Gqa => Shape {
+                label: "GQA Llama-3-8B layer",
+                layer: LayerSpec::kv(8, 128, 128),
+                heads: 32,
+                groups: 8,
+                dk: 128,
+                dv: 128,
+                dr: 0,
+            },
+            Kind::Mla => Shape {
+                label: "MLA DeepSeek-V2-Lite layer",
+                layer: LayerSpec::mla(512, 64),
+                heads: 16,
+                groups: 1,
+                dk: 512,
+                dv: 512,
+                dr: 64,
+            },
+        }
+    }
+}
+
+/// f32 query (and MLA rope query) buffers of up to `most` queries, filled, and an output buffer.
+pub(crate) struct Inputs {
+    pub q: wgpu::Buffer,
+    pub q_rope: wgpu::Buffer,
+    pub out: wgpu::Buffer,
+}
+
+impl Inputs {
+    pub(crate) fn new(gpu: &Gpu, shape: &Shape, most: usize) -> Inputs {
+        let Shape {
+            heads, dk, dv, dr, ..
+        } = *shape;
+        let q = storage(&gpu.device, (most * heads * dk * 4) as u64, "bench q");
+        let q_rope = storage(
+            &gpu.device,
+            (most * heads * dr.max(1) * 4) as u64,
+            "bench q_rope",
+        );
+        let out = storage(
+            &gpu.device,
+            (most * heads * dv * 4) as u64,
+            "bench attention out",
+        );
+        gpu.queue
+            .write_buffer(&q, 0, bytemuck::cast_slice(&values(most * heads * dk, 11)));
+        if dr > 0 {
+            gpu.queue.write_buffer(
+                &q_rope,
+                0,
+                bytemuck::cast_slice(&values(most * heads * dr, 13)),
+            );
+        }
+        Inputs { q, q_rope, out }
+    }
+
+    /// Records one call of the first `n_q` queries over layer 0 of `cache`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record(
+        &self,
+        kind: &Kind,
+        shape: &Shape,
+        attn: &mut Attention,
+        cache: &KvCache,
+        enc: &mut wgpu::CommandEncoder,
+        n_q: usize,
+        opts: &AttentionOptions,
+    ) -> Result<()> {
+        let Shape { heads, dk, dr, .. } = *shape;
+        match kind {
+            Kind::Gqa => attn.record_gqa(
+                enc,
+                cache,
+                0,
+                Queries::new(&self.q, n_q, heads, dk),
+                &self.out,
+                opts,
+            )?,
+            Kind::Mla => {
+                let mla = MlaQueries {
+                    latent: Queries::new(&self.q, n_q, heads, dk),
+                    rope: Queries::new(&self.q_rope, n_q, heads, dr),
+                };
+                attn.record_mla(enc, cache, 0, mla, &self.out, opts)?
+            }
+        }
+        Ok(())
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn one(
     gpu: &Gpu,
@@ -181,26 +288,17 @@ fn one(
     dtype: DType,
 ) -> Result<()> {
     let max = *cfg.attn_contexts.iter().max().unwrap_or(&512);
-    let (label, layer, heads, groups, dk, dv, dr) = match kind {
-        Kind::Gqa => (
-            "GQA Llama-3-8B layer",
-            LayerSpec::kv(8, 128, 128),
-            32,
-            8,
-            128,
-            128,
-            0,
-        ),
-        Kind::Mla => (
-            "MLA DeepSeek-V2-Lite layer",
-            LayerSpec::mla(512, 64),
-            16,
-            1,
-            512,
-            512,
-            64,
-        ),
-    };
+    let shape = Shape::of(kind);
+    let Shape {
+        label,
+        heads,
+        groups,
+        dk,
+        dv,
+        dr,
+        ..
+    } = shape;
+    let layer = shape.layer.clone();
     let spec = CacheSpec::new(vec![layer.clone()], dtype, max)?;
     let row_bytes = spec.bytes_per_token();
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
@@ -209,26 +307,8 @@ fn one(
     attn.set_kernel(kernel_choice()?);
     // Room for the most queries of a chunked-prefill call.
     let most = PREFILL_QUERIES[PREFILL_QUERIES.len() - 1];
-    let q = storage(&gpu.device, (most * heads * dk * 4) as u64, "bench q");
-    let q_rope = storage(
-        &gpu.device,
-        (most * heads * dr.max(1) * 4) as u64,
-        "bench q_rope",
-    );
-    let out = storage(
-        &gpu.device,
-        (most * heads * dv * 4) as u64,
-        "bench attention out",
-    );
-    gpu.queue
-        .write_buffer(&q, 0, bytemuck::cast_slice(&values(most * heads * dk, 11)));
-    if dr > 0 {
-        gpu.queue.write_buffer(
-            &q_rope,
-            0,
-            bytemuck::cast_slice(&values(most * heads * dr, 13)),
-        );
-    }
+    let inputs = Inputs::new(gpu, &shape, most);
+    let (q, q_rope, out) = (&inputs.q, &inputs.q_rope, &inputs.out);
     let opts = AttentionOptions::default();
     let cdt = if dtype == DType::F16 {
         candle_core::DType::F16
@@ -243,21 +323,7 @@ fn one(
                     cache: &KvCache,
                     enc: &mut wgpu::CommandEncoder,
                     n_q: usize|
-     -> Result<()> {
-        match kind {
-            Kind::Gqa => {
-                attn.record_gqa(enc, cache, 0, Queries::new(&q, n_q, heads, dk), &out, &opts)?
-            }
-            Kind::Mla => {
-                let mla = MlaQueries {
-                    latent: Queries::new(&q, n_q, heads, dk),
-                    rope: Queries::new(&q_rope, n_q, heads, dr),
-                };
-                attn.record_mla(enc, cache, 0, mla, &out, &opts)?
-            }
-        }
-        Ok(())
-    };
+     -> Result<()> { inputs.record(kind, &shape, attn, cache, enc, n_q, &opts) };
     for &ctx in &ctxs {
         cache.truncate(ctx)?;
         let mut record =
@@ -410,16 +476,16 @@ fn one(
                     enc,
                     Kv::Sequence(&pool, seq),
                     0,
-                    Queries::new(&q, 1, heads, dk),
-                    &out,
+                    Queries::new(q, 1, heads, dk),
+                    out,
                     &opts,
                 )?,
                 Kind::Mla => {
                     let mla = MlaQueries {
-                        latent: Queries::new(&q, 1, heads, dk),
-                        rope: Queries::new(&q_rope, 1, heads, dr),
+                        latent: Queries::new(q, 1, heads, dk),
+                        rope: Queries::new(q_rope, 1, heads, dr),
                     };
-                    attn.record_mla(enc, Kv::Sequence(&pool, seq), 0, mla, &out, &opts)?
+                    attn.record_mla(enc, Kv::Sequence(&pool, seq), 0, mla, out, &opts)?
                 }
             }
             Ok(())
@@ -476,29 +542,29 @@ fn one(
                     enc,
                     Kv::Sequence(&many, s),
                     0,
-                    Queries::new(&q, 1, heads, dk),
-                    &out,
+                    Queries::new(q, 1, heads, dk),
+                    out,
                     &opts,
                 )?,
                 (Kind::Gqa, None) => attn.record_gqa(
                     enc,
                     Kv::Batch(&many, &batch),
                     0,
-                    Queries::new(&q, n, heads, dk),
-                    &out,
+                    Queries::new(q, n, heads, dk),
+                    out,
                     &opts,
                 )?,
                 (Kind::Mla, seq) => {
                     let mla = MlaQueries {
-                        latent: Queries::new(&q, n, heads, dk),
-                        rope: Queries::new(&q_rope, n, heads, dr),
+                        latent: Queries::new(q, n, heads, dk),
+                        rope: Queries::new(q_rope, n, heads, dr),
                     };
                     match seq {
                         Some(s) => {
-                            attn.record_mla(enc, Kv::Sequence(&many, s), 0, mla, &out, &opts)?
+                            attn.record_mla(enc, Kv::Sequence(&many, s), 0, mla, out, &opts)?
                         }
                         None => {
-                            attn.record_mla(enc, Kv::Batch(&many, &batch), 0, mla, &out, &opts)?
+                            attn.record_mla(enc, Kv::Batch(&many, &batch), 0, mla, out, &opts)?
                         }
                     }
                 }

@@ -6,6 +6,7 @@
 
 mod attn;
 mod decode;
+mod long;
 mod paged;
 mod plot;
 mod quant;
@@ -83,15 +84,15 @@ fn main() -> Result<()> {
                 plot_from = Some(args.next().context("--plot-from needs a JSON path")?)
             }
             "--only" => {
-                only =
-                    Some(args.next().context(
-                        "--only needs slab, decode, attention, paged, snapshot or quant",
-                    )?)
+                only = Some(args.next().context(
+                    "--only needs slab, decode, attention, long, paged, snapshot or quant",
+                )?)
             }
             "-h" | "--help" => {
                 println!(
-                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|paged|snapshot|quant]\n  \
-                     adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME\n\
+                    "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|long|paged|snapshot|quant]\n  \
+                     adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME; the long part (32k-128k contexts) runs\n  \
+                     in full runs on GPUs only, and on any adapter with --only long\n\
                      kvgpu-bench --plot-from JSON [--plot PATH]\n  \
                      redraws the plot from a recorded run (a JSON written by --json) without measuring"
                 );
@@ -126,34 +127,45 @@ fn main() -> Result<()> {
 
     let wanted = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if wanted("slab") {
-        eprintln!("[1/7] slab writes and references");
+        eprintln!("[1/8] slab writes and references");
         slab::run(&gpu, &timer, &cfg, &mut rows, &roof)?;
     }
     if wanted("decode") {
-        eprintln!("[2/7] decode append steps, peers, reset");
+        eprintln!("[2/8] decode append steps, peers, reset");
         decode::run(&gpu, &timer, &cfg, &mut rows, &mut steps)?;
     }
     if wanted("attention") {
-        eprintln!("[3/7] attention");
+        eprintln!("[3/8] attention");
         attn::run(&gpu, &timer, &cfg, &mut rows, &mut attention, &roof)?;
     }
     drop(roof);
+    // GPU-scale contexts: a 128k layer is 2 GiB of f32 KV, more than a software adapter's bindings
+    // hold, and minutes of lavapipe's time for what fits.
+    let on_gpu = info.device_type != wgpu::DeviceType::Cpu;
+    if only.as_deref() == Some("long") || (only.is_none() && on_gpu) {
+        eprintln!("[4/8] attention at 32k-128k contexts against the device-to-device copy");
+        long::run(&gpu, &timer, &cfg, &mut rows)?;
+    } else if only.is_none() {
+        eprintln!(
+            "[4/8] attention at 32k-128k contexts: skipped on a CPU adapter (--only long runs it)"
+        );
+    }
     if wanted("paged") {
-        eprintln!("[4/7] the paged pool: batched decode, scattered append step, fork");
+        eprintln!("[5/8] the paged pool: batched decode, scattered append step, fork");
         paged::run(&gpu, &timer, &cfg, &mut rows)?;
     }
 
     if wanted("snapshot") {
-        eprintln!("[5/7] snapshots: export and import against plain readback and upload");
+        eprintln!("[6/8] snapshots: export and import against plain readback and upload");
         snapshot::run(&gpu, &timer, &cfg, &mut rows)?;
     }
 
     if wanted("quant") {
-        eprintln!("[6/7] quantized storage: bytes, accuracy, attention and appends against f16");
+        eprintln!("[7/8] quantized storage: bytes, accuracy, attention and appends against f16");
         quant::run(&gpu, &timer, &cfg, &mut rows)?;
     }
 
-    eprintln!("[7/7] report");
+    eprintln!("[8/8] report");
     let title = format!("kvgpu on {} ({:?})", info.name, info.backend);
     plot::write(&plot_path, &title, &steps, &attention)?;
     let table = report::table(&rows);
