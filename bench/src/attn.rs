@@ -24,7 +24,12 @@ fn values(n: usize, seed: usize) -> Vec<f32> {
 
 /// Fills `seq` of `pool` to `rows` rows, one page at a time, taking turns with `other` (which gets
 /// as many rows), so that no two consecutive pages of `seq` are neighbours in the pool.
-fn fill_paged(pool: &mut PagedCache, seq: SeqId, other: SeqId, rows: usize) -> Result<()> {
+pub(crate) fn fill_paged(
+    pool: &mut PagedCache,
+    seq: SeqId,
+    other: SeqId,
+    rows: usize,
+) -> Result<()> {
     let widths: Vec<Vec<usize>> = pool.spec().layers()[0]
         .slots
         .iter()

@@ -1,21 +1,28 @@
 //! Decode attention at GPU-scale contexts (32k, 64k and 128k rows; 32k alone in quick mode) against
 //! the device-to-device copy bandwidth measured side by side: #9's goal for real GPUs (GQA at least
 //! 0.8 of it), where a 4k layer would sit in the processor's L2 cache and say nothing about memory.
-//! The copy moves the same bytes the call reads (up to the device's largest buffer) and counts them
-//! twice, read and written, as `torch_anchor.py` does for PyTorch on the same GPU. A context whose
-//! layer does not fit the device's bindings is skipped, with the reason.
+//! The copy moves the same bytes the call reads (up to 1 GiB) and counts them twice, read and
+//! written, as `torch_anchor.py` does for PyTorch on the same GPU. Then GQA decode of a batch of 16
+//! sequences of 4k and 16k rows each (4k alone in quick mode) from a paged pool, one query each:
+//! PyTorch's batch-16 shape. A context whose layer or pool does not fit the device's bindings is
+//! skipped, with the reason.
 
 use anyhow::Result;
-use kvgpu::{Attention, AttentionOptions, CacheSpec, DType, Gpu, KvCache};
+use kvgpu::{
+    Attention, AttentionOptions, CacheSpec, DType, Gpu, Kv, KvCache, PagedCache, Queries, SeqId,
+};
 
 use crate::Config;
-use crate::attn::{Inputs, Kind, Shape, fill, kernel_choice};
+use crate::attn::{Inputs, Kind, Shape, fill, fill_paged, kernel_choice};
 use crate::report::{Goal, Row};
 use crate::timing::{Timer, interleaved};
 
-/// The largest copy of the reference, so that the long part's three buffers stay within a GPU's
-/// memory beside the cache.
+/// The largest copy of the reference, so that its two buffers stay within a GPU's memory beside
+/// the cache.
 const MOST_COPY: u64 = 1 << 30;
+/// Sequences of the batched rows, and the rows of their pool's pages.
+const BATCH: usize = 16;
+const PAGE: usize = 64;
 
 pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
     let contexts: &[usize] = if cfg.quick {
@@ -32,7 +39,10 @@ pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Resul
                 let mut cache = match KvCache::new(&gpu.device, &gpu.queue, spec) {
                     Ok(cache) => cache,
                     Err(e) => {
-                        eprintln!("  {} {dtype} ctx {ctx}: skipped: {e}", shape.label);
+                        eprintln!(
+                            "  {} attention {dtype}, ctx {ctx}: skipped: {e}",
+                            shape.label
+                        );
                         continue;
                     }
                 };
@@ -45,9 +55,35 @@ pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Resul
             }
         }
     }
+    let shape = Shape::of(&Kind::Gqa);
+    let per_sequence: &[usize] = if cfg.quick { &[4096] } else { &[4096, 16_384] };
+    for dtype in [DType::F16, DType::F32] {
+        for &ctx in per_sequence {
+            let spec = CacheSpec::new(vec![shape.layer.clone()], dtype, ctx)?;
+            let n_pages = BATCH * ctx / PAGE;
+            let mut pool = match PagedCache::new(&gpu.device, &gpu.queue, spec, PAGE, n_pages) {
+                Ok(pool) => pool,
+                Err(e) => {
+                    eprintln!(
+                        "  {} attention {dtype}, {BATCH} sequences x {ctx} rows: skipped: {e}",
+                        shape.label
+                    );
+                    continue;
+                }
+            };
+            let seqs: Vec<SeqId> = (0..BATCH)
+                .map(|_| pool.add_sequence())
+                .collect::<kvgpu::Result<_>>()?;
+            for pair in seqs.chunks(2) {
+                fill_paged(&mut pool, pair[0], pair[1], ctx)?;
+            }
+            batch(gpu, timer, cfg, rows, &shape, &pool, &seqs, ctx)?;
+        }
+    }
     Ok(())
 }
 
+/// One decode query over the whole of `cache`.
 #[allow(clippy::too_many_arguments)]
 fn one(
     gpu: &Gpu,
@@ -59,8 +95,74 @@ fn one(
     cache: &KvCache,
     goal: Goal,
 ) -> Result<()> {
-    let (ctx, dtype) = (cache.len(), cache.spec().dtype());
+    let ctx = cache.len();
     let bytes = ctx as u64 * cache.spec().bytes_per_token();
+    let inputs = Inputs::new(gpu, shape, 1);
+    let mut attn = Attention::for_cache(cache);
+    attn.set_kernel(kernel_choice()?);
+    let opts = AttentionOptions::default();
+    let mut kernel = || -> Result<f64> {
+        let mut res = Ok(());
+        let t =
+            timer.gpu(|enc| res = inputs.record(kind, shape, &mut attn, cache, enc, 1, &opts))?;
+        res.map(|_| t)
+    };
+    let what = format!(
+        "{} attention {}, ctx {ctx}",
+        shape.label,
+        cache.spec().dtype()
+    );
+    beside_copy(gpu, timer, cfg, rows, &what, bytes, goal, &mut kernel)
+}
+
+/// One decode query for each of `seqs` of `pool`, `ctx` rows each, as one ragged batch.
+#[allow(clippy::too_many_arguments)]
+fn batch(
+    gpu: &Gpu,
+    timer: &Timer,
+    cfg: &Config,
+    rows: &mut Vec<Row>,
+    shape: &Shape,
+    pool: &PagedCache,
+    seqs: &[SeqId],
+    ctx: usize,
+) -> Result<()> {
+    let n = seqs.len();
+    let bytes = (n * ctx) as u64 * pool.spec().bytes_per_token();
+    let inputs = Inputs::new(gpu, shape, n);
+    let list: Vec<(SeqId, usize)> = seqs.iter().map(|&s| (s, 1)).collect();
+    let mut attn = Attention::with_kernels(pool.kernels().clone());
+    attn.set_kernel(kernel_choice()?);
+    let opts = AttentionOptions::default();
+    let mut kernel = || -> Result<f64> {
+        let mut res = Ok(());
+        let t = timer.gpu(|enc| {
+            let q = Queries::new(&inputs.q, n, shape.heads, shape.dk);
+            res = attn.record_gqa(enc, Kv::Batch(pool, &list), 0, q, &inputs.out, &opts);
+        })?;
+        Ok(res.map(|_| t)?)
+    };
+    let what = format!(
+        "{} attention {}, {n} sequences x {ctx} rows",
+        shape.label,
+        pool.spec().dtype()
+    );
+    beside_copy(gpu, timer, cfg, rows, &what, bytes, Goal::Info, &mut kernel)
+}
+
+/// Times `kernel`, which reads `bytes` of KV, side by side with a device-to-device copy of as many
+/// bytes (up to [`MOST_COPY`]), and reports the kernel's read bandwidth over the copy's.
+#[allow(clippy::too_many_arguments)]
+fn beside_copy(
+    gpu: &Gpu,
+    timer: &Timer,
+    cfg: &Config,
+    rows: &mut Vec<Row>,
+    what: &str,
+    bytes: u64,
+    goal: Goal,
+    kernel: &mut dyn FnMut() -> Result<f64>,
+) -> Result<()> {
     let moved = bytes.min(MOST_COPY.min(gpu.device.limits().max_buffer_size)) & !3;
     let buffer = |label| {
         gpu.device.create_buffer(&wgpu::BufferDescriptor {
@@ -74,25 +176,14 @@ fn one(
         buffer("bench copy source"),
         buffer("bench copy destination"),
     );
-    let inputs = Inputs::new(gpu, shape, 1);
-    let mut attn = Attention::for_cache(cache);
-    attn.set_kernel(kernel_choice()?);
-    let opts = AttentionOptions::default();
-    let mut kernel = || -> Result<f64> {
-        let mut res = Ok(());
-        let t =
-            timer.gpu(|enc| res = inputs.record(kind, shape, &mut attn, cache, enc, 1, &opts))?;
-        res.map(|_| t)
-    };
     let mut copy = || timer.gpu(|enc| enc.copy_buffer_to_buffer(&from, 0, &to, 0, moved));
     let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
-    let [tk, tc] = interleaved(warm, reps, [&mut kernel, &mut copy])?;
+    let [tk, tc] = interleaved(warm, reps, [kernel, &mut copy])?;
     let read = bytes as f64 / tk / 1e9;
     let copied = 2.0 * moved as f64 / tc / 1e9;
-    let label = shape.label;
     rows.push(
         Row::new(
-            format!("{label} attention {dtype}, ctx {ctx}: KV bandwidth"),
+            format!("{what}: KV bandwidth"),
             read,
             "GB/s",
             timer.clock(),
@@ -108,7 +199,7 @@ fn one(
         ),
     );
     eprintln!(
-        "  {label} {dtype} ctx {ctx}: kernel {:.1} us ({read:.2} GB/s), copy {copied:.2} GB/s",
+        "  {what}: kernel {:.1} us ({read:.2} GB/s), copy {copied:.2} GB/s",
         tk * 1e6
     );
     Ok(())
