@@ -45,6 +45,13 @@ pub(crate) const LANE_FLOATS_TWO_ROWS: usize = 1400;
 /// kept smaller, since there a cold shader compile is what a first call waits for (Mesa's GL path
 /// took seconds for DeepSeek-V2-Lite's MLA with 4 heads per team).
 pub(crate) const LANE_FLOATS_SHARED: usize = 320;
+/// The same on CPU adapters, whose teams have 8 lanes (OpenGL's llvmpipe): two heads of
+/// DeepSeek-V2-Lite's MLA per team (344 floats) instead of one, so each latent row is loaded by 8
+/// teams instead of 16. On llvmpipe GL its decode at 32k rows took 0.66-0.75 of the time (f16 and
+/// f32), and a first call's compile 2.1-2.7 s against 1.3-1.6 (an empty shader cache). Four heads
+/// (616 floats) took 0.45-0.7 of the time but 5.5-6.5 s to compile (docs/benchmarks.md). GQA's
+/// teams of 8 lanes are unchanged: Llama-3-8B's group of 4 fits either budget whole.
+pub(crate) const LANE_FLOATS_SHARED_CPU: usize = 344;
 /// The same for the kernel whose teams are one invocation ([`TeamSum::Alone`]): it holds whole
 /// rows.
 pub(crate) const LANE_FLOATS_ALONE: usize = 800;
@@ -403,6 +410,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     let most = match sum {
         TeamSum::Subgroup if two_rows => LANE_FLOATS_TWO_ROWS,
         TeamSum::Subgroup => LANE_FLOATS,
+        TeamSum::Shared if dev.cpu => LANE_FLOATS_SHARED_CPU,
         TeamSum::Shared => LANE_FLOATS_SHARED,
         TeamSum::Alone => LANE_FLOATS_ALONE,
     };
@@ -1090,6 +1098,18 @@ mod tests {
         // DeepSeek's MLA needs more registers than one invocation may hold: workgroup-memory sums.
         let key = stream(plan(&mla(DType::F16, 1, 4096), &no_subgroups).unwrap()).unwrap();
         assert_eq!((key.sum, key.lanes), (TeamSum::Shared, 8));
+        // Two of its heads per team of 8 lanes on a CPU adapter (LANE_FLOATS_SHARED_CPU), f32 and
+        // f16 alike; on a GPU without subgroups, teams of 32 lanes keep LANE_FLOATS_SHARED's 8 (f32)
+        // and 4 (f16, whose rope key of 64 takes a whole 8-element vector on each of 8 lanes).
+        for (dtype, on_gpu) in [(DType::F32, 8), (DType::F16, 4)] {
+            let key = stream(plan(&mla(dtype, 1, 4096), &no_subgroups).unwrap()).unwrap();
+            assert_eq!(key.heads, 2, "{dtype:?}");
+            let key = stream(plan(&mla(dtype, 1, 4096), &gpu_without).unwrap()).unwrap();
+            assert_eq!(
+                (key.sum, key.lanes, key.heads),
+                (TeamSum::Shared, 32, on_gpu)
+            );
+        }
         let forced = DeviceFacts {
             choice: KernelChoice::StreamAlone,
             ..no_subgroups
