@@ -68,6 +68,17 @@ impl Config {
     }
 }
 
+/// The parts `--only` can name.
+const PARTS: [&str; 7] = [
+    "slab",
+    "decode",
+    "attention",
+    "long",
+    "paged",
+    "snapshot",
+    "quant",
+];
+
 fn main() -> Result<()> {
     let mut quick = false;
     let mut json_path = "bench-results.json".to_string();
@@ -84,9 +95,11 @@ fn main() -> Result<()> {
                 plot_from = Some(args.next().context("--plot-from needs a JSON path")?)
             }
             "--only" => {
-                only = Some(args.next().context(
-                    "--only needs slab, decode, attention, long, paged, snapshot or quant",
-                )?)
+                let part = args.next().unwrap_or_default();
+                if !PARTS.contains(&part.as_str()) {
+                    bail!("--only needs one of {}, not {part:?}", PARTS.join(", "));
+                }
+                only = Some(part)
             }
             "-h" | "--help" => {
                 println!(
