@@ -247,14 +247,15 @@ impl Inputs {
         Inputs { q, q_rope, out }
     }
 
-    /// Records one call of the first `n_q` queries over layer 0 of `cache`.
+    /// Records one call of the first `n_q` queries over layer 0 of `kv` (a cache, a pool sequence
+    /// or a batch).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn record(
         &self,
         kind: &Kind,
         shape: &Shape,
         attn: &mut Attention,
-        cache: &KvCache,
+        kv: Kv<'_>,
         enc: &mut wgpu::CommandEncoder,
         n_q: usize,
         opts: &AttentionOptions,
@@ -263,7 +264,7 @@ impl Inputs {
         match kind {
             Kind::Gqa => attn.record_gqa(
                 enc,
-                cache,
+                kv,
                 0,
                 Queries::new(&self.q, n_q, heads, dk),
                 &self.out,
@@ -274,7 +275,7 @@ impl Inputs {
                     latent: Queries::new(&self.q, n_q, heads, dk),
                     rope: Queries::new(&self.q_rope, n_q, heads, dr),
                 };
-                attn.record_mla(enc, cache, 0, mla, &self.out, opts)?
+                attn.record_mla(enc, kv, 0, mla, &self.out, opts)?
             }
         }
         Ok(())
@@ -303,8 +304,7 @@ fn one(
         dr,
         ..
     } = shape;
-    let layer = shape.layer.clone();
-    let spec = CacheSpec::new(vec![layer.clone()], dtype, max)?;
+    let spec = CacheSpec::new(vec![shape.layer.clone()], dtype, max)?;
     let row_bytes = spec.bytes_per_token();
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     fill(&mut cache, max)?;
@@ -313,7 +313,6 @@ fn one(
     // Room for the most queries of a chunked-prefill call.
     let most = PREFILL_QUERIES[PREFILL_QUERIES.len() - 1];
     let inputs = Inputs::new(gpu, &shape, most);
-    let (q, q_rope, out) = (&inputs.q, &inputs.q_rope, &inputs.out);
     let opts = AttentionOptions::default();
     let cdt = if dtype == DType::F16 {
         candle_core::DType::F16
@@ -324,11 +323,12 @@ fn one(
     let mut candle_pts = Vec::new();
     let mut ctxs = cfg.attn_contexts.clone();
     ctxs.sort_unstable_by(|a, b| b.cmp(a));
-    let record_n = |attn: &mut Attention,
-                    cache: &KvCache,
-                    enc: &mut wgpu::CommandEncoder,
-                    n_q: usize|
-     -> Result<()> { inputs.record(kind, &shape, attn, cache, enc, n_q, &opts) };
+    let record_n =
+        |attn: &mut Attention,
+         cache: &KvCache,
+         enc: &mut wgpu::CommandEncoder,
+         n_q: usize|
+         -> Result<()> { inputs.record(kind, &shape, attn, cache.into(), enc, n_q, &opts) };
     for &ctx in &ctxs {
         cache.truncate(ctx)?;
         let mut record =
@@ -470,30 +470,13 @@ fn one(
     // side by side: what reading rows through the page table costs.
     if let Some(&ctx) = cfg.attn_contexts.iter().find(|&&c| c == PREFILL_CONTEXT) {
         const PAGE: usize = 16;
-        let spec = CacheSpec::new(vec![layer], dtype, ctx)?;
+        let spec = CacheSpec::new(vec![shape.layer.clone()], dtype, ctx)?;
         let mut pool =
             PagedCache::with_kernels(cache.kernels().clone(), spec.clone(), PAGE, 2 * ctx / PAGE)?;
         let (seq, other) = (pool.add_sequence()?, pool.add_sequence()?);
         fill_paged(&mut pool, seq, other, ctx)?;
         let record_paged = |attn: &mut Attention, enc: &mut wgpu::CommandEncoder| -> Result<()> {
-            match kind {
-                Kind::Gqa => attn.record_gqa(
-                    enc,
-                    Kv::Sequence(&pool, seq),
-                    0,
-                    Queries::new(q, 1, heads, dk),
-                    out,
-                    &opts,
-                )?,
-                Kind::Mla => {
-                    let mla = MlaQueries {
-                        latent: Queries::new(q, 1, heads, dk),
-                        rope: Queries::new(q_rope, 1, heads, dr),
-                    };
-                    attn.record_mla(enc, Kv::Sequence(&pool, seq), 0, mla, out, &opts)?
-                }
-            }
-            Ok(())
+            inputs.record(kind, &shape, attn, Kv::Sequence(&pool, seq), enc, 1, &opts)
         };
         let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
         let attn = std::cell::RefCell::new(&mut attn);
@@ -541,40 +524,11 @@ fn one(
                           enc: &mut wgpu::CommandEncoder,
                           seq: Option<SeqId>|
          -> Result<()> {
-            let n = if seq.is_some() { 1 } else { SEQS };
-            match (kind, seq) {
-                (Kind::Gqa, Some(s)) => attn.record_gqa(
-                    enc,
-                    Kv::Sequence(&many, s),
-                    0,
-                    Queries::new(q, 1, heads, dk),
-                    out,
-                    &opts,
-                )?,
-                (Kind::Gqa, None) => attn.record_gqa(
-                    enc,
-                    Kv::Batch(&many, &batch),
-                    0,
-                    Queries::new(q, n, heads, dk),
-                    out,
-                    &opts,
-                )?,
-                (Kind::Mla, seq) => {
-                    let mla = MlaQueries {
-                        latent: Queries::new(q, n, heads, dk),
-                        rope: Queries::new(q_rope, n, heads, dr),
-                    };
-                    match seq {
-                        Some(s) => {
-                            attn.record_mla(enc, Kv::Sequence(&many, s), 0, mla, out, &opts)?
-                        }
-                        None => {
-                            attn.record_mla(enc, Kv::Batch(&many, &batch), 0, mla, out, &opts)?
-                        }
-                    }
-                }
-            }
-            Ok(())
+            let (kv, n) = match seq {
+                Some(s) => (Kv::Sequence(&many, s), 1),
+                None => (Kv::Batch(&many, &batch), SEQS),
+            };
+            inputs.record(kind, &shape, attn, kv, enc, n, &opts)
         };
         let mut k_batch = || -> Result<f64> {
             let mut res = Ok(());

@@ -8,9 +8,7 @@
 //! skipped, with the reason.
 
 use anyhow::Result;
-use kvgpu::{
-    Attention, AttentionOptions, CacheSpec, DType, Gpu, Kv, KvCache, PagedCache, Queries, SeqId,
-};
+use kvgpu::{Attention, AttentionOptions, CacheSpec, DType, Gpu, Kv, KvCache, PagedCache, SeqId};
 
 use crate::Config;
 use crate::attn::{Inputs, Kind, Shape, fill, fill_paged, kernel_choice};
@@ -103,8 +101,8 @@ fn one(
     let opts = AttentionOptions::default();
     let mut kernel = || -> Result<f64> {
         let mut res = Ok(());
-        let t =
-            timer.gpu(|enc| res = inputs.record(kind, shape, &mut attn, cache, enc, 1, &opts))?;
+        let t = timer
+            .gpu(|enc| res = inputs.record(kind, shape, &mut attn, cache.into(), enc, 1, &opts))?;
         res.map(|_| t)
     };
     let what = format!(
@@ -136,11 +134,10 @@ fn batch(
     let opts = AttentionOptions::default();
     let mut kernel = || -> Result<f64> {
         let mut res = Ok(());
-        let t = timer.gpu(|enc| {
-            let q = Queries::new(&inputs.q, n, shape.heads, shape.dk);
-            res = attn.record_gqa(enc, Kv::Batch(pool, &list), 0, q, &inputs.out, &opts);
-        })?;
-        Ok(res.map(|_| t)?)
+        let kv = Kv::Batch(pool, &list);
+        let t = timer
+            .gpu(|enc| res = inputs.record(&Kind::Gqa, shape, &mut attn, kv, enc, n, &opts))?;
+        res.map(|_| t)
     };
     let what = format!(
         "{} attention {}, {n} sequences x {ctx} rows",
