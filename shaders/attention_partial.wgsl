@@ -23,6 +23,9 @@ override DTYPE_V: u32 = 0u;
 override HB: u32 = 16u;
 // Rows per invocation per tile: 32 / HB, at most 8 (RPL * HB <= 32), so a tile is 64 * RPL rows.
 override RPL: u32 = 2u;
+// Whether scores read slot b (MLA's k_pe): 0 for GQA, whose kernels then leave dot_b out (on a CPU
+// adapter both ways of a branch run, masked, and the unused code cost compile time and speed).
+override SLOT_B: u32 = 1u;
 // How rows are found (shaders/shared/rows.wgsl): 0 one cache's visible rows, 1 one sequence of a
 // paged pool through its page table, 2 a ragged batch of a pool's sequences.
 override ROWS: u32 = 0u;
@@ -497,7 +500,7 @@ fn row_fits(t: u32, elems: u32, rw: u32) -> bool {
 // Every index this dispatch can touch is inside its binding; checked once, up front, on uniform values.
 fn in_bounds() -> bool {
     let parts = p.n_chunks * p.q_count * p.n_heads;
-    return HB >= 1u && HB <= HEADS && RPL >= 1u && RPL <= 8u && RPL * HB <= 32u && p.group % HB == 0u && p.n_batches * HB == p.group
+    return HB >= 1u && HB <= HEADS && (SLOT_B != 0u || p.d_b == 0u) && RPL >= 1u && RPL <= 8u && RPL * HB <= 32u && p.group % HB == 0u && p.n_batches * HB == p.group
         && queries_fit(parts) && p.n_kv * p.group == p.n_heads
         && p.q_count >= 1u && p.q_first < p.n_q && p.q_count <= p.n_q - p.q_first
         && p.chunk_len % (TILE * RPL) == 0u
@@ -570,7 +573,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
             // previous iteration.
             var acc = array<f32, 32>();
             dot_a(rows, kv * p.d_a, qa0, &acc);
-            if p.d_b > 0u {
+            if SLOT_B != 0u && p.d_b > 0u {
                 dot_b(rows, kv * p.d_b, qb0, &acc);
             }
             for (var k = 0u; k < RPL; k++) {

@@ -334,12 +334,15 @@ impl Attention {
                 // Shorter contexts may take fewer rows per invocation: every variant of the batch.
                 plan::Pass1::Tiled {
                     dtypes,
+                    slot_b,
                     batch,
                     rows,
                     ..
                 } => {
                     for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
-                        let pipeline = self.kernels.attention_partial(dtypes, batch, rpl, rows);
+                        let pipeline = self
+                            .kernels
+                            .attention_partial(dtypes, slot_b, batch, rpl, rows);
                         runs.push((layer, kind, params, pipeline, dispatch.reduce_lanes));
                     }
                 }

@@ -124,10 +124,12 @@ pub enum KernelChoice {
 /// The pass-1 kernel of a planned call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Pass1 {
-    /// `attention_partial.wgsl` for the storage types of slots a, b and v, with (`HEAD_BATCHES`
-    /// index, `ROWS_PER_INVOCATION` index) and how it finds rows.
+    /// `attention_partial.wgsl` for the storage types of slots a, b and v, whether scores read slot
+    /// b (MLA; GQA's kernels leave that code out), with (`HEAD_BATCHES` index,
+    /// `ROWS_PER_INVOCATION` index) and how it finds rows.
     Tiled {
         dtypes: [DType; 3],
+        slot_b: bool,
         batch: usize,
         rpl: usize,
         rows: RowMode,
@@ -576,6 +578,7 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let tiles_per_chunk = tiles.div_ceil(want).min(max_tiles);
     let kernel = Pass1::Tiled {
         dtypes: s.dtypes,
+        slot_b: s.d_b > 0,
         batch,
         rpl,
         rows: s.row_mode(),

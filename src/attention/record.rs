@@ -132,10 +132,13 @@ impl Attention {
             match dispatch.kernel {
                 Pass1::Tiled {
                     dtypes,
+                    slot_b,
                     batch,
                     rpl,
                     rows,
-                } => self.kernels.attention_partial(dtypes, batch, rpl, rows),
+                } => self
+                    .kernels
+                    .attention_partial(dtypes, slot_b, batch, rpl, rows),
                 Pass1::Stream(key) => self.kernels.attention_stream(&key).map_err(|detail| {
                     Error::AttentionRequest {
                         layer,

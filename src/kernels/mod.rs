@@ -160,9 +160,9 @@ impl Kernel {
     }
 }
 
-/// A tiled pass-1 pipeline: storage types of slots a, b and v, `HEAD_BATCHES` index,
-/// `ROWS_PER_INVOCATION` index, how rows are found.
-type PartialKey = ([DType; 3], usize, usize, RowMode);
+/// A tiled pass-1 pipeline: storage types of slots a, b and v, whether scores read slot b,
+/// `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index, how rows are found.
+type PartialKey = ([DType; 3], bool, usize, usize, RowMode);
 
 /// The attention kernels, built when a device first runs attention.
 #[derive(Debug)]
@@ -414,12 +414,13 @@ impl Kernels {
         })
     }
 
-    /// The attention pass-1 pipeline reading slots a, b and v stored as `dtypes` with
-    /// `HEAD_BATCHES[batch]` heads per workgroup and `ROWS_PER_INVOCATION[rpl]` rows per invocation,
-    /// finding rows as `rows` says.
+    /// The attention pass-1 pipeline reading slots a, b (where `slot_b`) and v stored as `dtypes`
+    /// with `HEAD_BATCHES[batch]` heads per workgroup and `ROWS_PER_INVOCATION[rpl]` rows per
+    /// invocation, finding rows as `rows` says.
     pub(crate) fn attention_partial(
         &self,
         dtypes: [DType; 3],
+        slot_b: bool,
         batch: usize,
         rpl: usize,
         rows: RowMode,
@@ -429,12 +430,13 @@ impl Kernels {
             .partial_pipelines
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        map.entry((dtypes, batch, rpl, rows))
+        map.entry((dtypes, slot_b, batch, rpl, rows))
             .or_insert_with(|| {
                 let constants = [
                     ("DTYPE_A", dtypes[0].code() as f64),
                     ("DTYPE_B", dtypes[1].code() as f64),
                     ("DTYPE_V", dtypes[2].code() as f64),
+                    ("SLOT_B", f64::from(u8::from(slot_b))),
                     ("HB", HEAD_BATCHES[batch] as f64),
                     ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
                     ("ROWS", f64::from(rows.code())),
