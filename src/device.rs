@@ -282,14 +282,25 @@ pub(crate) fn ranges_bytes(ranges: &[(u64, u64)]) -> u64 {
     ranges.iter().map(|r| r.1).sum()
 }
 
-/// A staging buffer of `size` bytes for readbacks.
-pub(crate) fn staging_buffer(device: &wgpu::Device, size: u64) -> wgpu::Buffer {
-    device.create_buffer(&wgpu::BufferDescriptor {
+/// A staging buffer of `size` bytes for readbacks, or why the device could not allocate it (the
+/// error scope is awaited, so the browser answers too).
+pub(crate) async fn staging_buffer(
+    device: &wgpu::Device,
+    size: u64,
+) -> std::result::Result<wgpu::Buffer, String> {
+    let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+    let staging = device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("kvgpu readback"),
         size,
         usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
-    })
+    });
+    match scope.pop().await {
+        None => Ok(staging),
+        Some(e) => Err(format!(
+            "the device could not allocate a staging buffer of {size} bytes for the readback: {e}"
+        )),
+    }
 }
 
 impl Readback {
@@ -313,7 +324,7 @@ impl Readback {
                  largest buffer ({largest} bytes)"
             ));
         }
-        let staging = staging_buffer(device, size);
+        let staging = staging_buffer(device, size).await?;
         Self::start_in(device, queue, buffer, ranges, staging)
             .await
             .map(Some)

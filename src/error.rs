@@ -290,6 +290,19 @@ pub enum Error {
     #[error("the queue belongs to another device than the one it was given with")]
     QueueMismatch,
 
+    /// The device could not allocate the buffers of `what` (`bytes` in all): its memory is taken.
+    /// Nothing was changed; a smaller request, or one made after dropping caches, may succeed.
+    /// Where wgpu itself could not stage a host write (an import of a snapshot's bytes, "the
+    /// snapshot's rows"), wgpu 30 also loses the device; the streamed imports stage in buffers of
+    /// kvgpu's own and keep it. Cache creation and imports are checked natively only: in the
+    /// browser such a failure surfaces as a wgpu error instead (readbacks are checked there too).
+    #[error("the device could not allocate {bytes} bytes for {what}: {reason}")]
+    OutOfMemory {
+        what: String,
+        bytes: u64,
+        reason: String,
+    },
+
     /// The device failed an operation that is not about one slot: a readback of an app's buffer, a
     /// lost device, a poll that timed out.
     #[error("device error: {reason}")]

@@ -17,11 +17,11 @@ use std::sync::{Arc, OnceLock};
 use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes};
 use crate::error::{BufferProblem, Error, Result};
 use crate::kernels::{
-    GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, binding_limit, held,
+    GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, allocated, binding_limit, held,
 };
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
-use crate::spec::{CacheSpec, DeviceLimits};
+use crate::spec::{CacheSpec, DeviceLimits, SlotSpec};
 pub use slabs::{GpuSlab, HostSlab, SlotView};
 pub use snapshot::CacheImport;
 pub(crate) use snapshot::{SlotRows, pump, write_slots};
@@ -145,7 +145,8 @@ impl std::fmt::Debug for KvCache {
 
 impl KvCache {
     /// Allocates a zeroed cache for `spec` on `device`, whose commands go through `queue` (the pair
-    /// `request_device` returned), after checking every slot against the device's limits.
+    /// `request_device` returned), after checking every slot against the device's limits. A device
+    /// that cannot hold its buffers refuses it with [`Error::OutOfMemory`].
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue, spec: CacheSpec) -> Result<Self> {
         Self::with_kernels(Kernels::new(device, queue)?, spec)
     }
@@ -155,11 +156,12 @@ impl KvCache {
     /// a cache cannot be given the queue of another device.
     pub fn with_kernels(kernels: Arc<Kernels>, spec: CacheSpec) -> Result<Self> {
         spec.check_limits(&DeviceLimits::from_wgpu(&kernels.device().limits()))?;
-        Ok(Self::allocate(kernels, spec))
+        Self::allocate(kernels, spec)
     }
 
-    /// Creates the buffers of a spec already checked against the device's limits.
-    fn allocate(kernels: Arc<Kernels>, spec: CacheSpec) -> Self {
+    /// Creates the buffers of a spec already checked against the device's limits, or says that the
+    /// device could not hold them ([`Error::OutOfMemory`]).
+    fn allocate(kernels: Arc<Kernels>, spec: CacheSpec) -> Result<Self> {
         let device = kernels.device().clone();
         let queue = kernels.queue().clone();
         let limits = device.limits();
@@ -169,38 +171,61 @@ impl KvCache {
         } else {
             limits.max_compute_workgroups_per_dimension
         };
+        // Whole vectors, as the zeroing kernels write them: of the device's fastest one where that
+        // stays within the limits, else 16 bytes.
+        let int64 = kernels.has_zero_int64();
+        let size_of = |slot: &SlotSpec| {
+            let bytes =
+                padded_row_bytes(slot.row_elems(), spec.dtype_of(slot)) * spec.max_seq_len() as u64;
+            let wide = bytes.next_multiple_of(zero_vector_bytes(int64));
+            if wide <= limits.max_buffer_size && wide <= limits.max_storage_buffer_binding_size {
+                wide
+            } else {
+                bytes.next_multiple_of(VECTOR_BYTES)
+            }
+        };
+        let total = spec
+            .layers()
+            .iter()
+            .flat_map(|layer| &layer.slots)
+            .map(size_of)
+            .sum();
+        // Every slot buffer first: a device that cannot hold them all is reported before any is used.
+        let buffers: Vec<Vec<wgpu::Buffer>> =
+            allocated(&device, "the cache's slot buffers", total, || {
+                spec.layers()
+                    .iter()
+                    .enumerate()
+                    .map(|(l, layer)| {
+                        layer
+                            .slots
+                            .iter()
+                            .map(|slot| {
+                                device.create_buffer(&wgpu::BufferDescriptor {
+                                    label: Some(&format!("kvgpu layer {l} {}", slot.name)),
+                                    size: size_of(slot),
+                                    usage: wgpu::BufferUsages::STORAGE
+                                        | wgpu::BufferUsages::COPY_DST
+                                        | wgpu::BufferUsages::COPY_SRC,
+                                    mapped_at_creation: false,
+                                })
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })?;
         let slots = spec
             .layers()
             .iter()
-            .enumerate()
-            .map(|(l, layer)| {
+            .zip(buffers)
+            .map(|(layer, buffers)| {
                 layer
                     .slots
                     .iter()
-                    .map(|slot| {
+                    .zip(buffers)
+                    .map(|(slot, buffer)| {
                         let row_elems = slot.row_elems();
                         let dtype = spec.dtype_of(slot);
-                        let row_bytes = padded_row_bytes(row_elems, dtype);
-                        // Whole vectors, as the zeroing kernels write them: of the device's
-                        // fastest one where that stays within the limits, else 16 bytes.
-                        let bytes = row_bytes * spec.max_seq_len() as u64;
-                        let int64 = kernels.has_zero_int64();
-                        let wide = bytes.next_multiple_of(zero_vector_bytes(int64));
-                        let size = if wide <= limits.max_buffer_size
-                            && wide <= limits.max_storage_buffer_binding_size
-                        {
-                            wide
-                        } else {
-                            bytes.next_multiple_of(VECTOR_BYTES)
-                        };
-                        let buffer = device.create_buffer(&wgpu::BufferDescriptor {
-                            label: Some(&format!("kvgpu layer {l} {}", slot.name)),
-                            size,
-                            usage: wgpu::BufferUsages::STORAGE
-                                | wgpu::BufferUsages::COPY_DST
-                                | wgpu::BufferUsages::COPY_SRC,
-                            mapped_at_creation: false,
-                        });
                         // Made here, so another cache of this device may take it as a source.
                         crate::verify::remember(&device, &buffer);
                         let zero_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -212,13 +237,15 @@ impl KvCache {
                             }],
                         });
                         SlotBuffer {
+                            zero_int64: int64 && buffer.size() % zero_vector_bytes(true) == 0,
                             buffer,
                             dtype,
                             scale: slot.scale,
                             row_elems,
-                            placement: Placement { row_bytes },
+                            placement: Placement {
+                                row_bytes: padded_row_bytes(row_elems, dtype),
+                            },
                             zero_group,
-                            zero_int64: int64 && size % zero_vector_bytes(true) == 0,
                             viewed: AtomicBool::new(false),
                         }
                     })
@@ -232,7 +259,7 @@ impl KvCache {
             usage: wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        Self {
+        Ok(Self {
             device,
             queue,
             ledger: Ledger::new(&spec),
@@ -252,7 +279,7 @@ impl KvCache {
             zero_workgroups,
             min_storage_offset_alignment: limits.min_storage_buffer_offset_alignment as u64,
             max_binding: binding_limit(&limits),
-        }
+        })
     }
 
     pub fn spec(&self) -> &CacheSpec {

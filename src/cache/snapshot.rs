@@ -8,6 +8,7 @@ use super::staged::StagedRows;
 use crate::codec::used_row_bytes;
 use crate::device::{Mapped, Readback, ranges_bytes, staging_buffer};
 use crate::error::{Error, Result, SnapshotProblem};
+use crate::kernels::allocated;
 use crate::ledger::AppendPlan;
 use crate::placement::Run;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
@@ -42,7 +43,12 @@ async fn start_slot(
     if ranges_bytes(&s.ranges) == 0 {
         return Ok(None);
     }
-    let staging = staging.unwrap_or_else(|| staging_buffer(device, size));
+    let staging = match staging {
+        Some(staging) => staging,
+        None => staging_buffer(device, size)
+            .await
+            .map_err(|reason| s.refused(reason))?,
+    };
     Readback::start_in(device, queue, s.buffer, &s.ranges, staging)
         .await
         .map(Some)
@@ -211,12 +217,19 @@ impl KvCache {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;
         let plans = self.plan_import(snap.header.len)?;
-        for plan in &plans {
-            let [run] = plan.runs();
-            for (slot, rows) in snap.sections[plan.layer].iter().enumerate() {
-                self.write_stored(plan.layer, slot, &[(0, run)], rows);
+        // wgpu stages each write in memory of its own: where it cannot, the rows written so far (past
+        // the empty cache's length, so unseen) stay and nothing is committed. wgpu 30 then also
+        // loses the device.
+        let bytes = snap.sections.iter().flatten().map(|r| r.len() as u64).sum();
+        let device = self.device.clone();
+        allocated(&device, "the snapshot's rows", bytes, || {
+            for plan in &plans {
+                let [run] = plan.runs();
+                for (slot, rows) in snap.sections[plan.layer].iter().enumerate() {
+                    self.write_stored(plan.layer, slot, &[(0, run)], rows);
+                }
             }
-        }
+        })?;
         self.commit_import(plans, snap.header.len)
     }
 
@@ -423,7 +436,7 @@ impl RowSink for CacheSink<'_> {
             &self.cache.device,
             &self.cache.queue,
             header,
-        ));
+        )?);
         Ok(())
     }
 

@@ -2,7 +2,10 @@
 //! slot, until the whole snapshot checks out, then copied into place by the caller.
 
 use crate::codec::{padded_row_bytes, used_row_bytes};
+use crate::error::Result;
+use crate::kernels::allocated;
 use crate::snapshot::SnapshotHeader;
+use crate::spec::SlotSpec;
 
 /// Host bytes gathered before a `write_buffer` into staging (whole words), and the bytes written
 /// between two flushing submissions (which let wgpu release its own copies of them).
@@ -22,39 +25,53 @@ pub(crate) struct StagedRows {
 }
 
 impl StagedRows {
-    pub(crate) fn new(device: &wgpu::Device, queue: &wgpu::Queue, header: &SnapshotHeader) -> Self {
+    /// Staging for `header`'s rows, or [`Error::OutOfMemory`] where the device cannot hold them.
+    pub(crate) fn new(
+        device: &wgpu::Device,
+        queue: &wgpu::Queue,
+        header: &SnapshotHeader,
+    ) -> Result<Self> {
         let spec = &header.spec;
-        let buffers = spec
+        let row_bytes = |slot: &SlotSpec| padded_row_bytes(slot.row_elems(), spec.dtype_of(slot));
+        let total = spec
             .layers()
             .iter()
-            .map(|layer| {
-                layer
-                    .slots
-                    .iter()
-                    .map(|slot| {
-                        let row_bytes = padded_row_bytes(slot.row_elems(), spec.dtype_of(slot));
-                        let size = row_bytes * header.len as u64;
-                        let buffer = (size > 0).then(|| {
-                            device.create_buffer(&wgpu::BufferDescriptor {
-                                label: Some("kvgpu snapshot staging"),
-                                size,
-                                usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
-                                mapped_at_creation: false,
-                            })
-                        });
-                        let used = used_row_bytes(slot.row_elems(), spec.dtype_of(slot)) as usize;
-                        (buffer, row_bytes as usize, used)
-                    })
-                    .collect()
-            })
-            .collect();
-        Self {
+            .flat_map(|layer| &layer.slots)
+            .map(|slot| row_bytes(slot) * header.len as u64)
+            .sum();
+        let buffers = allocated(device, "a snapshot's staging buffers", total, || {
+            spec.layers()
+                .iter()
+                .map(|layer| {
+                    layer
+                        .slots
+                        .iter()
+                        .map(|slot| {
+                            let size = row_bytes(slot) * header.len as u64;
+                            let buffer = (size > 0).then(|| {
+                                device.create_buffer(&wgpu::BufferDescriptor {
+                                    label: Some("kvgpu snapshot staging"),
+                                    size,
+                                    usage: wgpu::BufferUsages::COPY_DST
+                                        | wgpu::BufferUsages::COPY_SRC,
+                                    mapped_at_creation: false,
+                                })
+                            });
+                            let used =
+                                used_row_bytes(slot.row_elems(), spec.dtype_of(slot)) as usize;
+                            (buffer, row_bytes(slot) as usize, used)
+                        })
+                        .collect()
+                })
+                .collect()
+        })?;
+        Ok(Self {
             queue: queue.clone(),
             buffers,
             pending: Vec::new(),
             at: (0, 0, 0),
             unsubmitted: 0,
-        }
+        })
     }
 
     pub(crate) fn buffer(&self, layer: usize, slot: usize) -> Option<&wgpu::Buffer> {

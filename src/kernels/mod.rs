@@ -632,10 +632,39 @@ pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
 /// reported during it, if any. Native wgpu resolves the scope at once; in the browser it resolves later,
 /// so there nothing is reported here and a refused object surfaces as a wgpu error instead.
 pub(crate) fn scoped<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Option<String>) {
-    let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
+    scoped_to(device, wgpu::ErrorFilter::Validation, f)
+}
+
+/// [`scoped`] for the errors `filter` selects.
+fn scoped_to<T>(
+    device: &wgpu::Device,
+    filter: wgpu::ErrorFilter,
+    f: impl FnOnce() -> T,
+) -> (T, Option<String>) {
+    let scope = device.push_error_scope(filter);
     let made = f();
     let error = poll_now(scope.pop()).flatten().map(|e| e.to_string());
     (made, error)
+}
+
+/// Runs `f`, which creates `bytes` bytes of buffers for `what`, inside an out-of-memory error scope:
+/// [`Error::OutOfMemory`] where the device could not allocate them (the buffers `f` made are then
+/// dropped, before anything uses them). Native wgpu resolves the scope at once; in the browser it
+/// resolves later, so there a refused allocation surfaces as a wgpu error instead.
+pub(crate) fn allocated<T>(
+    device: &wgpu::Device,
+    what: &str,
+    bytes: u64,
+    f: impl FnOnce() -> T,
+) -> crate::Result<T> {
+    match scoped_to(device, wgpu::ErrorFilter::OutOfMemory, f) {
+        (made, None) => Ok(made),
+        (_, Some(reason)) => Err(Error::OutOfMemory {
+            what: what.to_string(),
+            bytes,
+            reason,
+        }),
+    }
 }
 
 /// Polls a future once.

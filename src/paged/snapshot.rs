@@ -7,6 +7,7 @@ use super::ledger::PagedPlan;
 use super::{PageLedger, PagedCache};
 use crate::cache::{SlotRows, StagedRows, pump, write_slots};
 use crate::error::Result;
+use crate::kernels::allocated;
 use crate::seq::SeqId;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
 
@@ -78,10 +79,20 @@ impl PagedCache {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         let plan = self.plan_import(snap.header.len)?;
         let row = self.take_table_row()?;
-        for p in &plan.plans {
-            for (slot, rows) in snap.sections[p.layer].iter().enumerate() {
-                self.store.write_stored(p.layer, slot, &p.runs, rows);
+        // As `KvCache::import`: where wgpu cannot stage the rows, nothing is committed (the table
+        // row goes back to the free ones).
+        let bytes = snap.sections.iter().flatten().map(|r| r.len() as u64).sum();
+        let device = self.store.device().clone();
+        let written = allocated(&device, "the snapshot's rows", bytes, || {
+            for p in &plan.plans {
+                for (slot, rows) in snap.sections[p.layer].iter().enumerate() {
+                    self.store.write_stored(p.layer, slot, &p.runs, rows);
+                }
             }
+        });
+        if let Err(e) = written {
+            self.free_rows.push(row);
+            return Err(e);
         }
         Ok(self.commit_import(plan, row))
     }
@@ -219,7 +230,7 @@ impl RowSink for PoolSink<'_> {
             self.pool.device(),
             self.pool.queue(),
             header,
-        ));
+        )?);
         Ok(())
     }
 

@@ -1,0 +1,219 @@
+//! A cache the device cannot hold is refused with `Error::OutOfMemory`, before anything uses its
+//! buffers, and the device, its kernel registry and the caches made after it work as before.
+//!
+//! A software adapter backs buffers with this process's memory, so the test caps the process's
+//! address space (`RLIMIT_AS`, raised back afterwards) a little above what it uses, and asks for more.
+//! The tests of this binary run one at a time, so the cap touches no other test.
+#![cfg(target_os = "linux")]
+
+mod common;
+
+use common::*;
+use kvgpu::*;
+
+/// This process's address space now (`VmSize` of `/proc/self/status`), in bytes.
+fn address_space() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("VmSize in /proc/self/status");
+    kib << 10
+}
+
+/// Puts the soft address-space limit back when dropped (also when the test fails).
+struct Cap(libc::rlimit);
+
+impl Cap {
+    /// Caps this process's address space at what it uses now plus `room` bytes.
+    fn room(room: u64) -> Self {
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit and setrlimit read and write only the struct given.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut old) }, 0);
+        let capped = libc::rlimit {
+            rlim_cur: (address_space() + room).min(old.rlim_max),
+            rlim_max: old.rlim_max,
+        };
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &capped) }, 0);
+        Cap(old)
+    }
+}
+
+impl Drop for Cap {
+    fn drop(&mut self) {
+        // SAFETY: as above; the soft limit goes back to at most the unchanged hard limit.
+        unsafe { libc::setrlimit(libc::RLIMIT_AS, &self.0) };
+    }
+}
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Whether the suite's adapter allocates buffers from this process's memory and reports a failure
+/// (lavapipe); says why not where it does not.
+fn reports_host_memory(g: &Gpu) -> bool {
+    let info = g.adapter.get_info();
+    if info.device_type != wgpu::DeviceType::Cpu {
+        eprintln!(
+            "skipped here: this test caps the process's memory, and {} keeps buffers in its own",
+            g.describe()
+        );
+        return false;
+    }
+    if info.backend == wgpu::Backend::Gl {
+        eprintln!(
+            "skipped here: wgpu's OpenGL backend does not report a buffer the driver could not \
+             allocate (wgpu-hal 30 does not read GL_OUT_OF_MEMORY: such a buffer reads as zeros)"
+        );
+        return false;
+    }
+    true
+}
+
+#[test]
+fn caches_larger_than_the_device_memory_are_refused_and_change_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    let kernels = Kernels::new(&g.device, &g.queue).unwrap();
+    let live = || g.device.get_internal_counters().hal.buffers.read();
+    // Slots as large as one binding allows (128 MiB on the software adapters), 64 of them.
+    let layer = LayerSpec::kv(8, 128, 128);
+    let rows = (g.limits().max_slot_bytes() / (8 * 128 * 4)) as usize;
+    let spec = CacheSpec::new(vec![layer.clone(); 32], DType::F32, rows).unwrap();
+    let before = live();
+    let (made, paged) = {
+        let _cap = Cap::room(1 << 30);
+        (
+            KvCache::with_kernels(kernels.clone(), spec.clone()),
+            PagedCache::with_kernels(kernels.clone(), spec.clone(), 64, rows / 64),
+        )
+    };
+    for (e, what) in [(made.err(), "cache"), (paged.err(), "pool")] {
+        match &e {
+            Some(Error::OutOfMemory { what: w, bytes, .. }) => {
+                assert_eq!(w, "the cache's slot buffers", "{what}");
+                assert!(*bytes >= spec.total_bytes(), "{what}: {bytes} bytes");
+                eprintln!("{what} refused: {}", e.unwrap());
+            }
+            other => panic!("{what} of {} bytes: {other:?}", spec.total_bytes()),
+        }
+    }
+    assert_eq!(live(), before, "the refused caches' buffers are released");
+    // The registry and the device work as before.
+    let small = CacheSpec::new(vec![layer; 2], DType::F32, 4).unwrap();
+    let mut c = KvCache::with_kernels(kernels, small).unwrap();
+    let d = values(1, 8 * 128);
+    for l in 0..2 {
+        c.append(
+            l,
+            &[
+                HostSlab::f32(&d, &[1, 8, 128]),
+                HostSlab::f32(&d, &[1, 8, 128]),
+            ],
+        )
+        .unwrap();
+    }
+    c.advance(1).unwrap();
+    c.reset();
+    c.append(0, &[HostSlab::f32(&d, &[1, 8, 128]); 2]).unwrap();
+    assert_eq!(c.read_f32(0, 1).unwrap(), d);
+}
+
+#[test]
+fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // One layer whose slots are as large as a binding allows, every row written.
+    let rows = (g.limits().max_slot_bytes() / (8 * 128 * 4)) as usize;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, rows).unwrap();
+    let mut c = cache(spec.clone());
+    let d = values(2, rows * 8 * 128);
+    c.append(0, &[HostSlab::f32(&d, &[rows, 8, 128]); 2])
+        .unwrap();
+    c.advance(rows).unwrap();
+    let bytes = c.snapshot().unwrap();
+    let mut to = cache(spec.clone());
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
+    // wgpu 30 loses a device that cannot stage a host write (`Queue::write_buffer`), so the imports
+    // of bytes run on devices of their own, of the same adapter.
+    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let device = || {
+        let (device, queue) =
+            pollster::block_on(g.adapter.request_device(&Default::default())).unwrap();
+        let count = lost.clone();
+        device.set_device_lost_callback(move |_, _| {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
+        (device, queue)
+    };
+    let (d1, q1) = device();
+    let mut written = KvCache::new(&d1, &q1, spec.clone()).unwrap();
+    let (d2, q2) = device();
+    let mut written_pool = PagedCache::new(&d2, &q2, spec, 64, rows / 64).unwrap();
+    {
+        let _cap = Cap::room(32 << 20);
+        // A readback's staging buffer (the slot's 128 MiB on the software adapters).
+        let e = c.read_f32(0, 1).unwrap_err();
+        assert!(
+            matches!(&e, Error::Readback { layer: 0, slot: 1, reason } if reason.contains("could not allocate")),
+            "{e}"
+        );
+        let e = c.snapshot().unwrap_err();
+        assert!(
+            matches!(&e, Error::Readback { layer: 0, slot: 0, reason } if reason.contains("could not allocate")),
+            "{e}"
+        );
+        // A streamed import's staging buffers (as large as the snapshot's rows).
+        let e = to.import_from(&bytes[..]).unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "a snapshot's staging buffers"),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+        let e = pool.import_sequence_from(&bytes[..]).unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "a snapshot's staging buffers"),
+            "{e}"
+        );
+        // An import of the bytes, which wgpu stages in memory of its own.
+        let e = written.import(&bytes).unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "the snapshot's rows"),
+            "{e}"
+        );
+        let e = written_pool.import_sequence(&bytes).unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "the snapshot's rows"),
+            "{e}"
+        );
+    }
+    assert!(to.is_empty() && written.is_empty());
+    assert_eq!(pool.ledger().sequences().count(), 0);
+    assert_eq!(written_pool.ledger().sequences().count(), 0);
+    assert_eq!(
+        lost.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "wgpu lost both devices"
+    );
+    assert_eq!(c.len(), rows);
+    // Both work once there is room.
+    assert_eq!(c.read_f32(0, 1).unwrap(), d);
+    assert_eq!(to.import_from(&bytes[..]).unwrap(), rows);
+    assert_eq!(to.read_f32(0, 0).unwrap(), d);
+    let seq = pool.import_sequence_from(&bytes[..]).unwrap();
+    assert_eq!(pool.len(seq).unwrap(), rows);
+}
