@@ -53,7 +53,9 @@ impl KvCache {
                 }
             }
         }
-        let upload = self.uploads.push(&self.queue, bytemuck::cast_slice(map));
+        // Every source is checked (bound with the map's place) before the map is written.
+        let map_bytes: &[u8] = bytemuck::cast_slice(map);
+        let upload = self.uploads.reserve(map_bytes.len() as u64);
         let mut scatters = Vec::with_capacity(jobs.len());
         for (slot, (.., job)) in jobs.into_iter().enumerate() {
             let group =
@@ -71,6 +73,7 @@ impl KvCache {
                 });
             }
         }
+        upload.write(&self.queue, map_bytes);
         Ok(Some(scatters))
     }
 

@@ -36,8 +36,16 @@ impl UploadRing {
 
     /// Stages `bytes` (a multiple of 4) in bytes no other upload uses.
     pub(crate) fn push(&mut self, queue: &wgpu::Queue, bytes: &[u8]) -> Upload {
-        let len = (bytes.len() as u64).max(4);
-        let upload = if len > RING_BYTES {
+        let upload = self.reserve(bytes.len() as u64);
+        upload.write(queue, bytes);
+        upload
+    }
+
+    /// Bytes for an upload of `len` bytes that no other upload uses, written later with
+    /// [`Upload::write`] (so a call can bind them, and check what it binds, before it writes).
+    pub(crate) fn reserve(&mut self, len: u64) -> Upload {
+        let len = len.max(4);
+        if len > RING_BYTES {
             Upload {
                 buffer: fresh(&self.device, len.next_multiple_of(16)),
                 offset: 0,
@@ -55,11 +63,16 @@ impl UploadRing {
             let offset = self.next;
             self.next = (offset + len).next_multiple_of(ALIGN);
             Upload { buffer, offset }
-        };
-        if !bytes.is_empty() {
-            queue.write_buffer(&upload.buffer, upload.offset, bytes);
         }
-        upload
+    }
+}
+
+impl Upload {
+    /// Writes `bytes` (at most the reserved length) to this upload's place.
+    pub(crate) fn write(&self, queue: &wgpu::Queue, bytes: &[u8]) {
+        if !bytes.is_empty() {
+            queue.write_buffer(&self.buffer, self.offset, bytes);
+        }
     }
 }
 
