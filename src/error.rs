@@ -56,12 +56,15 @@ pub enum Error {
         got: usize,
     },
 
-    /// The rows would not fit below the capacity.
+    /// The rows would not fit below the capacity. `seq` names the paged pool's sequence whose rows
+    /// they are (in a batch, the first one that would not fit); `None` in a single-sequence cache.
     #[error(
-        "layer {layer}: appending {n_new} rows at position {position} exceeds the capacity of \
-         {capacity} rows ({remaining} left)"
+        "{}layer {layer}: appending {n_new} rows at position {position} exceeds the capacity of \
+         {capacity} rows ({remaining} left)",
+        .seq.map_or(String::new(), |seq| format!("{seq}, "))
     )]
     CapacityExceeded {
+        seq: Option<SeqId>,
         layer: usize,
         position: usize,
         n_new: usize,

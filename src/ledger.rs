@@ -194,6 +194,7 @@ impl Ledger {
         let start_row = self.len + self.pending[layer];
         if n_new > self.capacity - start_row {
             return Err(Error::CapacityExceeded {
+                seq: None,
                 layer,
                 position: start_row,
                 n_new,
@@ -366,6 +367,7 @@ mod tests {
             (
                 l.plan_append(0, &[&[4, 4], &[4, 2]]),
                 Error::CapacityExceeded {
+                    seq: None,
                     layer: 0,
                     position: 1,
                     n_new: 4,

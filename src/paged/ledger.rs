@@ -343,6 +343,7 @@ impl PageLedger {
         let start_row = s.visible(layer);
         if n_new > self.max_seq_len - start_row {
             return Err(Error::CapacityExceeded {
+                seq: Some(seq),
                 layer,
                 position: start_row,
                 n_new,
@@ -604,6 +605,7 @@ impl PageLedger {
                 .unwrap_or((0, s.len));
             if n > self.max_seq_len - top {
                 return Err(Error::CapacityExceeded {
+                    seq: Some(seq),
                     layer,
                     position: top,
                     n_new: n,
@@ -695,6 +697,31 @@ mod tests {
             l.admits(&[(seq, 17)])
         );
         assert_eq!(l, before);
+    }
+
+    /// A refused admission of many sequences names the one that would not fit.
+    #[test]
+    fn admission_names_the_sequence_that_does_not_fit() {
+        let mut l = PageLedger::new(&spec(8), 4, 8);
+        let (a, b) = (l.add().unwrap(), l.add().unwrap());
+        let e = l.admits(&[(a, 2), (b, 9)]).unwrap_err();
+        assert_eq!(
+            e,
+            Error::CapacityExceeded {
+                seq: Some(b),
+                layer: 0,
+                position: 0,
+                n_new: 9,
+                capacity: 8,
+                remaining: 8,
+            }
+        );
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{b}, layer 0: appending 9 rows at position 0 exceeds the capacity of 8 rows (8 left)"
+            )
+        );
     }
 
     /// Pool contents by (layer, pool row): a value naming what was written there.

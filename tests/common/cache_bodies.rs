@@ -333,6 +333,7 @@ pub async fn every_refusal_leaves_the_cache_unchanged(g: &Gpu) {
         assert_eq!(
             expect(4),
             Error::CapacityExceeded {
+                seq: None,
                 layer: 0,
                 position: 3,
                 n_new: 3,
@@ -435,6 +436,7 @@ pub async fn full_capacity_then_overflow_then_truncate_and_reappend(g: &Gpu) {
         assert_eq!(
             err,
             Error::CapacityExceeded {
+                seq: None,
                 layer: 0,
                 position: 4,
                 n_new: 1,

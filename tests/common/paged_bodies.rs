@@ -1542,6 +1542,39 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
             "{dtype}: a refused batch changed the ledger"
         );
         assert_eq!(all.read_pool_words_async(0, 0).await.unwrap(), words);
+        // A batch whose second sequence would pass the pool's 40 rows: the error names it.
+        let n_long = 40 - all.len(s1).unwrap() + 1;
+        let shapes: Vec<Vec<usize>> = trailing(0)
+            .iter()
+            .map(|t| [&[1 + n_long][..], t].concat())
+            .collect();
+        let long: Vec<Vec<f32>> = (0..2)
+            .map(|k| values(13 + k as u64, (1 + n_long) * widths[0][k]))
+            .collect();
+        let slabs = [
+            HostSlab::f32(&long[0], &shapes[0]),
+            HostSlab::f32(&long[1], &shapes[1]),
+        ];
+        let e = all
+            .append_batch(0, &[(s2, 1), (s1, n_long)], &slabs)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            Error::CapacityExceeded {
+                seq: Some(s1),
+                layer: 0,
+                position: 40 - n_long + 1,
+                n_new: n_long,
+                capacity: 40,
+                remaining: n_long - 1,
+            },
+            "{dtype}"
+        );
+        assert!(
+            e.to_string().starts_with(&format!("{s1}, layer 0: ")),
+            "{e}"
+        );
+        assert_eq!(all.ledger(), &ledger, "{dtype}: {e}");
     }
 }
 

@@ -420,6 +420,7 @@ pub async fn refused_sources_change_nothing(g: &Gpu) {
     assert_eq!(
         err,
         Error::CapacityExceeded {
+            seq: None,
             layer: 0,
             position: 2,
             n_new: 5,
