@@ -57,7 +57,8 @@ pub enum Error {
     },
 
     /// The rows would not fit below the capacity. `seq` names the paged pool's sequence whose rows
-    /// they are (in a batch, the first one that would not fit); `None` in a single-sequence cache.
+    /// they are (in a batch, the first one that would not fit); `None` in a single-sequence cache
+    /// and for a sequence a pool's import would add.
     #[error(
         "{}layer {layer}: appending {n_new} rows at position {position} exceeds the capacity of \
          {capacity} rows ({remaining} left)",

@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use super::ledger::PagedPlan;
 use super::{PageLedger, PagedCache};
 use crate::cache::{SlotRows, StagedRows, pump, write_slots};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::allocated;
 use crate::seq::SeqId;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
@@ -124,7 +124,13 @@ impl PagedCache {
         self.store.check_usable()?;
         let mut ledger = self.ledger.clone();
         let seq = ledger.add()?;
-        ledger.admits(&[(seq, len)])?;
+        // The id is the copy's: a refusal names no sequence of the pool.
+        ledger.admits(&[(seq, len)]).map_err(|mut e| {
+            if let Error::CapacityExceeded { seq, .. } = &mut e {
+                *seq = None;
+            }
+            e
+        })?;
         let mut plans = Vec::new();
         for (layer, spec) in self.spec.layers().iter().enumerate() {
             if spec.slots.is_empty() {
