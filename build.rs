@@ -10,7 +10,11 @@ use std::{env, fs};
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
 fn main() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
+    // The manifest's directory when the script runs, not when it was compiled: cargo may reuse one
+    // compiled script for another checkout of the same package.
+    let root =
+        PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let dir = root.join("shaders");
     println!("cargo:rerun-if-changed={}", dir.display());
     let prelude_path = dir.join("shared").join("prelude.wgsl");
     println!("cargo:rerun-if-changed={}", prelude_path.display());
@@ -54,7 +58,7 @@ fn main() {
         let after = if zeroing { zero_main.as_str() } else { "" };
         let source = format!("{prelude}{extra}{own}{after}");
         let shown = path
-            .strip_prefix(env!("CARGO_MANIFEST_DIR"))
+            .strip_prefix(&root)
             .unwrap_or(path)
             .display()
             .to_string();
