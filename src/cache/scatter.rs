@@ -78,8 +78,9 @@ impl KvCache {
     }
 
     /// Uploads checked host slabs of `map.len()` rows and their map in one write, and records one
-    /// scattered dispatch per slot. `false`, with nothing done, when the upload would not fit one
-    /// storage binding.
+    /// scattered dispatch per slot. `false`, with nothing recorded, when the upload would not fit one
+    /// storage binding or a slot's dispatch could not bind it: the caller then moves the rows run by
+    /// run.
     pub(crate) fn record_host_scatter(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -106,6 +107,7 @@ impl KvCache {
         let upload = self.uploads.push(&self.queue, &bytes);
         self.upload_bytes = bytes;
         let size = upload.buffer.size();
+        let mut scatters = Vec::with_capacity(slabs.len());
         for (slot, start) in starts.into_iter().enumerate() {
             let sb = &self.slots[layer][slot];
             let row_words = sb.placement.row_bytes / 4;
@@ -138,21 +140,22 @@ impl KvCache {
                 shape: &[],
                 strides: None,
             };
-            // The upload buffer is this device's own (and known as such in the browser): binding it
-            // cannot fail.
-            if let Ok(Some(group)) =
+            // The upload buffer is this device's own (and known as such in the browser), so binding
+            // it does not fail; if it did, no slot's dispatch is recorded.
+            let Ok(Some(group)) =
                 self.prepare_source(layer, slot, &slab, &job, Some(&upload.buffer))
-            {
-                let scatter = Scatter {
-                    src_dtype: DType::F32,
-                    dst_dtype: DType::F32,
-                    params,
-                    vec4,
-                    group,
-                };
-                self.record_scatter(encoder, scatter);
-            }
+            else {
+                return false;
+            };
+            scatters.push(Scatter {
+                src_dtype: DType::F32,
+                dst_dtype: DType::F32,
+                params,
+                vec4,
+                group,
+            });
         }
+        self.record_scatters(encoder, scatters);
         true
     }
 
