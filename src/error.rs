@@ -298,8 +298,10 @@ pub enum Error {
     /// Nothing was changed; a smaller request, or one made after dropping caches, may succeed.
     /// Where wgpu itself could not stage a host write (an import of a snapshot's bytes, "the
     /// snapshot's rows"), wgpu 30 also loses the device; the streamed imports stage in buffers of
-    /// kvgpu's own and keep it. Cache creation and imports are checked natively only: in the
-    /// browser such a failure surfaces as a wgpu error instead (readbacks are checked there too).
+    /// kvgpu's own and keep it. Cache creation, imports and attention's scratch are checked
+    /// natively only: in the browser WebGPU answers such a check only later, so the failure is left
+    /// to WebGPU's own report, the device's uncaptured error (readbacks, which wait anyway, are
+    /// checked there too).
     #[error("the device could not allocate {bytes} bytes for {what}: {reason}")]
     OutOfMemory {
         what: String,

@@ -1,5 +1,6 @@
 //! A cache the device cannot hold is refused with `Error::OutOfMemory`, before anything uses its
-//! buffers, and the device, its kernel registry and the caches made after it work as before.
+//! buffers, and the device, its kernel registry and the caches made after it work as before; so are
+//! readbacks, imports and attention calls whose buffers it cannot allocate.
 //!
 //! A software adapter backs buffers with this process's memory, so the test caps the process's
 //! address space (`RLIMIT_AS`, raised back afterwards) a little above what it uses, and asks for more.
@@ -8,6 +9,7 @@
 
 mod common;
 
+use common::shared::{f32_buffer, kernels_for, read_f32};
 use common::*;
 use kvgpu::*;
 
@@ -216,4 +218,66 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
     assert_eq!(to.read_f32(0, 0).unwrap(), d);
     let seq = pool.import_sequence_from(&bytes[..]).unwrap();
     assert_eq!(pool.len(seq).unwrap(), rows);
+}
+
+#[test]
+fn attention_whose_scratch_the_device_cannot_hold_is_refused_and_changes_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // A chunk of 1,024 queries of 64 heads with values of 512 (a long prefill step, a sliding
+    // window of 64 rows): the partial results take a whole binding (128 MiB on the software
+    // adapters), more than the room the cap leaves, and more than the device's 128 MiB blocks of
+    // memory can share with the cache.
+    let (n_q, n_heads, d_k, d_v, rows) = (1024, 64, 128, 512, 1024);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(8, d_k, d_v)], DType::F16, rows).unwrap();
+    let mut c = cache(spec);
+    let (k, v) = (values(3, rows * 8 * d_k), values(4, rows * 8 * d_v));
+    c.append(
+        0,
+        &[
+            HostSlab::f32(&k, &[rows, 8, d_k]),
+            HostSlab::f32(&v, &[rows, 8, d_v]),
+        ],
+    )
+    .unwrap();
+    c.advance(rows).unwrap();
+    let q = pollster::block_on(f32_buffer(&g.device, &values(5, n_q * n_heads * d_k)));
+    let out =
+        |fill: f32| pollster::block_on(f32_buffer(&g.device, &vec![fill; n_q * n_heads * d_v]));
+    let (want, got) = (out(0.0), out(-1.0));
+    let kernels = kernels_for(g);
+    let options = AttentionOptions {
+        window: Some(64),
+        ..Default::default()
+    };
+    let call = |att: &mut Attention, to: &wgpu::Buffer| {
+        att.gqa(&c, 0, Queries::new(&q, n_q, n_heads, d_k), to, &options)
+    };
+    // The call is refused before it compiles anything (the scratch comes first).
+    let mut att = Attention::with_kernels(kernels.clone());
+    {
+        let _cap = Cap::room(8 << 20);
+        let e = call(&mut att, &got).unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, bytes, .. }
+                if what == "attention's scratch buffers" && *bytes > 128 << 20),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+    }
+    let untouched = pollster::block_on(read_f32(g, &got));
+    assert!(
+        untouched.iter().all(|&x| x == -1.0),
+        "the refused call wrote"
+    );
+    // With room, the same `Attention` computes what another one does.
+    call(&mut att, &got).unwrap();
+    call(&mut Attention::with_kernels(kernels), &want).unwrap();
+    assert_eq!(
+        pollster::block_on(read_f32(g, &got)),
+        pollster::block_on(read_f32(g, &want))
+    );
 }

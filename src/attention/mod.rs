@@ -363,7 +363,10 @@ impl Attention {
     /// bytes, too small for them: every kernel's bounds check fails and it returns before touching
     /// memory.
     fn warm_up(&mut self, cache: &KvCache, runs: &[WarmUp]) {
-        self.ensure_scratch(16, 16);
+        // Best effort: a device that cannot spare 32 bytes refuses the first call instead.
+        if self.ensure_scratch(16, 16).is_err() {
+            return;
+        }
         let Some(scratch) = &self.scratch else {
             return;
         };

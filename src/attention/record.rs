@@ -8,7 +8,7 @@ use super::{Attention, AttentionOptions, Job, Kv, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::codec::DType;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
-use crate::kernels::{Held, scoped, whole_vectors_within};
+use crate::kernels::{Held, allocated, scoped, whole_vectors_within};
 use crate::paged::PagedCache;
 use crate::seq::SeqId;
 
@@ -47,7 +47,7 @@ impl Attention {
             }
             None => (Vec::new(), 0),
         };
-        self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes);
+        self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes)?;
         let Some(scratch) = &self.scratch else {
             return Err(Error::Device {
                 reason: "attention scratch buffers are missing".into(),
@@ -387,13 +387,14 @@ impl Attention {
     }
 
     /// Grows the scratch buffers when this call needs more than they hold (bind groups that named the
-    /// old ones are dropped).
-    pub(super) fn ensure_scratch(&mut self, stats_bytes: u64, part_bytes: u64) {
+    /// old ones are dropped). A device that cannot allocate them refuses with
+    /// [`Error::OutOfMemory`], and the old ones stay.
+    pub(super) fn ensure_scratch(&mut self, stats_bytes: u64, part_bytes: u64) -> Result<()> {
         if let Some(s) = &self.scratch
             && s.stats.size() >= stats_bytes
             && s.part.size() >= part_bytes
         {
-            return;
+            return Ok(());
         }
         let old = self
             .scratch
@@ -409,12 +410,20 @@ impl Attention {
                 mapped_at_creation: false,
             })
         };
-        self.scratch = Some(Scratch {
-            stats: buffer("kvgpu attention stats", grow(old.0, stats_bytes)),
-            part: buffer("kvgpu attention partials", grow(old.1, part_bytes)),
-        });
+        let sizes = (grow(old.0, stats_bytes), grow(old.1, part_bytes));
+        let scratch = allocated(
+            &self.device,
+            "attention's scratch buffers",
+            sizes.0 + sizes.1,
+            || Scratch {
+                stats: buffer("kvgpu attention stats", sizes.0),
+                part: buffer("kvgpu attention partials", sizes.1),
+            },
+        )?;
+        self.scratch = Some(scratch);
         self.io_groups.clear();
         self.out_groups.clear();
+        Ok(())
     }
 }
 
