@@ -47,6 +47,12 @@ impl Attention {
             }
             None => (Vec::new(), 0),
         };
+        for (buffer, which) in [(q_a, "query"), (q_b, "query"), (out, "output")] {
+            crate::verify::known_or_refused(&self.device, buffer, layer, || {
+                format!("{which} buffer")
+            })?;
+        }
+        // Grown after the checks that need no binding (the bind groups below bind the scratch).
         self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes)?;
         let Some(scratch) = &self.scratch else {
             return Err(Error::Device {
@@ -54,9 +60,6 @@ impl Attention {
             });
         };
         let (device, kernels) = (&self.device, &self.kernels);
-        for (buffer, which) in [(q_a, "query"), (q_b, "query"), (out, "output")] {
-            crate::verify::known_or_refused(device, buffer, layer, || format!("{which} buffer"))?;
-        }
         let refused = |which: &'static str| {
             move |e: String| Error::ForeignDevice {
                 layer,
