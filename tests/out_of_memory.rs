@@ -256,7 +256,8 @@ fn attention_whose_scratch_the_device_cannot_hold_is_refused_and_changes_nothing
     let call = |att: &mut Attention, to: &wgpu::Buffer| {
         att.gqa(&c, 0, Queries::new(&q, n_q, n_heads, d_k), to, &options)
     };
-    // The call is refused before it compiles anything (the scratch comes first).
+    // The call is refused before it compiles anything (the scratch grows before any pipeline is
+    // made).
     let mut att = Attention::with_kernels(kernels.clone());
     {
         let _cap = Cap::room(8 << 20);
