@@ -150,8 +150,9 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
     let bytes = c.snapshot().unwrap();
     let mut to = cache(spec.clone());
     let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
-    // wgpu 30 loses a device that cannot stage a host write (`Queue::write_buffer`), so the imports
-    // of bytes run on devices of their own, of the same adapter.
+    // wgpu 30 loses a device that cannot stage a host write (`Queue::write_buffer`); imports of
+    // more than 4 MiB stage their rows themselves, under the check, so nothing is lost. They run on
+    // devices of their own, of the same adapter, whose loss is counted.
     let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let device = || {
         let (device, queue) =
@@ -191,7 +192,7 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
             matches!(&e, Error::OutOfMemory { what, .. } if what == "a snapshot's staging buffers"),
             "{e}"
         );
-        // An import of the bytes, which wgpu stages in memory of its own.
+        // An import of the bytes, whose rows are staged in buffers of their own.
         let e = written.import(&bytes).unwrap_err();
         assert!(
             matches!(&e, Error::OutOfMemory { what, .. } if what == "the snapshot's rows"),
@@ -206,18 +207,118 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
     assert!(to.is_empty() && written.is_empty());
     assert_eq!(pool.ledger().sequences().count(), 0);
     assert_eq!(written_pool.ledger().sequences().count(), 0);
-    assert_eq!(
-        lost.load(std::sync::atomic::Ordering::SeqCst),
-        2,
-        "wgpu lost both devices"
-    );
     assert_eq!(c.len(), rows);
-    // Both work once there is room.
+    // All of them work once there is room, the imports of bytes on the same devices.
     assert_eq!(c.read_f32(0, 1).unwrap(), d);
     assert_eq!(to.import_from(&bytes[..]).unwrap(), rows);
     assert_eq!(to.read_f32(0, 0).unwrap(), d);
     let seq = pool.import_sequence_from(&bytes[..]).unwrap();
     assert_eq!(pool.len(seq).unwrap(), rows);
+    assert_eq!(written.import(&bytes).unwrap(), rows);
+    assert_eq!(written.read_f32(0, 1).unwrap(), d);
+    let seq = written_pool.import_sequence(&bytes).unwrap();
+    assert_eq!(written_pool.len(seq).unwrap(), rows);
+    assert_eq!(
+        pollster::block_on(written_pool.read_f32_async(seq, 0, 0)).unwrap(),
+        d
+    );
+    assert_eq!(
+        lost.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "a device was lost"
+    );
+}
+
+/// K and V host slabs of `shape`, from the first rows of `k` and `v` (8 heads of 128).
+fn kv<'a>(k: &'a [f32], v: &'a [f32], shape: &'a [usize; 3]) -> [HostSlab<'a>; 2] {
+    let n = shape[0] * 1024;
+    [HostSlab::f32(&k[..n], shape), HostSlab::f32(&v[..n], shape)]
+}
+
+#[test]
+fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // Slots as large as a binding allows (128 MiB on the software adapters), filled by one append:
+    // more rows than wgpu's own staging of a `write_buffer` may take (it loses the device where it
+    // cannot allocate that), so kvgpu stages them itself, under the check.
+    let rows = (g.limits().max_slot_bytes() / (8 * 128 * 4)) as usize;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, rows).unwrap();
+    let (k, v) = (values(6, rows * 8 * 128), values(7, rows * 8 * 128));
+    let (whole, quarter) = ([rows, 8, 128], [rows / 4, 8, 128]);
+    let slabs = |shape| kv(&k, &v, shape);
+    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = lost.clone();
+    g.device.set_device_lost_callback(move |_, _| {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    });
+    let mut c = cache(spec.clone());
+    let mut layers = cache(spec.clone());
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
+    let seq = pool.add_sequence().unwrap();
+    // A quarter of the slots by one scattered dispatch per slot, from an upload of 64 MiB (the
+    // whole slots' would not fit one binding, and move run by run as above).
+    let mut scattered = PagedCache::new(&g.device, &g.queue, spec, 64, rows / 64).unwrap();
+    scattered.set_scatter(ScatterChoice::Always);
+    let other = scattered.add_sequence().unwrap();
+    // The pool assembles the upload in a host buffer it keeps: grown here, before the cap (a host
+    // allocation past the cap would abort the process).
+    let warm = scattered.add_sequence().unwrap();
+    scattered.append(warm, 0, &slabs(&quarter)).unwrap();
+    scattered.remove(warm).unwrap();
+    let staging = |e: Error, what: &str| {
+        assert!(
+            matches!(&e, Error::OutOfMemory { what: w, bytes, .. } if w == what && *bytes >= 64 << 20),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+    };
+    {
+        let _cap = Cap::room(8 << 20);
+        staging(
+            c.append(0, &slabs(&whole)).unwrap_err(),
+            "the staging of host rows",
+        );
+        staging(
+            layers.append_layers(&[&slabs(&whole)]).unwrap_err(),
+            "the staging of host rows",
+        );
+        staging(
+            pool.append(seq, 0, &slabs(&whole)).unwrap_err(),
+            "the staging of host rows",
+        );
+        staging(
+            scattered.append(other, 0, &slabs(&quarter)).unwrap_err(),
+            "an upload of host rows",
+        );
+    }
+    assert_eq!(c.visible(0).unwrap(), 0);
+    assert_eq!(layers.visible(0).unwrap(), 0);
+    assert_eq!(pool.visible(seq, 0).unwrap(), 0);
+    assert_eq!(scattered.visible(other, 0).unwrap(), 0);
+    assert_eq!(
+        pool.free_pages(),
+        rows / 64,
+        "the refused append took pages"
+    );
+    // With room, the same calls append every row.
+    c.append(0, &slabs(&whole)).unwrap();
+    layers.append_layers(&[&slabs(&whole)]).unwrap();
+    pool.append(seq, 0, &slabs(&whole)).unwrap();
+    scattered.append(other, 0, &slabs(&quarter)).unwrap();
+    assert_eq!(c.read_f32(0, 1).unwrap(), v);
+    assert_eq!(layers.read_f32(0, 0).unwrap(), k);
+    let read = |p: &PagedCache, s, slot| pollster::block_on(p.read_f32_async(s, 0, slot)).unwrap();
+    assert_eq!(read(&pool, seq, 1), v);
+    assert_eq!(read(&scattered, other, 0), k[..rows / 4 * 1024]);
+    assert_eq!(
+        lost.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the device was lost"
+    );
 }
 
 #[test]

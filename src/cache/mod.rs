@@ -14,10 +14,11 @@ mod zero;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes};
+use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes, used_row_bytes};
 use crate::error::{BufferProblem, Error, Result};
 use crate::kernels::{
-    GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, allocated, binding_limit, held,
+    CHECKED_BYTES, GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, allocated,
+    binding_limit, held, mapped, staging,
 };
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
@@ -49,6 +50,30 @@ impl SlotBuffer {
     /// `scratch`.
     fn stored<'a>(&self, data: HostData<'a>, scratch: &'a mut Vec<u8>) -> &'a [u8] {
         stored_bytes(data, self.dtype, self.row_elems, self.scale, scratch)
+    }
+
+    /// Slot `slot`'s part of `rows` as this slot stores it, row padding (zeros) included.
+    fn rows_bytes<'a>(
+        &self,
+        rows: Rows<'_, 'a>,
+        slot: usize,
+        scratch: &'a mut Vec<u8>,
+    ) -> &'a [u8] {
+        let stored = match rows {
+            Rows::Slabs(slabs) => return self.stored(slabs[slot].data, scratch),
+            Rows::Stored(rows) => rows[slot],
+        };
+        let row_bytes = self.placement.row_bytes as usize;
+        let used = used_row_bytes(self.row_elems, self.dtype) as usize;
+        if used == row_bytes {
+            return stored;
+        }
+        scratch.clear();
+        scratch.extend_from_slice(stored);
+        for row in scratch.chunks_exact_mut(row_bytes) {
+            row[used..].fill(0);
+        }
+        scratch
     }
 
     /// The bits of `1 / scale` a scaled fp8 slot's writes multiply by; 0 for any other slot.
@@ -128,6 +153,51 @@ pub struct KvCache {
     zero_workgroups: u32,
     min_storage_offset_alignment: u64,
     max_binding: u64,
+}
+
+/// What [`Error::OutOfMemory`] names for host rows the device cannot stage.
+pub(crate) const HOST_ROWS: &str = "the staging of host rows";
+
+/// Checked host rows of one layer and where they go: `(first row of the rows, run)` per run.
+pub(crate) struct HostRows<'s, 'a> {
+    pub layer: usize,
+    pub rows: Rows<'s, 'a>,
+    pub runs: &'s [(usize, Run)],
+}
+
+/// The rows of each slot of a layer, from the host.
+#[derive(Clone, Copy)]
+pub(crate) enum Rows<'s, 'a> {
+    /// Host slabs, converted as the slots store them.
+    Slabs(&'s [HostSlab<'a>]),
+    /// Rows already as the slots store them (a snapshot's sections), less any row padding.
+    Stored(&'s [&'a [u8]]),
+}
+
+impl Rows<'_, '_> {
+    fn slots(&self) -> usize {
+        match self {
+            Rows::Slabs(slabs) => slabs.len(),
+            Rows::Stored(rows) => rows.len(),
+        }
+    }
+}
+
+/// Host rows in staging buffers of their own, and the copies that move them.
+pub(crate) struct Staging {
+    buffers: Vec<wgpu::Buffer>,
+    copies: Vec<StagedCopy>,
+}
+
+/// One run of one slot in a staging buffer: `size` bytes at byte `from` of `buffers[buffer]`, for
+/// byte `to` of the slot.
+struct StagedCopy {
+    layer: usize,
+    slot: usize,
+    buffer: usize,
+    from: u64,
+    to: u64,
+    size: u64,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -423,7 +493,10 @@ impl KvCache {
     }
 
     /// Appends one slab per slot of `layer` from host memory. The rows reach the GPU at the next queue
-    /// submission, ahead of the commands submitted with it.
+    /// submission, ahead of the commands submitted with it. Natively, rows of more than 4 MiB in all
+    /// go up through a staging buffer of their own instead, made under the out-of-memory check (a
+    /// device that cannot hold it refuses the call with [`Error::OutOfMemory`], and nothing
+    /// changes), and are copied into place in a submission made before this returns.
     pub fn append(&mut self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<AppendPlan> {
         let plan = self
             .ledger
@@ -431,7 +504,7 @@ impl KvCache {
         let [run] = plan.runs();
         self.check_host_slabs(layer, slabs)?;
         self.check_layer_usable(layer)?;
-        self.write_host_runs(layer, slabs, &[(0, run)]);
+        self.write_host_runs(None, layer, slabs, &[(0, run)])?;
         self.ledger.commit_append(plan);
         Ok(plan)
     }
@@ -465,26 +538,142 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes checked host slabs into `runs` of the slot buffers (`(first slab row, run)`) with
-    /// `Queue::write_buffer`.
+    /// Writes checked host slabs into `runs` of the slot buffers of `layer` (`(first slab row, run)`):
+    /// [`KvCache::stage_host_rows`], then [`KvCache::write_host_rows`]. A refused staging writes
+    /// nothing.
     pub(crate) fn write_host_runs(
         &mut self,
+        encoder: Option<&mut wgpu::CommandEncoder>,
         layer: usize,
         slabs: &[HostSlab<'_>],
         runs: &[(usize, Run)],
-    ) {
-        for (slot, slab) in slabs.iter().enumerate() {
-            let sb = &self.slots[layer][slot];
-            if runs.iter().all(|(_, run)| run.n_rows == 0) {
-                continue;
+    ) -> Result<()> {
+        let jobs = [HostRows {
+            layer,
+            rows: Rows::Slabs(slabs),
+            runs,
+        }];
+        let staged = self.stage_host_rows(&jobs, HOST_ROWS)?;
+        self.write_host_rows(&jobs, staged, encoder);
+        Ok(())
+    }
+
+    /// Natively, where `jobs` come to more than [`CHECKED_BYTES`], their rows as stored in staging
+    /// buffers of their own (each within the device's largest buffer), made under the
+    /// out-of-memory check (a device that cannot hold them refuses with [`Error::OutOfMemory`]
+    /// naming `what`); `None` where they go by `Queue::write_buffer`. Records nothing.
+    pub(crate) fn stage_host_rows(
+        &mut self,
+        jobs: &[HostRows<'_, '_>],
+        what: &str,
+    ) -> Result<Option<Staging>> {
+        // Every run of every slot, in order: (layer, slot, byte in the slot, bytes).
+        let pieces: Vec<(usize, usize, u64, u64)> = jobs
+            .iter()
+            .flat_map(|job| {
+                let slots = &self.slots[job.layer][..job.rows.slots()];
+                slots.iter().enumerate().flat_map(move |(slot, sb)| {
+                    job.runs
+                        .iter()
+                        .filter(|(_, run)| run.n_rows > 0)
+                        .map(move |(_, run)| {
+                            let (offset, size) = sb.placement.bytes(run);
+                            (job.layer, slot, offset, size)
+                        })
+                })
+            })
+            .collect();
+        let total: u64 = pieces.iter().map(|p| p.3).sum();
+        if cfg!(target_arch = "wasm32") || total <= CHECKED_BYTES {
+            return Ok(None);
+        }
+        // A piece is at most one slot, within the largest buffer; buffers fill in order.
+        let largest = self.device.limits().max_buffer_size;
+        let mut sizes = vec![0u64];
+        let mut copies = Vec::with_capacity(pieces.len());
+        for (layer, slot, offset, size) in pieces {
+            let last = sizes[sizes.len() - 1];
+            if last > 0 && last + size > largest {
+                sizes.push(0);
             }
-            let bytes = sb.stored(slab.data, &mut self.scratch);
-            let row_bytes = sb.placement.row_bytes as usize;
-            for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
-                let (offset, size) = sb.placement.bytes(run);
-                let from = first * row_bytes;
-                self.queue
-                    .write_buffer(&sb.buffer, offset, &bytes[from..from + size as usize]);
+            let buffer = sizes.len() - 1;
+            copies.push(StagedCopy {
+                layer,
+                slot,
+                buffer,
+                from: sizes[buffer],
+                to: offset,
+                size,
+            });
+            sizes[buffer] += size;
+        }
+        let buffers = staging(&self.device, what, &sizes)?;
+        {
+            let mut views = buffers.iter().map(mapped).collect::<Result<Vec<_>>>()?;
+            let mut next = copies.iter();
+            for job in jobs {
+                for slot in 0..job.rows.slots() {
+                    let sb = &self.slots[job.layer][slot];
+                    let bytes = sb.rows_bytes(job.rows, slot, &mut self.scratch);
+                    let row_bytes = sb.placement.row_bytes as usize;
+                    for (first, _) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
+                        let Some(c) = next.next() else { break };
+                        let (at, size) = (c.from as usize, c.size as usize);
+                        let from = first * row_bytes;
+                        views[c.buffer]
+                            .slice(at..at + size)
+                            .copy_from_slice(&bytes[from..from + size]);
+                    }
+                }
+            }
+        }
+        for buffer in &buffers {
+            buffer.unmap();
+        }
+        Ok(Some(Staging { buffers, copies }))
+    }
+
+    /// Moves `jobs`' rows into their slots: by copies from `staged` (what
+    /// [`KvCache::stage_host_rows`] made of the same jobs), recorded into `encoder`, or submitted on
+    /// their own without one; else by `Queue::write_buffer` (landing at the next submission).
+    pub(crate) fn write_host_rows(
+        &mut self,
+        jobs: &[HostRows<'_, '_>],
+        staged: Option<Staging>,
+        encoder: Option<&mut wgpu::CommandEncoder>,
+    ) {
+        if let Some(staged) = staged {
+            let mut own = None;
+            let encoder = match encoder {
+                Some(encoder) => encoder,
+                None => own.insert(self.encoder("kvgpu host rows")),
+            };
+            for c in staged.copies {
+                let (src, dst) = (
+                    &staged.buffers[c.buffer],
+                    &self.slots[c.layer][c.slot].buffer,
+                );
+                encoder.copy_buffer_to_buffer(src, c.from, dst, c.to, c.size);
+            }
+            if let Some(own) = own {
+                self.queue.submit([own.finish()]);
+            }
+            return;
+        }
+        for job in jobs {
+            for slot in 0..job.rows.slots() {
+                let sb = &self.slots[job.layer][slot];
+                if job.runs.iter().all(|(_, run)| run.n_rows == 0) {
+                    continue;
+                }
+                let bytes = sb.rows_bytes(job.rows, slot, &mut self.scratch);
+                let row_bytes = sb.placement.row_bytes as usize;
+                for (first, run) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
+                    let (offset, size) = sb.placement.bytes(run);
+                    let from = first * row_bytes;
+                    self.queue
+                        .write_buffer(&sb.buffer, offset, &bytes[from..from + size as usize]);
+                }
             }
         }
     }

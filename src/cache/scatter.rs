@@ -78,16 +78,18 @@ impl KvCache {
     }
 
     /// Uploads checked host slabs of `map.len()` rows and their map in one write, and records one
-    /// scattered dispatch per slot. `false`, with nothing recorded, when the upload would not fit one
-    /// storage binding or a slot's dispatch could not bind it: the caller then moves the rows run by
-    /// run.
+    /// scattered dispatch per slot. `false`, with no dispatch recorded, when the upload would not fit
+    /// one storage binding or a slot's dispatch could not bind it: the caller then moves the rows run
+    /// by run. An upload the device cannot hold
+    /// ([`UploadRing::push_recorded`](crate::kernels::UploadRing::push_recorded)) is refused with
+    /// [`crate::Error::OutOfMemory`], and records nothing.
     pub(crate) fn record_host_scatter(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
         layer: usize,
         slabs: &[HostSlab<'_>],
         map: &[u32],
-    ) -> bool {
+    ) -> Result<bool> {
         // The map, then each slot's rows as stored, every part on a 16-byte boundary.
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
@@ -102,10 +104,13 @@ impl KvCache {
         bytes.resize(bytes.len().next_multiple_of(16), 0);
         if bytes.len() as u64 > self.max_binding {
             self.upload_bytes = bytes;
-            return false;
+            return Ok(false);
         }
-        let upload = self.uploads.push(&self.queue, &bytes);
+        // Binding and recording below cannot fail once the upload is made; the copy that fills a
+        // large upload is recorded ahead of them.
+        let upload = self.uploads.push_recorded(&self.queue, encoder, &bytes);
         self.upload_bytes = bytes;
+        let upload = upload?;
         let size = upload.buffer.size();
         let mut scatters = Vec::with_capacity(slabs.len());
         for (slot, start) in starts.into_iter().enumerate() {
@@ -145,7 +150,7 @@ impl KvCache {
             let Ok(Some(group)) =
                 self.prepare_source(layer, slot, &slab, &job, Some(&upload.buffer))
             else {
-                return false;
+                return Ok(false);
             };
             scatters.push(Scatter {
                 src_dtype: DType::F32,
@@ -156,7 +161,7 @@ impl KvCache {
             });
         }
         self.record_scatters(encoder, scatters);
-        true
+        Ok(true)
     }
 
     /// Records scattered moves [`KvCache::prepare_gpu_scatter`] made.

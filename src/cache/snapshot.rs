@@ -3,9 +3,8 @@
 
 use std::io::{Read, Write};
 
-use super::KvCache;
 use super::staged::StagedRows;
-use crate::codec::used_row_bytes;
+use super::{HostRows, KvCache, Rows};
 use crate::device::{Mapped, Readback, ranges_bytes, staging_buffer};
 use crate::error::{Error, Result, SnapshotProblem};
 use crate::kernels::allocated;
@@ -217,19 +216,19 @@ impl KvCache {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;
         let plans = self.plan_import(snap.header.len)?;
-        // wgpu stages each write in memory of its own: where it cannot, the rows written so far (past
-        // the empty cache's length, so unseen) stay and nothing is committed. wgpu 30 then also
-        // loses the device.
-        let bytes = snap.sections.iter().flatten().map(|r| r.len() as u64).sum();
-        let device = self.device.clone();
-        allocated(&device, "the snapshot's rows", bytes, || {
-            for plan in &plans {
-                let [run] = plan.runs();
-                for (slot, rows) in snap.sections[plan.layer].iter().enumerate() {
-                    self.write_stored(plan.layer, slot, &[(0, run)], rows);
-                }
-            }
-        })?;
+        let runs: Vec<_> = plans
+            .iter()
+            .map(|plan| (plan.layer, plan.runs().map(|run| (0, run))))
+            .collect();
+        let jobs: Vec<HostRows<'_, '_>> = runs
+            .iter()
+            .map(|(layer, runs)| HostRows {
+                layer: *layer,
+                rows: Rows::Stored(&snap.sections[*layer]),
+                runs,
+            })
+            .collect();
+        self.write_snapshot_rows(&jobs)?;
         self.commit_import(plans, snap.header.len)
     }
 
@@ -321,34 +320,24 @@ impl KvCache {
         }
     }
 
-    /// Writes stored rows (the layout of [`KvCache::read_words_async`]) into `runs` of a slot
-    /// buffer (`(first row of rows, run)`), with any row padding written as zeros.
-    pub(crate) fn write_stored(
-        &mut self,
-        layer: usize,
-        slot: usize,
-        runs: &[(usize, Run)],
-        rows: &[u8],
-    ) {
-        let sb = &self.slots[layer][slot];
-        let row_bytes = sb.placement.row_bytes as usize;
-        let used = used_row_bytes(sb.row_elems, sb.dtype) as usize;
-        let rows = if used < row_bytes {
-            self.scratch.clear();
-            self.scratch.extend_from_slice(rows);
-            for row in self.scratch.chunks_exact_mut(row_bytes) {
-                row[used..].fill(0);
-            }
-            &self.scratch[..]
-        } else {
-            rows
-        };
-        for (first, run) in runs.iter().filter(|(_, run)| run.n_rows > 0) {
-            let (offset, size) = sb.placement.bytes(run);
-            let from = first * row_bytes;
-            self.queue
-                .write_buffer(&sb.buffer, offset, &rows[from..from + size as usize]);
-        }
+    /// Writes a snapshot's rows (`jobs`, of stored rows) into their slots, under the out-of-memory
+    /// check: more than 4 MiB of them natively through a staging buffer of their own (a device that
+    /// cannot hold it refuses, and nothing is written), less with `Queue::write_buffer`, where wgpu
+    /// stages each write in memory of its own. Where it cannot, the rows written so far (past the
+    /// empty cache's length, so unseen) stay; wgpu 30 then also loses the device.
+    pub(crate) fn write_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
+        let staged = self.stage_host_rows(jobs, "the snapshot's rows")?;
+        let bytes = jobs
+            .iter()
+            .map(|job| match job.rows {
+                Rows::Stored(rows) => rows.iter().map(|r| r.len() as u64).sum(),
+                Rows::Slabs(_) => 0,
+            })
+            .sum();
+        let device = self.device.clone();
+        allocated(&device, "the snapshot's rows", bytes, || {
+            self.write_host_rows(jobs, staged, None)
+        })
     }
 }
 

@@ -3,7 +3,7 @@
 //! On adapters whose `write_buffer` costs a fixed overhead per call (OpenGL: six times faster for a
 //! decode step of 64 slots) that overhead is paid once per step instead of once per slot.
 
-use super::{HostSlab, KvCache};
+use super::{HOST_ROWS, HostRows, HostSlab, KvCache, Rows};
 use crate::error::{Error, Result};
 use crate::kernels::RING_BYTES;
 use crate::ledger::AppendPlan;
@@ -14,9 +14,11 @@ impl KvCache {
     /// layer is checked before anything is written; a refused call changes no layer.
     ///
     /// The rows of a step up to 4 MiB go up in one upload and are copied into place by commands
-    /// recorded into `encoder`: they land when that encoder's commands run. Larger steps are
-    /// written slot by slot as [`KvCache::append`] writes them (at the next submission), since the
-    /// per-call overhead no longer matters there. Call [`KvCache::advance`] afterwards as usual.
+    /// recorded into `encoder`: they land when that encoder's commands run. Natively, larger steps
+    /// do the same through a staging buffer of their own, made under the out-of-memory check (a
+    /// device that cannot hold it refuses the call with [`Error::OutOfMemory`], and nothing
+    /// changes). In the browser they are written slot by slot as [`KvCache::append`] writes them
+    /// (at the next submission). Call [`KvCache::advance`] afterwards as usual.
     pub fn record_append_layers(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -38,10 +40,21 @@ impl KvCache {
             })
             .sum();
         if total > RING_BYTES {
-            for plan in plans.iter().flatten() {
-                let [run] = plan.runs();
-                self.write_host_runs(plan.layer, slabs[plan.layer], &[(0, run)]);
-            }
+            let runs: Vec<_> = plans
+                .iter()
+                .flatten()
+                .map(|plan| (plan.layer, plan.runs().map(|run| (0, run))))
+                .collect();
+            let jobs: Vec<HostRows<'_, '_>> = runs
+                .iter()
+                .map(|(layer, runs)| HostRows {
+                    layer: *layer,
+                    rows: Rows::Slabs(slabs[*layer]),
+                    runs,
+                })
+                .collect();
+            let staged = self.stage_host_rows(&jobs, HOST_ROWS)?;
+            self.write_host_rows(&jobs, staged, Some(encoder));
         } else if total > 0 {
             let mut blob = std::mem::take(&mut self.upload_bytes);
             blob.clear();

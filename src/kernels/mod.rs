@@ -18,7 +18,7 @@ pub(crate) use groups::GroupCache;
 pub(crate) use params::{
     AttnParams, MAX_SOURCE_RANK, PARAMS_BINDING, ParamRing, WriteParams, ZeroParams,
 };
-pub(crate) use upload::{RING_BYTES, UploadRing};
+pub(crate) use upload::{CHECKED_BYTES, RING_BYTES, UploadRing, mapped, staging};
 
 pub(crate) mod wgsl {
     include!(concat!(env!("OUT_DIR"), "/shaders.rs"));

@@ -21,7 +21,7 @@ mod snapshot;
 
 use std::sync::Arc;
 
-use crate::cache::{GpuSlab, HostSlab, KvCache, SlotView};
+use crate::cache::{GpuSlab, HOST_ROWS, HostRows, HostSlab, KvCache, Rows, SlotView};
 use crate::codec::decode_scaled_rows;
 use crate::error::{Error, Result};
 use crate::kernels::Kernels;
@@ -425,8 +425,7 @@ impl PagedCache {
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
         self.store.check_host_slabs(layer, slabs)?;
         self.check_usable(layer, std::slice::from_ref(&plan))?;
-        self.write_host(layer, slabs, &[plan]);
-        Ok(())
+        self.write_host(layer, slabs, &[plan])
     }
 
     /// Appends one step of many sequences to `layer` from one host slab per slot: `batch` lists
@@ -443,8 +442,7 @@ impl PagedCache {
         let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
         self.store.check_host_slabs(layer, slabs)?;
         self.check_usable(layer, &plans)?;
-        self.write_host(layer, slabs, &plans);
-        Ok(())
+        self.write_host(layer, slabs, &plans)
     }
 
     /// Checks a batch of appends to `layer` and plans each, in order, as if the ones before it had
@@ -498,8 +496,15 @@ impl PagedCache {
     /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
     /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
     /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
-    /// (landing at the next submission, after the copies).
-    fn write_host(&mut self, layer: usize, slabs: &[HostSlab<'_>], plans: &[PagedPlan]) {
+    /// (landing at the next submission, after the copies), or, natively, more than 4 MiB of them
+    /// through a staging buffer of their own. Those uploads are made under the out-of-memory check
+    /// before anything is submitted: a refused one changes nothing.
+    fn write_host(
+        &mut self,
+        layer: usize,
+        slabs: &[HostSlab<'_>],
+        plans: &[PagedPlan],
+    ) -> Result<()> {
         let runs = moving_runs(plans);
         let mut encoder = None;
         if plans.iter().any(|p| !p.copies.is_empty()) {
@@ -520,17 +525,27 @@ impl PagedCache {
                 layer,
                 slabs,
                 &row_map(plans.iter().map(|p| p.n_new).sum(), &runs),
-            )
+            )?
+        };
+        let jobs = [HostRows {
+            layer,
+            rows: Rows::Slabs(slabs),
+            runs: &runs,
+        }];
+        let staged = match scattered {
+            true => None,
+            false => self.store.stage_host_rows(&jobs, HOST_ROWS)?,
         };
         if let Some(encoder) = encoder {
             self.queue().submit([encoder.finish()]);
         }
         if !scattered {
-            self.store.write_host_runs(layer, slabs, &runs);
+            self.store.write_host_rows(&jobs, staged, None);
         }
         for plan in plans {
             self.commit(plan, None);
         }
+        Ok(())
     }
 
     /// Commits a plan to the ledger and writes the table entries it changed (see

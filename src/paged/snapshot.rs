@@ -5,9 +5,8 @@ use std::io::{Read, Write};
 
 use super::ledger::PagedPlan;
 use super::{PageLedger, PagedCache};
-use crate::cache::{SlotRows, StagedRows, pump, write_slots};
+use crate::cache::{HostRows, Rows, SlotRows, StagedRows, pump, write_slots};
 use crate::error::{Error, Result};
-use crate::kernels::allocated;
 use crate::seq::SeqId;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
 
@@ -79,17 +78,18 @@ impl PagedCache {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         let plan = self.plan_import(snap.header.len)?;
         let row = self.take_table_row()?;
-        // As `KvCache::import`: where wgpu cannot stage the rows, nothing is committed (the table
+        // As `KvCache::import`: where the rows cannot be staged, nothing is committed (the table
         // row goes back to the free ones).
-        let bytes = snap.sections.iter().flatten().map(|r| r.len() as u64).sum();
-        let device = self.store.device().clone();
-        let written = allocated(&device, "the snapshot's rows", bytes, || {
-            for p in &plan.plans {
-                for (slot, rows) in snap.sections[p.layer].iter().enumerate() {
-                    self.store.write_stored(p.layer, slot, &p.runs, rows);
-                }
-            }
-        });
+        let jobs: Vec<HostRows<'_, '_>> = plan
+            .plans
+            .iter()
+            .map(|p| HostRows {
+                layer: p.layer,
+                rows: Rows::Stored(&snap.sections[p.layer]),
+                runs: &p.runs,
+            })
+            .collect();
+        let written = self.store.write_snapshot_rows(&jobs);
         if let Err(e) = written {
             self.free_rows.push(row);
             return Err(e);
