@@ -290,18 +290,31 @@ pub enum Error {
         reason: String,
     },
 
+    /// The device's `limit` (a field of `wgpu::Limits`) is below what kvgpu's cache kernels need:
+    /// two bind groups, three storage buffers per shader stage, one dynamic uniform buffer,
+    /// workgroups of 256 invocations and buffers of 256 KiB. Devices made with WebGPU's default
+    /// limits, or wgpu's downlevel ones, have them; a device without compute shaders (WebGL2's
+    /// limits) does not. Nothing was created. (What attention needs more, such as eight storage
+    /// buffers per stage, is refused per call: [`AttentionProblem::DeviceLimit`].)
+    #[error("the device's {limit} is {got}; kvgpu's kernels need at least {needed}")]
+    DeviceLimit {
+        limit: String,
+        needed: u64,
+        got: u64,
+    },
+
     /// A queue handed in with a device belongs to another device.
     #[error("the queue belongs to another device than the one it was given with")]
     QueueMismatch,
 
     /// The device could not allocate the buffers of `what` (`bytes` in all): its memory is taken.
     /// Nothing was changed; a smaller request, or one made after dropping caches, may succeed.
-    /// Where wgpu itself could not stage a host write (an import of a snapshot's bytes, "the
-    /// snapshot's rows"), wgpu 30 also loses the device; the streamed imports stage in buffers of
-    /// kvgpu's own and keep it. Cache creation, imports and attention's scratch are checked
-    /// natively only: in the browser WebGPU answers such a check only later, so the failure is left
-    /// to WebGPU's own report, the device's uncaptured error (readbacks, which wait anyway, are
-    /// checked there too).
+    /// Host rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes) are staged
+    /// in buffers of kvgpu's own under this check. Where wgpu itself could not stage a smaller host
+    /// write (`Queue::write_buffer`), wgpu 30 also loses the device. Cache creation, staging and
+    /// attention's scratch are checked natively only: in the browser WebGPU answers such a check
+    /// only later, so the failure is left to WebGPU's own report, the device's uncaptured error
+    /// (readbacks, which wait anyway, are checked there too).
     #[error("the device could not allocate {bytes} bytes for {what}: {reason}")]
     OutOfMemory {
         what: String,

@@ -2466,3 +2466,137 @@ fn a_device_binding_more_than_its_largest_buffer_holds() {
     let back = pollster::block_on(pool.read_f32_async(s, 0, 1)).unwrap();
     assert!(back == v, "the values read back differ");
 }
+
+/// A device of the adapter with `limits`.
+fn device_with(g: &Gpu, limits: wgpu::Limits) -> Gpu {
+    let (device, queue) = pollster::block_on(g.adapter.request_device(&wgpu::DeviceDescriptor {
+        required_limits: limits,
+        ..Default::default()
+    }))
+    .unwrap();
+    Gpu {
+        adapter: g.adapter.clone(),
+        device,
+        queue,
+    }
+}
+
+/// Devices with low limits. WebGL2's (no storage buffers) is refused by name before anything is
+/// made. wgpu's downlevel limits (four storage buffers per stage) hold a cache, and attention,
+/// which binds eight, is refused per call by name. Before, both met wgpu validation errors, which
+/// panic outside an error scope: when the kernel registry made its layouts, and when attention
+/// made its pipelines.
+#[test]
+fn devices_below_the_kernels_limits_are_refused_by_name() {
+    let _serial = serial();
+    let g = gpu();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 8).unwrap();
+    let webgl2 = device_with(g, wgpu::Limits::downlevel_webgl2_defaults());
+    let (d, q) = (&webgl2.device, &webgl2.queue);
+    let want = Error::DeviceLimit {
+        limit: "max_storage_buffers_per_shader_stage".into(),
+        needed: 3,
+        got: 0,
+    };
+    assert_eq!(Kernels::new(d, q).unwrap_err(), want);
+    assert_eq!(KvCache::new(d, q, spec.clone()).unwrap_err(), want);
+    assert_eq!(PagedCache::new(d, q, spec.clone(), 4, 2).unwrap_err(), want);
+    assert_eq!(Attention::new(d, q).unwrap_err(), want);
+    eprintln!("refused: {want}");
+
+    let downlevel = device_with(g, wgpu::Limits::downlevel_defaults());
+    let (d, q) = (&downlevel.device, &downlevel.queue);
+    let mut c = KvCache::new(d, q, spec).unwrap();
+    let x = values(1, 4);
+    c.append(0, &[HostSlab::f32(&x, &[1, 1, 4]); 2]).unwrap();
+    assert_eq!(c.read_f32(0, 1).unwrap(), x);
+    let mut att = Attention::new(d, q).unwrap();
+    let refused = |e: Error| {
+        assert!(
+            matches!(&e, Error::AttentionRequest {
+                layer: 0,
+                problem: AttentionProblem::DeviceLimit { detail },
+            } if detail.contains("8 storage buffers") && detail.contains("allows 4")),
+            "{e}"
+        );
+    };
+    refused(att.prepare(&c, 1).unwrap_err());
+    let queries = buffer_on(d, bytemuck::cast_slice(&x), USAGE);
+    let out = buffer_on(d, &[0; 4], USAGE);
+    let e = att
+        .gqa(
+            &c,
+            0,
+            Queries::new(&queries, 1, 1, 4),
+            &out,
+            &Default::default(),
+        )
+        .unwrap_err();
+    eprintln!("refused: {e}");
+    refused(e);
+}
+
+/// A CPU adapter's zeroing dispatches up to 16 workgroups: on a device that allows 8 per dimension
+/// it dispatched 16 (a validation error). It now takes what the device allows and zeroes every
+/// word.
+#[test]
+fn zeroing_stays_within_the_devices_workgroups() {
+    let _serial = serial();
+    let g = gpu();
+    let few = device_with(
+        g,
+        wgpu::Limits {
+            max_compute_workgroups_per_dimension: 8,
+            ..wgpu::Limits::default()
+        },
+    );
+    // 4 MiB per slot.
+    let rows = 1024;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1024, 1024)], DType::F32, rows).unwrap();
+    let mut c = KvCache::new(&few.device, &few.queue, spec).unwrap();
+    let x = values(2, rows * 1024);
+    c.append(0, &[HostSlab::f32(&x, &[rows, 1, 1024]); 2])
+        .unwrap();
+    c.advance(rows).unwrap();
+    let scope = few.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    c.reset();
+    assert!(pollster::block_on(scope.pop()).is_none());
+    let words = pollster::block_on(shared::read_f32(&few, c.view(0, 1).unwrap().buffer));
+    assert!(words.iter().all(|&w| w == 0.0), "a word was not zeroed");
+}
+
+/// A pool on a device of 16 KiB bindings binds the row map of a scattered GPU append from its
+/// upload ring, which it bound whole: 4 MiB, past the binding limit, so the append was refused as
+/// a source "of another device". The ring is now one binding at most, and the append lands.
+#[test]
+fn scattered_gpu_appends_bind_their_map_within_small_bindings() {
+    let _serial = serial();
+    let g = gpu();
+    let small = device_with(
+        g,
+        wgpu::Limits {
+            max_storage_buffer_binding_size: 16 << 10,
+            ..wgpu::Limits::default()
+        },
+    );
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F16, 32).unwrap();
+    let mut pool = PagedCache::new(&small.device, &small.queue, spec, 4, 8).unwrap();
+    pool.set_scatter(ScatterChoice::Always);
+    let x = values(3, 6 * 4);
+    let source = buffer_on(&small.device, bytemuck::cast_slice(&x), USAGE);
+    let shape = [6, 1, 4];
+    let slab = GpuSlab {
+        buffer: &source,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: None,
+    };
+    let (s, t) = (pool.add_sequence().unwrap(), pool.add_sequence().unwrap());
+    pool.append_gpu(s, 0, &[slab, slab]).unwrap();
+    pool.append(t, 0, &[HostSlab::f32(&x, &shape); 2]).unwrap();
+    for slot in 0..2 {
+        let read = |seq| pollster::block_on(pool.read_f32_async(seq, 0, slot)).unwrap();
+        assert_eq!(read(s), read(t), "slot {slot}");
+    }
+}

@@ -10,7 +10,9 @@
 
 use super::stream::{self, ALONE_TEAMS, StreamKey, TeamSum};
 use crate::codec::DType;
-use crate::kernels::{AttnParams, HEAD_BATCHES, REDUCE_LANES, ROWS_PER_INVOCATION};
+use crate::kernels::{
+    AttnParams, HEAD_BATCHES, REDUCE_LANES, ROWS_PER_INVOCATION, TILED_WORKGROUP_BYTES,
+};
 pub(crate) use crate::placement::Paging;
 
 /// Rows per tile of pass 1 with one row per invocation (`TILE` in the shaders).
@@ -92,9 +94,20 @@ pub(crate) struct DeviceFacts {
     pub subgroup: Option<u32>,
     /// The device has `wgpu::Features::SHADER_INT64`.
     pub int64: bool,
+    /// `max_storage_buffers_per_shader_stage` and `max_bind_groups`: pass 1 binds
+    /// [`ATTENTION_STORAGE_BUFFERS`] in three groups.
+    pub storage_buffers: u32,
+    pub bind_groups: u32,
+    /// `max_compute_workgroup_storage_size`: the tiled kernel needs
+    /// [`TILED_WORKGROUP_BYTES`](crate::kernels::TILED_WORKGROUP_BYTES).
+    pub workgroup_bytes: u64,
     /// Which pass-1 kernel the app asked for.
     pub choice: KernelChoice,
 }
+
+/// Storage buffers attention's pass 1 binds in one stage: slots a, b and v and the page table,
+/// the queries (a and b), the statistics and the partial results.
+pub(crate) const ATTENTION_STORAGE_BUFFERS: u32 = 8;
 
 /// Which pass-1 kernel attention uses. [`KernelChoice::Auto`] (the default) picks the streaming
 /// kernel wherever the shape allows it (every dimension a multiple of four f32 or eight 16-bit
@@ -340,6 +353,13 @@ fn fits_dimension(n: usize, what: &str, dev: &DeviceFacts) -> Result<(), String>
 
 /// Plans one call, or says why the device cannot run it.
 pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
+    if dev.storage_buffers < ATTENTION_STORAGE_BUFFERS || dev.bind_groups < 3 {
+        return Err(format!(
+            "attention binds {ATTENTION_STORAGE_BUFFERS} storage buffers in one shader stage, in 3 \
+             bind groups; the device allows {} and {}",
+            dev.storage_buffers, dev.bind_groups
+        ));
+    }
     fits_dimension(s.n_q, "queries", dev)?;
     fits_dimension(s.n_heads, "query heads", dev)?;
     let refused = |why: &str| Err(format!("the {:?} attention kernel {why}", dev.choice));
@@ -527,6 +547,13 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
 }
 
 fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
+    if dev.workgroup_bytes < TILED_WORKGROUP_BYTES {
+        return Err(format!(
+            "the tiled attention kernel needs {TILED_WORKGROUP_BYTES} bytes of workgroup memory; \
+             the device allows {}",
+            dev.workgroup_bytes
+        ));
+    }
     let group = s.n_heads / s.n_kv;
     let batch = HEAD_BATCHES
         .iter()
@@ -708,6 +735,9 @@ mod tests {
         cores: 2,
         subgroup: Some(8),
         int64: true,
+        storage_buffers: 16,
+        bind_groups: 8,
+        workgroup_bytes: 32 << 10,
         choice: KernelChoice::Auto,
     };
     const GPU: DeviceFacts = DeviceFacts {
@@ -718,6 +748,9 @@ mod tests {
         cores: 16,
         subgroup: Some(32),
         int64: true,
+        storage_buffers: 8,
+        bind_groups: 4,
+        workgroup_bytes: 16 << 10,
         choice: KernelChoice::Auto,
     };
 
@@ -1026,6 +1059,35 @@ mod tests {
         };
         let e = plan(&s, &small).unwrap_err();
         assert!(e.contains("query table of 65536 bytes"), "{e}");
+    }
+
+    #[test]
+    fn devices_below_attention_s_limits_are_refused_by_name() {
+        let shape = gqa(DType::F32, 1, 32, 8, 128, 4096);
+        // wgpu's downlevel limits: four storage buffers per stage.
+        let few = DeviceFacts {
+            storage_buffers: 4,
+            ..GPU
+        };
+        let e = plan(&shape, &few).unwrap_err();
+        assert!(
+            e.contains("8 storage buffers") && e.contains("allows 4"),
+            "{e}"
+        );
+        // Less workgroup memory than the tiled kernel's: a streamed shape is planned, a shape only
+        // the tiled kernel takes (odd dims) is refused.
+        let small = DeviceFacts {
+            workgroup_bytes: 8 << 10,
+            ..GPU
+        };
+        assert!(matches!(
+            plan(&shape, &small).unwrap().kernel,
+            Pass1::Stream(_)
+        ));
+        let odd = gqa(DType::F32, 1, 8, 2, 33, 100);
+        let e = plan(&odd, &small).unwrap_err();
+        assert!(e.contains("10440 bytes of workgroup memory"), "{e}");
+        assert!(plan(&odd, &GPU).is_ok());
     }
 
     #[test]

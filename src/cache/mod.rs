@@ -237,7 +237,7 @@ impl KvCache {
         let limits = device.limits();
         let ring = ParamRing::new(&kernels);
         let zero_workgroups = if kernels.is_cpu() {
-            16
+            16.min(limits.max_compute_workgroups_per_dimension)
         } else {
             limits.max_compute_workgroups_per_dimension
         };

@@ -21,7 +21,7 @@ impl KvCache {
     /// Checks GPU slabs of `map.len()` rows (shapes already checked against the layer's slots) for a
     /// scattered move and binds them; records nothing. `None` when the rows are better moved run by
     /// run: every source is a plain copy and `copies` is false, or a source can only be copied (it
-    /// is not bound as storage, or too large to bind).
+    /// is not bound as storage, or too large to bind), or the map would not fit one binding.
     pub(crate) fn prepare_gpu_scatter(
         &mut self,
         layer: usize,
@@ -30,6 +30,10 @@ impl KvCache {
         copies: bool,
     ) -> Result<Option<Vec<Scatter>>> {
         let n_new = map.len();
+        // The map is bound whole: one that would not fit one binding moves the rows run by run.
+        if 4 * n_new as u64 > self.max_binding {
+            return Ok(None);
+        }
         let mut jobs = Vec::with_capacity(slabs.len());
         for (slot, slab) in slabs.iter().enumerate() {
             let src = self.source_of(layer, slot, slab, slab.offset, slab.shape);

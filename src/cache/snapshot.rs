@@ -211,7 +211,9 @@ impl KvCache {
     /// first — the bytes ([`Error::Snapshot`]: truncated, corrupt, another version, another
     /// storage type or shape, a cache that is not empty) and the capacity
     /// ([`Error::CapacityExceeded`]) — and a refusal changes nothing. The rows reach the GPU at the
-    /// next queue submission, like host appends. Returns the rows restored.
+    /// next queue submission, like host appends (natively, more than 4 MiB of them through staging
+    /// buffers checked for memory, copied in before this returns: [`KvCache::append`]). Returns the
+    /// rows restored.
     pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;

@@ -5,7 +5,6 @@
 
 use super::{HOST_ROWS, HostRows, HostSlab, KvCache, Rows};
 use crate::error::{Error, Result};
-use crate::kernels::RING_BYTES;
 use crate::ledger::AppendPlan;
 
 impl KvCache {
@@ -13,7 +12,8 @@ impl KvCache {
     /// for that layer (an empty list for a layer without slots, or to append nothing to it). Every
     /// layer is checked before anything is written; a refused call changes no layer.
     ///
-    /// The rows of a step up to 4 MiB go up in one upload and are copied into place by commands
+    /// The rows of a step up to 4 MiB (or one storage binding of the device, where that is less) go
+    /// up in one upload and are copied into place by commands
     /// recorded into `encoder`: they land when that encoder's commands run. Natively, larger steps
     /// do the same through a staging buffer of their own, made under the out-of-memory check (a
     /// device that cannot hold it refuses the call with [`Error::OutOfMemory`], and nothing
@@ -39,7 +39,7 @@ impl KvCache {
                 p.n_new as u64 * row_bytes
             })
             .sum();
-        if total > RING_BYTES {
+        if total > self.uploads.size() {
             let runs: Vec<_> = plans
                 .iter()
                 .flatten()

@@ -16,9 +16,9 @@ use crate::error::{Error, Result};
 
 pub(crate) use groups::GroupCache;
 pub(crate) use params::{
-    AttnParams, MAX_SOURCE_RANK, PARAMS_BINDING, ParamRing, WriteParams, ZeroParams,
+    AttnParams, MAX_SOURCE_RANK, PARAMS_BINDING, ParamRing, RING_ENTRIES, WriteParams, ZeroParams,
 };
-pub(crate) use upload::{CHECKED_BYTES, RING_BYTES, UploadRing, mapped, staging};
+pub(crate) use upload::{CHECKED_BYTES, UploadRing, mapped, staging};
 
 pub(crate) mod wgsl {
     include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
@@ -177,6 +177,71 @@ struct AttentionKernels {
     stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
 }
 
+/// Bytes of the workgroup variables of `shaders/attention_partial.wgsl` (checked against the shader
+/// by a unit test): the attention planner refuses the tiled kernel on a device with less
+/// (`plan::DeviceFacts::workgroup_bytes`); the streaming kernels' are checked as each is made.
+pub(crate) const TILED_WORKGROUP_BYTES: u64 = 10_440;
+
+/// The device limits the cache's kernels need, and the least value of each: two bind groups (the
+/// buffers, the parameters), three storage buffers in one stage (a slab write's source,
+/// destination and row map), a dynamic uniform buffer for the parameters, workgroups of 256
+/// invocations (zeroing and slab writes) and a buffer as large as the parameter ring (its entries
+/// are at most 256 bytes apart). Slot and scratch sizes are checked per cache and per call, and
+/// what attention needs more (eight storage buffers, three bind groups) per call. Devices made
+/// with WebGPU's default limits, or wgpu's downlevel ones, have all of them; WebGL2's have no
+/// storage buffers.
+pub(crate) const NEEDED_LIMITS: [(&str, u64); 8] = [
+    ("max_bind_groups", 2),
+    ("max_storage_buffers_per_shader_stage", 3),
+    ("max_uniform_buffers_per_shader_stage", 1),
+    ("max_dynamic_uniform_buffers_per_pipeline_layout", 1),
+    ("max_uniform_buffer_binding_size", PARAMS_BINDING),
+    (
+        "max_compute_invocations_per_workgroup",
+        WORKGROUP_SIZE as u64,
+    ),
+    ("max_compute_workgroup_size_x", WORKGROUP_SIZE as u64),
+    (
+        "max_buffer_size",
+        PARAMS_BINDING.next_multiple_of(256) * RING_ENTRIES,
+    ),
+];
+
+/// Refuses limits below [`NEEDED_LIMITS`], naming the first one.
+fn check_limits(limits: &wgpu::Limits) -> Result<()> {
+    let got = |name: &str| -> u64 {
+        match name {
+            "max_bind_groups" => limits.max_bind_groups.into(),
+            "max_storage_buffers_per_shader_stage" => {
+                limits.max_storage_buffers_per_shader_stage.into()
+            }
+            "max_uniform_buffers_per_shader_stage" => {
+                limits.max_uniform_buffers_per_shader_stage.into()
+            }
+            "max_dynamic_uniform_buffers_per_pipeline_layout" => limits
+                .max_dynamic_uniform_buffers_per_pipeline_layout
+                .into(),
+            "max_uniform_buffer_binding_size" => limits.max_uniform_buffer_binding_size,
+            "max_compute_invocations_per_workgroup" => {
+                limits.max_compute_invocations_per_workgroup.into()
+            }
+            "max_compute_workgroup_size_x" => limits.max_compute_workgroup_size_x.into(),
+            _ => limits.max_buffer_size,
+        }
+    };
+    match NEEDED_LIMITS
+        .iter()
+        .find(|&&(name, least)| got(name) < least)
+    {
+        Some(&(name, least)) => Err(Error::DeviceLimit {
+            limit: name.to_string(),
+            needed: least,
+            got: got(name),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// The pipelines and layouts of one device, with the queue they go with. Make one with
 /// [`Kernels::new`] and share it: [`crate::KvCache::with_kernels`], [`crate::Attention::for_cache`].
 ///
@@ -220,7 +285,10 @@ impl Kernels {
     /// The registry of `device`, whose commands go through `queue` (its own queue: the pair that
     /// `request_device` returned; a queue of another device is refused with [`Error::QueueMismatch`]).
     /// Compiles the zeroing kernel now, every other variant on first use.
+    /// A device whose limits are below what the kernels need is refused with
+    /// [`Error::DeviceLimit`].
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Result<Arc<Kernels>> {
+        check_limits(&device.limits())?;
         if !queue_belongs_to(device, queue) {
             return Err(Error::QueueMismatch);
         }
@@ -687,6 +755,69 @@ fn poll_now<F: std::future::Future>(future: F) -> Option<F::Output> {
 mod tests {
     use super::wgsl::WGSL_LAYOUTS;
     use super::*;
+
+    /// The tiled kernel's workgroup variables take the bytes `check_limits` asks a device for.
+    #[test]
+    fn the_tiled_kernel_uses_the_workgroup_memory_a_device_is_asked_for() {
+        let module = naga::front::wgsl::parse_str(wgsl::ATTENTION_PARTIAL).unwrap();
+        let mut layouter = naga::proc::Layouter::default();
+        layouter.update(module.to_ctx()).unwrap();
+        let bytes: u32 = module
+            .global_variables
+            .iter()
+            .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
+            .map(|(_, v)| layouter[v.ty].size)
+            .sum();
+        assert_eq!(u64::from(bytes), TILED_WORKGROUP_BYTES);
+    }
+
+    /// A device below any of the cache's needed limits is refused, naming that limit; WebGPU's
+    /// defaults and wgpu's downlevel ones pass.
+    #[test]
+    fn devices_below_the_needed_limits_are_refused() {
+        check_limits(&wgpu::Limits::default()).unwrap();
+        check_limits(&wgpu::Limits::downlevel_defaults()).unwrap();
+        assert_eq!(
+            check_limits(&wgpu::Limits::downlevel_webgl2_defaults()),
+            Err(Error::DeviceLimit {
+                limit: "max_storage_buffers_per_shader_stage".into(),
+                needed: 3,
+                got: 0,
+            })
+        );
+        for (name, least) in NEEDED_LIMITS {
+            let mut limits = wgpu::Limits::default();
+            let low = least - 1;
+            match name {
+                "max_bind_groups" => limits.max_bind_groups = low as u32,
+                "max_storage_buffers_per_shader_stage" => {
+                    limits.max_storage_buffers_per_shader_stage = low as u32
+                }
+                "max_uniform_buffers_per_shader_stage" => {
+                    limits.max_uniform_buffers_per_shader_stage = low as u32
+                }
+                "max_dynamic_uniform_buffers_per_pipeline_layout" => {
+                    limits.max_dynamic_uniform_buffers_per_pipeline_layout = low as u32
+                }
+                "max_uniform_buffer_binding_size" => limits.max_uniform_buffer_binding_size = low,
+                "max_compute_invocations_per_workgroup" => {
+                    limits.max_compute_invocations_per_workgroup = low as u32
+                }
+                "max_compute_workgroup_size_x" => limits.max_compute_workgroup_size_x = low as u32,
+                "max_buffer_size" => limits.max_buffer_size = low,
+                other => panic!("no such limit: {other}"),
+            }
+            assert_eq!(
+                check_limits(&limits),
+                Err(Error::DeviceLimit {
+                    limit: name.into(),
+                    needed: least,
+                    got: low,
+                }),
+                "{name}"
+            );
+        }
+    }
 
     /// kvgpu's binding limit is the device's, within its largest buffer and 32-bit addressing.
     #[test]

@@ -6,7 +6,8 @@
 //! a full buffer is replaced by a fresh one, which the commands that still name the old one keep
 //! alive. Uploads larger than the ring keeps get a buffer of their own, dropped after use.
 
-/// Bytes of the ring buffer; larger uploads get a buffer of their own.
+/// Bytes of the ring buffer (less on a device whose storage bindings are smaller: the ring is bound
+/// whole); larger uploads get a buffer of their own.
 pub(crate) const RING_BYTES: u64 = 4 << 20;
 /// Host bytes of one call above which kvgpu stages them itself, in a buffer made under the
 /// out-of-memory check ([`crate::Error::OutOfMemory`]), and copies them into place. wgpu 30 loses the
@@ -28,17 +29,26 @@ pub(crate) struct Upload {
 #[derive(Debug)]
 pub(crate) struct UploadRing {
     device: wgpu::Device,
+    /// Bytes of the ring buffer: [`RING_BYTES`], or one binding of the device where that is less.
+    size: u64,
     buffer: Option<wgpu::Buffer>,
     next: u64,
 }
 
 impl UploadRing {
     pub(crate) fn new(device: &wgpu::Device) -> Self {
+        let binding = super::binding_limit(&device.limits());
         Self {
             device: device.clone(),
+            size: RING_BYTES.min(binding / 16 * 16).max(16),
             buffer: None,
             next: 0,
         }
+    }
+
+    /// Bytes of the ring buffer: uploads up to this share it.
+    pub(crate) fn size(&self) -> u64 {
+        self.size
     }
 
     /// Stages `bytes` (a multiple of 4) in bytes no other upload uses.
@@ -52,20 +62,20 @@ impl UploadRing {
     /// [`Upload::write`] (so a call can bind them, and check what it binds, before it writes).
     pub(crate) fn reserve(&mut self, len: u64) -> Upload {
         let len = len.max(4);
-        if len > RING_BYTES {
+        if len > self.size {
             Upload {
                 buffer: fresh(&self.device, len.next_multiple_of(16)),
                 offset: 0,
             }
         } else {
-            if self.next + len > RING_BYTES {
+            if self.next + len > self.size {
                 self.buffer = None;
                 self.next = 0;
             }
-            let device = &self.device;
+            let (device, size) = (&self.device, self.size);
             let buffer = self
                 .buffer
-                .get_or_insert_with(|| fresh(device, RING_BYTES))
+                .get_or_insert_with(|| fresh(device, size))
                 .clone();
             let offset = self.next;
             self.next = (offset + len).next_multiple_of(ALIGN);
