@@ -151,7 +151,7 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
     let mut to = cache(spec.clone());
     let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
     // wgpu 30 loses a device that cannot stage a host write (`Queue::write_buffer`); imports of
-    // more than 4 MiB stage their rows themselves, under the check, so nothing is lost. They run on
+    // more than 4 MiB check first that the device can stage them, so nothing is lost. They run on
     // devices of their own, of the same adapter, whose loss is counted.
     let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let device = || {
@@ -192,7 +192,7 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
             matches!(&e, Error::OutOfMemory { what, .. } if what == "a snapshot's staging buffers"),
             "{e}"
         );
-        // An import of the bytes, whose rows are staged in buffers of their own.
+        // An import of the bytes, which the device could not stage.
         let e = written.import(&bytes).unwrap_err();
         assert!(
             matches!(&e, Error::OutOfMemory { what, .. } if what == "the snapshot's rows"),
@@ -242,9 +242,9 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     if !reports_host_memory(g) {
         return;
     }
-    // Slots as large as a binding allows (128 MiB on the software adapters), filled by one append:
-    // more rows than wgpu's own staging of a `write_buffer` may take (it loses the device where it
-    // cannot allocate that), so kvgpu stages them itself, under the check.
+    // Slots as large as a binding allows (128 MiB on the software adapters), filled by one append,
+    // with room for far less: wgpu 30 loses the device where it cannot allocate a `write_buffer`'s
+    // staging, so kvgpu checks first that the device can stage such rows.
     let rows = (g.limits().max_slot_bytes() / (8 * 128 * 4)) as usize;
     let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, rows).unwrap();
     let (k, v) = (values(6, rows * 8 * 128), values(7, rows * 8 * 128));

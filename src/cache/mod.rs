@@ -17,8 +17,8 @@ use std::sync::{Arc, OnceLock};
 use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes, used_row_bytes};
 use crate::error::{BufferProblem, Error, Result};
 use crate::kernels::{
-    CHECKED_BYTES, GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, allocated,
-    binding_limit, held, mapped, staging,
+    GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, allocated, binding_limit,
+    check_staging, held,
 };
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
@@ -181,23 +181,6 @@ impl Rows<'_, '_> {
             Rows::Stored(rows) => rows.len(),
         }
     }
-}
-
-/// Host rows in staging buffers of their own, and the copies that move them.
-pub(crate) struct Staging {
-    buffers: Vec<wgpu::Buffer>,
-    copies: Vec<StagedCopy>,
-}
-
-/// One run of one slot in a staging buffer: `size` bytes at byte `from` of `buffers[buffer]`, for
-/// byte `to` of the slot.
-struct StagedCopy {
-    layer: usize,
-    slot: usize,
-    buffer: usize,
-    from: u64,
-    to: u64,
-    size: u64,
 }
 
 impl std::fmt::Debug for KvCache {
@@ -493,10 +476,9 @@ impl KvCache {
     }
 
     /// Appends one slab per slot of `layer` from host memory. The rows reach the GPU at the next queue
-    /// submission, ahead of the commands submitted with it. Natively, rows of more than 4 MiB in all
-    /// go up through a staging buffer of their own instead, made under the out-of-memory check (a
-    /// device that cannot hold it refuses the call with [`Error::OutOfMemory`], and nothing
-    /// changes), and are copied into place in a submission made before this returns.
+    /// submission, ahead of the commands submitted with it. Natively, for rows of more than 4 MiB
+    /// in all, the call first checks that the device can stage them (a device that cannot refuses
+    /// it with [`Error::OutOfMemory`], and nothing changes: wgpu 30 would lose the device).
     pub fn append(&mut self, layer: usize, slabs: &[HostSlab<'_>]) -> Result<AppendPlan> {
         let plan = self
             .ledger
@@ -504,7 +486,7 @@ impl KvCache {
         let [run] = plan.runs();
         self.check_host_slabs(layer, slabs)?;
         self.check_layer_usable(layer)?;
-        self.write_host_runs(None, layer, slabs, &[(0, run)])?;
+        self.write_host_runs(layer, slabs, &[(0, run)])?;
         self.ledger.commit_append(plan);
         Ok(plan)
     }
@@ -538,12 +520,11 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes checked host slabs into `runs` of the slot buffers of `layer` (`(first slab row, run)`):
-    /// [`KvCache::stage_host_rows`], then [`KvCache::write_host_rows`]. A refused staging writes
+    /// Writes checked host slabs into `runs` of the slot buffers of `layer` (`(first slab row, run)`)
+    /// with `Queue::write_buffer`, after [`KvCache::check_host_rows`]: a refused check writes
     /// nothing.
     pub(crate) fn write_host_runs(
         &mut self,
-        encoder: Option<&mut wgpu::CommandEncoder>,
         layer: usize,
         slabs: &[HostSlab<'_>],
         runs: &[(usize, Run)],
@@ -553,113 +534,35 @@ impl KvCache {
             rows: Rows::Slabs(slabs),
             runs,
         }];
-        let staged = self.stage_host_rows(&jobs, HOST_ROWS)?;
-        self.write_host_rows(&jobs, staged, encoder);
+        self.check_host_rows(&jobs, HOST_ROWS)?;
+        self.write_host_rows(&jobs);
         Ok(())
     }
 
-    /// Natively, where `jobs` come to more than [`CHECKED_BYTES`], their rows as stored in staging
-    /// buffers of their own (each within the device's largest buffer), made under the
-    /// out-of-memory check (a device that cannot hold them refuses with [`Error::OutOfMemory`]
-    /// naming `what`); `None` where they go by `Queue::write_buffer`. Records nothing.
-    pub(crate) fn stage_host_rows(
-        &mut self,
-        jobs: &[HostRows<'_, '_>],
-        what: &str,
-    ) -> Result<Option<Staging>> {
-        // Every run of every slot, in order: (layer, slot, byte in the slot, bytes).
-        let pieces: Vec<(usize, usize, u64, u64)> = jobs
+    /// Natively, where `jobs` come to more than [`CHECKED_BYTES`], whether the device can stage
+    /// their writes ([`check_staging`]); [`Error::OutOfMemory`] naming `what` where it cannot.
+    pub(crate) fn check_host_rows(&self, jobs: &[HostRows<'_, '_>], what: &str) -> Result<()> {
+        let total: u64 = jobs
             .iter()
-            .flat_map(|job| {
+            .map(|job| {
                 let slots = &self.slots[job.layer][..job.rows.slots()];
-                slots.iter().enumerate().flat_map(move |(slot, sb)| {
-                    job.runs
-                        .iter()
-                        .filter(|(_, run)| run.n_rows > 0)
-                        .map(move |(_, run)| {
-                            let (offset, size) = sb.placement.bytes(run);
-                            (job.layer, slot, offset, size)
-                        })
-                })
+                job.runs
+                    .iter()
+                    .map(|(_, run)| {
+                        slots
+                            .iter()
+                            .map(|sb| sb.placement.bytes(run).1)
+                            .sum::<u64>()
+                    })
+                    .sum::<u64>()
             })
-            .collect();
-        let total: u64 = pieces.iter().map(|p| p.3).sum();
-        if cfg!(target_arch = "wasm32") || total <= CHECKED_BYTES {
-            return Ok(None);
-        }
-        // A piece is at most one slot, within the largest buffer; buffers fill in order.
-        let largest = self.device.limits().max_buffer_size;
-        let mut sizes = vec![0u64];
-        let mut copies = Vec::with_capacity(pieces.len());
-        for (layer, slot, offset, size) in pieces {
-            let last = sizes[sizes.len() - 1];
-            if last > 0 && last + size > largest {
-                sizes.push(0);
-            }
-            let buffer = sizes.len() - 1;
-            copies.push(StagedCopy {
-                layer,
-                slot,
-                buffer,
-                from: sizes[buffer],
-                to: offset,
-                size,
-            });
-            sizes[buffer] += size;
-        }
-        let buffers = staging(&self.device, what, &sizes)?;
-        {
-            let mut views = buffers.iter().map(mapped).collect::<Result<Vec<_>>>()?;
-            let mut next = copies.iter();
-            for job in jobs {
-                for slot in 0..job.rows.slots() {
-                    let sb = &self.slots[job.layer][slot];
-                    let bytes = sb.rows_bytes(job.rows, slot, &mut self.scratch);
-                    let row_bytes = sb.placement.row_bytes as usize;
-                    for (first, _) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
-                        let Some(c) = next.next() else { break };
-                        let (at, size) = (c.from as usize, c.size as usize);
-                        let from = first * row_bytes;
-                        views[c.buffer]
-                            .slice(at..at + size)
-                            .copy_from_slice(&bytes[from..from + size]);
-                    }
-                }
-            }
-        }
-        for buffer in &buffers {
-            buffer.unmap();
-        }
-        Ok(Some(Staging { buffers, copies }))
+            .sum();
+        check_staging(&self.device, what, total)
     }
 
-    /// Moves `jobs`' rows into their slots: by copies from `staged` (what
-    /// [`KvCache::stage_host_rows`] made of the same jobs), recorded into `encoder`, or submitted on
-    /// their own without one; else by `Queue::write_buffer` (landing at the next submission).
-    pub(crate) fn write_host_rows(
-        &mut self,
-        jobs: &[HostRows<'_, '_>],
-        staged: Option<Staging>,
-        encoder: Option<&mut wgpu::CommandEncoder>,
-    ) {
-        if let Some(staged) = staged {
-            let mut own = None;
-            let encoder = match encoder {
-                Some(encoder) => encoder,
-                None => own.insert(self.encoder("kvgpu host rows")),
-            };
-            for c in staged.copies {
-                let (src, dst) = (
-                    &staged.buffers[c.buffer],
-                    &self.slots[c.layer][c.slot].buffer,
-                );
-                encoder.copy_buffer_to_buffer(src, c.from, dst, c.to, c.size);
-            }
-            if let Some(own) = own {
-                self.queue.submit([own.finish()]);
-            }
-            return;
-        }
+    /// Writes `jobs`' rows into their slots with `Queue::write_buffer` (landing at the next
+    /// submission, ahead of its commands).
+    pub(crate) fn write_host_rows(&mut self, jobs: &[HostRows<'_, '_>]) {
         for job in jobs {
             for slot in 0..job.rows.slots() {
                 let sb = &self.slots[job.layer][slot];

@@ -85,7 +85,7 @@ impl KvCache {
     /// scattered dispatch per slot. `false`, with no dispatch recorded, when the upload would not fit
     /// one storage binding or a slot's dispatch could not bind it: the caller then moves the rows run
     /// by run. An upload the device cannot hold
-    /// ([`UploadRing::push_recorded`](crate::kernels::UploadRing::push_recorded)) is refused with
+    /// ([`UploadRing::push_checked`](crate::kernels::UploadRing::push_checked)) is refused with
     /// [`crate::Error::OutOfMemory`], and records nothing.
     pub(crate) fn record_host_scatter(
         &mut self,
@@ -110,9 +110,8 @@ impl KvCache {
             self.upload_bytes = bytes;
             return Ok(false);
         }
-        // Binding and recording below cannot fail once the upload is made; the copy that fills a
-        // large upload is recorded ahead of them.
-        let upload = self.uploads.push_recorded(&self.queue, encoder, &bytes);
+        // Binding and recording below cannot fail once the upload is made.
+        let upload = self.uploads.push_checked(&self.queue, &bytes);
         self.upload_bytes = bytes;
         let upload = upload?;
         let size = upload.buffer.size();

@@ -211,9 +211,8 @@ impl KvCache {
     /// first — the bytes ([`Error::Snapshot`]: truncated, corrupt, another version, another
     /// storage type or shape, a cache that is not empty) and the capacity
     /// ([`Error::CapacityExceeded`]) — and a refusal changes nothing. The rows reach the GPU at the
-    /// next queue submission, like host appends (natively, more than 4 MiB of them through staging
-    /// buffers checked for memory, copied in before this returns: [`KvCache::append`]). Returns the
-    /// rows restored.
+    /// next queue submission, like host appends (natively checked for memory above 4 MiB:
+    /// [`KvCache::append`]). Returns the rows restored.
     pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;
@@ -322,13 +321,14 @@ impl KvCache {
         }
     }
 
-    /// Writes a snapshot's rows (`jobs`, of stored rows) into their slots, under the out-of-memory
-    /// check: more than 4 MiB of them natively through a staging buffer of their own (a device that
-    /// cannot hold it refuses, and nothing is written), less with `Queue::write_buffer`, where wgpu
-    /// stages each write in memory of its own. Where it cannot, the rows written so far (past the
-    /// empty cache's length, so unseen) stay; wgpu 30 then also loses the device.
+    /// Writes a snapshot's rows (`jobs`, of stored rows) into their slots with `Queue::write_buffer`,
+    /// under the out-of-memory check: more than 4 MiB of them natively after
+    /// [`KvCache::check_host_rows`] (a device that cannot stage them refuses, and nothing is
+    /// written), and every write inside an out-of-memory scope. Where wgpu still cannot stage one,
+    /// the rows written so far (past the empty cache's length, so unseen) stay; wgpu 30 then also
+    /// loses the device.
     pub(crate) fn write_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
-        let staged = self.stage_host_rows(jobs, "the snapshot's rows")?;
+        self.check_host_rows(jobs, "the snapshot's rows")?;
         let bytes = jobs
             .iter()
             .map(|job| match job.rows {
@@ -338,7 +338,7 @@ impl KvCache {
             .sum();
         let device = self.device.clone();
         allocated(&device, "the snapshot's rows", bytes, || {
-            self.write_host_rows(jobs, staged, None)
+            self.write_host_rows(jobs)
         })
     }
 }

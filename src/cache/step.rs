@@ -14,11 +14,10 @@ impl KvCache {
     ///
     /// The rows of a step up to 4 MiB (or one storage binding of the device, where that is less) go
     /// up in one upload and are copied into place by commands
-    /// recorded into `encoder`: they land when that encoder's commands run. Natively, larger steps
-    /// do the same through a staging buffer of their own, made under the out-of-memory check (a
-    /// device that cannot hold it refuses the call with [`Error::OutOfMemory`], and nothing
-    /// changes). In the browser they are written slot by slot as [`KvCache::append`] writes them
-    /// (at the next submission). Call [`KvCache::advance`] afterwards as usual.
+    /// recorded into `encoder`: they land when that encoder's commands run. Larger steps are
+    /// written slot by slot as [`KvCache::append`] writes them (at the next submission, and checked
+    /// for memory above 4 MiB), since the per-call overhead no longer matters there. Call
+    /// [`KvCache::advance`] afterwards as usual.
     pub fn record_append_layers(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -53,8 +52,8 @@ impl KvCache {
                     runs,
                 })
                 .collect();
-            let staged = self.stage_host_rows(&jobs, HOST_ROWS)?;
-            self.write_host_rows(&jobs, staged, Some(encoder));
+            self.check_host_rows(&jobs, HOST_ROWS)?;
+            self.write_host_rows(&jobs);
         } else if total > 0 {
             let mut blob = std::mem::take(&mut self.upload_bytes);
             blob.clear();

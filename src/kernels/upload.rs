@@ -9,12 +9,11 @@
 /// Bytes of the ring buffer (less on a device whose storage bindings are smaller: the ring is bound
 /// whole); larger uploads get a buffer of their own.
 pub(crate) const RING_BYTES: u64 = 4 << 20;
-/// Host bytes of one call above which kvgpu stages them itself, in a buffer made under the
-/// out-of-memory check ([`crate::Error::OutOfMemory`]), and copies them into place. wgpu 30 loses the
-/// device when it cannot allocate a `Queue::write_buffer`'s own staging, so a large write the device
-/// cannot hold would take every buffer on it. Smaller writes (a decode step's rows) keep
-/// `write_buffer`, which costs less per call. In the browser writes always go by `write_buffer`:
-/// WebGPU reports a failed one itself, and loses nothing.
+/// Host bytes of one call above which kvgpu first checks that the device can stage them
+/// ([`check_staging`]). wgpu 30 loses the device when it cannot allocate a `Queue::write_buffer`'s
+/// own staging, so a large write the device cannot hold would take every buffer on it. Smaller
+/// writes (a decode step's rows) are not checked: the check costs about as much as such a write.
+/// In the browser nothing is checked: WebGPU reports a failed write itself, and loses nothing.
 pub(crate) const CHECKED_BYTES: u64 = RING_BYTES;
 /// Every upload starts on a multiple of this (any storage binding offset a device may require).
 const ALIGN: u64 = 256;
@@ -85,64 +84,64 @@ impl UploadRing {
 }
 
 impl UploadRing {
-    /// [`UploadRing::push`] for bytes that commands recorded into `encoder` read. Natively, an
-    /// upload of more than [`CHECKED_BYTES`] gets its buffer and a staging buffer under the
-    /// out-of-memory check, and a copy recorded into `encoder` (ahead of the commands that read
-    /// it) moves its bytes in. A refused upload records nothing.
-    pub(crate) fn push_recorded(
+    /// [`UploadRing::push`], where natively an upload of more than [`CHECKED_BYTES`] gets its
+    /// buffer under the out-of-memory check and its write is checked ([`check_staging`]). A refused
+    /// upload writes nothing.
+    pub(crate) fn push_checked(
         &mut self,
         queue: &wgpu::Queue,
-        encoder: &mut wgpu::CommandEncoder,
         bytes: &[u8],
     ) -> crate::Result<Upload> {
         let len = bytes.len() as u64;
         if cfg!(target_arch = "wasm32") || len <= CHECKED_BYTES {
             return Ok(self.push(queue, bytes));
         }
-        let size = len.next_multiple_of(16);
         let device = &self.device;
-        let (buffer, from) =
-            crate::kernels::allocated(device, "an upload of host rows", 2 * size, || {
-                (fresh(device, size), staging_buffer(device, size))
-            })?;
-        mapped(&from)?.slice(..bytes.len()).copy_from_slice(bytes);
-        from.unmap();
-        encoder.copy_buffer_to_buffer(&from, 0, &buffer, 0, size);
-        Ok(Upload { buffer, offset: 0 })
+        let what = "an upload of host rows";
+        let buffer = crate::kernels::allocated(device, what, len, || {
+            fresh(device, len.next_multiple_of(16))
+        })?;
+        check_staging(device, what, len)?;
+        let upload = Upload { buffer, offset: 0 };
+        upload.write(queue, bytes);
+        Ok(upload)
     }
 }
 
-/// Buffers of `sizes` bytes (multiples of 4) to copy from, mapped for writing, made under one
-/// out-of-memory check for `what` (see [`CHECKED_BYTES`]).
-pub(crate) fn staging(
-    device: &wgpu::Device,
-    what: &str,
-    sizes: &[u64],
-) -> crate::Result<Vec<wgpu::Buffer>> {
-    crate::kernels::allocated(device, what, sizes.iter().sum(), || {
-        sizes
-            .iter()
-            .map(|&size| staging_buffer(device, size))
-            .collect()
-    })
-}
-
-/// The whole of a buffer mapped at creation, to write into.
-pub(crate) fn mapped(buffer: &wgpu::Buffer) -> crate::Result<wgpu::BufferViewMut> {
-    buffer
-        .get_mapped_range_mut(..)
-        .map_err(|e| crate::Error::Device {
-            reason: format!("a staging buffer of kvgpu could not be mapped: {e}"),
-        })
-}
-
-fn staging_buffer(device: &wgpu::Device, size: u64) -> wgpu::Buffer {
-    device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("kvgpu staging"),
-        size,
-        usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: true,
-    })
+/// Natively, where `bytes` is more than [`CHECKED_BYTES`], whether the device can stage a host write
+/// of `bytes` bytes (`Queue::write_buffer`): buffers of that size, of the kind wgpu stages such writes
+/// in (mappable for writing, in pieces of at most the device's largest buffer), made under the
+/// out-of-memory check and destroyed at once, so the write's own staging takes their place; never
+/// mapped, so never filled. [`crate::Error::OutOfMemory`] naming `what` where the device cannot make
+/// them.
+pub(crate) fn check_staging(device: &wgpu::Device, what: &str, bytes: u64) -> crate::Result<()> {
+    // wgpu's OpenGL backend reports no buffer the driver could not allocate (wgpu-hal 30 does not
+    // read GL_OUT_OF_MEMORY), so the check could not fail there, and it would cost: mappable GL
+    // buffers are backed by a zeroed host copy of their size.
+    let gl = device.adapter_info().backend == wgpu::Backend::Gl;
+    if cfg!(target_arch = "wasm32") || gl || bytes <= CHECKED_BYTES {
+        return Ok(());
+    }
+    let largest = (device.limits().max_buffer_size / 4 * 4).max(4);
+    let probes = crate::kernels::allocated(device, what, bytes, || {
+        let mut left = bytes.next_multiple_of(4);
+        let mut probes = Vec::new();
+        while left > 0 {
+            let size = left.min(largest);
+            probes.push(device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kvgpu staging check"),
+                size,
+                usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            }));
+            left -= size;
+        }
+        probes
+    })?;
+    for probe in probes {
+        probe.destroy();
+    }
+    Ok(())
 }
 
 impl Upload {

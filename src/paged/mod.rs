@@ -496,9 +496,9 @@ impl PagedCache {
     /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
     /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
     /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
-    /// (landing at the next submission, after the copies), or, natively, more than 4 MiB of them
-    /// through a staging buffer of their own. Those uploads are made under the out-of-memory check
-    /// before anything is submitted: a refused one changes nothing.
+    /// (landing at the next submission, after the copies). Natively, more than 4 MiB of rows are
+    /// checked for memory (the upload, or the staging of the writes) before anything is
+    /// submitted: a refused one changes nothing.
     fn write_host(
         &mut self,
         layer: usize,
@@ -532,15 +532,14 @@ impl PagedCache {
             rows: Rows::Slabs(slabs),
             runs: &runs,
         }];
-        let staged = match scattered {
-            true => None,
-            false => self.store.stage_host_rows(&jobs, HOST_ROWS)?,
-        };
+        if !scattered {
+            self.store.check_host_rows(&jobs, HOST_ROWS)?;
+        }
         if let Some(encoder) = encoder {
             self.queue().submit([encoder.finish()]);
         }
         if !scattered {
-            self.store.write_host_rows(&jobs, staged, None);
+            self.store.write_host_rows(&jobs);
         }
         for plan in plans {
             self.commit(plan, None);

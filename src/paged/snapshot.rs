@@ -73,8 +73,7 @@ impl PagedCache {
     /// first — the bytes ([`Error::Snapshot`](crate::Error::Snapshot)), the pages and the longest sequence (as
     /// [`PagedCache::admits`]: [`Error::OutOfPages`](crate::Error::OutOfPages), [`Error::CapacityExceeded`](crate::Error::CapacityExceeded)) and the page
     /// table ([`Error::TooManySequences`](crate::Error::TooManySequences)) — and a refusal changes nothing. The rows reach the GPU
-    /// at the next queue submission, like host appends (natively, more than 4 MiB of them through
-    /// staging buffers checked for memory, copied in before this returns).
+    /// at the next queue submission, like host appends (natively checked for memory above 4 MiB).
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         let plan = self.plan_import(snap.header.len)?;
