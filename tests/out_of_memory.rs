@@ -132,6 +132,14 @@ fn caches_larger_than_the_device_memory_are_refused_and_change_nothing() {
     assert_eq!(c.read_f32(0, 1).unwrap(), d);
 }
 
+/// One f32 layer of 8 KV heads of 128 whose slots are as large as one binding allows (128 MiB on
+/// the software adapters): its rows and spec.
+fn binding_sized(g: &Gpu) -> (usize, CacheSpec) {
+    let rows = (g.limits().max_slot_bytes() / (8 * 128 * 4)) as usize;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, rows).unwrap();
+    (rows, spec)
+}
+
 #[test]
 fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing() {
     let _serial = serial();
@@ -140,8 +148,7 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
         return;
     }
     // One layer whose slots are as large as a binding allows, every row written.
-    let rows = (g.limits().max_slot_bytes() / (8 * 128 * 4)) as usize;
-    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, rows).unwrap();
+    let (rows, spec) = binding_sized(g);
     let mut c = cache(spec.clone());
     let d = values(2, rows * 8 * 128);
     c.append(0, &[HostSlab::f32(&d, &[rows, 8, 128]); 2])
@@ -245,8 +252,7 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     // Slots as large as a binding allows (128 MiB on the software adapters), filled by one append,
     // with room for far less: wgpu 30 loses the device where it cannot allocate a `write_buffer`'s
     // staging, so kvgpu checks first that the device can stage such rows.
-    let rows = (g.limits().max_slot_bytes() / (8 * 128 * 4)) as usize;
-    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F32, rows).unwrap();
+    let (rows, spec) = binding_sized(g);
     let (k, v) = (values(6, rows * 8 * 128), values(7, rows * 8 * 128));
     let (whole, quarter) = ([rows, 8, 128], [rows / 4, 8, 128]);
     let slabs = |shape| kv(&k, &v, shape);

@@ -11,6 +11,7 @@ mod staged;
 mod step;
 mod zero;
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -162,7 +163,19 @@ pub(crate) const HOST_ROWS: &str = "the staging of host rows";
 pub(crate) struct HostRows<'s, 'a> {
     pub layer: usize,
     pub rows: Rows<'s, 'a>,
-    pub runs: &'s [(usize, Run)],
+    pub runs: Cow<'s, [(usize, Run)]>,
+}
+
+impl<'s, 'a> HostRows<'s, 'a> {
+    /// `rows` for the one run of a single-sequence cache's `plan`.
+    pub(crate) fn of_plan(plan: &AppendPlan, rows: Rows<'s, 'a>) -> Self {
+        let [run] = plan.runs();
+        HostRows {
+            layer: plan.layer,
+            rows,
+            runs: Cow::Owned(vec![(0, run)]),
+        }
+    }
 }
 
 /// The rows of each slot of a layer, from the host.
@@ -532,15 +545,15 @@ impl KvCache {
         let jobs = [HostRows {
             layer,
             rows: Rows::Slabs(slabs),
-            runs,
+            runs: Cow::Borrowed(runs),
         }];
         self.check_host_rows(&jobs, HOST_ROWS)?;
         self.write_host_rows(&jobs);
         Ok(())
     }
 
-    /// Natively, where `jobs` come to more than [`CHECKED_BYTES`], whether the device can stage
-    /// their writes ([`check_staging`]); [`Error::OutOfMemory`] naming `what` where it cannot.
+    /// Natively, where `jobs` come to more than 4 MiB, whether the device can stage their writes
+    /// ([`check_staging`]); [`Error::OutOfMemory`] naming `what` where it cannot.
     pub(crate) fn check_host_rows(&self, jobs: &[HostRows<'_, '_>], what: &str) -> Result<()> {
         let total: u64 = jobs
             .iter()

@@ -217,17 +217,9 @@ impl KvCache {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;
         let plans = self.plan_import(snap.header.len)?;
-        let runs: Vec<_> = plans
+        let jobs: Vec<HostRows<'_, '_>> = plans
             .iter()
-            .map(|plan| (plan.layer, plan.runs().map(|run| (0, run))))
-            .collect();
-        let jobs: Vec<HostRows<'_, '_>> = runs
-            .iter()
-            .map(|(layer, runs)| HostRows {
-                layer: *layer,
-                rows: Rows::Stored(&snap.sections[*layer]),
-                runs,
-            })
+            .map(|p| HostRows::of_plan(p, Rows::Stored(&snap.sections[p.layer])))
             .collect();
         self.write_snapshot_rows(&jobs)?;
         self.commit_import(plans, snap.header.len)

@@ -39,18 +39,10 @@ impl KvCache {
             })
             .sum();
         if total > self.uploads.size() {
-            let runs: Vec<_> = plans
+            let jobs: Vec<HostRows<'_, '_>> = plans
                 .iter()
                 .flatten()
-                .map(|plan| (plan.layer, plan.runs().map(|run| (0, run))))
-                .collect();
-            let jobs: Vec<HostRows<'_, '_>> = runs
-                .iter()
-                .map(|(layer, runs)| HostRows {
-                    layer: *layer,
-                    rows: Rows::Slabs(slabs[*layer]),
-                    runs,
-                })
+                .map(|p| HostRows::of_plan(p, Rows::Slabs(slabs[p.layer])))
                 .collect();
             self.check_host_rows(&jobs, HOST_ROWS)?;
             self.write_host_rows(&jobs);

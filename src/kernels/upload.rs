@@ -81,9 +81,7 @@ impl UploadRing {
             Upload { buffer, offset }
         }
     }
-}
 
-impl UploadRing {
     /// [`UploadRing::push`], where natively an upload of more than [`CHECKED_BYTES`] gets its
     /// buffer under the out-of-memory check and its write is checked ([`check_staging`]). A refused
     /// upload writes nothing.

@@ -19,6 +19,7 @@
 mod ledger;
 mod snapshot;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::cache::{GpuSlab, HOST_ROWS, HostRows, HostSlab, KvCache, Rows, SlotView};
@@ -530,7 +531,7 @@ impl PagedCache {
         let jobs = [HostRows {
             layer,
             rows: Rows::Slabs(slabs),
-            runs: &runs,
+            runs: Cow::Borrowed(&runs),
         }];
         if !scattered {
             self.store.check_host_rows(&jobs, HOST_ROWS)?;

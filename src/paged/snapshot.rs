@@ -1,6 +1,7 @@
 //! Snapshots of one sequence of a paged pool: its committed rows gathered through its page table
 //! into the bytes of [`crate::snapshot`], and a snapshot restored as a new sequence.
 
+use std::borrow::Cow;
 use std::io::{Read, Write};
 
 use super::ledger::PagedPlan;
@@ -86,7 +87,7 @@ impl PagedCache {
             .map(|p| HostRows {
                 layer: p.layer,
                 rows: Rows::Stored(&snap.sections[p.layer]),
-                runs: &p.runs,
+                runs: Cow::Borrowed(&p.runs),
             })
             .collect();
         let written = self.store.write_snapshot_rows(&jobs);
