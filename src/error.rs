@@ -308,14 +308,14 @@ pub enum Error {
     QueueMismatch,
 
     /// The device could not allocate the buffers of `what` (`bytes` in all): its memory is taken.
-    /// Nothing was changed; a smaller request, or one made after dropping caches, may succeed.
-    /// Host rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes) are checked
+    /// Nothing was changed; a smaller request, or one made after dropping caches, may succeed. Host
+    /// rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes) are checked
     /// first: kvgpu makes and drops buffers of the kind and size wgpu stages them in. Where wgpu
     /// itself cannot stage a smaller host write (`Queue::write_buffer`), wgpu 30 also loses the
     /// device. Cache creation, staging and attention's scratch are checked natively only (on
-    /// OpenGL, whose wgpu backend reports no failed allocation, the checks cannot fail): in the browser WebGPU answers such a check
-    /// only later, so the failure is left to WebGPU's own report, the device's uncaptured error
-    /// (readbacks, which wait anyway, are checked there too).
+    /// OpenGL, whose wgpu backend reports no failed allocation, the checks cannot fail): in the
+    /// browser WebGPU answers such a check only later, so the failure is left to WebGPU's own
+    /// report, the device's uncaptured error (readbacks, which wait anyway, are checked there too).
     #[error("the device could not allocate {bytes} bytes for {what}: {reason}")]
     OutOfMemory {
         what: String,
