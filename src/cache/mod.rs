@@ -555,8 +555,12 @@ impl KvCache {
     /// Natively, where `jobs` come to more than 4 MiB, whether the device can stage their writes
     /// ([`check_staging`]); [`Error::OutOfMemory`] naming `what` where it cannot.
     pub(crate) fn check_host_rows(&self, jobs: &[HostRows<'_, '_>], what: &str) -> Result<()> {
-        let total: u64 = jobs
-            .iter()
+        check_staging(&self.device, what, self.host_rows_bytes(jobs))
+    }
+
+    /// Bytes `jobs` write into their slots.
+    pub(crate) fn host_rows_bytes(&self, jobs: &[HostRows<'_, '_>]) -> u64 {
+        jobs.iter()
             .map(|job| {
                 let slots = &self.slots[job.layer][..job.rows.slots()];
                 job.runs
@@ -569,8 +573,7 @@ impl KvCache {
                     })
                     .sum::<u64>()
             })
-            .sum();
-        check_staging(&self.device, what, total)
+            .sum()
     }
 
     /// Writes `jobs`' rows into their slots with `Queue::write_buffer` (landing at the next

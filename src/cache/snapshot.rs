@@ -7,7 +7,7 @@ use super::staged::StagedRows;
 use super::{HostRows, KvCache, Rows};
 use crate::device::{Mapped, Readback, ranges_bytes, staging_buffer};
 use crate::error::{Error, Result, SnapshotProblem};
-use crate::kernels::allocated;
+use crate::kernels::{allocated, check_staging};
 use crate::ledger::AppendPlan;
 use crate::placement::Run;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
@@ -314,24 +314,16 @@ impl KvCache {
     }
 
     /// Writes a snapshot's rows (`jobs`, of stored rows) into their slots with `Queue::write_buffer`,
-    /// under the out-of-memory check: more than 4 MiB of them natively after
-    /// [`KvCache::check_host_rows`] (a device that cannot stage them refuses, and nothing is
-    /// written), and every write inside an out-of-memory scope. Where wgpu still cannot stage one,
+    /// under the out-of-memory check: more than 4 MiB of them natively after [`check_staging`] (a
+    /// device that cannot stage them refuses, and nothing is written), and every write inside an
+    /// out-of-memory scope. Where wgpu still cannot stage one,
     /// the rows written so far (past the empty cache's length, so unseen) stay; wgpu 30 then also
     /// loses the device.
     pub(crate) fn write_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
-        self.check_host_rows(jobs, "the snapshot's rows")?;
-        let bytes = jobs
-            .iter()
-            .map(|job| match job.rows {
-                Rows::Stored(rows) => rows.iter().map(|r| r.len() as u64).sum(),
-                Rows::Slabs(_) => 0,
-            })
-            .sum();
+        let (what, bytes) = ("the snapshot's rows", self.host_rows_bytes(jobs));
         let device = self.device.clone();
-        allocated(&device, "the snapshot's rows", bytes, || {
-            self.write_host_rows(jobs)
-        })
+        check_staging(&device, what, bytes)?;
+        allocated(&device, what, bytes, || self.write_host_rows(jobs))
     }
 }
 

@@ -190,53 +190,58 @@ pub(crate) const TILED_WORKGROUP_BYTES: u64 = 10_440;
 /// what attention needs more (eight storage buffers, three bind groups) per call. Devices made
 /// with WebGPU's default limits, or wgpu's downlevel ones, have all of them; WebGL2's have no
 /// storage buffers.
-pub(crate) const NEEDED_LIMITS: [(&str, u64); 8] = [
-    ("max_bind_groups", 2),
-    ("max_storage_buffers_per_shader_stage", 3),
-    ("max_uniform_buffers_per_shader_stage", 1),
-    ("max_dynamic_uniform_buffers_per_pipeline_layout", 1),
-    ("max_uniform_buffer_binding_size", PARAMS_BINDING),
+pub(crate) const NEEDED_LIMITS: [NeededLimit; 8] = [
+    ("max_bind_groups", |l| l.max_bind_groups.into(), 2),
+    (
+        "max_storage_buffers_per_shader_stage",
+        |l| l.max_storage_buffers_per_shader_stage.into(),
+        3,
+    ),
+    (
+        "max_uniform_buffers_per_shader_stage",
+        |l| l.max_uniform_buffers_per_shader_stage.into(),
+        1,
+    ),
+    (
+        "max_dynamic_uniform_buffers_per_pipeline_layout",
+        |l| l.max_dynamic_uniform_buffers_per_pipeline_layout.into(),
+        1,
+    ),
+    (
+        "max_uniform_buffer_binding_size",
+        |l| l.max_uniform_buffer_binding_size,
+        PARAMS_BINDING,
+    ),
     (
         "max_compute_invocations_per_workgroup",
+        |l| l.max_compute_invocations_per_workgroup.into(),
         WORKGROUP_SIZE as u64,
     ),
-    ("max_compute_workgroup_size_x", WORKGROUP_SIZE as u64),
+    (
+        "max_compute_workgroup_size_x",
+        |l| l.max_compute_workgroup_size_x.into(),
+        WORKGROUP_SIZE as u64,
+    ),
     (
         "max_buffer_size",
+        |l| l.max_buffer_size,
         PARAMS_BINDING.next_multiple_of(256) * RING_ENTRIES,
     ),
 ];
 
+/// One of [`NEEDED_LIMITS`]: its field of `wgpu::Limits`, how to read it, and the least needed.
+pub(crate) type NeededLimit = (&'static str, fn(&wgpu::Limits) -> u64, u64);
+
 /// Refuses limits below [`NEEDED_LIMITS`], naming the first one.
 fn check_limits(limits: &wgpu::Limits) -> Result<()> {
-    let got = |name: &str| -> u64 {
-        match name {
-            "max_bind_groups" => limits.max_bind_groups.into(),
-            "max_storage_buffers_per_shader_stage" => {
-                limits.max_storage_buffers_per_shader_stage.into()
-            }
-            "max_uniform_buffers_per_shader_stage" => {
-                limits.max_uniform_buffers_per_shader_stage.into()
-            }
-            "max_dynamic_uniform_buffers_per_pipeline_layout" => limits
-                .max_dynamic_uniform_buffers_per_pipeline_layout
-                .into(),
-            "max_uniform_buffer_binding_size" => limits.max_uniform_buffer_binding_size,
-            "max_compute_invocations_per_workgroup" => {
-                limits.max_compute_invocations_per_workgroup.into()
-            }
-            "max_compute_workgroup_size_x" => limits.max_compute_workgroup_size_x.into(),
-            _ => limits.max_buffer_size,
-        }
-    };
     match NEEDED_LIMITS
         .iter()
-        .find(|&&(name, least)| got(name) < least)
+        .find(|&&(_, got, least)| got(limits) < least)
     {
-        Some(&(name, least)) => Err(Error::DeviceLimit {
+        Some(&(name, got, least)) => Err(Error::DeviceLimit {
             limit: name.to_string(),
             needed: least,
-            got: got(name),
+            got: got(limits),
         }),
         None => Ok(()),
     }
@@ -787,7 +792,7 @@ mod tests {
                 got: 0,
             })
         );
-        for (name, least) in NEEDED_LIMITS {
+        for (name, _, least) in NEEDED_LIMITS {
             let mut limits = wgpu::Limits::default();
             let low = least - 1;
             match name {
