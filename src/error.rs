@@ -312,7 +312,9 @@ pub enum Error {
     /// rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes) are checked
     /// first: kvgpu makes and drops buffers of the kind and size wgpu stages them in. Where wgpu
     /// itself cannot stage a smaller host write (`Queue::write_buffer`), wgpu 30 also loses the
-    /// device. Cache creation, staging and attention's scratch are checked natively only (on
+    /// device. The buffers kvgpu uploads host data through (a step's rows, a scattered append's
+    /// row map, page-table entries, a batch's query table) are made under the same check.
+    /// Cache creation, staging, uploads and attention's scratch are checked natively only (on
     /// OpenGL, whose wgpu backend reports no failed allocation, the checks cannot fail): in the
     /// browser WebGPU answers such a check only later, so the failure is left to WebGPU's own
     /// report, the device's uncaptured error (readbacks, which wait anyway, are checked there too).

@@ -389,3 +389,251 @@ fn attention_whose_scratch_the_device_cannot_hold_is_refused_and_changes_nothing
         pollster::block_on(read_f32(g, &want))
     );
 }
+
+/// Buffers of `size` bytes, of the kind the upload rings are made of, made until the device cannot
+/// make another (the process's memory capped): the device's memory blocks are then full, and any
+/// buffer of `size` or more needs memory the device cannot get.
+fn fill_device(g: &Gpu, size: u64) -> Vec<wgpu::Buffer> {
+    let mut made = Vec::new();
+    loop {
+        let scope = g.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = g.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("test filler"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        if pollster::block_on(scope.pop()).is_some() {
+            return made;
+        }
+        made.push(buffer);
+        assert!(made.len() < 4096, "the device never ran out of memory");
+    }
+}
+
+#[test]
+fn uploads_whose_ring_buffer_the_device_cannot_make_are_refused_and_change_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // A decode step's rows and a paged GPU append's table entries go through an upload ring whose
+    // buffer (4 MiB) is made at its first use: on a device without room for it, the call is
+    // refused before it writes or records anything.
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 64, 64); 2], DType::F32, 256).unwrap();
+    let mut c = cache(spec.clone());
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 16, 16).unwrap();
+    let seq = pool.add_sequence().unwrap();
+    let d = values(8, 3 * 2 * 64);
+    let src = pollster::block_on(f32_buffer(&g.device, &d));
+    let shape = [3, 2, 64];
+    let gpu_slab = GpuSlab {
+        buffer: &src,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: None,
+    };
+    let host = [HostSlab::f32(&d, &shape), HostSlab::f32(&d, &shape)];
+    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = lost.clone();
+    g.device.set_device_lost_callback(move |_, _| {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    });
+    let ring = |e: Error, what: &str| {
+        assert!(
+            matches!(&e, Error::OutOfMemory { what: w, .. } if w == what),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+    };
+    {
+        let _cap = Cap::room(16 << 20);
+        let filler = fill_device(g, 1 << 20);
+        ring(
+            c.append_layers(&[&host, &host]).unwrap_err(),
+            "an upload of host rows",
+        );
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        ring(
+            pool.record_append_gpu(&mut encoder, seq, 0, &[gpu_slab; 2])
+                .unwrap_err(),
+            "a page table's entries",
+        );
+        g.queue.submit([encoder.finish()]);
+        drop(filler);
+    }
+    assert_eq!(c.visible(0).unwrap(), 0);
+    assert_eq!(pool.visible(seq, 0).unwrap(), 0);
+    assert_eq!(pool.free_pages(), 16, "the refused append took pages");
+    // With room, the same calls land, and read back exactly.
+    c.append_layers(&[&host, &host]).unwrap();
+    c.advance(3).unwrap();
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    pool.record_append_gpu(&mut encoder, seq, 0, &[gpu_slab; 2])
+        .unwrap();
+    g.queue.submit([encoder.finish()]);
+    assert_eq!(c.read_f32(1, 0).unwrap(), d);
+    let read = |slot| pollster::block_on(pool.read_f32_async(seq, 0, slot)).unwrap();
+    assert_eq!(read(0), d);
+    assert_eq!(read(1), d);
+    assert_eq!(
+        lost.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the device was lost"
+    );
+}
+
+#[test]
+fn page_tables_and_copies_the_device_cannot_make_are_refused_and_change_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // One f32 element per row in pages of one row, 2^20 pages: a pool of 4 MiB whose table rows
+    // hold 2^20 entries each (4 MiB). The table starts with 8 rows (32 MiB); the 9th sequence
+    // grows it to 16 (64 MiB).
+    let layer = LayerSpec::new(vec![SlotSpec::new("s", &[1])]);
+    let spec = CacheSpec::new(vec![layer], DType::F32, 1 << 20).unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 1, 1 << 20).unwrap();
+    let seqs: Vec<SeqId> = (0..8).map(|_| pool.add_sequence().unwrap()).collect();
+    let one = values(9, 8);
+    for (i, &seq) in seqs.iter().enumerate() {
+        pool.append(seq, 0, &[HostSlab::f32(&one[i..=i], &[1, 1])])
+            .unwrap();
+        pool.advance(seq, 1).unwrap();
+    }
+    // Pages of 4,096 rows of 1 KiB (4 MiB): a sequence forked inside a page copies it on its first
+    // append, through a staging buffer of one page that the pool makes at its first copy.
+    let wide = LayerSpec::new(vec![SlotSpec::new("s", &[256])]);
+    let spec = CacheSpec::new(vec![wide], DType::F32, 1 << 14).unwrap();
+    let mut shared = PagedCache::new(&g.device, &g.queue, spec, 4096, 4).unwrap();
+    let (d, d2) = (values(10, 256), values(11, 256));
+    let parent = shared.add_sequence().unwrap();
+    shared
+        .append(parent, 0, &[HostSlab::f32(&d, &[1, 256])])
+        .unwrap();
+    shared.advance(parent, 1).unwrap();
+    let child = shared.fork(parent, 1).unwrap();
+    let (ledger, shared_ledger) = (pool.ledger().clone(), shared.ledger().clone());
+    {
+        let _cap = Cap::room(16 << 20);
+        let filler = fill_device(g, 1 << 20);
+        let e = pool.add_sequence().unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, bytes, .. }
+                if what == "the pool's page table" && *bytes == 64 << 20),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+        let e = shared
+            .append(child, 0, &[HostSlab::f32(&d2, &[1, 256])])
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, bytes, .. }
+                if what == "a page's copy-on-write staging" && *bytes == 4 << 20),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+        drop(filler);
+    }
+    assert_eq!(
+        pool.ledger(),
+        &ledger,
+        "the refused sequence changed the pool"
+    );
+    assert_eq!(
+        shared.ledger(),
+        &shared_ledger,
+        "the refused copy changed the pool"
+    );
+    // With room, the same calls land: the grown table holds every earlier sequence's pages.
+    let ninth = pool.add_sequence().unwrap();
+    pool.append(ninth, 0, &[HostSlab::f32(&one[..1], &[1, 1])])
+        .unwrap();
+    let read = |p: &PagedCache, s| pollster::block_on(p.read_f32_async(s, 0, 0)).unwrap();
+    for (i, &seq) in seqs.iter().enumerate() {
+        assert_eq!(read(&pool, seq), one[i..=i]);
+    }
+    shared
+        .append(child, 0, &[HostSlab::f32(&d2, &[1, 256])])
+        .unwrap();
+    shared.advance(child, 1).unwrap();
+    assert_eq!(read(&shared, child), [&d[..], &d2[..]].concat());
+    assert_eq!(read(&shared, parent), d);
+}
+
+#[test]
+fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // An app may push a snapshot in pieces of any size: one of 8 MiB is checked like a host write
+    // of that size, and refused where the device cannot stage it.
+    let layer = LayerSpec::new(vec![SlotSpec::new("s", &[256])]);
+    let spec = CacheSpec::new(vec![layer], DType::F32, 1 << 14).unwrap();
+    let mut from = cache(spec.clone());
+    let n = 8192;
+    let d = values(12, n * 256);
+    from.append(0, &[HostSlab::f32(&d, &[n, 256])]).unwrap();
+    from.advance(n).unwrap();
+    let bytes = from.snapshot().unwrap();
+    let header = SnapshotHeader::parse(&bytes).unwrap();
+    let rows_at = (header.total_bytes() - header.rows_bytes() - 4) as usize;
+    let mut to = cache(spec.clone());
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 64, n / 64).unwrap();
+    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = lost.clone();
+    g.device.set_device_lost_callback(move |_, _| {
+        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    });
+    // The headers make each import's 8 MiB of staging buffers, before the cap.
+    let mut import = to.import_stream().unwrap();
+    import.push(&bytes[..rows_at]).unwrap();
+    let mut sequence = pool.import_sequence_stream();
+    sequence.push(&bytes[..rows_at]).unwrap();
+    {
+        let _cap = Cap::room(24 << 20);
+        let filler = fill_device(g, 1 << 20);
+        for e in [
+            import.push(&bytes[rows_at..]).unwrap_err(),
+            sequence.push(&bytes[rows_at..]).unwrap_err(),
+        ] {
+            assert!(
+                matches!(&e, Error::OutOfMemory { what, bytes, .. }
+                    if what == "the snapshot's rows" && *bytes >= 8 << 20),
+                "{e}"
+            );
+            eprintln!("refused: {e}");
+        }
+        drop(filler);
+    }
+    drop((import, sequence));
+    assert_eq!(to.len(), 0);
+    assert_eq!(pool.free_pages(), n / 64, "the refused import took pages");
+    // With room, the same pieces import every row.
+    let mut import = to.import_stream().unwrap();
+    import.push(&bytes[..rows_at]).unwrap();
+    import.push(&bytes[rows_at..]).unwrap();
+    assert_eq!(import.finish().unwrap(), n);
+    assert_eq!(to.read_f32(0, 0).unwrap(), d);
+    let mut sequence = pool.import_sequence_stream();
+    sequence.push(&bytes[..rows_at]).unwrap();
+    sequence.push(&bytes[rows_at..]).unwrap();
+    let seq = sequence.finish().unwrap();
+    assert_eq!(
+        pollster::block_on(pool.read_f32_async(seq, 0, 0)).unwrap(),
+        d
+    );
+    assert_eq!(
+        lost.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the device was lost"
+    );
+}

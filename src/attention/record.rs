@@ -149,13 +149,19 @@ impl Attention {
                     }
                 })?,
             };
+        // Copied inside the encoder, so calls recorded one after another each read their own.
+        let table = if table_bytes > 0 {
+            let words = bytemuck::cast_slice(&table_words);
+            Some(
+                self.uploads
+                    .push(&self.queue, "a batch's query table", words)?,
+            )
+        } else {
+            None
+        };
         let pairs: Vec<_> = dispatch.pairs().collect();
         let params = self.ring.push_all(&self.queue, &pairs);
-        if table_bytes > 0 {
-            // Copied inside the encoder, so calls recorded one after another each read their own.
-            let table = self
-                .uploads
-                .push(&self.queue, bytemuck::cast_slice(&table_words));
+        if let Some(table) = table {
             encoder.copy_buffer_to_buffer(
                 &table.buffer,
                 table.offset,

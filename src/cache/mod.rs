@@ -18,8 +18,8 @@ use std::sync::{Arc, OnceLock};
 use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes, used_row_bytes};
 use crate::error::{BufferProblem, Error, Result};
 use crate::kernels::{
-    GroupCache, Held, Kernels, ParamRing, UploadRing, VECTOR_BYTES, allocated, binding_limit,
-    check_staging, held,
+    GroupCache, Held, Kernels, ParamRing, Upload, UploadRing, VECTOR_BYTES, allocated,
+    binding_limit, check_staging, held,
 };
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
@@ -158,6 +158,10 @@ pub struct KvCache {
 
 /// What [`Error::OutOfMemory`] names for host rows the device cannot stage.
 pub(crate) const HOST_ROWS: &str = "the staging of host rows";
+/// What an [`Error::OutOfMemory`] names where the device cannot hold an upload of host rows.
+pub(crate) const UPLOAD: &str = "an upload of host rows";
+/// What [`Error::OutOfMemory`] names for a snapshot's rows the device cannot stage.
+pub(crate) const SNAPSHOT_ROWS: &str = "the snapshot's rows";
 
 /// Checked host rows of one layer and where they go: `(first row of the rows, run)` per run.
 pub(crate) struct HostRows<'s, 'a> {
@@ -416,17 +420,11 @@ impl KvCache {
             .collect();
     }
 
-    /// Records into `encoder` a copy of `bytes` (whole words) into `dst` at byte `at`, through the
-    /// upload ring: the bytes land where the copy stands among the encoder's commands.
-    pub(crate) fn record_upload(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        bytes: &[u8],
-        dst: &wgpu::Buffer,
-        at: u64,
-    ) {
-        let upload = self.uploads.push(&self.queue, bytes);
-        encoder.copy_buffer_to_buffer(&upload.buffer, upload.offset, dst, at, bytes.len() as u64);
+    /// Bytes of the upload ring for `len` bytes that no other upload uses, written later (see
+    /// [`UploadRing::reserve`](crate::kernels::UploadRing::reserve)): [`Error::OutOfMemory`] naming
+    /// `what` where the device cannot hold a buffer this needs.
+    pub(crate) fn reserve_upload(&mut self, what: &str, len: u64) -> Result<Upload> {
+        self.uploads.reserve(what, len)
     }
 
     pub fn queue(&self) -> &wgpu::Queue {

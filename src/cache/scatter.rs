@@ -3,7 +3,7 @@
 //! uploaded in one write per call.
 
 use super::source::{self, Source, SourceJob};
-use super::{GpuSlab, HostSlab, KvCache};
+use super::{GpuSlab, HostSlab, KvCache, UPLOAD};
 use crate::codec::DType;
 use crate::error::Result;
 use crate::kernels::{WriteParams, grid, write_outputs};
@@ -59,7 +59,9 @@ impl KvCache {
         }
         // Every source is checked (bound with the map's place) before the map is written.
         let map_bytes: &[u8] = bytemuck::cast_slice(map);
-        let upload = self.uploads.reserve(map_bytes.len() as u64);
+        let upload = self
+            .uploads
+            .reserve("a scattered append's row map", map_bytes.len() as u64)?;
         let mut scatters = Vec::with_capacity(jobs.len());
         for (slot, (.., job)) in jobs.into_iter().enumerate() {
             let group =
@@ -85,7 +87,7 @@ impl KvCache {
     /// scattered dispatch per slot. `false`, with no dispatch recorded, when the upload would not fit
     /// one storage binding or a slot's dispatch could not bind it: the caller then moves the rows run
     /// by run. An upload the device cannot hold
-    /// ([`UploadRing::push_checked`](crate::kernels::UploadRing::push_checked)) is refused with
+    /// ([`UploadRing::push`](crate::kernels::UploadRing::push)) is refused with
     /// [`crate::Error::OutOfMemory`], and records nothing.
     pub(crate) fn record_host_scatter(
         &mut self,
@@ -111,7 +113,7 @@ impl KvCache {
             return Ok(false);
         }
         // Binding and recording below cannot fail once the upload is made.
-        let upload = self.uploads.push_checked(&self.queue, &bytes);
+        let upload = self.uploads.push(&self.queue, UPLOAD, &bytes);
         self.upload_bytes = bytes;
         let upload = upload?;
         let size = upload.buffer.size();

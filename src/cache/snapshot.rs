@@ -4,7 +4,7 @@
 use std::io::{Read, Write};
 
 use super::staged::StagedRows;
-use super::{HostRows, KvCache, Rows};
+use super::{HostRows, KvCache, Rows, SNAPSHOT_ROWS};
 use crate::device::{Mapped, Readback, ranges_bytes, staging_buffer};
 use crate::error::{Error, Result, SnapshotProblem};
 use crate::kernels::{allocated, check_staging};
@@ -320,7 +320,7 @@ impl KvCache {
     /// the rows written so far (past the empty cache's length, so unseen) stay; wgpu 30 then also
     /// loses the device.
     pub(crate) fn write_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
-        let (what, bytes) = ("the snapshot's rows", self.host_rows_bytes(jobs));
+        let (what, bytes) = (SNAPSHOT_ROWS, self.host_rows_bytes(jobs));
         let device = self.device.clone();
         check_staging(&device, what, bytes)?;
         allocated(&device, what, bytes, || self.write_host_rows(jobs))
@@ -415,9 +415,10 @@ impl RowSink for CacheSink<'_> {
         Ok(())
     }
 
-    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
-        if let Some(staged) = self.staged {
-            staged.rows(layer, slot, offset, bytes);
+    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        match self.staged {
+            Some(staged) => staged.rows(layer, slot, offset, bytes),
+            None => Ok(()),
         }
     }
 }

@@ -1,9 +1,10 @@
 //! A streamed snapshot's rows on their way into a cache: kept in GPU staging buffers, one per
 //! slot, until the whole snapshot checks out, then copied into place by the caller.
 
+use super::SNAPSHOT_ROWS;
 use crate::codec::{padded_row_bytes, used_row_bytes};
 use crate::error::Result;
-use crate::kernels::allocated;
+use crate::kernels::{allocated, check_staging};
 use crate::snapshot::SnapshotHeader;
 use crate::spec::SlotSpec;
 
@@ -15,6 +16,7 @@ const SUBMIT_EVERY: u64 = 16 << 20;
 /// A streamed snapshot's rows, kept in one GPU staging buffer per slot until the snapshot checks
 /// out. Row padding is written as zeros.
 pub(crate) struct StagedRows {
+    device: wgpu::Device,
     queue: wgpu::Queue,
     /// Per layer, per slot: its staging buffer (none for no rows), row bytes and element bytes.
     buffers: Vec<Vec<(Option<wgpu::Buffer>, usize, usize)>>,
@@ -66,6 +68,7 @@ impl StagedRows {
                 .collect()
         })?;
         Ok(Self {
+            device: device.clone(),
             queue: queue.clone(),
             buffers,
             pending: Vec::new(),
@@ -78,8 +81,17 @@ impl StagedRows {
         self.buffers.get(layer)?.get(slot)?.0.as_ref()
     }
 
-    /// Bytes `[offset, offset + bytes.len())` of a slot's rows; pieces arrive in order.
-    pub(crate) fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+    /// Bytes `[offset, offset + bytes.len())` of a slot's rows; pieces arrive in order. Where the
+    /// pending bytes come to more than 4 MiB (an app's large piece), natively the device is first
+    /// checked to stage them ([`check_staging`]): [`crate::Error::OutOfMemory`], with nothing
+    /// written, where it cannot.
+    pub(crate) fn rows(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        offset: u64,
+        bytes: &[u8],
+    ) -> Result<()> {
         let (l, s, at) = self.at;
         if (l, s) != (layer, slot) || at + self.pending.len() as u64 != offset {
             self.flush();
@@ -87,8 +99,11 @@ impl StagedRows {
         }
         self.pending.extend_from_slice(bytes);
         if self.pending.len() >= STAGE_PIECE {
-            self.write(self.pending.len() & !3);
+            let n = self.pending.len() & !3;
+            check_staging(&self.device, SNAPSHOT_ROWS, n as u64)?;
+            self.write(n);
         }
+        Ok(())
     }
 
     /// Writes every pending byte (a slot's rows end on a whole word).

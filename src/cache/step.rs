@@ -3,7 +3,7 @@
 //! On adapters whose `write_buffer` costs a fixed overhead per call (OpenGL: six times faster for a
 //! decode step of 64 slots) that overhead is paid once per step instead of once per slot.
 
-use super::{HOST_ROWS, HostRows, HostSlab, KvCache, Rows};
+use super::{HOST_ROWS, HostRows, HostSlab, KvCache, Rows, UPLOAD};
 use crate::error::{Error, Result};
 use crate::ledger::AppendPlan;
 
@@ -64,8 +64,9 @@ impl KvCache {
                     blob.extend_from_slice(&bytes[..size as usize]);
                 }
             }
-            let upload = self.uploads.push(&self.queue, &blob);
+            let upload = self.uploads.push(&self.queue, UPLOAD, &blob);
             self.upload_bytes = blob;
+            let upload = upload?;
             for (layer, slot, from, to, size) in copies {
                 encoder.copy_buffer_to_buffer(
                     &upload.buffer,

@@ -50,59 +50,49 @@ impl UploadRing {
         self.size
     }
 
-    /// Stages `bytes` (a multiple of 4) in bytes no other upload uses.
-    pub(crate) fn push(&mut self, queue: &wgpu::Queue, bytes: &[u8]) -> Upload {
-        let upload = self.reserve(bytes.len() as u64);
+    /// Stages `bytes` (a multiple of 4) in bytes no other upload uses. Natively, a new buffer is made
+    /// under the out-of-memory check, and an upload of more than [`CHECKED_BYTES`] has its write
+    /// checked too ([`check_staging`]): [`crate::Error::OutOfMemory`] naming `what` where the device
+    /// cannot hold them, and nothing is written.
+    pub(crate) fn push(
+        &mut self,
+        queue: &wgpu::Queue,
+        what: &str,
+        bytes: &[u8],
+    ) -> crate::Result<Upload> {
+        let upload = self.reserve(what, bytes.len() as u64)?;
+        check_staging(&self.device, what, bytes.len() as u64)?;
         upload.write(queue, bytes);
-        upload
+        Ok(upload)
     }
 
     /// Bytes for an upload of `len` bytes that no other upload uses, written later with
     /// [`Upload::write`] (so a call can bind them, and check what it binds, before it writes).
-    pub(crate) fn reserve(&mut self, len: u64) -> Upload {
+    /// A buffer this needs is made under the out-of-memory check: [`crate::Error::OutOfMemory`]
+    /// naming `what` where the device cannot hold it, and the ring is as it was.
+    pub(crate) fn reserve(&mut self, what: &str, len: u64) -> crate::Result<Upload> {
         let len = len.max(4);
-        if len > self.size {
-            Upload {
-                buffer: fresh(&self.device, len.next_multiple_of(16)),
-                offset: 0,
-            }
-        } else {
-            if self.next + len > self.size {
-                self.buffer = None;
-                self.next = 0;
-            }
-            let (device, size) = (&self.device, self.size);
-            let buffer = self
-                .buffer
-                .get_or_insert_with(|| fresh(device, size))
-                .clone();
-            let offset = self.next;
-            self.next = (offset + len).next_multiple_of(ALIGN);
-            Upload { buffer, offset }
-        }
-    }
-
-    /// [`UploadRing::push`], where natively an upload of more than [`CHECKED_BYTES`] gets its
-    /// buffer under the out-of-memory check and its write is checked ([`check_staging`]). A refused
-    /// upload writes nothing.
-    pub(crate) fn push_checked(
-        &mut self,
-        queue: &wgpu::Queue,
-        bytes: &[u8],
-    ) -> crate::Result<Upload> {
-        let len = bytes.len() as u64;
-        if cfg!(target_arch = "wasm32") || len <= CHECKED_BYTES {
-            return Ok(self.push(queue, bytes));
-        }
         let device = &self.device;
-        let what = "an upload of host rows";
-        let buffer = crate::kernels::allocated(device, what, len, || {
-            fresh(device, len.next_multiple_of(16))
-        })?;
-        check_staging(device, what, len)?;
-        let upload = Upload { buffer, offset: 0 };
-        upload.write(queue, bytes);
-        Ok(upload)
+        let fresh =
+            |size: u64| crate::kernels::allocated(device, what, size, || fresh(device, size));
+        if len > self.size {
+            return Ok(Upload {
+                buffer: fresh(len.next_multiple_of(16))?,
+                offset: 0,
+            });
+        }
+        let buffer = match &self.buffer {
+            Some(buffer) if self.next + len <= self.size => buffer.clone(),
+            _ => {
+                let buffer = fresh(self.size)?;
+                self.buffer = Some(buffer.clone());
+                self.next = 0;
+                buffer
+            }
+        };
+        let offset = self.next;
+        self.next = (offset + len).next_multiple_of(ALIGN);
+        Ok(Upload { buffer, offset })
     }
 }
 

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use crate::cache::{GpuSlab, HOST_ROWS, HostRows, HostSlab, KvCache, Rows, SlotView};
 use crate::codec::decode_scaled_rows;
 use crate::error::{Error, Result};
-use crate::kernels::Kernels;
+use crate::kernels::{Kernels, Upload, check_staging};
 use crate::ledger::slab_rows;
 use crate::placement::{Paging, Run};
 use crate::seq::SeqId;
@@ -87,6 +87,15 @@ fn moving_runs(plans: &[PagedPlan]) -> Vec<(usize, Run)> {
         .flat_map(|p| p.runs.iter().copied())
         .filter(|(_, run)| run.n_rows > 0)
         .collect()
+}
+
+/// The encoder of a recorded commit and the upload its table entries go through.
+type Recorded<'e> = (&'e mut wgpu::CommandEncoder, Upload);
+
+/// The first table entry that committing `plan` changes, for a sequence of `held` pages: a private
+/// copy's, or the first new page's.
+fn changed_from(plan: &PagedPlan, held: usize) -> usize {
+    plan.copies.iter().map(|c| c.index).fold(held, usize::min)
 }
 
 /// The pool row of each of a slab's `rows` rows, from the runs (`(first slab row, run)`) covering
@@ -184,7 +193,7 @@ impl PagedCache {
             return Err(Error::TooManySequences { most: 0 });
         }
         let first_rows = FIRST_TABLE_ROWS.min(most_rows);
-        let table = table_buffer(store.device(), table_width, first_rows);
+        let table = table_buffer(store.device(), table_width, first_rows)?;
         store.set_page_table(table.clone());
         Ok(Self {
             store,
@@ -234,8 +243,9 @@ impl PagedCache {
                 return Err(Error::TooManySequences { most: row });
             }
             let rows = (self.row_capacity * 2).min(self.most_rows);
-            let table = table_buffer(self.device(), self.table_width, rows);
+            let table = table_buffer(self.device(), self.table_width, rows)?;
             let mut entries = vec![0u32; self.table_width * self.row_capacity];
+            check_staging(self.device(), TABLE, 4 * entries.len() as u64)?;
             for (&seq, &row) in &self.table_rows {
                 let pages = self.ledger.pages(seq).unwrap_or_default();
                 let at = row * self.table_width;
@@ -252,20 +262,54 @@ impl PagedCache {
 
     /// Writes the table entries of `seq` from page index `from` to its end: with
     /// `Queue::write_buffer` (landing at the next submission, ahead of its commands), or, for a
-    /// recorded GPU append, by a copy recorded into its encoder, so that the commands recorded
-    /// before the append still read the entries they were recorded against.
-    fn write_table(&mut self, seq: SeqId, from: usize, encoder: Option<&mut wgpu::CommandEncoder>) {
+    /// recorded GPU append, through an upload reserved for them ([`PagedCache::table_uploads`]) and
+    /// a copy recorded into its encoder, so that the commands recorded before the append still read
+    /// the entries they were recorded against.
+    fn write_table(&mut self, seq: SeqId, from: usize, recorded: Option<Recorded<'_>>) {
         let (Some(&row), Ok(pages)) = (self.table_rows.get(&seq), self.ledger.pages(seq)) else {
             return;
         };
         if from < pages.len() {
             let at = ((row * self.table_width + from) * 4) as u64;
-            let bytes = bytemuck::cast_slice(&pages[from..]);
-            match encoder {
-                Some(encoder) => self.store.record_upload(encoder, bytes, &self.table, at),
+            let bytes: &[u8] = bytemuck::cast_slice(&pages[from..]);
+            match recorded {
+                Some((encoder, upload)) => {
+                    upload.write(self.store.queue(), bytes);
+                    let size = bytes.len() as u64;
+                    encoder.copy_buffer_to_buffer(
+                        &upload.buffer,
+                        upload.offset,
+                        &self.table,
+                        at,
+                        size,
+                    );
+                }
                 None => self.queue().write_buffer(&self.table, at, bytes),
             }
         }
+    }
+
+    /// The uploads that recorded commits of `plans`, in order, write their table entries through
+    /// ([`PagedCache::write_table`]): each from the first entry its commit changes (a private
+    /// copy's, or the first new page's) to its sequence's end. Reserved before anything is
+    /// recorded, so that a device that cannot hold them refuses the call ([`Error::OutOfMemory`])
+    /// with nothing recorded.
+    fn table_uploads(&mut self, plans: &[PagedPlan]) -> Result<Vec<Upload>> {
+        // Pages each sequence holds when its plan commits: a batch may append to one twice.
+        let mut held = BTreeMap::new();
+        let mut uploads = Vec::with_capacity(plans.len());
+        for plan in plans {
+            let pages = held
+                .entry(plan.seq)
+                .or_insert_with(|| self.ledger.pages(plan.seq).map_or(0, <[u32]>::len));
+            let entries = *pages + plan.fresh.len() - changed_from(plan, *pages);
+            *pages += plan.fresh.len();
+            uploads.push(
+                self.store
+                    .reserve_upload("a page table's entries", 4 * entries as u64)?,
+            );
+        }
+        Ok(uploads)
     }
 
     /// How appends move their rows into pages: run by run, or by one scattered dispatch per slot
@@ -494,6 +538,32 @@ impl PagedCache {
         }
     }
 
+    /// The buffer each private copy of `plans` passes through (one page of the widest slot), where
+    /// any plan copies a shared page. Made at the pool's first copy, under the out-of-memory check:
+    /// before anything is recorded, so that a device that cannot hold it refuses the append
+    /// ([`Error::OutOfMemory`]) with nothing changed.
+    fn page_staging(&mut self, plans: &[PagedPlan]) -> Result<Option<wgpu::Buffer>> {
+        if plans.iter().all(|p| p.copies.is_empty()) {
+            return Ok(None);
+        }
+        if let Some(staging) = &self.staging {
+            return Ok(Some(staging.clone()));
+        }
+        let size = widest(&self.spec).map_or(4, |(_, _, b)| b) * self.page_size() as u64;
+        let device = self.store.device();
+        let staging =
+            crate::kernels::allocated(device, "a page's copy-on-write staging", size, || {
+                device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("kvgpu page staging"),
+                    size,
+                    usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            })?;
+        self.staging = Some(staging.clone());
+        Ok(Some(staging))
+    }
+
     /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
     /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
     /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
@@ -508,10 +578,10 @@ impl PagedCache {
     ) -> Result<()> {
         let runs = moving_runs(plans);
         let mut encoder = None;
-        if plans.iter().any(|p| !p.copies.is_empty()) {
+        if let Some(staging) = self.page_staging(plans)? {
             let encoder = encoder.insert(self.encoder("kvgpu page copy"));
             for plan in plans {
-                self.record_copies(encoder, &plan.copies);
+                self.record_copies(encoder, &staging, &plan.copies);
             }
         }
         let scatter = match self.scatter {
@@ -550,16 +620,10 @@ impl PagedCache {
 
     /// Commits a plan to the ledger and writes the table entries it changed (see
     /// [`PagedCache::write_table`]).
-    fn commit(&mut self, plan: &PagedPlan, encoder: Option<&mut wgpu::CommandEncoder>) {
-        let first_new = self.ledger.pages(plan.seq).map_or(0, <[u32]>::len);
+    fn commit(&mut self, plan: &PagedPlan, recorded: Option<Recorded<'_>>) {
+        let held = self.ledger.pages(plan.seq).map_or(0, <[u32]>::len);
         self.ledger.commit_append(plan);
-        // The first entry that changed: a private copy's, or the first new page's.
-        let from = plan
-            .copies
-            .iter()
-            .map(|c| c.index)
-            .fold(first_new, usize::min);
-        self.write_table(plan.seq, from, encoder);
+        self.write_table(plan.seq, changed_from(plan, held), recorded);
     }
 
     /// Records an append from GPU buffers to `seq` into `encoder` (as
@@ -639,15 +703,18 @@ impl PagedCache {
             Some(_) => Vec::new(),
             None => self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?,
         };
-        for plan in plans {
-            self.record_copies(encoder, &plan.copies);
+        let tables = self.table_uploads(plans)?;
+        if let Some(staging) = self.page_staging(plans)? {
+            for plan in plans {
+                self.record_copies(encoder, &staging, &plan.copies);
+            }
         }
         match scatters {
             Some(scatters) => self.store.record_scatters(encoder, scatters),
             None => self.store.record_gpu_moves(encoder, layer, slabs, moves),
         }
-        for plan in plans {
-            self.commit(plan, Some(encoder));
+        for (plan, table) in plans.iter().zip(tables) {
+            self.commit(plan, Some((&mut *encoder, table)));
         }
         Ok(())
     }
@@ -710,20 +777,13 @@ impl PagedCache {
 
     /// Records the private copies of shared pages: per layer the rows the writer sees there, through
     /// the staging buffer (wgpu copies nothing within one buffer).
-    fn record_copies(&mut self, encoder: &mut wgpu::CommandEncoder, copies: &[PageCopy]) {
-        if copies.is_empty() {
-            return;
-        }
+    fn record_copies(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        staging: &wgpu::Buffer,
+        copies: &[PageCopy],
+    ) {
         let p = self.page_size() as u64;
-        let staging = self.staging.get_or_insert_with(|| {
-            let widest = widest(&self.spec).map_or(4, |(_, _, b)| b);
-            self.store.device().create_buffer(&wgpu::BufferDescriptor {
-                label: Some("kvgpu page staging"),
-                size: widest * p,
-                usage: wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            })
-        });
         for copy in copies {
             for (layer, &rows) in copy.rows.iter().enumerate() {
                 for slot in 0..self.spec.layers()[layer].slots.len() {
@@ -751,15 +811,22 @@ impl PagedCache {
     }
 }
 
-/// A page table of `rows` rows of `width` entries.
-fn table_buffer(device: &wgpu::Device, width: usize, rows: usize) -> wgpu::Buffer {
-    device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("kvgpu page table"),
-        size: (width * rows * 4).max(16) as u64,
-        usage: wgpu::BufferUsages::STORAGE
-            | wgpu::BufferUsages::COPY_DST
-            | wgpu::BufferUsages::COPY_SRC,
-        mapped_at_creation: false,
+/// What [`Error::OutOfMemory`] names where the device cannot hold the page table (made, or grown and
+/// written whole).
+const TABLE: &str = "the pool's page table";
+
+/// A page table of `rows` rows of `width` entries, made under the out-of-memory check.
+fn table_buffer(device: &wgpu::Device, width: usize, rows: usize) -> Result<wgpu::Buffer> {
+    let size = (width * rows * 4).max(16) as u64;
+    crate::kernels::allocated(device, TABLE, size, || {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu page table"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
     })
 }
 

@@ -241,9 +241,10 @@ impl RowSink for PoolSink<'_> {
         Ok(())
     }
 
-    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
-        if let Some(staged) = self.staged {
-            staged.rows(layer, slot, offset, bytes);
+    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) -> Result<()> {
+        match self.staged {
+            Some(staged) => staged.rows(layer, slot, offset, bytes),
+            None => Ok(()),
         }
     }
 }

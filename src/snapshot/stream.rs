@@ -15,8 +15,9 @@ pub(crate) const MAX_STREAM_HEADER: u64 = 16 << 20;
 /// given every slot's rows in order, in pieces.
 pub(crate) trait RowSink {
     fn header(&mut self, header: &SnapshotHeader) -> Result<()>;
-    /// Bytes `[offset, offset + bytes.len())` of the stored rows of (`layer`, `slot`).
-    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]);
+    /// Bytes `[offset, offset + bytes.len())` of the stored rows of (`layer`, `slot`); a refusal
+    /// ends the stream.
+    fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) -> Result<()>;
 }
 
 /// What the header says about the rest.
@@ -119,7 +120,7 @@ impl SnapshotStream {
             while !rows.is_empty() {
                 let (layer, slot, first, size) = layout.sections[self.section];
                 let k = within(first + size - offset, rows.len());
-                sink.rows(layer, slot, offset - first, &rows[..k]);
+                sink.rows(layer, slot, offset - first, &rows[..k])?;
                 offset += k as u64;
                 rows = &rows[k..];
                 if offset == first + size {
@@ -233,10 +234,11 @@ mod tests {
             }
             Ok(())
         }
-        fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) {
+        fn rows(&mut self, layer: usize, slot: usize, offset: u64, bytes: &[u8]) -> Result<()> {
             let v = self.rows.entry((layer, slot)).or_default();
             assert_eq!(v.len() as u64, offset, "pieces arrive in order");
             v.extend_from_slice(bytes);
+            Ok(())
         }
     }
 
