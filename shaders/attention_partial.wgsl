@@ -165,9 +165,10 @@ fn quad_a(row: u32, i: u32, m: u32) -> vec4<f32> {
         }
         return scaled(t, p.slot_scales.x, deq4(t, slot_a[base + qword(t, i)], s, i));
     }
+    // fp8 rows hold no scale words: none is read.
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
-        v[k] = deq(t, slot_a[base + qword(t, i + k)], slot_a[base + sword(t, elems, i + k)], i + k);
+        v[k] = deq(t, slot_a[base + qword(t, i + k)], 0u, i + k);
     }
     return scaled(t, p.slot_scales.x, v);
 }
@@ -185,9 +186,10 @@ fn quad_b(row: u32, i: u32, m: u32) -> vec4<f32> {
         }
         return scaled(t, p.slot_scales.y, deq4(t, slot_b[base + qword(t, i)], s, i));
     }
+    // fp8 rows hold no scale words: none is read.
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
-        v[k] = deq(t, slot_b[base + qword(t, i + k)], slot_b[base + sword(t, elems, i + k)], i + k);
+        v[k] = deq(t, slot_b[base + qword(t, i + k)], 0u, i + k);
     }
     return scaled(t, p.slot_scales.y, v);
 }
@@ -205,9 +207,10 @@ fn quad_v(row: u32, i: u32, m: u32) -> vec4<f32> {
         }
         return scaled(t, p.slot_scales.z, deq4(t, slot_v[base + qword(t, i)], s, i));
     }
+    // fp8 rows hold no scale words: none is read.
     var v = vec4<f32>(0.0);
     for (var k = 0u; k < m; k++) {
-        v[k] = deq(t, slot_v[base + qword(t, i + k)], slot_v[base + sword(t, elems, i + k)], i + k);
+        v[k] = deq(t, slot_v[base + qword(t, i + k)], 0u, i + k);
     }
     return scaled(t, p.slot_scales.z, v);
 }

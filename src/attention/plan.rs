@@ -285,13 +285,21 @@ pub(crate) fn pass1_iterations_per_tile(
             // Four elements per step, then one per step.
             DType::F32 => d / 4 + d % 4,
             // Packed words (one more when the slice starts on an odd element), two per step, then
-            // one.
+            // one. (Quantized rows take four elements per step: fewer.)
             _ => {
                 let words = d.div_ceil(2) + 1;
                 words / 2 + words % 2
             }
         };
-        rpl + steps * step
+        // An fp8 head that does not start on a word (every head after the first where d is not a
+        // multiple of 4) loads each row's step element by element (up to four iterations per row),
+        // and a last step of fewer than four elements loads its query elements one by one per head.
+        let fallback = if dtype.is_fp8() && !d.is_multiple_of(4) {
+            steps * rpl * 4 + hb * 4
+        } else {
+            0
+        };
+        rpl + steps * step + fallback
     };
     // The value phase: per 4 output dims, every row of the tile for every head (and the up-to-4
     // element fallback of a partial quad), then the stores.

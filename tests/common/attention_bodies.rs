@@ -537,6 +537,22 @@ pub async fn quantized_attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
     over_4096_rows(g, &DType::QUANTIZED).await;
 }
 
+/// fp8 keys whose heads do not start on a word (d_k not a multiple of 4) take the tiled kernel's
+/// element-by-element loads, four loop iterations per row per step more than whole words: with
+/// heads of 9,990 over 512 rows, a tile planned as if every load were whole ran past the 65,535
+/// iterations Mesa's software adapters allow one invocation, which stop silently (a scaled error
+/// of 0.29). The planner counts those loads; heads of 9,992 (whole words) are the control.
+pub async fn wide_unaligned_fp8_heads_stay_within_the_loop_budget(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    att.set_kernel(KernelChoice::Tiled);
+    for d_k in [9990, 9992] {
+        #[rustfmt::skip]
+        let case = Gqa { n_kv: 2, group: 1, d_k, d_v: 4, visible: 512, n_q: 8, window: None, soft_cap: None };
+        let worst = check_gqa(g, &mut att, case, [DType::F8E4M3; 2], 70).await;
+        note!("fp8 e4m3 heads of {d_k} over 512 rows: worst scaled error {worst:e}");
+    }
+}
+
 /// GQA (one query, and seven with a window and soft-cap) and MLA over 4,096 rows, every kernel of the
 /// adapter, for each of `types`.
 async fn over_4096_rows(g: &Gpu, types: &[DType]) {
