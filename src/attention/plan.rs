@@ -264,6 +264,13 @@ impl Dispatch {
     }
 }
 
+/// Bytes of one scratch binding (partial results, or statistics and a batch's query table): the
+/// device's binding limit in whole 16-byte vectors, as the kernels bind the partial results
+/// (`array<vec4<f32>>`, whose length rounds down). Vulkan and DX12 report limits such as 2^31 - 1.
+fn scratch_binding(dev: &DeviceFacts) -> u64 {
+    crate::kernels::whole_vectors_within(dev.max_binding)
+}
+
 /// Loop iterations of one pass-1 invocation per tile, counted from `attention_partial.wgsl` (every
 /// back-edge of every loop it may run, the worst invocation of the workgroup).
 pub(crate) fn pass1_iterations_per_tile(
@@ -601,7 +608,8 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let tile = TILE * ROWS_PER_INVOCATION[rpl];
     let tiles = rows.div_ceil(tile);
     // Partial results of one query in one chunk: the unnormalised output and (max, sum) per head.
-    let by_binding = usize::try_from(dev.max_binding / query_chunk_bytes(s)).unwrap_or(usize::MAX);
+    let by_binding =
+        usize::try_from(scratch_binding(dev) / query_chunk_bytes(s)).unwrap_or(usize::MAX);
     let want = target
         .div_ceil(per_chunk)
         .max(ragged_chunks(s, rows, per_chunk / s.n_q, target))
@@ -659,15 +667,16 @@ fn finish(
         Some(_) => QUERY_TABLE_BYTES * s.n_q as u64,
         None => 0,
     };
-    if table_bytes >= dev.max_binding {
+    let scratch = scratch_binding(dev);
+    if table_bytes >= scratch {
         return Err(format!(
             "a batch of {} queries needs a query table of {table_bytes} bytes, more than one storage \
-             binding of this device holds ({})",
-            s.n_q, dev.max_binding
+             binding of this device holds ({scratch})",
+            s.n_q
         ));
     }
     let q_per_pair =
-        usize::try_from((dev.max_binding - table_bytes) / (n_chunks as u64 * query_chunk_bytes(s)))
+        usize::try_from((scratch - table_bytes) / (n_chunks as u64 * query_chunk_bytes(s)))
             .unwrap_or(usize::MAX)
             .min(s.n_q);
     if n_chunks > dev.max_workgroups
@@ -1021,6 +1030,38 @@ mod tests {
         assert!(fallbacks > 0, "no CPU plan needed the wide reduce");
     }
 
+    /// The reduce binds the partial results as 16-byte vectors, so a binding limit that is not
+    /// whole vectors (Vulkan and DX12 report 2^31 - 1) is planned in whole vectors. Partial results
+    /// of 2^27 - 4 bytes on a limit of 2^27 - 1 were planned as one pair, and the reduce, seeing
+    /// one vector fewer than it needed, wrote no output.
+    #[test]
+    fn scratch_is_planned_in_whole_vectors_of_an_odd_binding_limit() {
+        for odd in [(1 << 27) - 1, (1 << 31) - 1] {
+            let s = CallShape {
+                d_v: 1801,
+                row_words: [4, 4, 1801],
+                ..gqa(DType::F32, 31, 601, 1, 4, 64)
+            };
+            let mut planned = 0;
+            for dev in devices() {
+                let dev = DeviceFacts {
+                    max_binding: odd,
+                    ..dev
+                };
+                let Ok(p) = plan(&s, &dev) else { continue };
+                let whole = odd - odd % 16;
+                assert!(
+                    p.part_bytes <= whole && p.stats_bytes <= whole,
+                    "{dev:?}: partials {} and stats {} on a limit of {odd}",
+                    p.part_bytes,
+                    p.stats_bytes
+                );
+                planned += 1;
+            }
+            assert!(planned >= 4, "{planned} plans");
+        }
+    }
+
     /// A ragged batch's query table shares the stats binding with the partial results: the pairs
     /// leave room for it. Two sequences of 8,192 rows, every row a query of 1,024 one-dimensional
     /// heads, took stats of 2^27 - 32,768 bytes beside a table of 131,072 on a 128 MiB binding.
@@ -1043,7 +1084,8 @@ mod tests {
             let Ok(p) = plan(&s, &dev) else { continue };
             let table = QUERY_TABLE_BYTES * s.n_q as u64;
             assert!(
-                p.stats_bytes + table <= dev.max_binding && p.part_bytes <= dev.max_binding,
+                p.stats_bytes + table <= scratch_binding(&dev)
+                    && p.part_bytes <= scratch_binding(&dev),
                 "{dev:?}: stats {} + table {table}, partials {}",
                 p.stats_bytes,
                 p.part_bytes
