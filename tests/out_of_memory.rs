@@ -637,3 +637,45 @@ fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
         "the device was lost"
     );
 }
+
+#[test]
+fn a_batch_naming_more_queries_than_given_is_refused_before_its_query_table_is_built() {
+    let _serial = serial();
+    let g = gpu();
+    // 2^20 entries of 64 queries each against one query given: the query table of their 2^26
+    // queries (8 bytes each) would take 512 MiB. Built before the counts were checked, it would
+    // have to fit the cap below (a host allocation past it aborts the process).
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 64).unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 16, 8).unwrap();
+    let (a, b) = (pool.add_sequence().unwrap(), pool.add_sequence().unwrap());
+    let rows = values(13, 64 * 4);
+    for (seq, n) in [(a, 64), (b, 1)] {
+        let shape = [n, 1, 4];
+        let slab = HostSlab::f32(&rows[..n * 4], &shape);
+        pool.append(seq, 0, &[slab, slab]).unwrap();
+        pool.advance(seq, n).unwrap();
+    }
+    let q = pollster::block_on(f32_buffer(&g.device, &values(14, 4)));
+    let out = pollster::block_on(f32_buffer(&g.device, &[-1.0; 4]));
+    let mut batch = vec![(a, 64); 1 << 20];
+    batch.push((b, 1));
+    let mut att = Attention::with_kernels(pool.kernels().clone());
+    let e = {
+        let _cap = Cap::room(64 << 20);
+        att.gqa(
+            Kv::Batch(&pool, &batch),
+            0,
+            Queries::new(&q, 1, 1, 4),
+            &out,
+            &AttentionOptions::default(),
+        )
+        .unwrap_err()
+    };
+    assert!(
+        matches!(&e, Error::AttentionRequest {
+            problem: AttentionProblem::BatchRows { batch, queries: 1 }, ..
+        } if *batch == (64 << 20) + 1),
+        "{e}"
+    );
+    assert_eq!(pollster::block_on(read_f32(g, &out)), [-1.0; 4]);
+}

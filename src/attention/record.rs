@@ -490,12 +490,18 @@ pub(super) struct Rows<'a> {
 }
 
 impl<'a> Rows<'a> {
-    /// The rows `kv` names in `layer`; a batch's per-query rows go to `table`.
-    pub(super) fn of(kv: Kv<'a>, layer: usize, table: &'a mut Vec<[u32; 2]>) -> Result<Self> {
+    /// The rows `kv` names in `layer` for a call of `n_q` queries; a batch's per-query rows go to
+    /// `table`.
+    pub(super) fn of(
+        kv: Kv<'a>,
+        layer: usize,
+        n_q: usize,
+        table: &'a mut Vec<[u32; 2]>,
+    ) -> Result<Self> {
         match kv {
             Kv::Cache(cache) => Self::of_cache(cache, layer),
             Kv::Sequence(pool, seq) => Self::of_sequence(pool, seq, layer),
-            Kv::Batch(pool, batch) => Self::of_batch(pool, layer, batch, table),
+            Kv::Batch(pool, batch) => Self::of_batch(pool, layer, batch, n_q, table),
         }
     }
 
@@ -522,11 +528,14 @@ impl<'a> Rows<'a> {
     }
 
     /// A batch of `pool`'s sequences in `layer`: per `(seq, n)` its last `n` visible rows' queries, in
-    /// order. `table` receives each query's own row and first page-table entry.
+    /// order. `table` receives each query's own row and first page-table entry, once the counts
+    /// are found to add up to the call's `n_q` queries (so a batch that names more queries than the
+    /// call has builds no table of them).
     pub(super) fn of_batch(
         pool: &'a PagedCache,
         layer: usize,
         batch: &[(SeqId, usize)],
+        n_q: usize,
         table: &'a mut Vec<[u32; 2]>,
     ) -> Result<Self> {
         if let &[(seq, n_q)] = batch {
@@ -536,19 +545,31 @@ impl<'a> Rows<'a> {
                 ..Self::of_sequence(pool, seq, layer)?
             });
         }
+        let counted = batch
+            .iter()
+            .try_fold(0usize, |sum, &(_, n)| sum.checked_add(n));
+        if counted != Some(n_q) && !batch.is_empty() {
+            return Err(Error::AttentionRequest {
+                layer,
+                problem: AttentionProblem::BatchRows {
+                    batch: counted.unwrap_or(usize::MAX),
+                    queries: n_q,
+                },
+            });
+        }
         let mut longest = 0;
         let mut paging = None;
-        for &(seq, n_q) in batch {
+        for &(seq, n) in batch {
             let visible = pool.visible(seq, layer)?;
-            if n_q == 0 || n_q > visible {
+            if n == 0 || n > visible {
                 return Err(Error::QueryRows {
                     layer,
-                    n_q,
+                    n_q: n,
                     visible,
                 });
             }
             let p = pool.paging(seq)?;
-            table.extend((visible - n_q..visible).map(|last| [last as u32, p.table_base as u32]));
+            table.extend((visible - n..visible).map(|last| [last as u32, p.table_base as u32]));
             longest = longest.max(visible);
             paging = Some(p);
         }
