@@ -1,6 +1,8 @@
 //! A cache the device cannot hold is refused with `Error::OutOfMemory`, before anything uses its
 //! buffers, and the device, its kernel registry and the caches made after it work as before; so are
-//! readbacks, imports and attention calls whose buffers it cannot allocate.
+//! readbacks, imports (whole or streamed), host appends, uploads, page tables, copy-on-write staging
+//! and attention calls whose buffers it cannot allocate. A batch naming more queries than the call
+//! has is refused before its query table is built.
 //!
 //! A software adapter backs buffers with this process's memory, so the test caps the process's
 //! address space (`RLIMIT_AS`, raised back afterwards) a little above what it uses, and asks for more.
