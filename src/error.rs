@@ -291,10 +291,11 @@ pub enum Error {
     },
 
     /// The device's `limit` (a field of `wgpu::Limits`) is below what kvgpu's cache kernels need:
-    /// two bind groups, three storage buffers per shader stage, one dynamic uniform buffer,
-    /// workgroups of 256 invocations and buffers of 256 KiB. Devices made with WebGPU's default
-    /// limits, or wgpu's downlevel ones, have them; a device without compute shaders (WebGL2's
-    /// limits) does not. Nothing was created. (What attention needs more, such as eight storage
+    /// two bind groups of four bindings, four storage buffers per shader stage, one dynamic uniform
+    /// buffer, workgroups of 256 x 1 x 1 invocations (and one per dispatch dimension) and buffers
+    /// of 256 KiB (or one parameter entry, where uniform offsets align coarser). Devices made with
+    /// WebGPU's default limits, or wgpu's downlevel ones, have them; a device without compute
+    /// shaders (WebGL2's limits) does not. Nothing was created. (What attention needs more, such as eight storage
     /// buffers per stage, is refused per call: [`AttentionProblem::DeviceLimit`].)
     #[error("the device's {limit} is {got}; kvgpu's kernels need at least {needed}")]
     DeviceLimit {

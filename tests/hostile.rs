@@ -2495,7 +2495,7 @@ fn devices_below_the_kernels_limits_are_refused_by_name() {
     let (d, q) = (&webgl2.device, &webgl2.queue);
     let want = Error::DeviceLimit {
         limit: "max_storage_buffers_per_shader_stage".into(),
-        needed: 3,
+        needed: 4,
         got: 0,
     };
     assert_eq!(Kernels::new(d, q).unwrap_err(), want);
@@ -2534,6 +2534,62 @@ fn devices_below_the_kernels_limits_are_refused_by_name() {
         .unwrap_err();
     eprintln!("refused: {e}");
     refused(e);
+}
+
+/// Devices just below one of the registry's other needs: the attention layouts it makes bind four
+/// storage buffers, at binding indices up to 3; its kernels run workgroups of 256 x 1 x 1, at
+/// least one per dimension. Each is refused by name; before, each met a validation error (a panic
+/// under wgpu's default handler) in `Kernels::new` or the first reset. A device whose uniform
+/// offsets align at 512 bytes, with buffers of 256 KiB, keeps half as many parameter entries per
+/// ring buffer (its 1,024 entries took 512 KiB, a validation error) and works.
+#[test]
+fn devices_below_each_needed_limit_are_refused_by_name() {
+    let _serial = serial();
+    let g = gpu();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 8).unwrap();
+    let default = wgpu::Limits::default;
+    #[rustfmt::skip]
+    let cases = [
+        (wgpu::Limits { max_storage_buffers_per_shader_stage: 3, ..default() }, "max_storage_buffers_per_shader_stage", 4, 3),
+        (wgpu::Limits { max_bindings_per_bind_group: 3, ..default() }, "max_bindings_per_bind_group", 4, 3),
+        (wgpu::Limits { max_compute_workgroups_per_dimension: 0, ..default() }, "max_compute_workgroups_per_dimension", 1, 0),
+        (wgpu::Limits { max_compute_workgroup_size_y: 0, ..default() }, "max_compute_workgroup_size_y", 1, 0),
+    ];
+    for (limits, limit, needed, got) in cases {
+        let low = device_with(g, limits);
+        let want = Error::DeviceLimit {
+            limit: limit.into(),
+            needed,
+            got,
+        };
+        let e = KvCache::new(&low.device, &low.queue, spec.clone()).unwrap_err();
+        assert_eq!(e, want);
+        eprintln!("refused: {e}");
+    }
+    let coarse = device_with(
+        g,
+        wgpu::Limits {
+            min_uniform_buffer_offset_alignment: 512,
+            max_buffer_size: 256 << 10,
+            max_storage_buffer_binding_size: 256 << 10,
+            ..default()
+        },
+    );
+    let mut c = KvCache::new(&coarse.device, &coarse.queue, spec).unwrap();
+    let x = values(4, 4);
+    // More dispatches than one ring buffer's 512 entries: the ring moves on to another.
+    for _ in 0..3 {
+        c.append(0, &[HostSlab::f32(&x, &[1, 1, 4]); 2]).unwrap();
+        c.advance(1).unwrap();
+        c.truncate_and_scrub(0).unwrap();
+    }
+    let mut encoder = coarse.device.create_command_encoder(&Default::default());
+    for _ in 0..600 {
+        c.record_reset(&mut encoder);
+    }
+    coarse.queue.submit([encoder.finish()]);
+    c.append(0, &[HostSlab::f32(&x, &[1, 1, 4]); 2]).unwrap();
+    assert_eq!(c.read_f32(0, 1).unwrap(), x);
 }
 
 /// A CPU adapter's zeroing dispatches up to 16 workgroups: on a device that allows 8 per dimension

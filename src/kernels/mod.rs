@@ -183,19 +183,26 @@ struct AttentionKernels {
 pub(crate) const TILED_WORKGROUP_BYTES: u64 = 10_440;
 
 /// The device limits the cache's kernels need, and the least value of each: two bind groups (the
-/// buffers, the parameters), three storage buffers in one stage (a slab write's source,
-/// destination and row map), a dynamic uniform buffer for the parameters, workgroups of 256
-/// invocations (zeroing and slab writes) and a buffer as large as the parameter ring (its entries
-/// are at most 256 bytes apart). Slot and scratch sizes are checked per cache and per call, and
-/// what attention needs more (eight storage buffers, three bind groups) per call. Devices made
-/// with WebGPU's default limits, or wgpu's downlevel ones, have all of them; WebGL2's have no
-/// storage buffers.
-pub(crate) const NEEDED_LIMITS: [NeededLimit; 8] = [
+/// buffers, the parameters) of up to four bindings, four storage buffers in one stage (the
+/// registry's attention layouts: slots a, b and v and a page table; a slab write binds three), a
+/// dynamic uniform buffer for the parameters, workgroups of 256 x 1 x 1 invocations (zeroing and
+/// slab writes), at least one workgroup per dispatch dimension, and a buffer of 256 KiB (the
+/// parameter ring's 1,024 entries 256 bytes apart; a device whose uniform offsets align coarser
+/// gets fewer per buffer). Slot and scratch sizes are checked per cache and per call, and what
+/// attention needs more (eight storage buffers, three bind groups) per call. Devices made with
+/// WebGPU's default limits, or wgpu's downlevel ones, have all of them; WebGL2's have no storage
+/// buffers.
+pub(crate) const NEEDED_LIMITS: [NeededLimit; 12] = [
     ("max_bind_groups", |l| l.max_bind_groups.into(), 2),
+    (
+        "max_bindings_per_bind_group",
+        |l| l.max_bindings_per_bind_group.into(),
+        4,
+    ),
     (
         "max_storage_buffers_per_shader_stage",
         |l| l.max_storage_buffers_per_shader_stage.into(),
-        3,
+        4,
     ),
     (
         "max_uniform_buffers_per_shader_stage",
@@ -223,6 +230,21 @@ pub(crate) const NEEDED_LIMITS: [NeededLimit; 8] = [
         WORKGROUP_SIZE as u64,
     ),
     (
+        "max_compute_workgroup_size_y",
+        |l| l.max_compute_workgroup_size_y.into(),
+        1,
+    ),
+    (
+        "max_compute_workgroup_size_z",
+        |l| l.max_compute_workgroup_size_z.into(),
+        1,
+    ),
+    (
+        "max_compute_workgroups_per_dimension",
+        |l| l.max_compute_workgroups_per_dimension.into(),
+        1,
+    ),
+    (
         "max_buffer_size",
         |l| l.max_buffer_size,
         PARAMS_BINDING.next_multiple_of(256) * RING_ENTRIES,
@@ -232,19 +254,28 @@ pub(crate) const NEEDED_LIMITS: [NeededLimit; 8] = [
 /// One of [`NEEDED_LIMITS`]: its field of `wgpu::Limits`, how to read it, and the least needed.
 pub(crate) type NeededLimit = (&'static str, fn(&wgpu::Limits) -> u64, u64);
 
-/// Refuses limits below [`NEEDED_LIMITS`], naming the first one.
+/// Refuses limits below [`NEEDED_LIMITS`], naming the first one, and a largest buffer that holds
+/// no parameter ring entry at the device's uniform offset alignment.
 fn check_limits(limits: &wgpu::Limits) -> Result<()> {
-    match NEEDED_LIMITS
+    if let Some(&(name, got, least)) = NEEDED_LIMITS
         .iter()
         .find(|&&(_, got, least)| got(limits) < least)
     {
-        Some(&(name, got, least)) => Err(Error::DeviceLimit {
+        return Err(Error::DeviceLimit {
             limit: name.to_string(),
             needed: least,
             got: got(limits),
-        }),
-        None => Ok(()),
+        });
     }
+    let entry = PARAMS_BINDING.next_multiple_of(limits.min_uniform_buffer_offset_alignment.into());
+    if limits.max_buffer_size < entry {
+        return Err(Error::DeviceLimit {
+            limit: "max_buffer_size".into(),
+            needed: entry,
+            got: limits.max_buffer_size,
+        });
+    }
+    Ok(())
 }
 
 /// The pipelines and layouts of one device, with the queue they go with. Make one with
@@ -788,7 +819,7 @@ mod tests {
             check_limits(&wgpu::Limits::downlevel_webgl2_defaults()),
             Err(Error::DeviceLimit {
                 limit: "max_storage_buffers_per_shader_stage".into(),
-                needed: 3,
+                needed: 4,
                 got: 0,
             })
         );
@@ -797,6 +828,7 @@ mod tests {
             let low = least - 1;
             match name {
                 "max_bind_groups" => limits.max_bind_groups = low as u32,
+                "max_bindings_per_bind_group" => limits.max_bindings_per_bind_group = low as u32,
                 "max_storage_buffers_per_shader_stage" => {
                     limits.max_storage_buffers_per_shader_stage = low as u32
                 }
@@ -811,6 +843,11 @@ mod tests {
                     limits.max_compute_invocations_per_workgroup = low as u32
                 }
                 "max_compute_workgroup_size_x" => limits.max_compute_workgroup_size_x = low as u32,
+                "max_compute_workgroup_size_y" => limits.max_compute_workgroup_size_y = low as u32,
+                "max_compute_workgroup_size_z" => limits.max_compute_workgroup_size_z = low as u32,
+                "max_compute_workgroups_per_dimension" => {
+                    limits.max_compute_workgroups_per_dimension = low as u32
+                }
                 "max_buffer_size" => limits.max_buffer_size = low,
                 other => panic!("no such limit: {other}"),
             }
@@ -824,6 +861,23 @@ mod tests {
                 "{name}"
             );
         }
+        // Uniform offsets aligned coarser than 256 bytes: the parameter ring takes fewer entries
+        // per buffer, down to one, and a largest buffer smaller than one entry is refused.
+        let aligned = |align: u32| wgpu::Limits {
+            min_uniform_buffer_offset_alignment: align,
+            max_buffer_size: 256 << 10,
+            ..wgpu::Limits::default()
+        };
+        check_limits(&aligned(512)).unwrap();
+        check_limits(&aligned(256 << 10)).unwrap();
+        assert_eq!(
+            check_limits(&aligned(512 << 10)),
+            Err(Error::DeviceLimit {
+                limit: "max_buffer_size".into(),
+                needed: 512 << 10,
+                got: 256 << 10,
+            })
+        );
     }
 
     /// kvgpu's binding limit is the device's, within its largest buffer and 32-bit addressing.

@@ -101,7 +101,8 @@ pub(crate) const PARAMS_BINDING: u64 = {
     (if ab > c { ab } else { c }) as u64
 };
 
-/// Entries of one ring buffer; a full buffer is replaced, never rewritten.
+/// Entries of one ring buffer (fewer where the device's buffers cannot hold that many at its
+/// uniform offset alignment); a full buffer is replaced, never rewritten.
 pub(crate) const RING_ENTRIES: u64 = 1024;
 
 /// The parameter entry of one dispatch: the bind group of its ring buffer and the dynamic offset.
@@ -117,6 +118,8 @@ pub(crate) struct ParamRing {
     device: wgpu::Device,
     layout: wgpu::BindGroupLayout,
     stride: u64,
+    /// Entries of each buffer: [`RING_ENTRIES`], or as many as the device's largest buffer holds.
+    entries: u64,
     next: u64,
     buffer: wgpu::Buffer,
     group: wgpu::BindGroup,
@@ -127,26 +130,30 @@ impl ParamRing {
         let device = kernels.device().clone();
         let align = device.limits().min_uniform_buffer_offset_alignment as u64;
         let stride = PARAMS_BINDING.next_multiple_of(align);
+        // `Kernels::new` checked that the device's buffers hold one entry at least.
+        let entries = (device.limits().max_buffer_size / stride).clamp(1, RING_ENTRIES);
         let layout = kernels.params_layout().clone();
-        let (buffer, group) = Self::fresh(&device, &layout, stride);
+        let (buffer, group) = Self::fresh(&device, &layout, stride * entries);
         Self {
             device,
             layout,
             stride,
+            entries,
             next: 0,
             buffer,
             group,
         }
     }
 
+    /// A ring buffer of `size` bytes and its bind group.
     fn fresh(
         device: &wgpu::Device,
         layout: &wgpu::BindGroupLayout,
-        stride: u64,
+        size: u64,
     ) -> (wgpu::Buffer, wgpu::BindGroup) {
         let buffer = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kvgpu params"),
-            size: stride * RING_ENTRIES,
+            size,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
@@ -167,8 +174,9 @@ impl ParamRing {
 
     /// Moves on to a fresh buffer when this one has fewer than `n` entries left.
     fn reserve(&mut self, n: u64) {
-        if self.next + n > RING_ENTRIES {
-            (self.buffer, self.group) = Self::fresh(&self.device, &self.layout, self.stride);
+        if self.next + n > self.entries {
+            let size = self.stride * self.entries;
+            (self.buffer, self.group) = Self::fresh(&self.device, &self.layout, size);
             self.next = 0;
         }
     }
@@ -193,7 +201,7 @@ impl ParamRing {
     ) -> Vec<ParamSlot> {
         let stride = self.stride as usize;
         let mut slots = Vec::with_capacity(values.len());
-        for run in values.chunks(RING_ENTRIES as usize) {
+        for run in values.chunks(self.entries as usize) {
             self.reserve(run.len() as u64);
             let mut bytes = vec![0u8; (run.len() - 1) * stride + size_of::<T>()];
             for (i, v) in run.iter().enumerate() {
