@@ -98,8 +98,9 @@ impl SlotBuffer {
     }
 }
 
-/// Bind groups of GPU sources are cached by (source, bound range, layer, slot): at most this many,
-/// keeping at most `SOURCE_PIN_BYTES` of source buffers alive that the app may have dropped.
+/// Bind groups of GPU sources are cached by (source, bound range, layer, slot), and copy sources
+/// once found to be of this device: at most this many of each, keeping at most `SOURCE_PIN_BYTES`
+/// of source buffers alive in all (half each) that the app may have dropped.
 const SOURCE_GROUPS: usize = 256;
 const SOURCE_PIN_BYTES: u64 = 32 << 20;
 
@@ -339,8 +340,8 @@ impl KvCache {
             slots,
             kernels,
             ring,
-            source_groups: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES),
-            copy_sources: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES),
+            source_groups: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES / 2),
+            copy_sources: GroupCache::new(SOURCE_GROUPS, SOURCE_PIN_BYTES / 2),
             probe,
             scratch: Vec::new(),
             uploads,
