@@ -537,6 +537,25 @@ pub async fn quantized_attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
     over_4096_rows(g, &DType::QUANTIZED).await;
 }
 
+/// Soft-caps of 1,000 and 10,000 (scores far below the cap: tanh's argument between 1e-4 and
+/// 0.1), every kernel, f32 and f16: `tanh_safe` computed (1 - t) / (1 + t) there, whose
+/// cancellation cost the score about cap x 1.5e-8 (a scaled error of 1.4e-5 at 1,000 and 2e-4
+/// at 10,000). It takes an odd polynomial below 0.125 now.
+pub async fn large_soft_caps_keep_their_precision(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for (i, cap) in [1.0e3, 1.0e4].into_iter().enumerate() {
+            #[rustfmt::skip]
+            let case = Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 64, n_q: 1, window: None, soft_cap: Some(cap) };
+            for types in storage_pairs(&DType::ALL, i) {
+                let worst = check_gqa(g, &mut att, case, types, 80).await;
+                note!("{kernel:?} soft-cap {cap} {types:?}: worst scaled error {worst:e}");
+            }
+        }
+    }
+}
+
 /// fp8 keys whose heads do not start on a word (d_k not a multiple of 4) take the tiled kernel's
 /// element-by-element loads, four loop iterations per row per step more than whole words: with
 /// heads of 9,990 over 512 rows, a tile planned as if every load were whole ran past the 65,535
