@@ -10,8 +10,8 @@ use half::{bf16, f16};
 /// Element type of the stored cache. 16-bit types are packed two to a `u32` word.
 ///
 /// # Quantized storage
-/// Three storage types hold fewer bytes than f16 (see [`DType::Q8_0`], [`DType::Q4_0`],
-/// [`DType::F8E4M3`]). Apps still hand in and read back f32, f16 or bf16; the cache quantizes on every
+/// Four storage types hold fewer bytes than f16 (see [`DType::Q8_0`], [`DType::Q4_0`],
+/// [`DType::F8E4M3`], [`DType::F8E5M2`]). Apps still hand in and read back f32, f16 or bf16; the cache quantizes on every
 /// append path and attention and readback dequantize. A row of a block type is laid out as
 /// `[values][scales]`: first every element's value (q8_0: one signed byte each, element `i` at byte
 /// `i`; q4_0: one 4-bit value each, element `i` in bits `4 * (i % 8)` of word `i / 8`, stored as
@@ -138,7 +138,8 @@ impl DType {
         }
     }
 
-    /// Parses `f32`, `f16`, `bf16`, `q8_0`, `q4_0` or `fp8` (also `f8e4m3`, `fp8_e4m3`).
+    /// Parses `f32`, `f16`, `bf16`, `q8_0`, `q4_0`, `fp8` (also `f8e4m3`, `fp8_e4m3`, `e4m3`) or
+    /// `fp8_e5m2` (also `f8e5m2`, `e5m2`), in any case.
     pub fn parse(s: &str) -> Option<DType> {
         match s.to_ascii_lowercase().as_str() {
             "f32" => Some(DType::F32),

@@ -310,15 +310,17 @@ pub enum Error {
 
     /// The device could not allocate the buffers of `what` (`bytes` in all): its memory is taken.
     /// Nothing was changed; a smaller request, or one made after dropping caches, may succeed. Host
-    /// rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes) are checked
-    /// first: kvgpu makes and drops buffers of the kind and size wgpu stages them in. Where wgpu
-    /// itself cannot stage a smaller host write (`Queue::write_buffer`), wgpu 30 also loses the
-    /// device. The buffers kvgpu uploads host data through (a step's rows, a scattered append's
-    /// row map, page-table entries, a batch's query table) are made under the same check.
+    /// rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes, a streamed
+    /// import's piece) are checked first: kvgpu makes and drops buffers of the kind and size wgpu
+    /// stages them in. Where wgpu itself cannot stage a smaller host write (`Queue::write_buffer`),
+    /// wgpu 30 also loses the device. The buffers kvgpu uploads host data through (a step's rows,
+    /// a scattered append's row map, page-table entries, a batch's query table), a pool's page
+    /// table (made or grown) and its copy-on-write staging are made under the same check.
     /// Cache creation, staging, uploads and attention's scratch are checked natively only (on
     /// OpenGL, whose wgpu backend reports no failed allocation, the checks cannot fail): in the
     /// browser WebGPU answers such a check only later, so the failure is left to WebGPU's own
-    /// report, the device's uncaptured error (readbacks, which wait anyway, are checked there too).
+    /// report, the device's uncaptured error. (A readback whose staging buffer cannot be made is
+    /// refused with [`Error::Readback`] or [`Error::Device`], also in the browser.)
     #[error("the device could not allocate {bytes} bytes for {what}: {reason}")]
     OutOfMemory {
         what: String,

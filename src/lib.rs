@@ -43,7 +43,8 @@
 //!   [`Error::OutOfMemory`]); from GPU buffers ([`GpuSlab`], any element type and strides) they
 //!   are copied or converted by the slab-write kernel inside the caller's encoder.
 //!   [`KvCache::append_layers`] takes one slab list per layer (a whole decode step) and uploads all of
-//!   it at once, copied into place, instead of one write per slot; it checks every layer first.
+//!   it at once (steps up to 4 MiB; larger ones are written slot by slot), copied into place, instead
+//!   of one write per slot; it checks every layer first.
 //! - `advance(n)` commits `n` rows once every layer with slots holds exactly `n` pending rows.
 //! - Views, reads and attention of layer `l` see rows `[0, len + pending[l])`.
 //! - Attention ([`Attention`]) reads its queries and writes its output through f32 views of the app's

@@ -15,7 +15,8 @@
 //! (head dimensions that are not whole 16-byte vectors).
 //!
 //! Work is proportional to the visible rows (or the window), never to the capacity. Pipelines are
-//! compiled once per [`Attention`] (make one per device and keep it); bind groups are cached by the buffers they bind; per-call parameters go
+//! compiled once per kernel registry ([`crate::Kernels`], shared by the caches and `Attention`s made
+//! with it); bind groups are cached by the buffers they bind; per-call parameters go
 //! through a uniform ring, so many attention calls can share one encoder.
 //!
 //! ```
@@ -161,8 +162,9 @@ type IoKey = (
 /// Output binding of the reduce pass, with its bound (offset, size).
 type OutKey = (wgpu::Buffer, (u64, u64));
 
-/// Cached bind groups of queries and outputs: at most this many, keeping at most `PIN_BYTES` of the
-/// app's buffers alive (the slots' bind groups belong to their cache, so a dropped cache is released).
+/// Cached bind groups of queries and of outputs: at most this many of each, each keeping at most
+/// `PIN_BYTES` of the app's buffers alive (the slots' bind groups belong to their cache, so a
+/// dropped cache is released).
 const GROUPS: usize = 256;
 const PIN_BYTES: u64 = 32 << 20;
 

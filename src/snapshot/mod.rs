@@ -42,7 +42,7 @@ const PREFIX: usize = 16;
 /// | 4 | CRC-32 of every byte before it (the whole snapshot) |
 ///
 /// The header: the cache's storage type (`u32`: 0 f32, 1 f16, 2 bf16, 3 q8_0,
-/// 4 q4_0, 5 fp8 e4m3), `max_seq_len` of the source (`u64`; a pool's longest sequence), `len` (`u64`,
+/// 4 q4_0, 5 fp8 e4m3, 6 fp8 e5m2), `max_seq_len` of the source (`u64`; a pool's longest sequence), `len` (`u64`,
 /// committed rows), page size (`u64`, 0 for a single-sequence cache), the number of layers (`u32`),
 /// then per layer its number of slots (`u32`) and per slot its name (`u32` byte length, UTF-8),
 /// trailing shape (`u32` rank, `u64` each dimension), storage type (`u32` code) and scale (the `f32`
