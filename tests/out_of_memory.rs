@@ -61,6 +61,24 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Counts the losses of the devices it watches.
+#[derive(Default)]
+struct Losses(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Losses {
+    fn watch(&self, device: &wgpu::Device) {
+        let count = self.0.clone();
+        device.set_device_lost_callback(move |_, _| {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
+    }
+
+    fn assert_none(&self) {
+        let lost = self.0.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(lost, 0, "a device was lost");
+    }
+}
+
 /// Whether the suite's adapter allocates buffers from this process's memory and reports a failure
 /// (lavapipe); says why not where it does not.
 fn reports_host_memory(g: &Gpu) -> bool {
@@ -162,14 +180,11 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
     // wgpu 30 loses a device that cannot stage a host write (`Queue::write_buffer`); imports of
     // more than 4 MiB check first that the device can stage them, so nothing is lost. They run on
     // devices of their own, of the same adapter, whose loss is counted.
-    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let lost = Losses::default();
     let device = || {
         let (device, queue) =
             pollster::block_on(g.adapter.request_device(&Default::default())).unwrap();
-        let count = lost.clone();
-        device.set_device_lost_callback(move |_, _| {
-            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        });
+        lost.watch(&device);
         (device, queue)
     };
     let (d1, q1) = device();
@@ -231,11 +246,7 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
         pollster::block_on(written_pool.read_f32_async(seq, 0, 0)).unwrap(),
         d
     );
-    assert_eq!(
-        lost.load(std::sync::atomic::Ordering::SeqCst),
-        0,
-        "a device was lost"
-    );
+    lost.assert_none();
 }
 
 /// K and V host slabs of `shape`, from the first rows of `k` and `v` (8 heads of 128).
@@ -258,11 +269,8 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     let (k, v) = (values(6, rows * 8 * 128), values(7, rows * 8 * 128));
     let (whole, quarter) = ([rows, 8, 128], [rows / 4, 8, 128]);
     let slabs = |shape| kv(&k, &v, shape);
-    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = lost.clone();
-    g.device.set_device_lost_callback(move |_, _| {
-        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    });
+    let lost = Losses::default();
+    lost.watch(&g.device);
     let mut c = cache(spec.clone());
     let mut layers = cache(spec.clone());
     let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
@@ -322,11 +330,7 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     let read = |p: &PagedCache, s, slot| pollster::block_on(p.read_f32_async(s, 0, slot)).unwrap();
     assert_eq!(read(&pool, seq, 1), v);
     assert_eq!(read(&scattered, other, 0), k[..rows / 4 * 1024]);
-    assert_eq!(
-        lost.load(std::sync::atomic::Ordering::SeqCst),
-        0,
-        "the device was lost"
-    );
+    lost.assert_none();
 }
 
 #[test]
@@ -440,11 +444,8 @@ fn uploads_whose_ring_buffer_the_device_cannot_make_are_refused_and_change_nothi
         strides: None,
     };
     let host = [HostSlab::f32(&d, &shape), HostSlab::f32(&d, &shape)];
-    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = lost.clone();
-    g.device.set_device_lost_callback(move |_, _| {
-        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    });
+    let lost = Losses::default();
+    lost.watch(&g.device);
     let ring = |e: Error, what: &str| {
         assert!(
             matches!(&e, Error::OutOfMemory { what: w, .. } if w == what),
@@ -482,11 +483,7 @@ fn uploads_whose_ring_buffer_the_device_cannot_make_are_refused_and_change_nothi
     let read = |slot| pollster::block_on(pool.read_f32_async(seq, 0, slot)).unwrap();
     assert_eq!(read(0), d);
     assert_eq!(read(1), d);
-    assert_eq!(
-        lost.load(std::sync::atomic::Ordering::SeqCst),
-        0,
-        "the device was lost"
-    );
+    lost.assert_none();
 }
 
 #[test]
@@ -590,11 +587,8 @@ fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
     let rows_at = (header.total_bytes() - header.rows_bytes() - 4) as usize;
     let mut to = cache(spec.clone());
     let mut pool = PagedCache::new(&g.device, &g.queue, spec, 64, n / 64).unwrap();
-    let lost = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let count = lost.clone();
-    g.device.set_device_lost_callback(move |_, _| {
-        count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    });
+    let lost = Losses::default();
+    lost.watch(&g.device);
     // The headers make each import's 8 MiB of staging buffers, before the cap.
     let mut import = to.import_stream().unwrap();
     import.push(&bytes[..rows_at]).unwrap();
@@ -633,11 +627,7 @@ fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
         pollster::block_on(pool.read_f32_async(seq, 0, 0)).unwrap(),
         d
     );
-    assert_eq!(
-        lost.load(std::sync::atomic::Ordering::SeqCst),
-        0,
-        "the device was lost"
-    );
+    lost.assert_none();
 }
 
 #[test]
