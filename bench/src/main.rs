@@ -1,5 +1,6 @@
 //! kvgpu benchmarks: every figure is a ratio to a reference measured in the same run on the same
-//! adapter. `--quick` takes about a minute on a software adapter; the default is the full run.
+//! adapter. `--quick` takes about a minute and a half on a software adapter (longer the first time,
+//! while the driver compiles its shaders); the default is the full run.
 //!
 //! Writes `bench-results.json` and `bench-plot.svg` (override with `--json PATH` / `--plot PATH`).
 //! `--plot-from JSON` redraws the plot from a recorded run without measuring (or opening an adapter).
