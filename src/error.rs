@@ -315,7 +315,9 @@ pub enum Error {
     /// stages them in. Where wgpu itself cannot stage a smaller host write (`Queue::write_buffer`),
     /// wgpu 30 also loses the device. The buffers kvgpu uploads host data through (a step's rows,
     /// a scattered append's row map, page-table entries, a batch's query table), a pool's page
-    /// table (made or grown) and its copy-on-write staging are made under the same check.
+    /// table (made or grown), its copy-on-write staging and the ring of uniform buffers that
+    /// dispatches take their parameters from (`what`: "the parameter ring"; a reset, a scrub, a
+    /// converting GPU append or an attention call) are made under the same check.
     /// Cache creation, staging, uploads and attention's scratch are checked natively only (on
     /// OpenGL, whose wgpu backend reports no failed allocation, the checks cannot fail): in the
     /// browser WebGPU answers such a check only later, so the failure is left to WebGPU's own

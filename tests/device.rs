@@ -53,7 +53,7 @@ fn caches_of_two_instances_and_caches_sharing_pipelines() {
         c.append(0, &[HostSlab::f32(&x, &[2, 4]), HostSlab::f32(&y, &[2, 2])])
             .unwrap();
         c.advance(2).unwrap();
-        c.reset();
+        c.reset().unwrap();
         c.append(
             0,
             &[
@@ -94,7 +94,7 @@ fn caches_made_on_many_threads_at_once_are_never_refused_their_own_queue() {
                             &[HostSlab::f32(&x, &[1, 1, 4]), HostSlab::f32(&x, &[1, 1, 4])],
                         )
                         .unwrap();
-                        c.reset();
+                        c.reset().unwrap();
                     }
                 })
             })

@@ -831,7 +831,7 @@ fn host_appends_and_ledger_operations_refuse_hostile_values() {
             |c| c.advance(1),
         );
         s.on_cache(&mut c, &w("reset"), Expect::Ok, |c| {
-            c.reset();
+            c.reset().unwrap();
             Ok(c.is_empty() && c.remaining() == CAPACITY && !c.is_full())
         });
         if snapshot(&c).iter().flatten().flatten().any(|&w| w != 0) {
@@ -1830,7 +1830,7 @@ fn cache_with_the_queue_of_another_device() {
         .is_ok()
     {
         assert_eq!(c.read_f32(0, 0).unwrap(), x);
-        c.reset();
+        c.reset().unwrap();
     }
 }
 
@@ -2331,7 +2331,7 @@ fn a_slot_buffer_destroyed_through_a_view() {
     // is not refused.
     c.truncate_and_scrub(2).unwrap();
     assert_eq!((c.visible(0).unwrap(), c.visible(1).unwrap()), (2, 2));
-    c.reset();
+    c.reset().unwrap();
     assert_eq!(c.len(), 0);
     assert!(c.read_f32(1, 0).unwrap().is_empty());
     let mut full = cache(spec);
@@ -2585,7 +2585,7 @@ fn devices_below_each_needed_limit_are_refused_by_name() {
     }
     let mut encoder = coarse.device.create_command_encoder(&Default::default());
     for _ in 0..600 {
-        c.record_reset(&mut encoder);
+        c.record_reset(&mut encoder).unwrap();
     }
     coarse.queue.submit([encoder.finish()]);
     c.append(0, &[HostSlab::f32(&x, &[1, 1, 4]); 2]).unwrap();
@@ -2615,7 +2615,7 @@ fn zeroing_stays_within_the_devices_workgroups() {
         .unwrap();
     c.advance(rows).unwrap();
     let scope = few.device.push_error_scope(wgpu::ErrorFilter::Validation);
-    c.reset();
+    c.reset().unwrap();
     assert!(pollster::block_on(scope.pop()).is_none());
     let words = pollster::block_on(shared::read_f32(&few, c.view(0, 1).unwrap().buffer));
     assert!(words.iter().all(|&w| w == 0.0), "a word was not zeroed");

@@ -39,7 +39,7 @@ fn slot_of_exactly_the_limit_works() {
     assert_eq!(&words[..1024], bytemuck::cast_slice::<f32, u32>(&first));
     assert_eq!(words[1024], 0.5f32.to_bits());
 
-    c.reset();
+    c.reset().unwrap();
     let words = c.read_full_words(0, 0).unwrap();
     assert!(
         words.iter().all(|&w| w == 0),

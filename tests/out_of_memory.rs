@@ -1,7 +1,8 @@
 //! A cache the device cannot hold is refused with `Error::OutOfMemory`, before anything uses its
 //! buffers, and the device, its kernel registry and the caches made after it work as before; so are
-//! readbacks, imports (whole or streamed), host appends, uploads, page tables, copy-on-write staging
-//! and attention calls whose buffers it cannot allocate. A batch naming more queries than the call
+//! readbacks, imports (whole or streamed), host appends, uploads, page tables, copy-on-write staging,
+//! parameter buffers (resets, scrubs, converting GPU appends, attention) and attention calls whose
+//! buffers it cannot allocate. A batch naming more queries than the call
 //! has is refused before its query table is built.
 //!
 //! A software adapter backs buffers with this process's memory, so the test caps the process's
@@ -147,7 +148,7 @@ fn caches_larger_than_the_device_memory_are_refused_and_change_nothing() {
         .unwrap();
     }
     c.advance(1).unwrap();
-    c.reset();
+    c.reset().unwrap();
     c.append(0, &[HostSlab::f32(&d, &[1, 8, 128]); 2]).unwrap();
     assert_eq!(c.read_f32(0, 1).unwrap(), d);
 }
@@ -670,4 +671,101 @@ fn a_batch_naming_more_queries_than_given_is_refused_before_its_query_table_is_b
         "{e}"
     );
     assert_eq!(pollster::block_on(read_f32(g, &out)), [-1.0; 4]);
+}
+
+#[test]
+fn dispatches_whose_parameter_buffer_the_device_cannot_make_are_refused_and_change_nothing() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // A cache and an attention stage their dispatches' parameters in a ring of uniform buffers
+    // (about 176-256 KiB each), the first made at the first call that dispatches, the next when
+    // one is used up: on a device without room for one, the call is refused before it writes or
+    // records anything.
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 8, 8)], DType::F16, 16).unwrap();
+    let mut c = cache(spec);
+    let d = values(15, 3 * 2 * 8);
+    let shape = [3, 2, 8];
+    c.append(0, &[HostSlab::f32(&d, &shape); 2]).unwrap();
+    c.advance(3).unwrap();
+    let as_f16 =
+        |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect() };
+    // An f32 source into f16 slots takes the converting kernel, which has parameters.
+    let src = pollster::block_on(f32_buffer(&g.device, &d));
+    let gpu_slab = GpuSlab {
+        buffer: &src,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: None,
+    };
+    let q = pollster::block_on(f32_buffer(&g.device, &values(16, 4 * 8)));
+    let out = |fill: f32| pollster::block_on(f32_buffer(&g.device, &[fill; 4 * 8]));
+    let (want, got) = (out(0.0), out(-1.0));
+    let call = |att: &mut Attention, c: &KvCache, to: &wgpu::Buffer| {
+        att.gqa(
+            c,
+            0,
+            Queries::new(&q, 1, 4, 8),
+            to,
+            &AttentionOptions::default(),
+        )
+    };
+    // This attention makes its scratch and its first parameter buffer with room.
+    let mut att = Attention::with_kernels(c.kernels().clone());
+    call(&mut att, &c, &got).unwrap();
+    let lost = Losses::default();
+    lost.watch(&g.device);
+    let ring = |e: Error| {
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "the parameter ring"),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+    };
+    let attention_calls = {
+        let _cap = Cap::room(16 << 20);
+        let filler = fill_device(g, 64 << 10);
+        ring(c.reset().unwrap_err());
+        ring(c.truncate_and_scrub(1).unwrap_err());
+        ring(c.append_gpu(0, &[gpu_slab; 2]).unwrap_err());
+        // The attention's buffer has entries left for its first calls; the call that needs the
+        // next buffer is refused.
+        let mut calls = 0;
+        let refused = loop {
+            calls += 1;
+            match call(&mut att, &c, &got) {
+                Ok(()) => assert!(calls <= 1024, "no new parameter buffer after {calls} calls"),
+                Err(e) => break e,
+            }
+        };
+        ring(refused);
+        drop(filler);
+        calls
+    };
+    eprintln!("the attention's call {attention_calls} needed a new parameter buffer");
+    assert!(attention_calls > 1, "its first buffer had entries left");
+    assert_eq!(c.len(), 3, "a refused reset or scrub changed the length");
+    assert_eq!(c.visible(0).unwrap(), 3, "a refused append landed");
+    assert_eq!(
+        c.read_f32(0, 0).unwrap(),
+        as_f16(&d),
+        "a refused call wrote"
+    );
+    // With room, the same calls land: the attention computes what a fresh one does.
+    call(&mut att, &c, &got).unwrap();
+    call(&mut Attention::with_kernels(c.kernels().clone()), &c, &want).unwrap();
+    assert_eq!(
+        pollster::block_on(read_f32(g, &got)),
+        pollster::block_on(read_f32(g, &want))
+    );
+    c.append_gpu(0, &[gpu_slab; 2]).unwrap();
+    c.advance(3).unwrap();
+    assert_eq!(c.read_f32(0, 1).unwrap()[3 * 16..], as_f16(&d)[..]);
+    c.truncate_and_scrub(3).unwrap();
+    c.reset().unwrap();
+    assert_eq!(c.len(), 0);
+    lost.assert_none();
 }

@@ -482,7 +482,12 @@ pub fn run(
     }
 
     // (5) zeroing reset of the whole cache against clear_buffer of the same buffers.
-    let mut reset = || timer.gpu(|enc| cache.record_reset(enc));
+    let mut reset = || {
+        let mut res = Ok(());
+        let t = timer.gpu(|enc| res = cache.record_reset(enc))?;
+        res?;
+        Ok(t)
+    };
     let mut clear = || {
         timer.gpu(|enc| {
             for (b, _) in &bufs {

@@ -407,6 +407,9 @@ impl Attention {
             3,
         );
         let all: Vec<_> = runs.iter().map(|r| r.2).collect();
+        if self.ring.reserve(all.len() as u64).is_err() {
+            return;
+        }
         let params = self.ring.push_all(&self.queue, &all);
         let mut encoder = self.encoder();
         {

@@ -149,6 +149,8 @@ impl Attention {
                     }
                 })?,
             };
+        let pairs: Vec<_> = dispatch.pairs().collect();
+        self.ring.reserve(pairs.len() as u64)?;
         // Copied inside the encoder, so calls recorded one after another each read their own.
         let table = if table_bytes > 0 {
             let words = bytemuck::cast_slice(&table_words);
@@ -159,7 +161,6 @@ impl Attention {
         } else {
             None
         };
-        let pairs: Vec<_> = dispatch.pairs().collect();
         let params = self.ring.push_all(&self.queue, &pairs);
         if let Some(table) = table {
             encoder.copy_buffer_to_buffer(

@@ -89,6 +89,10 @@ impl KvCache {
             .zip(&jobs)
             .map(|((slot, ..), job)| self.prepare_source(layer, *slot, &slabs[*slot], job, None))
             .collect::<Result<Vec<_>>>()?;
+        let kernels = jobs
+            .iter()
+            .filter(|j| matches!(j, SourceJob::Kernel { .. }));
+        self.ring.reserve(kernels.count() as u64)?;
         Ok(parts
             .into_iter()
             .zip(jobs)

@@ -635,7 +635,7 @@ impl KvCache {
                     })
             })
             .collect();
-        self.record_zeros(encoder, &ranges);
+        self.record_zeros(encoder, &ranges)?;
         self.ledger.truncate(new_len).map(drop)
     }
 
@@ -650,8 +650,9 @@ impl KvCache {
     /// Records the zeroing of the whole cache (one zeroing-kernel dispatch per slot buffer, all in one
     /// compute pass) and sets the length to 0. A slot buffer the app destroyed through a view is
     /// skipped: nothing is left to zero there, and every later call that uses it is refused
-    /// ([`Error::UnusableSlot`]).
-    pub fn record_reset(&mut self, encoder: &mut wgpu::CommandEncoder) {
+    /// ([`Error::UnusableSlot`]). Refused with [`Error::OutOfMemory`], recording nothing and keeping
+    /// the length, where the device cannot make the buffer the dispatches' parameters go to.
+    pub fn record_reset(&mut self, encoder: &mut wgpu::CommandEncoder) -> Result<()> {
         let ranges: Vec<ZeroRange> = (0..self.slots.len())
             .flat_map(|layer| (0..self.slots[layer].len()).map(move |slot| (layer, slot)))
             .filter(|&(layer, slot)| self.slots[layer][slot].unusable().is_none())
@@ -663,15 +664,17 @@ impl KvCache {
                 int64: self.slots[layer][slot].zero_int64,
             })
             .collect();
-        self.record_zeros(encoder, &ranges);
+        self.record_zeros(encoder, &ranges)?;
         self.ledger.reset();
+        Ok(())
     }
 
     /// [`KvCache::record_reset`] in its own submission.
-    pub fn reset(&mut self) {
+    pub fn reset(&mut self) -> Result<()> {
         let mut encoder = self.encoder("kvgpu reset");
-        self.record_reset(&mut encoder);
+        self.record_reset(&mut encoder)?;
         self.queue.submit([encoder.finish()]);
+        Ok(())
     }
 
     /// Sets the length to 0 and keeps the bytes: the next appends overwrite them.
@@ -680,13 +683,19 @@ impl KvCache {
     }
 
     /// Records one zeroing dispatch per non-empty range, in one compute pass, with their parameters
-    /// staged in one write.
-    fn record_zeros(&mut self, encoder: &mut wgpu::CommandEncoder, ranges: &[ZeroRange]) {
+    /// staged in one write; records nothing where the device cannot make their parameters' buffer
+    /// ([`Error::OutOfMemory`]).
+    fn record_zeros(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        ranges: &[ZeroRange],
+    ) -> Result<()> {
         let dispatches = zero::zero_dispatches(ranges, self.zero_workgroups);
         if dispatches.is_empty() {
-            return;
+            return Ok(());
         }
         let params: Vec<_> = dispatches.iter().map(|d| d.2).collect();
+        self.ring.reserve(params.len() as u64)?;
         let slots = self.ring.push_all(&self.queue, &params);
         let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: Some("kvgpu zero"),
@@ -698,6 +707,7 @@ impl KvCache {
             pass.set_bind_group(1, &params.group, &[params.offset]);
             pass.dispatch_workgroups(*groups, 1, 1);
         }
+        Ok(())
     }
 
     fn encoder(&self, label: &str) -> wgpu::CommandEncoder {

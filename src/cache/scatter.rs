@@ -57,6 +57,7 @@ impl KvCache {
                 }
             }
         }
+        self.ring.reserve(jobs.len() as u64)?;
         // Every source is checked (bound with the map's place) before the map is written.
         let map_bytes: &[u8] = bytemuck::cast_slice(map);
         let upload = self
@@ -96,6 +97,7 @@ impl KvCache {
         slabs: &[HostSlab<'_>],
         map: &[u32],
     ) -> Result<bool> {
+        self.ring.reserve(slabs.len() as u64)?;
         // The map, then each slot's rows as stored, every part on a 16-byte boundary.
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
@@ -112,7 +114,7 @@ impl KvCache {
             self.upload_bytes = bytes;
             return Ok(false);
         }
-        // Binding and recording below cannot fail once the upload is made.
+        // Binding and recording below cannot fail once the parameters and the upload are made.
         let upload = self.uploads.push(&self.queue, UPLOAD, &bytes);
         self.upload_bytes = bytes;
         let upload = upload?;

@@ -112,7 +112,21 @@ pub(crate) struct ParamSlot {
     pub offset: u32,
 }
 
+/// What [`crate::Error::OutOfMemory`] names when a ring buffer cannot be made.
+pub(crate) const RING: &str = "the parameter ring";
+
+/// One ring buffer and its bind group.
+#[derive(Debug)]
+struct RingBuffer {
+    buffer: wgpu::Buffer,
+    group: wgpu::BindGroup,
+}
+
 /// Uniform parameters of recorded dispatches (see the module docs).
+///
+/// Buffers are made by [`ParamRing::reserve`], under the out-of-memory check, in a call's checks
+/// before it records anything; the pushes that follow take the entries reserved, in order, and make
+/// no buffer. (A push with no entry reserved makes its buffer unchecked; every caller reserves.)
 #[derive(Debug)]
 pub(crate) struct ParamRing {
     device: wgpu::Device,
@@ -120,80 +134,102 @@ pub(crate) struct ParamRing {
     stride: u64,
     /// Entries of each buffer: [`RING_ENTRIES`], or as many as the device's largest buffer holds.
     entries: u64,
+    /// The buffer being filled first, then the ones reserved after it; none before the first call.
+    buffers: std::collections::VecDeque<RingBuffer>,
+    /// The next free entry of the first buffer.
     next: u64,
-    buffer: wgpu::Buffer,
-    group: wgpu::BindGroup,
 }
 
 impl ParamRing {
+    /// A ring with no buffer yet: the first call's reservation makes one.
     pub(crate) fn new(kernels: &Kernels) -> Self {
         let device = kernels.device().clone();
         let align = device.limits().min_uniform_buffer_offset_alignment as u64;
         let stride = PARAMS_BINDING.next_multiple_of(align);
         // `Kernels::new` checked that the device's buffers hold one entry at least.
         let entries = (device.limits().max_buffer_size / stride).clamp(1, RING_ENTRIES);
-        let layout = kernels.params_layout().clone();
-        let (buffer, group) = Self::fresh(&device, &layout, stride * entries);
         Self {
             device,
-            layout,
+            layout: kernels.params_layout().clone(),
             stride,
             entries,
+            buffers: std::collections::VecDeque::new(),
             next: 0,
-            buffer,
-            group,
         }
     }
 
-    /// A ring buffer of `size` bytes and its bind group.
-    fn fresh(
-        device: &wgpu::Device,
-        layout: &wgpu::BindGroupLayout,
-        size: u64,
-    ) -> (wgpu::Buffer, wgpu::BindGroup) {
-        let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+    /// Entries the buffers made so far still have.
+    fn free(&self) -> u64 {
+        (self.buffers.len() as u64 * self.entries).saturating_sub(self.next)
+    }
+
+    /// Makes buffers until the next `n` pushes need none. A buffer the device cannot make is
+    /// refused with [`crate::Error::OutOfMemory`] naming [`RING`]; the entries already there stay.
+    pub(crate) fn reserve(&mut self, n: u64) -> crate::Result<()> {
+        while self.free() < n {
+            let size = self.stride * self.entries;
+            let buffer = crate::kernels::allocated(&self.device, RING, size, || self.buffer(size))?;
+            let group = self.group(&buffer);
+            self.buffers.push_back(RingBuffer { buffer, group });
+        }
+        Ok(())
+    }
+
+    /// A ring buffer of `size` bytes.
+    fn buffer(&self, size: u64) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("kvgpu params"),
             size,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
-        });
-        let group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+        })
+    }
+
+    /// The bind group of a ring buffer.
+    fn group(&self, buffer: &wgpu::Buffer) -> wgpu::BindGroup {
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("kvgpu params"),
-            layout,
+            layout: &self.layout,
             entries: &[wgpu::BindGroupEntry {
                 binding: 0,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: &buffer,
+                    buffer,
                     offset: 0,
                     size: wgpu::BufferSize::new(PARAMS_BINDING),
                 }),
             }],
-        });
-        (buffer, group)
+        })
     }
 
-    /// Moves on to a fresh buffer when this one has fewer than `n` entries left.
-    fn reserve(&mut self, n: u64) {
-        if self.next + n > self.entries {
-            let size = self.stride * self.entries;
-            (self.buffer, self.group) = Self::fresh(&self.device, &self.layout, size);
+    /// Moves a used up buffer out (commands recorded with it keep it alive), so the first buffer
+    /// has an entry left; returns how many.
+    fn ready(&mut self) -> u64 {
+        if self.next == self.entries {
+            self.buffers.pop_front();
             self.next = 0;
         }
+        if self.buffers.is_empty() {
+            let buffer = self.buffer(self.stride * self.entries);
+            let group = self.group(&buffer);
+            self.buffers.push_back(RingBuffer { buffer, group });
+        }
+        self.entries - self.next
     }
 
     /// Stages `value` in a fresh entry.
     pub(crate) fn push<T: bytemuck::Pod>(&mut self, queue: &wgpu::Queue, value: &T) -> ParamSlot {
-        self.reserve(1);
-        let offset = self.next * self.stride;
-        queue.write_buffer(&self.buffer, offset, bytemuck::bytes_of(value));
-        self.next += 1;
-        ParamSlot {
-            group: self.group.clone(),
+        self.ready();
+        let (offset, ring) = (self.next * self.stride, &self.buffers[0]);
+        queue.write_buffer(&ring.buffer, offset, bytemuck::bytes_of(value));
+        let slot = ParamSlot {
+            group: ring.group.clone(),
             offset: offset as u32,
-        }
+        };
+        self.next += 1;
+        slot
     }
 
-    /// Stages `values` in fresh entries, with one write per ring buffer they fill.
+    /// Stages `values` in fresh entries, with one write per ring buffer they reach.
     pub(crate) fn push_all<T: bytemuck::Pod>(
         &mut self,
         queue: &wgpu::Queue,
@@ -201,19 +237,23 @@ impl ParamRing {
     ) -> Vec<ParamSlot> {
         let stride = self.stride as usize;
         let mut slots = Vec::with_capacity(values.len());
-        for run in values.chunks(self.entries as usize) {
-            self.reserve(run.len() as u64);
+        let mut rest = values;
+        while !rest.is_empty() {
+            let left = self.ready();
+            let (first, ring) = (self.next, &self.buffers[0]);
+            let (run, tail) = rest.split_at(rest.len().min(left as usize));
             let mut bytes = vec![0u8; (run.len() - 1) * stride + size_of::<T>()];
             for (i, v) in run.iter().enumerate() {
                 bytes[i * stride..i * stride + size_of::<T>()]
                     .copy_from_slice(bytemuck::bytes_of(v));
                 slots.push(ParamSlot {
-                    group: self.group.clone(),
-                    offset: ((self.next + i as u64) * self.stride) as u32,
+                    group: ring.group.clone(),
+                    offset: ((first + i as u64) * stride as u64) as u32,
                 });
             }
-            queue.write_buffer(&self.buffer, self.next * self.stride, &bytes);
-            self.next += run.len() as u64;
+            queue.write_buffer(&ring.buffer, first * stride as u64, &bytes);
+            self.next = first + run.len() as u64;
+            rest = tail;
         }
         slots
     }

@@ -800,7 +800,7 @@ pub async fn attention_sees_the_rows_left_by_truncate_and_reset(g: &Gpu) {
         )
         .await;
         c.advance(n_q).unwrap();
-        c.reset();
+        c.reset().unwrap();
         append_random(&mut c, 0, n_q, 3);
         check_gqa_3x4(
             g,

@@ -201,7 +201,7 @@ pub async fn random_operations_match_the_model(g: &Gpu, dtype: DType, ops: &[Op]
                 }
             }
             Op::Reset => {
-                c.reset();
+                c.reset().unwrap();
                 m.words.zero_all();
                 m.len = 0;
                 m.pending = vec![0; 3];
