@@ -432,6 +432,70 @@ impl PageLedger {
         s.pending[plan.layer] += plan.n_new;
     }
 
+    /// Plans appends of `n` rows to each `(seq, n)` of `batch` in `layer` (a sequence may come more
+    /// than once), each as if the ones before it were committed, of slabs whose trailing dimensions
+    /// are `trailing(s)`; changes nothing. The plans are made and committed here one after another,
+    /// then undone in reverse order ([`PageLedger::revert_append`]): no copy of the ledger, whose
+    /// published prefixes and other sequences a serving pool's batch does not touch.
+    pub(crate) fn plan_batch<'s>(
+        &mut self,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        n_slabs: usize,
+        trailing: impl Fn(usize) -> &'s [usize],
+    ) -> Result<Vec<PagedPlan>> {
+        let mut plans = Vec::with_capacity(batch.len());
+        let mut refused = None;
+        for &(seq, n) in batch {
+            let shapes: Vec<Vec<usize>> = (0..n_slabs)
+                .map(|s| [&[n][..], trailing(s)].concat())
+                .collect();
+            match self.plan_append(seq, layer, n_slabs, |s| &shapes[s]) {
+                Ok(plan) => {
+                    self.commit_append(&plan);
+                    plans.push(plan);
+                }
+                Err(e) => {
+                    refused = Some(e);
+                    break;
+                }
+            }
+        }
+        for plan in plans.iter().rev() {
+            self.revert_append(plan);
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(plans),
+        }
+    }
+
+    /// Undoes [`PageLedger::commit_append`] of `plan`, the last plan committed.
+    fn revert_append(&mut self, plan: &PagedPlan) {
+        let Some(s) = self.seqs.get_mut(&plan.seq) else {
+            return;
+        };
+        s.pending[plan.layer] -= plan.n_new;
+        s.pages.truncate(s.pages.len() - plan.fresh.len());
+        for c in &plan.copies {
+            s.pages[c.index] = c.from;
+            self.refs[c.from as usize] += 1;
+            self.refs[c.to as usize] = 0;
+        }
+        for &page in &plan.fresh {
+            self.refs[page as usize] = 0;
+        }
+        // The plan took its pages from the end of the free list in page order, the copies (pages
+        // the sequence held) before the fresh ones: they go back in reverse.
+        let taken = plan
+            .copies
+            .iter()
+            .map(|c| c.to)
+            .chain(plan.fresh.iter().copied());
+        let taken: Vec<u32> = taken.collect();
+        self.free.extend(taken.iter().rev());
+    }
+
     /// Publishes the full pages of `seq` that hold `tokens` (the token ids of its first
     /// `tokens.len()` committed rows, as the app says), so that [`PageLedger::add_with_prefix`] can
     /// start later sequences from them; the published pages stay in the pool, held by the ledger,
@@ -913,6 +977,43 @@ mod tests {
                         l.truncate(seq, new_len).map(|()| {
                             for rows in model.get_mut(&seq).unwrap() {
                                 rows.truncate(new_len);
+                            }
+                        })
+                    }
+                    4..=6 if rng.below(3) == 0 => {
+                        // A batch: each sequence's rows planned after the ones before it (one
+                        // sequence may come twice), as on a copy committing each plan in turn.
+                        let layer = slot_layers[rng.below(slot_layers.len())];
+                        let batch: Vec<(SeqId, usize)> = (0..1 + rng.below(3))
+                            .map(|_| (pick(&mut rng), rng.below(page_size + 2)))
+                            .collect();
+                        let trailing = &shapes[layer];
+                        let shapes_of = |n: usize| -> Vec<Vec<usize>> {
+                            trailing.iter().map(|t| [&[n][..], t].concat()).collect()
+                        };
+                        let mut copy = l.clone();
+                        let want: Result<Vec<PagedPlan>> = batch
+                            .iter()
+                            .map(|&(seq, n)| {
+                                let shapes_of = shapes_of(n);
+                                let plan = copy.plan_append(seq, layer, 2, |s| &shapes_of[s])?;
+                                copy.commit_append(&plan);
+                                Ok(plan)
+                            })
+                            .collect();
+                        let got = l.plan_batch(layer, &batch, 2, |s| &trailing[s]);
+                        assert_eq!(got, want, "seed {seed}: {batch:?}");
+                        assert_eq!(
+                            l, before,
+                            "seed {seed}: planning a batch changed the ledger"
+                        );
+                        got.map(|plans| {
+                            for (plan, &(seq, n)) in plans.iter().zip(&batch) {
+                                let values: Vec<u64> = (0..n as u64).map(|k| counter + k).collect();
+                                counter += n as u64;
+                                apply(&mut pool, plan, page_size, &values);
+                                l.commit_append(plan);
+                                model.get_mut(&seq).unwrap()[layer].extend(&values);
                             }
                         })
                     }

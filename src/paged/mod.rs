@@ -493,7 +493,7 @@ impl PagedCache {
     /// Checks a batch of appends to `layer` and plans each, in order, as if the ones before it had
     /// happened; changes nothing. The runs are relative to the batch's slabs.
     fn plan_batch<'s>(
-        &self,
+        &mut self,
         layer: usize,
         batch: &[(SeqId, usize)],
         n_slabs: usize,
@@ -510,20 +510,16 @@ impl PagedCache {
                 rows,
             });
         }
-        let mut ledger = self.ledger.clone();
-        let mut plans = Vec::with_capacity(batch.len());
+        let mut plans = self.ledger.plan_batch(layer, batch, n_slabs, |s| {
+            shape_of(s).get(1..).unwrap_or_default()
+        })?;
+        // Runs name rows of the whole slabs: each sequence's part starts after the ones before.
         let mut first = 0;
-        for &(seq, n) in batch {
-            let shapes: Vec<Vec<usize>> = (0..n_slabs)
-                .map(|s| [&[n][..], &shape_of(s)[1..]].concat())
-                .collect();
-            let mut plan = ledger.plan_append(seq, layer, n_slabs, |s| &shapes[s])?;
-            ledger.commit_append(&plan);
+        for (plan, &(_, n)) in plans.iter_mut().zip(batch) {
             for run in &mut plan.runs {
                 run.0 += first;
             }
             first += n;
-            plans.push(plan);
         }
         Ok(plans)
     }
