@@ -596,6 +596,50 @@ impl KvCache {
         }
     }
 
+    /// Records `jobs`' rows as one upload and one copy per run and slot into `encoder`, where they
+    /// add up to no more than the upload ring (4 MiB): they land when the encoder's commands run.
+    /// `false`, with nothing written or recorded, where they are more. An upload the device cannot
+    /// make is refused with [`Error::OutOfMemory`], and records nothing.
+    pub(crate) fn record_host_copies(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        jobs: &[HostRows<'_, '_>],
+    ) -> Result<bool> {
+        if self.host_rows_bytes(jobs) > self.uploads.size() {
+            return Ok(false);
+        }
+        let mut blob = std::mem::take(&mut self.upload_bytes);
+        blob.clear();
+        // (layer, slot, byte in the upload, byte in the slot, bytes)
+        let mut copies = Vec::new();
+        for job in jobs {
+            let runs = job.runs.iter().filter(|(_, run)| run.n_rows > 0);
+            for slot in 0..job.rows.slots() {
+                let sb = &self.slots[job.layer][slot];
+                let start = blob.len() as u64;
+                blob.extend_from_slice(sb.rows_bytes(job.rows, slot, &mut self.scratch));
+                for (first, run) in runs.clone() {
+                    let (offset, size) = sb.placement.bytes(run);
+                    let from = start + *first as u64 * sb.placement.row_bytes;
+                    copies.push((job.layer, slot, from, offset, size));
+                }
+            }
+        }
+        let upload = self.uploads.push(&self.queue, UPLOAD, &blob);
+        self.upload_bytes = blob;
+        let upload = upload?;
+        for (layer, slot, from, to, size) in copies {
+            encoder.copy_buffer_to_buffer(
+                &upload.buffer,
+                upload.offset + from,
+                &self.slots[layer][slot].buffer,
+                to,
+                size,
+            );
+        }
+        Ok(true)
+    }
+
     /// Commits `n` rows: every layer with slots must have exactly `n` pending rows.
     pub fn advance(&mut self, n: usize) -> Result<()> {
         self.ledger.advance(n)

@@ -71,8 +71,9 @@ pub enum ScatterChoice {
     Never,
 }
 
-/// `Auto`: runs above which host rows are uploaded once and scattered, on a GPU (on a CPU adapter a
-/// `write_buffer` is a plain memory copy: host rows always go straight into their pages).
+/// `Auto`: runs above which host rows are uploaded once and scattered, on a GPU, or uploaded once and
+/// copied into their pages run by run, on a CPU adapter (where a dispatch costs about a hundred
+/// copies, and each `write_buffer` makes a staging buffer of its own).
 const HOST_RUNS: usize = 8;
 /// `Auto`: runs above which GPU rows that could be copied run by run are scattered instead, on a
 /// GPU and on a CPU adapter (where one dispatch costs about a hundred copies). GPU rows that need the
@@ -562,8 +563,9 @@ impl PagedCache {
 
     /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
     /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
-    /// with the copies; otherwise they go straight into their pages with `Queue::write_buffer`
-    /// (landing at the next submission, after the copies). Natively, more than 4 MiB of rows are
+    /// with the copies; on a CPU adapter, rows of many runs are uploaded once and copied run by run,
+    /// submitted with them too; otherwise they go straight into their pages with
+    /// `Queue::write_buffer` (landing at the next submission, after the copies). Natively, more than 4 MiB of rows are
     /// checked for memory (the upload, or the staging of the writes) before anything is
     /// submitted: a refused one changes nothing.
     fn write_host(
@@ -599,13 +601,24 @@ impl PagedCache {
             rows: Rows::Slabs(slabs),
             runs: Cow::Borrowed(&runs),
         }];
-        if !scattered {
+        // On a CPU adapter each `write_buffer` makes a staging buffer of its own: many runs go up
+        // in one upload and are copied into their pages.
+        let copied = !scattered
+            && self.scatter == ScatterChoice::Auto
+            && self.kernels().is_cpu()
+            && runs.len() > HOST_RUNS
+            && {
+                let encoder = encoder.get_or_insert_with(|| self.encoder("kvgpu paged append"));
+                self.store.record_host_copies(encoder, &jobs)?
+            };
+        let written = !scattered && !copied;
+        if written {
             self.store.check_host_rows(&jobs, HOST_ROWS)?;
         }
         if let Some(encoder) = encoder {
             self.queue().submit([encoder.finish()]);
         }
-        if !scattered {
+        if written {
             self.store.write_host_rows(&jobs);
         }
         for plan in plans {

@@ -1578,6 +1578,113 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
     }
 }
 
+/// Steps of 16 sequences, every row of a step in a page of its own sequence (16 to 48 runs per
+/// slot, of one row or more, some after a fork's private copy), land the same bits whichever way they
+/// move: one by one (`write_buffer` per run), and as batches the pool moves as it chooses (on a CPU
+/// adapter: one upload and a copy per run; on a GPU: scattered), scattered, or run by run.
+pub async fn many_runs_of_host_rows_land_alike_whichever_way_they_move(g: &Gpu) {
+    for dtype in DType::STORAGE {
+        let layers = match dtype.block() {
+            Some(b) => vec![LayerSpec::kv(1, b, b), LayerSpec::mla(b, b)],
+            None => vec![LayerSpec::kv(2, 4, 4), LayerSpec::mla(5, 2)],
+        };
+        let spec = CacheSpec::new(layers, dtype, 12).unwrap();
+        let widths = widths_of(&spec);
+        let shapes = |layer: usize, n: usize| -> Vec<Vec<usize>> {
+            trailing_of(&spec, layer)
+                .iter()
+                .map(|t| [&[n][..], t].concat())
+                .collect()
+        };
+        let n_seqs = 16;
+        let choices = [
+            ScatterChoice::Never,
+            ScatterChoice::Auto,
+            ScatterChoice::Always,
+            ScatterChoice::Never,
+        ];
+        let mut pools = Vec::new();
+        for (p, &choice) in choices.iter().enumerate() {
+            let mut c =
+                PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 6 * n_seqs)
+                    .unwrap();
+            // Sequence i starts with i % 3 rows; every fourth is a fork of the whole sequence
+            // before it, sharing its pages.
+            let mut ids = Vec::new();
+            for i in 0..n_seqs {
+                let seq = if i % 4 == 3 {
+                    c.fork(ids[i - 1], (i - 1) % 3).unwrap()
+                } else {
+                    c.add_sequence().unwrap()
+                };
+                let n = i % 3 * usize::from(i % 4 != 3);
+                for layer in 0..2 {
+                    let data: Vec<Vec<f32>> = widths[layer]
+                        .iter()
+                        .map(|&w| values((i * 2 + layer) as u64, n * w))
+                        .collect();
+                    let shapes = shapes(layer, n);
+                    let slabs: Vec<HostSlab> = (0..2)
+                        .map(|k| HostSlab::f32(&data[k], &shapes[k]))
+                        .collect();
+                    c.append(seq, layer, &slabs).unwrap();
+                }
+                c.advance(seq, n).unwrap();
+                ids.push(seq);
+            }
+            c.set_scatter(choice);
+            // Pool 0 takes the steps one sequence at a time, the others as batches.
+            for (step, per_seq) in [1, 3].into_iter().enumerate() {
+                let total = n_seqs * per_seq;
+                for layer in 0..2 {
+                    let data: Vec<Vec<f32>> = widths[layer]
+                        .iter()
+                        .map(|&w| values((100 + step * 2 + layer) as u64, total * w))
+                        .collect();
+                    if p == 0 {
+                        for (i, &seq) in ids.iter().enumerate() {
+                            let shapes = shapes(layer, per_seq);
+                            let slabs: Vec<HostSlab> = (0..2)
+                                .map(|k| {
+                                    let w = widths[layer][k];
+                                    let part = &data[k][i * per_seq * w..(i + 1) * per_seq * w];
+                                    HostSlab::f32(part, &shapes[k])
+                                })
+                                .collect();
+                            c.append(seq, layer, &slabs).unwrap();
+                        }
+                    } else {
+                        let batch: Vec<(SeqId, usize)> =
+                            ids.iter().map(|&seq| (seq, per_seq)).collect();
+                        let shapes = shapes(layer, total);
+                        let slabs: Vec<HostSlab> = (0..2)
+                            .map(|k| HostSlab::f32(&data[k], &shapes[k]))
+                            .collect();
+                        c.append_batch(layer, &batch, &slabs).unwrap();
+                    }
+                }
+                for &seq in &ids {
+                    c.advance(seq, per_seq).unwrap();
+                }
+            }
+            pools.push((c, ids));
+        }
+        let (reference, ref_ids) = &pools[0];
+        for ((c, ids), choice) in pools.iter().zip(choices).skip(1) {
+            same_ledgers((reference.ledger(), ref_ids), (c.ledger(), ids), dtype);
+            for layer in 0..2 {
+                for slot in 0..2 {
+                    assert_eq!(
+                        c.read_pool_words_async(layer, slot).await.unwrap(),
+                        reference.read_pool_words_async(layer, slot).await.unwrap(),
+                        "{dtype} {choice:?}: layer {layer} slot {slot}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Asserts that two pools' ledgers hold the same state, sequence `a.1[i]` of the first as `b.1[i]` of
 /// the second (ids carry their pool, so the ledgers themselves never compare equal): the same live
 /// sequences with the same lengths, pages and pending rows, and the same free pages and page holders.
