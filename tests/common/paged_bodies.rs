@@ -1618,8 +1618,8 @@ pub async fn many_runs_of_host_rows_land_alike_whichever_way_they_move(g: &Gpu) 
                     c.add_sequence().unwrap()
                 };
                 let n = i % 3 * usize::from(i % 4 != 3);
-                for layer in 0..2 {
-                    let data: Vec<Vec<f32>> = widths[layer]
+                for (layer, widths) in widths.iter().enumerate() {
+                    let data: Vec<Vec<f32>> = widths
                         .iter()
                         .map(|&w| values((i * 2 + layer) as u64, n * w))
                         .collect();
@@ -1636,8 +1636,8 @@ pub async fn many_runs_of_host_rows_land_alike_whichever_way_they_move(g: &Gpu) 
             // Pool 0 takes the steps one sequence at a time, the others as batches.
             for (step, per_seq) in [1, 3].into_iter().enumerate() {
                 let total = n_seqs * per_seq;
-                for layer in 0..2 {
-                    let data: Vec<Vec<f32>> = widths[layer]
+                for (layer, widths) in widths.iter().enumerate() {
+                    let data: Vec<Vec<f32>> = widths
                         .iter()
                         .map(|&w| values((100 + step * 2 + layer) as u64, total * w))
                         .collect();
@@ -1646,7 +1646,7 @@ pub async fn many_runs_of_host_rows_land_alike_whichever_way_they_move(g: &Gpu) 
                             let shapes = shapes(layer, per_seq);
                             let slabs: Vec<HostSlab> = (0..2)
                                 .map(|k| {
-                                    let w = widths[layer][k];
+                                    let w = widths[k];
                                     let part = &data[k][i * per_seq * w..(i + 1) * per_seq * w];
                                     HostSlab::f32(part, &shapes[k])
                                 })
