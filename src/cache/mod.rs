@@ -597,7 +597,8 @@ impl KvCache {
     }
 
     /// Records `jobs`' rows as one upload and one copy per run and slot into `encoder`, where they
-    /// add up to no more than the upload ring (4 MiB): they land when the encoder's commands run.
+    /// add up to no more than the upload ring (4 MiB): they land when the encoder's commands run
+    /// (no rows: nothing to do).
     /// `false`, with nothing written or recorded, where they are more. An upload the device cannot
     /// make is refused with [`Error::OutOfMemory`], and records nothing.
     pub(crate) fn record_host_copies(
@@ -605,8 +606,10 @@ impl KvCache {
         encoder: &mut wgpu::CommandEncoder,
         jobs: &[HostRows<'_, '_>],
     ) -> Result<bool> {
-        if self.host_rows_bytes(jobs) > self.uploads.size() {
-            return Ok(false);
+        match self.host_rows_bytes(jobs) {
+            0 => return Ok(true),
+            bytes if bytes > self.uploads.size() => return Ok(false),
+            _ => {}
         }
         let mut blob = std::mem::take(&mut self.upload_bytes);
         blob.clear();

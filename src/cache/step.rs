@@ -3,7 +3,7 @@
 //! On adapters whose `write_buffer` costs a fixed overhead per call (OpenGL: six times faster for a
 //! decode step of 64 slots) that overhead is paid once per step instead of once per slot.
 
-use super::{HOST_ROWS, HostRows, HostSlab, KvCache, Rows, UPLOAD};
+use super::{HOST_ROWS, HostRows, HostSlab, KvCache, Rows};
 use crate::error::{Error, Result};
 use crate::ledger::AppendPlan;
 
@@ -27,55 +27,14 @@ impl KvCache {
         for plan in plans.iter().flatten() {
             self.check_layer_usable(plan.layer)?;
         }
-        let total: u64 = plans
+        let jobs: Vec<HostRows<'_, '_>> = plans
             .iter()
-            .filter_map(|p| p.as_ref())
-            .map(|p| {
-                let row_bytes: u64 = self.slots[p.layer]
-                    .iter()
-                    .map(|sb| sb.placement.row_bytes)
-                    .sum();
-                p.n_new as u64 * row_bytes
-            })
-            .sum();
-        if total > self.uploads.size() {
-            let jobs: Vec<HostRows<'_, '_>> = plans
-                .iter()
-                .flatten()
-                .map(|p| HostRows::of_plan(p, Rows::Slabs(slabs[p.layer])))
-                .collect();
+            .flatten()
+            .map(|p| HostRows::of_plan(p, Rows::Slabs(slabs[p.layer])))
+            .collect();
+        if !self.record_host_copies(encoder, &jobs)? {
             self.check_host_rows(&jobs, HOST_ROWS)?;
             self.write_host_rows(&jobs);
-        } else if total > 0 {
-            let mut blob = std::mem::take(&mut self.upload_bytes);
-            blob.clear();
-            // (layer, slot, byte in the upload, byte in the slot, bytes)
-            let mut copies = Vec::new();
-            for plan in plans.iter().flatten() {
-                let [run] = plan.runs();
-                for (slot, slab) in slabs[plan.layer].iter().enumerate() {
-                    let sb = &self.slots[plan.layer][slot];
-                    let (offset, size) = sb.placement.bytes(&run);
-                    if size == 0 {
-                        continue;
-                    }
-                    let bytes = sb.stored(slab.data, &mut self.scratch);
-                    copies.push((plan.layer, slot, blob.len() as u64, offset, size));
-                    blob.extend_from_slice(&bytes[..size as usize]);
-                }
-            }
-            let upload = self.uploads.push(&self.queue, UPLOAD, &blob);
-            self.upload_bytes = blob;
-            let upload = upload?;
-            for (layer, slot, from, to, size) in copies {
-                encoder.copy_buffer_to_buffer(
-                    &upload.buffer,
-                    upload.offset + from,
-                    &self.slots[layer][slot].buffer,
-                    to,
-                    size,
-                );
-            }
         }
         for plan in plans.into_iter().flatten() {
             self.ledger.commit_append(plan);
