@@ -78,7 +78,7 @@ use std::sync::Arc;
 
 use crate::cache::{AttentionKind, KvCache};
 use crate::error::{Error, Result};
-use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing};
+use crate::kernels::{GroupCache, Kernels, ParamRing, UploadRing, allocated};
 use crate::paged::PagedCache;
 use plan::DeviceFacts;
 pub use plan::KernelChoice;
@@ -368,19 +368,25 @@ impl Attention {
     /// bytes, too small for them: every kernel's bounds check fails and it returns before touching
     /// memory.
     fn warm_up(&mut self, cache: &KvCache, runs: &[WarmUp]) {
-        // Best effort: a device that cannot spare 32 bytes refuses the first call instead.
-        if self.ensure_scratch(16, 16).is_err() {
+        // Best effort: a device that cannot make the scratch, the parameter entries or the dummy
+        // binding here (each made under the out-of-memory check) refuses the first call instead.
+        if self.ensure_scratch(16, 16).is_err() || self.ring.reserve(runs.len() as u64).is_err() {
             return;
         }
         let Some(scratch) = &self.scratch else {
             return;
         };
-        let dummy = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("kvgpu attention warm-up"),
-            size: 16,
-            usage: wgpu::BufferUsages::STORAGE,
-            mapped_at_creation: false,
+        let dummy = allocated(&self.device, "attention's warm-up binding", 16, || {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kvgpu attention warm-up"),
+                size: 16,
+                usage: wgpu::BufferUsages::STORAGE,
+                mapped_at_creation: false,
+            })
         });
+        let Ok(dummy) = dummy else {
+            return;
+        };
         let group = |layout: &wgpu::BindGroupLayout, buffers: [&wgpu::Buffer; 4], n: usize| {
             let entries: Vec<_> = buffers[..n]
                 .iter()
@@ -407,9 +413,6 @@ impl Attention {
             3,
         );
         let all: Vec<_> = runs.iter().map(|r| r.2).collect();
-        if self.ring.reserve(all.len() as u64).is_err() {
-            return;
-        }
         let params = self.ring.push_all(&self.queue, &all);
         let mut encoder = self.encoder();
         {
