@@ -598,9 +598,9 @@ impl KvCache {
 
     /// Records `jobs`' rows as one upload and one copy per run and slot into `encoder`, where they
     /// add up to no more than the upload ring (4 MiB): they land when the encoder's commands run
-    /// (no rows: nothing to do).
-    /// `false`, with nothing written or recorded, where they are more. An upload the device cannot
-    /// make is refused with [`Error::OutOfMemory`], and records nothing.
+    /// (no rows: nothing to do). `false`, with nothing written or recorded, where they are more.
+    /// An upload the device cannot make is refused with [`Error::OutOfMemory`], and records
+    /// nothing.
     pub(crate) fn record_host_copies(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,

@@ -97,7 +97,6 @@ impl KvCache {
         slabs: &[HostSlab<'_>],
         map: &[u32],
     ) -> Result<bool> {
-        self.ring.reserve(slabs.len() as u64)?;
         // The map, then each slot's rows as stored, every part on a 16-byte boundary.
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
@@ -115,7 +114,10 @@ impl KvCache {
             return Ok(false);
         }
         // Binding and recording below cannot fail once the parameters and the upload are made.
-        let upload = self.uploads.push(&self.queue, UPLOAD, &bytes);
+        let upload = self
+            .ring
+            .reserve(slabs.len() as u64)
+            .and_then(|()| self.uploads.push(&self.queue, UPLOAD, &bytes));
         self.upload_bytes = bytes;
         let upload = upload?;
         let size = upload.buffer.size();

@@ -169,8 +169,7 @@ impl ParamRing {
         while self.free() < n {
             let size = self.stride * self.entries;
             let buffer = crate::kernels::allocated(&self.device, RING, size, || self.buffer(size))?;
-            let group = self.group(&buffer);
-            self.buffers.push_back(RingBuffer { buffer, group });
+            self.buffers.push_back(self.bound(buffer));
         }
         Ok(())
     }
@@ -185,20 +184,21 @@ impl ParamRing {
         })
     }
 
-    /// The bind group of a ring buffer.
-    fn group(&self, buffer: &wgpu::Buffer) -> wgpu::BindGroup {
-        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+    /// A ring buffer with its bind group.
+    fn bound(&self, buffer: wgpu::Buffer) -> RingBuffer {
+        let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("kvgpu params"),
             layout: &self.layout,
             entries: &[wgpu::BindGroupEntry {
                 binding: 0,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer,
+                    buffer: &buffer,
                     offset: 0,
                     size: wgpu::BufferSize::new(PARAMS_BINDING),
                 }),
             }],
-        })
+        });
+        RingBuffer { buffer, group }
     }
 
     /// Moves a used up buffer out (commands recorded with it keep it alive), so the first buffer
@@ -210,8 +210,7 @@ impl ParamRing {
         }
         if self.buffers.is_empty() {
             let buffer = self.buffer(self.stride * self.entries);
-            let group = self.group(&buffer);
-            self.buffers.push_back(RingBuffer { buffer, group });
+            self.buffers.push_back(self.bound(buffer));
         }
         self.entries - self.next
     }

@@ -487,13 +487,8 @@ impl PageLedger {
         }
         // The plan took its pages from the end of the free list in page order, the copies (pages
         // the sequence held) before the fresh ones: they go back in reverse.
-        let taken = plan
-            .copies
-            .iter()
-            .map(|c| c.to)
-            .chain(plan.fresh.iter().copied());
-        let taken: Vec<u32> = taken.collect();
-        self.free.extend(taken.iter().rev());
+        self.free.extend(plan.fresh.iter().rev());
+        self.free.extend(plan.copies.iter().rev().map(|c| c.to));
     }
 
     /// Publishes the full pages of `seq` that hold `tokens` (the token ids of its first

@@ -565,9 +565,9 @@ impl PagedCache {
     /// come first. Scattered rows are uploaded once and moved by one dispatch per slot, submitted
     /// with the copies; on a CPU adapter, rows of many runs are uploaded once and copied run by run,
     /// submitted with them too; otherwise they go straight into their pages with
-    /// `Queue::write_buffer` (landing at the next submission, after the copies). Natively, more than 4 MiB of rows are
-    /// checked for memory (the upload, or the staging of the writes) before anything is
-    /// submitted: a refused one changes nothing.
+    /// `Queue::write_buffer` (landing at the next submission, after the copies). Natively, more
+    /// than 4 MiB of rows are checked for memory (the upload, or the staging of the writes) before
+    /// anything is submitted: a refused one changes nothing.
     fn write_host(
         &mut self,
         layer: usize,
@@ -582,10 +582,13 @@ impl PagedCache {
                 self.record_copies(encoder, &staging, &plan.copies);
             }
         }
-        let scatter = match self.scatter {
-            ScatterChoice::Always => !runs.is_empty(),
-            ScatterChoice::Never => false,
-            ScatterChoice::Auto => !self.kernels().is_cpu() && runs.len() > HOST_RUNS,
+        // (scatter, upload once and copy run by run): on a CPU adapter a dispatch costs about a
+        // hundred copies, and each `write_buffer` makes a staging buffer of its own.
+        let (many, cpu) = (runs.len() > HOST_RUNS, self.kernels().is_cpu());
+        let (scatter, copy) = match self.scatter {
+            ScatterChoice::Always => (!runs.is_empty(), false),
+            ScatterChoice::Never => (false, false),
+            ScatterChoice::Auto => (many && !cpu, many && cpu),
         };
         let scattered = scatter && {
             let encoder = encoder.get_or_insert_with(|| self.encoder("kvgpu paged append"));
@@ -601,16 +604,10 @@ impl PagedCache {
             rows: Rows::Slabs(slabs),
             runs: Cow::Borrowed(&runs),
         }];
-        // On a CPU adapter each `write_buffer` makes a staging buffer of its own: many runs go up
-        // in one upload and are copied into their pages.
-        let copied = !scattered
-            && self.scatter == ScatterChoice::Auto
-            && self.kernels().is_cpu()
-            && runs.len() > HOST_RUNS
-            && {
-                let encoder = encoder.get_or_insert_with(|| self.encoder("kvgpu paged append"));
-                self.store.record_host_copies(encoder, &jobs)?
-            };
+        let copied = copy && {
+            let encoder = encoder.get_or_insert_with(|| self.encoder("kvgpu paged append"));
+            self.store.record_host_copies(encoder, &jobs)?
+        };
         let written = !scattered && !copied;
         if written {
             self.store.check_host_rows(&jobs, HOST_ROWS)?;
