@@ -695,7 +695,7 @@ pub enum BufferProblem {
 pub enum AttentionProblem {
     #[error("scale {scale} is not finite")]
     Scale { scale: f32 },
-    #[error("soft-cap {cap} must be finite and positive")]
+    #[error("soft-cap {cap} must be positive, finite and not subnormal")]
     SoftCap { cap: f32 },
     #[error("a sliding window of 0 rows sees nothing")]
     EmptyWindow,

@@ -240,7 +240,9 @@ impl Attention {
         }
         let soft_cap = match options.soft_cap {
             None => 0.0,
-            Some(c) if c.is_finite() && c > 0.0 => c,
+            // Normal, not merely non-zero: a device that flushes subnormals to zero would read a
+            // subnormal cap as 0, the kernels' "no cap", where the twin caps every score.
+            Some(c) if c.is_normal() && c > 0.0 => c,
             Some(cap) => return request(AttentionProblem::SoftCap { cap }),
         };
         let window = match options.window {

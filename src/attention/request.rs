@@ -15,7 +15,8 @@ pub struct AttentionOptions {
     pub scale: Option<f32>,
     /// Sliding window: each query sees its own row and at most `w - 1` rows before it.
     pub window: Option<usize>,
-    /// Logit soft-cap: scaled scores become `cap · tanh(score / cap)`.
+    /// Logit soft-cap: scaled scores become `cap · tanh(score / cap)`. A positive, normal `f32`
+    /// (finite, not subnormal); anything else is refused.
     pub soft_cap: Option<f32>,
 }
 

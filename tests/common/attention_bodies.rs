@@ -540,17 +540,18 @@ pub async fn quantized_attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
 /// Soft-caps of 1,000 and 10,000 (scores far below the cap: tanh's argument between 1e-4 and
 /// 0.1), every kernel, f32 and f16: `tanh_safe` computed (1 - t) / (1 + t) there, whose
 /// cancellation cost the score about cap x 1.5e-8 (a scaled error of 1.4e-5 at 1,000 and 2e-4
-/// at 10,000). It takes an odd polynomial below 0.125 now.
+/// at 10,000). It takes an odd polynomial below 0.125 now. Also the smallest cap a call accepts,
+/// `f32::MIN_POSITIVE` (every score's quotient overflows to infinity, tanh's argument too).
 pub async fn large_soft_caps_keep_their_precision(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for (i, cap) in [1.0e3, 1.0e4].into_iter().enumerate() {
+        for (i, cap) in [1.0e3, 1.0e4, f32::MIN_POSITIVE].into_iter().enumerate() {
             #[rustfmt::skip]
             let case = Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 64, n_q: 1, window: None, soft_cap: Some(cap) };
             for types in storage_pairs(&DType::ALL, i) {
                 let worst = check_gqa(g, &mut att, case, types, 80).await;
-                note!("{kernel:?} soft-cap {cap} {types:?}: worst scaled error {worst:e}");
+                note!("{kernel:?} soft-cap {cap:e} {types:?}: worst scaled error {worst:e}");
             }
         }
     }
@@ -1068,6 +1069,11 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
         },
         AttentionOptions {
             soft_cap: Some(f32::NAN),
+            ..dflt
+        },
+        // Subnormal: a device that flushes it to zero would not cap at all.
+        AttentionOptions {
+            soft_cap: Some(f32::MIN_POSITIVE / 2.0),
             ..dflt
         },
         AttentionOptions {
