@@ -541,7 +541,7 @@ pub async fn quantized_attention_over_4096_rows_splits_the_sequence(g: &Gpu) {
 /// 0.1), every kernel, f32 and f16: `tanh_safe` computed (1 - t) / (1 + t) there, whose
 /// cancellation cost the score about cap x 1.5e-8 (a scaled error of 1.4e-5 at 1,000 and 2e-4
 /// at 10,000). It takes an odd polynomial below 0.125 now. Also the smallest cap a call accepts,
-/// `f32::MIN_POSITIVE` (every score's quotient overflows to infinity, tanh's argument too).
+/// `f32::MIN_POSITIVE` (tanh's arguments near 1e38, and infinite for scores above about 4).
 pub async fn large_soft_caps_keep_their_precision(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     for kernel in kernels(g) {
