@@ -328,15 +328,16 @@ impl Attention {
                     ragged,
                 };
                 let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
-                planned.push((layer, l.kind, dispatch));
+                planned.push((layer, l.kind, shape, dispatch));
             }
         }
         let before = self.kernels.pass1_pipelines();
         let mut runs = Vec::new();
-        for &(layer, kind, dispatch) in &planned {
-            let params = dispatch.params;
+        for (layer, kind, shape, dispatch) in &planned {
+            let (layer, kind, params) = (*layer, *kind, dispatch.params);
             match dispatch.kernel {
-                // Shorter contexts may take fewer rows per invocation: every variant of the batch.
+                // Shorter contexts may take fewer rows per invocation: every variant the plan may
+                // choose for the batch.
                 plan::Pass1::Tiled {
                     dtypes,
                     slot_b,
@@ -344,7 +345,7 @@ impl Attention {
                     rows,
                     ..
                 } => {
-                    for rpl in 0..crate::kernels::ROWS_PER_INVOCATION.len() {
+                    for rpl in plan::tiled_rows(shape, batch) {
                         let pipeline = self
                             .kernels
                             .attention_partial(dtypes, slot_b, batch, rpl, rows);

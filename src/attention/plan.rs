@@ -561,6 +561,23 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     )
 }
 
+/// The `ROWS_PER_INVOCATION` indices the tiled kernel may take for a shape with
+/// `HEAD_BATCHES[batch]` heads per workgroup, fewest rows first: one row always, more while heads
+/// times rows stays at most 32 (8 rows at most), and only those whose tile runs within the loop
+/// budget. [`plan`] picks among them by context length, so
+/// [`crate::Attention::prepare`] builds exactly these.
+pub(crate) fn tiled_rows(s: &CallShape, batch: usize) -> impl Iterator<Item = usize> + '_ {
+    let hb = HEAD_BATCHES[batch];
+    ROWS_PER_INVOCATION
+        .iter()
+        .enumerate()
+        .filter(move |&(_, &r)| {
+            (r == 1 || (32 / hb).clamp(1, 8) >= r)
+                && pass1_iterations_per_tile(s.dtypes, s.d_a, s.d_b, s.d_v, hb, r) < LOOP_BUDGET
+        })
+        .map(|(i, _)| i)
+}
+
 fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     if dev.workgroup_bytes < TILED_WORKGROUP_BYTES {
         return Err(format!(
@@ -592,10 +609,10 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let per_tile = |rpl: usize| {
         pass1_iterations_per_tile(s.dtypes, s.d_a, s.d_b, s.d_v, hb, ROWS_PER_INVOCATION[rpl])
     };
-    let fits = |rpl: usize| per_tile(rpl) < LOOP_BUDGET;
-    let Some(rpl) = ROWS_PER_INVOCATION.iter().enumerate().rposition(|(i, &r)| {
-        fits(i) && (r == 1 || ((32 / hb).clamp(1, 8) >= r && TILE * r <= rows_per_chunk))
-    }) else {
+    let Some(rpl) = tiled_rows(s, batch)
+        .filter(|&i| i == 0 || TILE * ROWS_PER_INVOCATION[i] <= rows_per_chunk)
+        .last()
+    else {
         return Err(format!(
             "one tile of {TILE} rows with {hb} heads per workgroup, d = {} + {} and d_v = {} needs {} \
              loop iterations per invocation, more than the {LOOP_BUDGET} every adapter runs",
@@ -901,6 +918,51 @@ mod tests {
             ..LAVAPIPE
         };
         assert_eq!(key(&llama, &gl), (1, 2, true));
+    }
+
+    /// `Attention::prepare` builds the tiled variants of `tiled_rows`: every one of them is the
+    /// plan's choice at some context length, and the plan chooses no other. Sixteen heads per
+    /// workgroup (DeepSeek's MLA) take one or two rows, never four or eight.
+    #[test]
+    fn the_tiled_kernel_takes_exactly_the_rows_prepare_builds() {
+        let tiled = |dev: DeviceFacts| DeviceFacts {
+            choice: KernelChoice::Tiled,
+            ..dev
+        };
+        let mut shapes = vec![mla(DType::F32, 1, 1), mla(DType::F16, 1, 1)];
+        for dtype in DType::ALL {
+            for &(n_heads, n_kv, d) in &[(32, 8, 128), (64, 2, 128), (4, 1, 64), (16, 16, 256)] {
+                shapes.push(gqa(dtype, 1, n_heads, n_kv, d, 1));
+            }
+        }
+        for dev in [tiled(LAVAPIPE), tiled(GPU)] {
+            for shape in &shapes {
+                let mut chosen = Vec::new();
+                let mut batch = None;
+                for visible in (0..23).map(|p| 1 << p) {
+                    let s = CallShape { visible, ..*shape };
+                    // The longest contexts may be more chunks than one query's merge takes.
+                    let Ok(p) = plan(&s, &dev) else {
+                        assert!(visible > 1 << 16, "{s:?} {dev:?}");
+                        continue;
+                    };
+                    let Pass1::Tiled { batch: b, rpl, .. } = p.kernel else {
+                        panic!("{s:?}: not tiled");
+                    };
+                    batch = Some(b);
+                    if !chosen.contains(&rpl) {
+                        chosen.push(rpl);
+                    }
+                }
+                chosen.sort_unstable();
+                let batch = batch.unwrap();
+                let built: Vec<_> = tiled_rows(shape, batch).collect();
+                assert_eq!(chosen, built, "{shape:?} {dev:?}");
+                if HEAD_BATCHES[batch] == 16 {
+                    assert_eq!(built, [0, 1], "{shape:?}");
+                }
+            }
+        }
     }
 
     #[test]
