@@ -333,8 +333,8 @@ impl Attention {
         }
         let before = self.kernels.pass1_pipelines();
         let mut runs = Vec::new();
-        for (layer, kind, shape, dispatch) in &planned {
-            let (layer, kind, params) = (*layer, *kind, dispatch.params);
+        for &(layer, kind, shape, dispatch) in &planned {
+            let params = dispatch.params;
             match dispatch.kernel {
                 // Shorter contexts may take fewer rows per invocation: every variant the plan may
                 // choose for the batch.
@@ -345,7 +345,7 @@ impl Attention {
                     rows,
                     ..
                 } => {
-                    for rpl in plan::tiled_rows(shape, batch) {
+                    for rpl in plan::tiled_rows(&shape, batch) {
                         let pipeline = self
                             .kernels
                             .attention_partial(dtypes, slot_b, batch, rpl, rows);
