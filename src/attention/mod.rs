@@ -74,6 +74,7 @@ mod request;
 mod stream;
 mod view;
 
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use crate::cache::{AttentionKind, KvCache};
@@ -235,6 +236,7 @@ impl Attention {
                 bind_groups: limits.max_bind_groups,
                 workgroup_bytes: limits.max_compute_workgroup_storage_size.into(),
                 choice: KernelChoice::Auto,
+                target: None,
             },
             device,
             kernels,
@@ -447,6 +449,22 @@ impl Attention {
     /// The pass-1 kernel choice in force.
     pub fn kernel(&self) -> KernelChoice {
         self.facts.choice
+    }
+
+    /// How many workgroups pass 1 of later calls aims for, splitting the visible rows into chunks
+    /// (each KV head, or team of KV heads, times each chunk is a workgroup), or `None` for the
+    /// adapter's default: 1,024 on GPUs, a few per host thread on CPU adapters. More chunks give a
+    /// long context more parallelism and the reduce pass more partial results to merge. A chunk never
+    /// gets fewer than 16 rows (64 for a team of one invocation), nor more than the loop budget
+    /// allows, and the chunks stay within the device's workgroup and binding limits, so any target
+    /// plans a valid call (a target above 2^24 counts as 2^24).
+    pub fn set_target_workgroups(&mut self, target: Option<NonZeroUsize>) {
+        self.facts.target = target.map(NonZeroUsize::get);
+    }
+
+    /// The workgroup target in force ([`Attention::set_target_workgroups`]).
+    pub fn target_workgroups(&self) -> Option<NonZeroUsize> {
+        self.facts.target.and_then(NonZeroUsize::new)
     }
 
     /// Plans later calls as for a GPU even on a CPU adapter (`true`), or as the adapter says

@@ -21,6 +21,9 @@ pub(crate) const TILE: usize = 64;
 pub(crate) const LOOP_BUDGET: usize = 49_152;
 /// Pass 1 aims for at least this many workgroups, so that a single decode query fills a large GPU.
 const TARGET_WORKGROUPS: usize = 1024;
+/// The largest workgroup target an app's is taken as: more than any plan can use (a query's chunks
+/// stay within the device's grid), and small enough for the planner's arithmetic on 32-bit targets.
+const MOST_TARGET: usize = 1 << 24;
 /// On CPU adapters (llvmpipe, lavapipe, WARP) each workgroup has a fixed cost that outweighs the
 /// parallelism of more chunks; a few per core suffice there.
 const TARGET_WORKGROUPS_CPU: usize = 16;
@@ -103,6 +106,9 @@ pub(crate) struct DeviceFacts {
     pub workgroup_bytes: u64,
     /// Which pass-1 kernel the app asked for.
     pub choice: KernelChoice,
+    /// The app's pass-1 workgroup target ([`crate::Attention::set_target_workgroups`]), in place of
+    /// the adapter's default.
+    pub target: Option<usize>,
 }
 
 /// Storage buffers attention's pass 1 binds in one stage: slots a, b and v and the page table,
@@ -520,7 +526,9 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
         _ => (1, key.kvs as usize),
     };
     // In (team, chunk) pairs: a workgroup holds `per * width` of them (8 one-invocation teams).
-    let target = if dev.cpu && (key.kvs > 1 || key.two_rows) {
+    let target = if let Some(n) = dev.target {
+        n.min(MOST_TARGET) * per * width
+    } else if dev.cpu && (key.kvs > 1 || key.two_rows) {
         KV_TEAM_WORKGROUPS_PER_CORE * dev.cores.max(1) * per * width
     } else if dev.cpu {
         STREAM_WORKGROUPS_CPU * per * width
@@ -546,6 +554,7 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
         })
         .next_multiple_of(per)
         .min(rows.div_ceil(shortest))
+        .min((most_chunks(s, dev) / per).max(1) * per)
         .max(1);
     let chunk_len = rows.div_ceil(want).min(STREAM_MAX_ROWS);
     finish(
@@ -595,10 +604,10 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let n_batches = group / hb;
     let per_chunk = s.n_kv * n_batches * s.n_q;
     fits_dimension(s.n_kv * n_batches, "KV heads x head batches", dev)?;
-    let target = if dev.cpu {
-        TARGET_WORKGROUPS_CPU
-    } else {
-        TARGET_WORKGROUPS
+    let target = match dev.target {
+        Some(n) => n.min(MOST_TARGET),
+        None if dev.cpu => TARGET_WORKGROUPS_CPU,
+        None => TARGET_WORKGROUPS,
     };
     let (lo, rows) = seen_rows(s);
     // Rows per invocation: as many as the heads allow, unless a chunk of 64-row tiles would be
@@ -625,14 +634,11 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     let tile = TILE * ROWS_PER_INVOCATION[rpl];
     let tiles = rows.div_ceil(tile);
     // Partial results of one query in one chunk: the unnormalised output and (max, sum) per head.
-    let by_binding =
-        usize::try_from(scratch_binding(dev) / query_chunk_bytes(s)).unwrap_or(usize::MAX);
     let want = target
         .div_ceil(per_chunk)
         .max(ragged_chunks(s, rows, per_chunk / s.n_q, target))
         .min(tiles)
-        .min(by_binding)
-        .min(dev.max_workgroups)
+        .min(most_chunks(s, dev))
         .max(1);
     let max_tiles = ((LOOP_BUDGET - 1) / per_tile(rpl)).max(1);
     let tiles_per_chunk = tiles.div_ceil(want).min(max_tiles);
@@ -657,6 +663,17 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
 }
 
 /// Scratch bytes of one query in one chunk: the unnormalised output and (max, sum) per head.
+/// Most chunks one query's rows may be split into: their partial results fit one binding, pass 1
+/// fits the device's grid, and one reduce invocation walks them within the loop budget.
+fn most_chunks(s: &CallShape, dev: &DeviceFacts) -> usize {
+    let by_binding =
+        usize::try_from(scratch_binding(dev) / query_chunk_bytes(s)).unwrap_or(usize::MAX);
+    // `reduce_iterations(n, d_v, lanes) + 1 < LOOP_BUDGET`, solved for n.
+    let passes = s.d_v.div_ceil(16 * REDUCE_LANES[0] as usize);
+    let by_reduce = (LOOP_BUDGET - 2 - passes) / (2 + passes);
+    by_binding.min(by_reduce).min(dev.max_workgroups).max(1)
+}
+
 fn query_chunk_bytes(s: &CallShape) -> u64 {
     s.n_heads as u64 * s.d_v.max(2) as u64 * 4
 }
@@ -773,6 +790,7 @@ mod tests {
         bind_groups: 8,
         workgroup_bytes: 32 << 10,
         choice: KernelChoice::Auto,
+        target: None,
     };
     const GPU: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
@@ -786,6 +804,7 @@ mod tests {
         bind_groups: 4,
         workgroup_bytes: 16 << 10,
         choice: KernelChoice::Auto,
+        target: None,
     };
 
     /// Both devices with each kernel forced, and on their own choice.
@@ -963,6 +982,60 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn any_workgroup_target_plans_what_the_default_plans() {
+        let mut shapes = vec![mla(DType::F32, 1, 1), mla(DType::F16, 7, 1)];
+        for dtype in [DType::F32, DType::F16, DType::Q4_0] {
+            for &(n_q, n_heads, n_kv, d) in &[(1, 32, 8, 128), (64, 32, 8, 128), (1, 4, 1, 64)] {
+                shapes.push(gqa(dtype, n_q, n_heads, n_kv, d, 1));
+            }
+        }
+        let targets = [1, 7, 1024, 4096, 16_384, 1 << 20, usize::MAX];
+        let mut planned = 0;
+        for dev in devices() {
+            for shape in &shapes {
+                for visible in [1, 17, 4096, 32_768, 131_072, 1 << 20, 1 << 22] {
+                    let s = CallShape { visible, ..*shape };
+                    let Ok(default) = plan(&s, &dev) else {
+                        continue;
+                    };
+                    planned += 1;
+                    let mut last = 0;
+                    for target in targets {
+                        let p = plan(
+                            &s,
+                            &DeviceFacts {
+                                target: Some(target),
+                                ..dev
+                            },
+                        )
+                        .unwrap_or_else(|e| panic!("{target}: {e}\n{s:?} {dev:?}"));
+                        let chunks = p.n_chunks();
+                        assert!(chunks * p.params.chunk_len as usize >= visible.min(s.visible));
+                        assert!(chunks <= most_chunks(&s, &dev).next_multiple_of(8));
+                        // More workgroups never mean fewer chunks.
+                        assert!(chunks >= last, "{target}: {chunks} < {last}\n{s:?} {dev:?}");
+                        last = chunks;
+                    }
+                    // Unset, the adapter's default.
+                    assert_eq!(
+                        plan(
+                            &s,
+                            &DeviceFacts {
+                                target: None,
+                                ..dev
+                            }
+                        )
+                        .unwrap()
+                        .n_chunks(),
+                        default.n_chunks()
+                    );
+                }
+            }
+        }
+        assert!(planned > 400, "{planned} calls planned");
     }
 
     #[test]

@@ -270,7 +270,8 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
 
 /// The plans a GPU gets (1,024-workgroup grids, 32-lane teams summing through workgroup memory, a
 /// reduce of 64 invocations per head), run here on whatever adapter the suite has: GQA and MLA over
-/// several chunks, with window and soft-cap, every kernel, f32 and f16, against the twins.
+/// several chunks, with window and soft-cap, every kernel, f32 and f16, against the twins; then GQA
+/// in f32 under the least and the largest workgroup targets an app can set.
 pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     att.plan_as_for_a_gpu(true);
@@ -287,6 +288,34 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
         "as for a GPU",
     )
     .await;
+    // An app's workgroup targets, GQA in f32: more than any call can take (chunks of the fewest
+    // rows) on every kernel, and one workgroup per team (chunks as long as the loop budget allows)
+    // on the streaming kernels. (The tiled kernel takes more rows per invocation for longer chunks:
+    // that would be variants no other test here compiles, seconds each on a cold OpenGL. MLA's
+    // chunks are planned by the same code, checked for every target by the unit tests.)
+    let all = kernels(g);
+    let streaming: Vec<_> = all
+        .iter()
+        .copied()
+        .filter(|&k| k != KernelChoice::Tiled)
+        .collect();
+    for (target, kernels) in [(usize::MAX, &all), (1, &streaming)] {
+        att.set_target_workgroups(std::num::NonZeroUsize::new(target));
+        let what = format!("as for a GPU, aiming for {target} workgroups");
+        let f32 = [DType::F32];
+        check_kernels(
+            g,
+            &mut att,
+            kernels,
+            &PLAN_CASES,
+            &f32,
+            PLAN_MLA,
+            &[],
+            80,
+            &what,
+        )
+        .await;
+    }
 }
 
 /// The GQA calls of the tests of other plans than the adapter's own: over several chunks, one with
