@@ -97,8 +97,22 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Te
     Ok(p.matmul(v)?)
 }
 
+/// Sets the attention kernel and workgroup target to measure, from `KVGPU_BENCH_KERNEL` (see
+/// [`kernel_choice`]) and `KVGPU_BENCH_WORKGROUPS` (a positive number for
+/// [`Attention::set_target_workgroups`]; unset, the adapter's default).
+pub(crate) fn configure(attn: &mut Attention) -> Result<()> {
+    attn.set_kernel(kernel_choice()?);
+    if let Ok(n) = std::env::var("KVGPU_BENCH_WORKGROUPS") {
+        let n = n.parse::<std::num::NonZeroUsize>().map_err(|e| {
+            anyhow::anyhow!("KVGPU_BENCH_WORKGROUPS={n:?}: needs a positive number ({e})")
+        })?;
+        attn.set_target_workgroups(Some(n));
+    }
+    Ok(())
+}
+
 /// The pass-1 kernel to measure: `KVGPU_BENCH_KERNEL=auto|tiled|shared|subgroup|alone` (default auto).
-pub(crate) fn kernel_choice() -> Result<KernelChoice> {
+fn kernel_choice() -> Result<KernelChoice> {
     Ok(
         match std::env::var("KVGPU_BENCH_KERNEL")
             .as_deref()
@@ -309,7 +323,7 @@ fn one(
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     fill(&mut cache, max)?;
     let mut attn = Attention::for_cache(&cache);
-    attn.set_kernel(kernel_choice()?);
+    configure(&mut attn)?;
     // Room for the most queries of a chunked-prefill call.
     let most = PREFILL_QUERIES[PREFILL_QUERIES.len() - 1];
     let inputs = Inputs::new(gpu, &shape, most);

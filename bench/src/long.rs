@@ -2,7 +2,7 @@
 //! the device-to-device copy bandwidth measured side by side: #9's goal for real GPUs (GQA at least
 //! 0.8 of it), where a 4k layer would sit in the processor's L2 cache and say nothing about memory.
 //! The copy moves the same bytes the call reads (up to 1 GiB) and counts them twice, read and
-//! written, as `torch_anchor.py` does for PyTorch on the same GPU. Then GQA decode of a batch of 16
+//! written, as `bench/h200/anchor.py` does for PyTorch on the same GPU. Then GQA decode of a batch of 16
 //! sequences of 4k and 16k rows each (4k alone in quick mode) from a paged pool, one query each:
 //! PyTorch's batch-16 shape. A context whose layer or pool does not fit the device's bindings is
 //! skipped, with the reason.
@@ -11,7 +11,7 @@ use anyhow::Result;
 use kvgpu::{Attention, AttentionOptions, CacheSpec, DType, Gpu, Kv, KvCache, PagedCache, SeqId};
 
 use crate::Config;
-use crate::attn::{Inputs, Kind, Shape, fill, fill_paged, kernel_choice};
+use crate::attn::{Inputs, Kind, Shape, configure, fill, fill_paged};
 use crate::report::{Goal, Row};
 use crate::timing::{Timer, interleaved};
 
@@ -20,6 +20,11 @@ use crate::timing::{Timer, interleaved};
 const MOST_COPY: u64 = 1 << 30;
 /// Sequences of the batched rows, and the rows of their pool's pages.
 const BATCH: usize = 16;
+/// GPU time of one timed sample, and the most calls it records to get there.
+const SAMPLE_SECONDS: f64 = 2e-3;
+const MOST_CALLS: usize = 64;
+/// Wall time of the warm-up before the samples of one row.
+const WARM_SECONDS: f64 = 0.5;
 const PAGE: usize = 64;
 
 pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
@@ -97,13 +102,18 @@ fn one(
     let bytes = ctx as u64 * cache.spec().bytes_per_token();
     let inputs = Inputs::new(gpu, shape, 1);
     let mut attn = Attention::for_cache(cache);
-    attn.set_kernel(kernel_choice()?);
+    configure(&mut attn)?;
     let opts = AttentionOptions::default();
-    let mut kernel = || -> Result<f64> {
+    let mut kernel = |calls: usize| -> Result<f64> {
         let mut res = Ok(());
-        let t = timer
-            .gpu(|enc| res = inputs.record(kind, shape, &mut attn, cache.into(), enc, 1, &opts))?;
-        res.map(|_| t)
+        let t = timer.gpu(|enc| {
+            for _ in 0..calls {
+                if res.is_ok() {
+                    res = inputs.record(kind, shape, &mut attn, cache.into(), enc, 1, &opts);
+                }
+            }
+        })?;
+        res.map(|_| t / calls as f64)
     };
     let what = format!(
         "{} attention {}, ctx {ctx}",
@@ -130,14 +140,19 @@ fn batch(
     let inputs = Inputs::new(gpu, shape, n);
     let list: Vec<(SeqId, usize)> = seqs.iter().map(|&s| (s, 1)).collect();
     let mut attn = Attention::with_kernels(pool.kernels().clone());
-    attn.set_kernel(kernel_choice()?);
+    configure(&mut attn)?;
     let opts = AttentionOptions::default();
-    let mut kernel = || -> Result<f64> {
+    let mut kernel = |calls: usize| -> Result<f64> {
         let mut res = Ok(());
-        let kv = Kv::Batch(pool, &list);
-        let t = timer
-            .gpu(|enc| res = inputs.record(&Kind::Gqa, shape, &mut attn, kv, enc, n, &opts))?;
-        res.map(|_| t)
+        let t = timer.gpu(|enc| {
+            for _ in 0..calls {
+                let kv = Kv::Batch(pool, &list);
+                if res.is_ok() {
+                    res = inputs.record(&Kind::Gqa, shape, &mut attn, kv, enc, n, &opts);
+                }
+            }
+        })?;
+        res.map(|_| t / calls as f64)
     };
     let what = format!(
         "{} attention {}, {n} sequences x {ctx} rows",
@@ -147,8 +162,14 @@ fn batch(
     beside_copy(gpu, timer, cfg, rows, &what, bytes, Goal::Info, &mut kernel)
 }
 
-/// Times `kernel`, which reads `bytes` of KV, side by side with a device-to-device copy of as many
-/// bytes (up to [`MOST_COPY`]), and reports the kernel's read bandwidth over the copy's.
+/// Times `kernel`, which reads `bytes` of KV per call (`kernel(n)` records `n` calls back to back and
+/// returns the time of one), side by side with a device-to-device copy of as many bytes (up to
+/// [`MOST_COPY`]), and reports the kernel's read bandwidth over the copy's.
+///
+/// A GPU raises its clocks only under sustained work, and one call of a few hundred microseconds
+/// ends long before: on an H200 the first runs, one call per submission, swung by 2-8x between rows.
+/// So each sample is [`SAMPLE_SECONDS`] of calls back to back in one submission (one call on a CPU
+/// adapter, where a call takes longer), after at least [`WARM_SECONDS`] of the same work.
 #[allow(clippy::too_many_arguments)]
 fn beside_copy(
     gpu: &Gpu,
@@ -158,7 +179,7 @@ fn beside_copy(
     what: &str,
     bytes: u64,
     goal: Goal,
-    kernel: &mut dyn FnMut() -> Result<f64>,
+    kernel: &mut dyn FnMut(usize) -> Result<f64>,
 ) -> Result<()> {
     let moved = bytes.min(MOST_COPY.min(gpu.device.limits().max_buffer_size)) & !3;
     let buffer = |label| {
@@ -173,9 +194,27 @@ fn beside_copy(
         buffer("bench copy source"),
         buffer("bench copy destination"),
     );
-    let mut copy = || timer.gpu(|enc| enc.copy_buffer_to_buffer(&from, 0, &to, 0, moved));
-    let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
-    let [tk, tc] = interleaved(warm, reps, [kernel, &mut copy])?;
+    let copies = |calls: usize| {
+        timer
+            .gpu(|enc| {
+                for _ in 0..calls {
+                    enc.copy_buffer_to_buffer(&from, 0, &to, 0, moved)
+                }
+            })
+            .map(|t| t / calls as f64)
+    };
+    let per_sample = |one: f64| ((SAMPLE_SECONDS / one).ceil() as usize).clamp(1, MOST_CALLS);
+    let (nk, nc) = (per_sample(kernel(1)?), per_sample(copies(1)?));
+    let mut sampled = || kernel(nk);
+    let mut copy = || copies(nc);
+    let warming = std::time::Instant::now();
+    let mut warmed = 0;
+    while warmed < cfg.warm.min(2) || warming.elapsed().as_secs_f64() < WARM_SECONDS {
+        sampled()?;
+        copy()?;
+        warmed += 1;
+    }
+    let [tk, tc] = interleaved(0, cfg.reps.min(9), [&mut sampled, &mut copy])?;
     let read = bytes as f64 / tk / 1e9;
     let copied = 2.0 * moved as f64 / tc / 1e9;
     rows.push(
