@@ -458,9 +458,19 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         TeamSum::Alone => LANE_FLOATS_ALONE,
     };
     let rows = if two_rows { 2 } else { 1 };
+    // A GPU's lane holds its floats in registers (255 at most on NVIDIA's) and spills the rest to
+    // memory: there a subgroup team takes as many heads as fit the workgroup-memory kernel's budget,
+    // and one head up to the subgroup budget. On an H200 DeepSeek-V2-Lite's MLA in teams of 8 (f32)
+    // / 4 (f16) heads, 308 / 184 floats, summed through workgroup memory, took 0.36-0.49 (f32, 32k
+    // to 128k rows) and 0.53-0.66 (f16, 32k and 64k) of the time of the subgroup kernel's teams of
+    // 16 / 8, 596 / 344 floats (docs/benchmarks.md, "A real GPU").
+    let heads_within = match sum {
+        TeamSum::Subgroup if !dev.cpu => most.min(LANE_FLOATS_SHARED),
+        _ => most,
+    };
     let heads = HEAD_BATCHES.into_iter().find(|&h| {
-        group.is_multiple_of(h)
-            && stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a, rows) <= most
+        let floats = stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a, rows);
+        group.is_multiple_of(h) && (floats <= heads_within || (h == 1 && floats <= most))
     })?;
     // On a CPU adapter a subgroup team takes whole groups of several KV heads, within the same
     // register budget: its lanes then read a run of the row instead of one head's slice at the
@@ -1370,11 +1380,21 @@ mod tests {
         assert!(key.v_from_a && key.d_b == 64);
         // On a CPU adapter, two rows per iteration and eight of its 16 heads per team:
         // 8 x (72 + 64) + 2 x 72 registers per lane; the same for its quantized rows
-        // (8 x (80 + 64) + 2 x 80). A GPU's teams of 32 lanes hold 8 heads with one row
-        // (8 x (24 + 16) + 24) and keep one row per iteration.
+        // (8 x (80 + 64) + 2 x 80). A GPU's teams of 32 lanes keep one row per iteration and as
+        // many heads as LANE_FLOATS_SHARED holds, as the workgroup-memory kernel's do: 4 of 16-bit
+        // rows (4 x (24 + 16) + 24 = 184 floats; 8 would be 344), 8 of f32 (308).
         assert_eq!((key.heads, key.two_rows), (8, true));
-        let key = stream(plan(&mla(DType::BF16, 1, 4096), &GPU).unwrap()).unwrap();
-        assert_eq!((key.heads, key.two_rows, key.lanes), (8, false, 32));
+        for (dtype, heads) in [(DType::BF16, 4), (DType::F16, 4), (DType::F32, 8)] {
+            let key = stream(plan(&mla(dtype, 1, 4096), &GPU).unwrap()).unwrap();
+            assert_eq!(
+                (key.heads, key.two_rows, key.lanes),
+                (heads, false, 32),
+                "{dtype}"
+            );
+            let floats =
+                stream::lane_floats([dtype; 3], 32, heads as usize, [512, 64, 512], true, 1);
+            assert!(floats <= LANE_FLOATS_SHARED, "{dtype}: {floats}");
+        }
         for dtype in DType::QUANTIZED {
             let words = |e: usize| dtype.row_bytes(e).unwrap() as usize / 4;
             let s = CallShape {
