@@ -3,10 +3,12 @@
 # `.gl` loaders and the `.h200/bin.tgz` layout): the long part of the bench per kernel choice and
 # workgroup target, PyTorch on the same GPU at the same shapes, then the test suites on Vulkan and
 # OpenGL. Built here, run there:
-#   cargo build --release -p kvgpu-bench && cargo test --release --no-run
-#   copy target/release/kvgpu-bench and the test binaries (renamed test-<name>) into .h200/bin,
+#   cargo build --release -p kvgpu-bench && cargo build --release --examples
+#   cargo test --release --no-run
+#   copy target/release/kvgpu-bench, target/release/examples/decode and the test binaries (renamed
+#   test-<name>) into .h200/bin,
 #   strip them, tar czf .h200/bin.tgz -C .h200 bin
-#   device run: command "bash bench/h200/visit.sh", carry [".gl", ".h200/bin.tgz"], timeout_s 480
+#   device run: command "bash bench/h200/visit.sh", carry [".gl", ".h200/bin.tgz"], timeout_s 540
 # Everything it measures lands in $OUT (at most 8 files come back). About 6 minutes.
 set -u
 exec > >(tee -a "$OUT/log.txt") 2>&1
@@ -26,6 +28,16 @@ B=.h200/bin
 T0=$(date +%s)
 el() { echo $(($(date +%s) - T0)); }
 log() { echo "[$(el)s] $*"; }
+# Cold start, before anything else compiles: a fresh machine's driver has no shader cache, so the
+# first decode of each model compiles its pipelines (`prepare`'s line); the second finds them cached.
+if [ -x $B/decode ]; then
+  for m in llama3-8b deepseek-v2-lite; do
+    for run in cold warm; do
+      echo "$m f16 $run: $(WGPU_BACKEND=vulkan timeout 60 $B/decode --model $m --tokens 8 --prompt 16 \
+        --dtype f16 2>&1 | grep -E 'pipelines|verified|rror' | tr '\n' ' ')" | tee -a "$OUT/long.txt"
+    done
+  done
+fi
 # Kernel choice : workgroup target (`default`: the adapter's). Starts stop after LIMIT seconds.
 for cfg in ${CONFIGS:-auto:default subgroup:4096 subgroup:16384 shared:default shared:4096 shared:16384 tiled:4096}; do
   [ "$(el)" -lt "${LIMIT:-200}" ] || break

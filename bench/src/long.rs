@@ -2,9 +2,9 @@
 //! the device-to-device copy bandwidth measured side by side: #9's goal for real GPUs (GQA at least
 //! 0.8 of it), where a 4k layer would sit in the processor's L2 cache and say nothing about memory.
 //! The copy moves the same bytes the call reads (up to 1 GiB) and counts them twice, read and
-//! written, as `bench/h200/anchor.py` does for PyTorch on the same GPU. Then GQA decode of a batch of 16
-//! sequences of 4k and 16k rows each (4k alone in quick mode) from a paged pool, one query each:
-//! PyTorch's batch-16 shape. A context whose layer or pool does not fit the device's bindings is
+//! written, as `bench/h200/anchor.py` does for PyTorch on the same GPU. Then GQA decode of a batch
+//! of 16 sequences of 4k and 16k rows each (4k alone in quick mode) from a paged pool, one query
+//! each: PyTorch's batch-16 shape. A context whose layer or pool does not fit the device's bindings is
 //! skipped, with the reason.
 
 use anyhow::Result;
@@ -20,12 +20,12 @@ use crate::timing::{Timer, interleaved};
 const MOST_COPY: u64 = 1 << 30;
 /// Sequences of the batched rows, and the rows of their pool's pages.
 const BATCH: usize = 16;
+const PAGE: usize = 64;
 /// GPU time of one timed sample, and the most calls it records to get there.
 const SAMPLE_SECONDS: f64 = 2e-3;
 const MOST_CALLS: usize = 64;
 /// Wall time of the warm-up before the samples of one row.
 const WARM_SECONDS: f64 = 0.5;
-const PAGE: usize = 64;
 
 pub fn run(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
     let contexts: &[usize] = if cfg.quick {

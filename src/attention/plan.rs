@@ -672,7 +672,6 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
     )
 }
 
-/// Scratch bytes of one query in one chunk: the unnormalised output and (max, sum) per head.
 /// Most chunks one query's rows may be split into: their partial results fit one binding, pass 1
 /// fits the device's grid, and one reduce invocation walks them within the loop budget.
 fn most_chunks(s: &CallShape, dev: &DeviceFacts) -> usize {
@@ -684,6 +683,7 @@ fn most_chunks(s: &CallShape, dev: &DeviceFacts) -> usize {
     by_binding.min(by_reduce).min(dev.max_workgroups).max(1)
 }
 
+/// Scratch bytes of one query in one chunk: the unnormalised output and (max, sum) per head.
 fn query_chunk_bytes(s: &CallShape) -> u64 {
     s.n_heads as u64 * s.d_v.max(2) as u64 * 4
 }
@@ -1023,7 +1023,7 @@ mod tests {
                         )
                         .unwrap_or_else(|e| panic!("{target}: {e}\n{s:?} {dev:?}"));
                         let chunks = p.n_chunks();
-                        assert!(chunks * p.params.chunk_len as usize >= visible.min(s.visible));
+                        assert!(chunks * p.params.chunk_len as usize >= visible);
                         assert!(chunks <= most_chunks(&s, &dev).next_multiple_of(8));
                         // More workgroups never mean fewer chunks.
                         assert!(chunks >= last, "{target}: {chunks} < {last}\n{s:?} {dev:?}");
