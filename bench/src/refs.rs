@@ -1,5 +1,5 @@
-//! Reference kernels of the bench: the streaming-read roofline and the best plain copy kernel for the
-//! fused-QKV conversion. They set the bar kvgpu's kernels are measured against on the same adapter.
+//! Reference kernels of the bench: the streaming-read roofline, the best plain copy kernel for the
+//! fused-QKV conversion, and a device-to-device copy kernel. They set the bar kvgpu's kernels are measured against on the same adapter.
 
 use anyhow::Result;
 
@@ -185,6 +185,62 @@ impl StreamRead {
             best = best.min(t);
         }
         Ok(best)
+    }
+}
+
+/// A copy of 16-byte words from one storage buffer to another by compute invocations
+/// (`copy_vec4.wgsl`).
+pub struct CopyKernel {
+    pipe: wgpu::ComputePipeline,
+    group: wgpu::BindGroup,
+    workgroups: u32,
+}
+
+impl CopyKernel {
+    /// The copy of the first `bytes` (a multiple of 16) of `src` into `dst`, or `None` where the
+    /// device cannot bind that many bytes or they are not whole words.
+    pub fn new(
+        device: &wgpu::Device,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        bytes: u64,
+    ) -> Option<Self> {
+        let limit = device.limits().max_storage_buffer_binding_size;
+        let n_vec4 = u32::try_from(bytes / 16).ok()?;
+        if bytes > limit || !bytes.is_multiple_of(16) || n_vec4 == 0 {
+            return None;
+        }
+        let pipe = pipeline(
+            device,
+            "bench copy_vec4",
+            include_str!("../shaders/copy_vec4.wgsl"),
+        );
+        let workgroups = n_vec4.div_ceil(256).min(65535);
+        let params = uniform(
+            device,
+            bytemuck::cast_slice(&[n_vec4, workgroups * 256, 0, 0]),
+        );
+        let range = |buffer| {
+            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer,
+                offset: 0,
+                size: std::num::NonZeroU64::new(bytes),
+            })
+        };
+        let group = group(
+            device,
+            &pipe,
+            [range(src), range(dst), params.as_entire_binding()],
+        );
+        Some(Self {
+            pipe,
+            group,
+            workgroups,
+        })
+    }
+
+    pub fn record(&self, enc: &mut wgpu::CommandEncoder) {
+        dispatch(enc, &self.pipe, &self.group, self.workgroups);
     }
 }
 
