@@ -13,7 +13,7 @@ use kvgpu::{Attention, AttentionOptions, CacheSpec, DType, Gpu, Kv, KvCache, Pag
 
 use crate::Config;
 use crate::attn::{Inputs, Kind, Shape, configure, fill, fill_paged};
-use crate::refs::CopyKernel;
+use crate::refs::BoundKernel;
 use crate::report::{Goal, Row};
 use crate::timing::{Timer, interleaved};
 
@@ -208,7 +208,7 @@ fn beside_copy(
             .map(|t| t / calls as f64)
     };
     // The same copy by compute invocations, where the device binds that many bytes.
-    let by_kernel = CopyKernel::new(&gpu.device, &from, &to, moved);
+    let by_kernel = BoundKernel::copy(&gpu.device, &from, &to, moved);
     let kernel_copies = |calls: usize| match &by_kernel {
         Some(copy) => timer
             .gpu(|enc| (0..calls).for_each(|_| copy.record(enc)))

@@ -188,62 +188,6 @@ impl StreamRead {
     }
 }
 
-/// A copy of 16-byte words from one storage buffer to another by compute invocations
-/// (`copy_vec4.wgsl`).
-pub struct CopyKernel {
-    pipe: wgpu::ComputePipeline,
-    group: wgpu::BindGroup,
-    workgroups: u32,
-}
-
-impl CopyKernel {
-    /// The copy of the first `bytes` (a multiple of 16) of `src` into `dst`, or `None` where the
-    /// device cannot bind that many bytes or they are not whole words.
-    pub fn new(
-        device: &wgpu::Device,
-        src: &wgpu::Buffer,
-        dst: &wgpu::Buffer,
-        bytes: u64,
-    ) -> Option<Self> {
-        let limit = device.limits().max_storage_buffer_binding_size;
-        let n_vec4 = u32::try_from(bytes / 16).ok()?;
-        if bytes > limit || !bytes.is_multiple_of(16) || n_vec4 == 0 {
-            return None;
-        }
-        let pipe = pipeline(
-            device,
-            "bench copy_vec4",
-            include_str!("../shaders/copy_vec4.wgsl"),
-        );
-        let workgroups = n_vec4.div_ceil(256).min(65535);
-        let params = uniform(
-            device,
-            bytemuck::cast_slice(&[n_vec4, workgroups * 256, 0, 0]),
-        );
-        let range = |buffer| {
-            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                buffer,
-                offset: 0,
-                size: std::num::NonZeroU64::new(bytes),
-            })
-        };
-        let group = group(
-            device,
-            &pipe,
-            [range(src), range(dst), params.as_entire_binding()],
-        );
-        Some(Self {
-            pipe,
-            group,
-            workgroups,
-        })
-    }
-
-    pub fn record(&self, enc: &mut wgpu::CommandEncoder) {
-        dispatch(enc, &self.pipe, &self.group, self.workgroups);
-    }
-}
-
 /// Invocations per workgroup of the whole-row read (one SIMD vector of llvmpipe and lavapipe).
 const ROW_LANES: u32 = 8;
 /// 16-byte loads per invocation in one step of the whole-row read.
@@ -325,16 +269,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     )
 }
 
-/// The best plain kernel for K out of fused QKV f32 rows into packed f16 rows.
-pub struct QkvToF16 {
+/// A reference kernel with its bindings: the fused-QKV conversions and the copy kernel.
+pub struct BoundKernel {
     pipe: wgpu::ComputePipeline,
     bind: wgpu::BindGroup,
     groups: u32,
 }
 
-impl QkvToF16 {
+impl BoundKernel {
+    /// The best plain kernel for K out of fused QKV f32 rows into packed f16 rows.
     /// `src` holds `n_rows` rows of `row_elems` f32; K is `kv_elems` floats at `offset` of each row.
-    pub fn new(
+    pub fn qkv_to_f16(
         device: &wgpu::Device,
         src: &wgpu::Buffer,
         dst: &wgpu::Buffer,
@@ -357,7 +302,7 @@ impl QkvToF16 {
 
     /// The same conversion with 4-byte loads and stores, one output word per invocation: the access
     /// pattern of kvgpu's slab-write kernel, for the profile.
-    pub fn scalar(
+    pub fn qkv_to_f16_scalar(
         device: &wgpu::Device,
         src: &wgpu::Buffer,
         dst: &wgpu::Buffer,
@@ -388,21 +333,61 @@ impl QkvToF16 {
         outputs: u32,
         [kv, row, offset]: [u32; 3],
     ) -> Self {
-        let pipe = pipeline(device, label, source);
         let groups = outputs.div_ceil(256).clamp(1, 65535);
-        let params = uniform(
+        let params = [n_rows, kv, row, offset, groups * 256, 0, 0, 0];
+        let buffers = [src.as_entire_binding(), dst.as_entire_binding()];
+        Self::bound(device, label, source, buffers, &params, groups)
+    }
+
+    /// A device-to-device copy of the first `bytes` (a multiple of 16) of `src` into `dst` by compute
+    /// invocations (`copy_vec4.wgsl`), or `None` where the device cannot bind that many bytes.
+    pub fn copy(
+        device: &wgpu::Device,
+        src: &wgpu::Buffer,
+        dst: &wgpu::Buffer,
+        bytes: u64,
+    ) -> Option<Self> {
+        let n_vec4 = u32::try_from(bytes / 16).ok()?;
+        if bytes > device.limits().max_storage_buffer_binding_size
+            || !bytes.is_multiple_of(16)
+            || n_vec4 == 0
+        {
+            return None;
+        }
+        let groups = n_vec4.div_ceil(256).min(65535);
+        let range = |buffer| {
+            wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer,
+                offset: 0,
+                size: std::num::NonZeroU64::new(bytes),
+            })
+        };
+        let source = include_str!("../shaders/copy_vec4.wgsl");
+        let params = [n_vec4, groups * 256, 0, 0];
+        let buffers = [range(src), range(dst)];
+        Some(Self::bound(
             device,
-            bytemuck::cast_slice(&[n_rows, kv, row, offset, groups * 256, 0, 0, 0]),
-        );
-        let bind = group(
-            device,
-            &pipe,
-            [
-                src.as_entire_binding(),
-                dst.as_entire_binding(),
-                params.as_entire_binding(),
-            ],
-        );
+            "bench copy_vec4",
+            source,
+            buffers,
+            &params,
+            groups,
+        ))
+    }
+
+    /// The kernel of `source` over `buffers` (bindings 0 and 1) and a uniform of `params` (binding
+    /// 2), dispatched as `groups` workgroups.
+    fn bound(
+        device: &wgpu::Device,
+        label: &str,
+        source: &str,
+        [src, dst]: [wgpu::BindingResource<'_>; 2],
+        params: &[u32],
+        groups: u32,
+    ) -> Self {
+        let pipe = pipeline(device, label, source);
+        let params = uniform(device, bytemuck::cast_slice(params));
+        let bind = group(device, &pipe, [src, dst, params.as_entire_binding()]);
         Self { pipe, bind, groups }
     }
 

@@ -5,7 +5,7 @@ use anyhow::Result;
 use kvgpu::{CacheSpec, DType, Gpu, GpuSlab, KvCache, LayerSpec, SlotSpec};
 
 use crate::Config;
-use crate::refs::{QkvToF16, StreamRead, storage};
+use crate::refs::{BoundKernel, StreamRead, storage};
 use crate::report::{Goal, Row};
 use crate::timing::{Timer, interleaved, median};
 
@@ -108,7 +108,7 @@ pub fn run(
         shape: &shape,
         strides: Some(&strides),
     };
-    let reference = QkvToF16::new(
+    let reference = BoundKernel::qkv_to_f16(
         &gpu.device,
         &qkv,
         &plain,
@@ -117,7 +117,7 @@ pub fn run(
         Q_DIM as u32,
         KV as u32,
     );
-    let scalar = QkvToF16::scalar(
+    let scalar = BoundKernel::qkv_to_f16_scalar(
         &gpu.device,
         &qkv,
         &plain,
