@@ -108,14 +108,12 @@ fn one(
     let opts = AttentionOptions::default();
     let mut kernel = |calls: usize| -> Result<f64> {
         let mut res = Ok(());
-        let t = timer.gpu(|enc| {
-            for _ in 0..calls {
-                if res.is_ok() {
-                    res = inputs.record(kind, shape, &mut attn, cache.into(), enc, 1, &opts);
-                }
+        let t = timer.gpu_calls(calls, |enc| {
+            if res.is_ok() {
+                res = inputs.record(kind, shape, &mut attn, cache.into(), enc, 1, &opts);
             }
         })?;
-        res.map(|_| t / calls as f64)
+        res.map(|_| t)
     };
     let what = format!(
         "{} attention {}, ctx {ctx}",
@@ -146,15 +144,13 @@ fn batch(
     let opts = AttentionOptions::default();
     let mut kernel = |calls: usize| -> Result<f64> {
         let mut res = Ok(());
-        let t = timer.gpu(|enc| {
-            for _ in 0..calls {
+        let t = timer.gpu_calls(calls, |enc| {
+            if res.is_ok() {
                 let kv = Kv::Batch(pool, &list);
-                if res.is_ok() {
-                    res = inputs.record(&Kind::Gqa, shape, &mut attn, kv, enc, n, &opts);
-                }
+                res = inputs.record(&Kind::Gqa, shape, &mut attn, kv, enc, n, &opts);
             }
         })?;
-        res.map(|_| t / calls as f64)
+        res.map(|_| t)
     };
     let what = format!(
         "{} attention {}, {n} sequences x {ctx} rows",
@@ -198,21 +194,15 @@ fn beside_copy(
         buffer("bench copy source"),
         buffer("bench copy destination"),
     );
-    let copies = |calls: usize| {
-        timer
-            .gpu(|enc| {
-                for _ in 0..calls {
-                    enc.copy_buffer_to_buffer(&from, 0, &to, 0, moved)
-                }
-            })
-            .map(|t| t / calls as f64)
+    let copies = |calls| {
+        timer.gpu_calls(calls, |enc| {
+            enc.copy_buffer_to_buffer(&from, 0, &to, 0, moved)
+        })
     };
     // The same copy by compute invocations, where the device binds that many bytes.
     let by_kernel = BoundKernel::copy(&gpu.device, &from, &to, moved);
     let kernel_copies = |calls: usize| match &by_kernel {
-        Some(copy) => timer
-            .gpu(|enc| (0..calls).for_each(|_| copy.record(enc)))
-            .map(|t| t / calls as f64),
+        Some(copy) => timer.gpu_calls(calls, |enc| copy.record(enc)),
         None => Ok(f64::INFINITY),
     };
     let per_sample = |one: f64| ((SAMPLE_SECONDS / one).ceil() as usize).clamp(1, MOST_CALLS);

@@ -1,5 +1,6 @@
 //! Reference kernels of the bench: the streaming-read roofline, the best plain copy kernel for the
-//! fused-QKV conversion, and a device-to-device copy kernel. They set the bar kvgpu's kernels are measured against on the same adapter.
+//! fused-QKV conversion, and a device-to-device copy kernel. They set the bar kvgpu's kernels are
+//! measured against on the same adapter.
 
 use anyhow::Result;
 

@@ -128,6 +128,17 @@ impl Timer {
         Ok(ticks[1].saturating_sub(ticks[0]) as f64 * ts.period_ns * 1e-9)
     }
 
+    /// Seconds per call of `calls` calls that `record` puts back to back in one encoder (one
+    /// submission, timed as [`Timer::gpu`] times it).
+    pub fn gpu_calls(
+        &self,
+        calls: usize,
+        mut record: impl FnMut(&mut wgpu::CommandEncoder),
+    ) -> Result<f64> {
+        let t = self.gpu(|enc| (0..calls).for_each(|_| record(enc)))?;
+        Ok(t / calls as f64)
+    }
+
     /// Waits until the queue is idle.
     pub fn wait(&self) -> Result<()> {
         self.device
