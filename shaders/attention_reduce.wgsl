@@ -1,7 +1,10 @@
 // Attention, pass 2 of 2: merges the per-chunk partials of attention_partial.wgsl into the output.
 // Workgroups per query: one per head on GPUs; on CPU adapters a few, each merging every few heads
 // (head h by workgroup h mod the grid's width), so that per-workgroup costs stay small. Chunks that
-// saw no row of the query (sum 0) are skipped.
+// saw no row of the query (sum 0) are skipped. Two entry points: `main`, whose every invocation walks
+// all of a head's chunks for its own output elements (CPU adapters, where a barrier costs more than a
+// loop), and `split` (GPUs), whose invocations split the chunks between them and merge through
+// workgroup memory.
 
 // The lowest finite f32, as in attention_partial.wgsl.
 const NEG: f32 = -3.4028234e38;
@@ -49,6 +52,16 @@ fn store4(qi: u32, h: u32, d: u32, o: vec4<f32>) {
     if d + 3u < p.d_v { out[view_at(p.view_out, qi, h, d + 3u)] = o.w; }
 }
 
+// The bindings hold the pair's partial results and the output: the query `local` of this pair, or
+// false (uniform: workgroup id and uniforms).
+fn pair_fits(local: u32) -> bool {
+    let rows = p.q_count * p.n_heads;
+    return !(local >= p.q_count || p.q_first >= p.n_q || p.q_count > p.n_q - p.q_first
+        || !view_fits(p.view_out, p.n_q, p.n_heads, p.d_v, arrayLength(&out))
+        || p.n_chunks * rows > arrayLength(&stats)
+        || p.n_chunks * rows > (4u * arrayLength(&part)) / max(p.d_v, 1u));
+}
+
 @compute @workgroup_size(LANES)
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
@@ -58,11 +71,7 @@ fn main(
     // The query among this pair's partial results, and among all n_q.
     let local = wg.y;
     let qi = p.q_first + local;
-    let rows = p.q_count * p.n_heads;
-    if local >= p.q_count || p.q_first >= p.n_q || p.q_count > p.n_q - p.q_first
-        || !view_fits(p.view_out, p.n_q, p.n_heads, p.d_v, arrayLength(&out))
-        || p.n_chunks * rows > arrayLength(&stats)
-        || p.n_chunks * rows > (4u * arrayLength(&part)) / max(p.d_v, 1u) {
+    if !pair_fits(local) {
         return;
     }
     let whole = p.d_v % 4u == 0u;
@@ -108,5 +117,92 @@ fn main(
             store4(qi, h, d[2], o2 * inv);
             store4(qi, h, d[3], o3 * inv);
         }
+    }
+}
+
+// Invocations per workgroup of `split` (plan.rs's REDUCE_SPLIT_LANES).
+const SPLIT: u32 = 256u;
+// Most output vectors of 4 that one pass of `split` merges: the rest of its invocations take every
+// further chunk, so a head of 128 elements walks its chunks in 8 strides.
+const SPLIT_COLUMNS: u32 = 64u;
+// (max, sum) of each invocation's chunks, then of their pairs, halving (a tree).
+var<workgroup> split_stats: array<vec2<f32>, SPLIT>;
+// Each invocation's weighted sum of its chunks for one output vector, then merged as a tree.
+var<workgroup> split_out: array<vec4<f32>, SPLIT>;
+
+// Two (max, sum) pairs as one: each sum rescaled to the larger max. An empty pair (NEG, 0) adds 0.
+fn merge_stats(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
+    let m = max(a.x, b.x);
+    return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
+}
+
+// The same merge as `main` for GPUs, where one invocation per output element walking every chunk
+// waits on one load after another: invocation i takes chunks i, i + SPLIT, ... for the head's (max,
+// sum), merged through workgroup memory; then, per pass of up to SPLIT_COLUMNS output vectors, the
+// invocations of each column take every (SPLIT / columns)-th chunk, and their sums are merged the
+// same way. Every loop bound and branch around a barrier is uniform.
+@compute @workgroup_size(SPLIT)
+fn split(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) grid: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let local = wg.y;
+    let qi = p.q_first + local;
+    if !pair_fits(local) {
+        return;
+    }
+    let whole = p.d_v % 4u == 0u;
+    // Output vectors, the columns of one pass (a power of two), and the invocations per column.
+    let vecs = (p.d_v + 3u) / 4u;
+    let columns = min(1u << (32u - countLeadingZeros(max(vecs, 2u) - 1u)), SPLIT_COLUMNS);
+    let strides = SPLIT / columns;
+    let col = lid % columns;
+    let stride = lid / columns;
+    for (var h = wg.x; h < p.n_heads; h += grid.x) {
+        var st = vec2<f32>(NEG, 0.0);
+        for (var c = lid; c < p.n_chunks; c += SPLIT) {
+            let s = stats[(c * p.q_count + local) * p.n_heads + h];
+            if s.y > 0.0 {
+                st = merge_stats(st, s);
+            }
+        }
+        split_stats[lid] = st;
+        workgroupBarrier();
+        for (var half = SPLIT / 2u; half > 0u; half >>= 1u) {
+            if lid < half {
+                split_stats[lid] = merge_stats(split_stats[lid], split_stats[lid + half]);
+            }
+            workgroupBarrier();
+        }
+        let total = split_stats[0];
+        let m = total.x;
+        let inv = select(0.0, 1.0 / total.y, total.y > 0.0);
+        for (var v0 = 0u; v0 < vecs; v0 += columns) {
+            let d = 4u * (v0 + col);
+            var o = vec4<f32>(0.0);
+            for (var c = stride; c < p.n_chunks; c += strides) {
+                let s = (c * p.q_count + local) * p.n_heads + h;
+                let w = stats[s];
+                if w.y > 0.0 {
+                    add4(&o, s, d, whole, exp(w.x - m));
+                }
+            }
+            split_out[lid] = o;
+            workgroupBarrier();
+            for (var half = strides / 2u; half > 0u; half >>= 1u) {
+                if stride < half {
+                    split_out[lid] = split_out[lid] + split_out[lid + half * columns];
+                }
+                workgroupBarrier();
+            }
+            if stride == 0u {
+                store4(qi, h, d, split_out[lid] * inv);
+            }
+            // Every invocation has read what it needs before the next pass writes.
+            workgroupBarrier();
+        }
+        // And `total` before the next head's (max, sum) (no pass at all where d_v is 0).
+        workgroupBarrier();
     }
 }

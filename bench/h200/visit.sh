@@ -10,6 +10,7 @@
 #   strip them, tar czf .h200/bin.tgz -C .h200 bin
 #   device run: command "bash bench/h200/visit.sh", carry [".gl", ".h200/bin.tgz"], timeout_s 540
 # Everything it measures lands in $OUT (at most 8 files come back). About 6 minutes.
+# TORCH=0 and TESTS=0 leave out PyTorch and the suites (a sweep alone, when device time is short).
 set -u
 exec > >(tee -a "$OUT/log.txt") 2>&1
 for f in .gl/*.deb; do dpkg -x "$f" /; done
@@ -38,21 +39,28 @@ if [ -x $B/decode ]; then
     done
   done
 fi
-# Kernel choice : workgroup target (`default`: the adapter's). Starts stop after LIMIT seconds.
+# [build/]kernel choice:workgroup target (`default`: the adapter's); `build/` runs
+# $B/kvgpu-bench-<build> in place of $B/kvgpu-bench (builds of other constants, side by side).
+# Starts stop after LIMIT seconds.
 for cfg in ${CONFIGS:-auto:default subgroup:4096 subgroup:16384 shared:default shared:4096 shared:16384 tiled:4096}; do
   [ "$(el)" -lt "${LIMIT:-200}" ] || break
+  bench=$B/kvgpu-bench
+  case $cfg in */*) bench=$B/kvgpu-bench-${cfg%%/*} cfg=${cfg#*/} ;; esac
   k=${cfg%:*} w=${cfg#*:}
-  log "long part, kernel $k, workgroups $w"
+  log "long part, $(basename "$bench"), kernel $k, workgroups $w"
   if [ "$w" = default ]; then unset KVGPU_BENCH_WORKGROUPS; else export KVGPU_BENCH_WORKGROUPS=$w; fi
-  KVGPU_BENCH_KERNEL=$k WGPU_BACKEND=vulkan timeout 90 $B/kvgpu-bench --only long \
+  KVGPU_BENCH_KERNEL=$k WGPU_BACKEND=vulkan timeout 90 $bench --only long \
     --json /tmp/long.json --plot /tmp/long.svg > /tmp/long.txt 2>&1
   echo "rc=$?"
   grep -E 'us \(|skipped|rror' /tmp/long.txt | sed -e 's/ layer attention//' -e 's/Llama-3-8B //' \
-    -e 's/DeepSeek-V2-Lite //' | sed "s/^/$k $w: /" | tee -a "$OUT/long.txt"
+    -e 's/DeepSeek-V2-Lite //' | sed "s/^/$(basename "$bench") $k $w: /" | tee -a "$OUT/long.txt"
 done
 unset KVGPU_BENCH_WORKGROUPS
+[ "${TORCH:-1}" = 0 ] || {
 log "PyTorch"
 PYTHONUNBUFFERED=1 timeout 120 python3 bench/h200/anchor.py 2>&1 | tee "$OUT/torch.txt"
+}
+[ "${TESTS:-1}" = 0 ] && { log done; exit 0; }
 log "tests on Vulkan"
 export RUSTC_BOOTSTRAP=1 # for libtest's --report-time
 for t in $B/test-*; do
@@ -66,6 +74,6 @@ grep -hE 'FAILED|panicked' /tmp/vk-test-*.txt | head -10
 echo "slowest:"
 grep -hE '^test .* ok <[0-9.]+s>' /tmp/vk-test-*.txt | awk -F'<' '{print $2, $1}' | sort -n | tail -6
 log "attention tests on OpenGL"
-WGPU_BACKEND=gl timeout 100 $B/test-attention --test-threads=1 > "$OUT/tests-gl.txt" 2>&1
+WGPU_BACKEND=gl timeout "${GL_SECONDS:-100}" $B/test-attention --test-threads=1 > "$OUT/tests-gl.txt" 2>&1
 grep -E '^test result|panicked|found none' "$OUT/tests-gl.txt" | head -5
 log done

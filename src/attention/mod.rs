@@ -453,7 +453,9 @@ impl Attention {
 
     /// How many workgroups pass 1 of later calls aims for, splitting the visible rows into chunks
     /// (each KV head, or team of KV heads, times each chunk is a workgroup), or `None` for the
-    /// adapter's default: 1,024 on GPUs, a few per host thread on CPU adapters. More chunks give a
+    /// adapter's default: on GPUs 4,096 for values of up to 128 elements, proportionally fewer for
+    /// longer values down to 1,024 (1,024 for the tiled kernel), a few per host thread on CPU
+    /// adapters. More chunks give a
     /// long context more parallelism and the reduce pass more partial results to merge. A chunk never
     /// gets fewer than 16 rows (64 for a team of one invocation), nor more than the loop budget
     /// allows, and the chunks stay within the device's workgroup and binding limits, so any target

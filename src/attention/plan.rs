@@ -11,7 +11,8 @@
 use super::stream::{self, ALONE_TEAMS, StreamKey, TeamSum};
 use crate::codec::DType;
 use crate::kernels::{
-    AttnParams, HEAD_BATCHES, REDUCE_LANES, ROWS_PER_INVOCATION, TILED_WORKGROUP_BYTES,
+    AttnParams, HEAD_BATCHES, REDUCE_LANES, REDUCE_SPLIT_BYTES, REDUCE_SPLIT_LANES,
+    ROWS_PER_INVOCATION, TILED_WORKGROUP_BYTES,
 };
 pub(crate) use crate::placement::Paging;
 
@@ -19,8 +20,19 @@ pub(crate) use crate::placement::Paging;
 pub(crate) const TILE: usize = 64;
 /// Most loop iterations one invocation may run: well below Mesa's silent limit of 65,535.
 pub(crate) const LOOP_BUDGET: usize = 49_152;
-/// Pass 1 aims for at least this many workgroups, so that a single decode query fills a large GPU.
+/// Pass 1 aims for at least this many workgroups, so that a single decode query fills a large GPU
+/// (the tiled kernel's default on GPUs).
 const TARGET_WORKGROUPS: usize = 1024;
+/// The streaming kernels' default on GPUs for values of [`GPU_TARGET_D_V`] elements or fewer; for
+/// longer values proportionally fewer, down to [`TARGET_WORKGROUPS`]: the reduce merges values of
+/// `d_v` elements from every chunk, so its work grows with both. On an H200 (docs/benchmarks.md,
+/// 2026-12-04) Llama-3-8B's GQA decode (d_v 128, 8 teams, four rows per iteration) at 32k-128k
+/// rows took 0.66-0.86 (f32) and 0.80-0.89 (f16) of its time at 1,024 with 4,096 (512 chunks per
+/// team). 2,048 took 0.79-0.92 of 4,096's time in f32 but 1.16-1.27 in f16; 8,192 and 16,384 were
+/// slower but for f32 at 128k (8,192: 0.97). DeepSeek-V2-Lite's MLA (d_v 512) was fastest at 1,024
+/// of 1,024, 2,048 and 4,096.
+const TARGET_WORKGROUPS_GPU: usize = 4096;
+const GPU_TARGET_D_V: usize = 128;
 /// The largest workgroup target an app's is taken as: more than any plan can use (a query's chunks
 /// stay within the device's grid), and small enough for the planner's arithmetic on 32-bit targets.
 const MOST_TARGET: usize = 1 << 24;
@@ -38,7 +50,7 @@ const STREAM_WORKGROUPS_CPU: usize = 32;
 /// their attention took 1.03-1.08x the f16 time at 16k; with 4, 0.78-0.86x.
 pub(crate) const LANE_FLOATS: usize = 656;
 /// The same for MLA's subgroup kernel on CPU adapters, which takes two rows per loop iteration
-/// ([`StreamKey::two_rows`]; both rows' elements count): DeepSeek-V2-Lite's f32 and f16 latent rows
+/// ([`StreamKey::step_rows`] 2; both rows' elements count): DeepSeek-V2-Lite's f32 and f16 latent rows
 /// take 8 heads per team (1,232 floats), so each row is loaded by 2 teams instead of 4, and each
 /// spilled query element and accumulator serves two rows. On lavapipe its decode at 4k took
 /// 0.69-0.81 of the time of 4 heads and one row per iteration (f32, f16; q8_0, q4_0 and bf16
@@ -77,6 +89,14 @@ const ALONE_MIN_ROWS: usize = 64;
 /// one invocation that takes blocks of rows through a page table may take one block,
 /// [`stream::ALONE_BLOCK_ROWS`] rows, more than a chunk.)
 const STREAM_MAX_ROWS: usize = LOOP_BUDGET - 1 - stream::ALONE_BLOCK_ROWS as usize;
+/// Rows of one loop iteration of GQA's subgroup teams on GPUs over a contiguous cache
+/// ([`StreamKey::step_rows`]): a team of one subgroup walks its chunk waiting on each row's loads,
+/// and a second row per iteration puts more loads in flight at once. On an H200 (4,096
+/// workgroups, Llama-3-8B at 32k-128k rows) two rows took 0.89-0.92 of the time of one in f32 and
+/// the same within 1% in f16, and four rows 1.13-1.24 and 1.33-1.35 of it. A ragged batch through
+/// a page table took 1.35-1.36 of the time with two rows (f32; f16 the same), so paged rows keep
+/// one.
+pub(crate) const GPU_STEP_ROWS: u32 = 2;
 /// Lanes of a streaming team summed through workgroup memory: on CPU adapters 8 (one SIMD vector of
 /// llvmpipe), elsewhere 32.
 const SHARED_LANES_CPU: u32 = 8;
@@ -324,6 +344,18 @@ pub(crate) fn pass1_iterations_per_tile(
 /// Loop iterations of one reduce invocation (`attention_reduce.wgsl`, workgroups of `lanes`) over
 /// `n_chunks`.
 pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize, lanes: u32) -> usize {
+    if lanes == REDUCE_SPLIT_LANES {
+        // `split`: the invocation's share of the chunks for (max, sum), their tree, then per pass
+        // of up to 64 output vectors its share of the chunks and that pass's tree.
+        let lanes = lanes as usize;
+        let vecs = d_v.div_ceil(4);
+        let columns = vecs.max(2).next_power_of_two().min(64);
+        let strides = lanes / columns;
+        let tree = |n: usize| n.trailing_zeros() as usize;
+        return n_chunks.div_ceil(lanes)
+            + tree(lanes)
+            + vecs.div_ceil(columns) * (1 + n_chunks.div_ceil(strides) + tree(strides));
+    }
     // The max and the sum, then per pass of 16 elements per invocation one walk over the chunks.
     2 * n_chunks + d_v.div_ceil(16 * lanes as usize) * (1 + n_chunks)
 }
@@ -331,10 +363,16 @@ pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize, lanes: u32) -> usiz
 /// Invocations per reduce workgroup: on a CPU adapter 8, one SIMD vector, so that each head's max
 /// and sum are worked out once per workgroup rather than once per vector of 8 (a 128-sequence
 /// batch's reduce took 25 of its 118 ms on llvmpipe with 64), unless an invocation's share of a long
-/// call's chunks would pass the loop budget; 64 on GPUs.
-fn reduce_lanes(n_chunks: usize, d_v: usize, cpu: bool) -> u32 {
-    let [wide, narrow] = REDUCE_LANES;
-    if cpu && reduce_iterations(n_chunks, d_v, narrow) + 1 < LOOP_BUDGET {
+/// call's chunks would pass the loop budget (then 64). On GPUs [`REDUCE_SPLIT_LANES`], which split
+/// the chunks between them, where the device has the workgroup memory: there an invocation that
+/// walks every chunk waits on one load after another, and a single query's reduce, one workgroup
+/// per head, was most of the call. On an H200, Llama-3-8B's decode (32 heads) at 32k rows took
+/// 2.66-2.80 ms with 2,048 chunks per KV head, against 0.35-0.49 with 128 (docs/benchmarks.md).
+fn reduce_lanes(n_chunks: usize, d_v: usize, dev: &DeviceFacts) -> u32 {
+    let [wide, narrow, split] = REDUCE_LANES;
+    if !dev.cpu && dev.workgroup_bytes >= REDUCE_SPLIT_BYTES {
+        split
+    } else if dev.cpu && reduce_iterations(n_chunks, d_v, narrow) + 1 < LOOP_BUDGET {
         narrow
     } else {
         wide
@@ -448,8 +486,14 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         (TeamSum::Alone, _) => 1,
     };
     let group = s.n_heads / s.n_kv;
-    // MLA on a CPU adapter with subgroups: two rows per iteration, and more heads per team.
-    let two_rows = dev.cpu && sum == TeamSum::Subgroup && s.v_from_a;
+    // MLA on a CPU adapter with subgroups: two rows per iteration, and more heads per team. GQA on
+    // a GPU with subgroups: GPU_STEP_ROWS rows per iteration.
+    let step_rows = match sum {
+        TeamSum::Subgroup if dev.cpu && s.v_from_a => 2,
+        TeamSum::Subgroup if !dev.cpu && !s.v_from_a && s.paging.is_none() => GPU_STEP_ROWS,
+        _ => 1,
+    };
+    let two_rows = dev.cpu && step_rows == 2;
     let most = match sum {
         TeamSum::Subgroup if two_rows => LANE_FLOATS_TWO_ROWS,
         TeamSum::Subgroup => LANE_FLOATS,
@@ -457,7 +501,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         TeamSum::Shared => LANE_FLOATS_SHARED,
         TeamSum::Alone => LANE_FLOATS_ALONE,
     };
-    let rows = if two_rows { 2 } else { 1 };
+    let rows = step_rows as usize;
     // A GPU's lane holds its floats in registers (255 at most on NVIDIA's) and spills the rest to
     // memory: there a subgroup team takes as many heads as fit the workgroup-memory kernel's budget,
     // and one head up to the subgroup budget. On an H200 DeepSeek-V2-Lite's MLA in teams of 8 (f32)
@@ -496,7 +540,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         // Left out only where a branch costs (see `StreamKey::soft_cap`): elsewhere one kernel
         // serves calls with and without a cap (fewer cold compiles on GL).
         soft_cap: s.soft_cap > 0.0 || !(dev.cpu && sum == TeamSum::Subgroup),
-        two_rows,
+        step_rows,
         // A CPU adapter loads a storage vector component by component, lane by lane: 64-bit
         // components halve that. GPUs keep 32-bit words (their 16-byte loads are one instruction).
         wide: dev.cpu && dev.int64,
@@ -538,12 +582,13 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     // In (team, chunk) pairs: a workgroup holds `per * width` of them (8 one-invocation teams).
     let target = if let Some(n) = dev.target {
         n.min(MOST_TARGET) * per * width
-    } else if dev.cpu && (key.kvs > 1 || key.two_rows) {
+    } else if dev.cpu && (key.kvs > 1 || key.step_rows > 1) {
         KV_TEAM_WORKGROUPS_PER_CORE * dev.cores.max(1) * per * width
     } else if dev.cpu {
         STREAM_WORKGROUPS_CPU * per * width
     } else {
-        TARGET_WORKGROUPS
+        (TARGET_WORKGROUPS_GPU * GPU_TARGET_D_V / s.d_v.max(1))
+            .clamp(TARGET_WORKGROUPS, TARGET_WORKGROUPS_GPU)
     };
     let (lo, rows) = seen_rows(s);
     // One loop iteration per row: chunks stay within the loop budget, and are at least `shortest`
@@ -771,7 +816,7 @@ fn finish(
         direct: 0,
         _pad: [0; 3],
     };
-    let reduce_lanes = reduce_lanes(n_chunks, s.d_v, dev.cpu);
+    let reduce_lanes = reduce_lanes(n_chunks, s.d_v, dev);
     Ok(Dispatch {
         params,
         kernel,
@@ -1069,7 +1114,7 @@ mod tests {
         // DeepSeek's MLA on the CPU adapter: 2 teams of 8 heads that take two rows per iteration,
         // on the same 4 workgroups per host thread.
         let d = plan(&mla(DType::F16, 1, 4096), &LAVAPIPE).unwrap();
-        assert!(matches!(d.kernel, Pass1::Stream(k) if k.two_rows && k.heads == 8));
+        assert!(matches!(d.kernel, Pass1::Stream(k) if k.step_rows == 2 && k.heads == 8));
         assert_eq!(d.pass1, (4, 2));
     }
 
@@ -1123,7 +1168,8 @@ mod tests {
     fn cpu_adapters_reduce_with_one_vector_unless_the_chunks_need_more_lanes() {
         let mut fallbacks = 0;
         for dev in devices() {
-            // Decode and a 128-sequence batch: few chunks, 8 lanes on a CPU adapter, 64 on a GPU.
+            // Decode and a 128-sequence batch: few chunks, 8 lanes on a CPU adapter; a GPU splits
+            // the chunks between 256.
             let decode = gqa(DType::F16, 1, 32, 8, 128, 4096);
             let batch = CallShape {
                 n_q: 128,
@@ -1139,7 +1185,7 @@ mod tests {
                 }),
                 ..decode
             };
-            let lanes = if dev.cpu { 8 } else { 64 };
+            let lanes = if dev.cpu { 8 } else { REDUCE_SPLIT_LANES };
             for s in [decode, batch, mla(DType::F16, 1, 4096)] {
                 let p = match plan(&s, &dev) {
                     Ok(p) => p,
@@ -1167,7 +1213,11 @@ mod tests {
                 }
             };
             let narrow_fits = reduce_iterations(p.n_chunks(), 512, 8) < LOOP_BUDGET - 1;
-            let expected = if dev.cpu && narrow_fits { 8 } else { 64 };
+            let expected = match (dev.cpu, narrow_fits) {
+                (true, true) => 8,
+                (true, false) => 64,
+                (false, _) => REDUCE_SPLIT_LANES,
+            };
             assert_eq!(p.reduce_lanes, expected, "{dev:?}: {} chunks", p.n_chunks());
             assert!(worst_iterations(&far, &p) < LOOP_BUDGET);
             fallbacks += usize::from(dev.cpu && !narrow_fits);
@@ -1383,12 +1433,12 @@ mod tests {
         // (8 x (80 + 64) + 2 x 80). A GPU's teams of 32 lanes keep one row per iteration and as
         // many heads as LANE_FLOATS_SHARED holds, as the workgroup-memory kernel's do: 4 of 16-bit
         // rows (4 x (24 + 16) + 24 = 184 floats; 8 would be 344), 8 of f32 (308).
-        assert_eq!((key.heads, key.two_rows), (8, true));
+        assert_eq!((key.heads, key.step_rows), (8, 2));
         for (dtype, heads) in [(DType::BF16, 4), (DType::F16, 4), (DType::F32, 8)] {
             let key = stream(plan(&mla(dtype, 1, 4096), &GPU).unwrap()).unwrap();
             assert_eq!(
-                (key.heads, key.two_rows, key.lanes),
-                (heads, false, 32),
+                (key.heads, key.step_rows, key.lanes),
+                (heads, 1, 32),
                 "{dtype}"
             );
             let floats =
@@ -1403,7 +1453,7 @@ mod tests {
                 ..mla(DType::F16, 1, 4096)
             };
             let key = stream(plan(&s, &LAVAPIPE).unwrap()).unwrap();
-            assert_eq!((key.heads, key.two_rows), (8, true), "{dtype}");
+            assert_eq!((key.heads, key.step_rows), (8, 2), "{dtype}");
         }
         // A head of 6 elements is not a whole number of vectors: the tiled kernel, or a refusal
         // when a streaming kernel is forced.

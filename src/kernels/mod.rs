@@ -101,8 +101,15 @@ fn storage_layout(device: &wgpu::Device, label: &str, read_only: &[bool]) -> wgp
 }
 
 /// Invocations of a reduce workgroup (`attention_reduce.wgsl`): 64, and 8 (one SIMD vector) on CPU
-/// adapters where an invocation's loops stay within the loop budget.
-pub(crate) const REDUCE_LANES: [u32; 2] = [64, 8];
+/// adapters where an invocation's loops stay within the loop budget, each walking every chunk
+/// (`main`); [`REDUCE_SPLIT_LANES`] on GPUs, splitting the chunks between them (`split`).
+pub(crate) const REDUCE_LANES: [u32; 3] = [64, 8, REDUCE_SPLIT_LANES];
+
+/// Invocations of the reduce that splits a head's chunks between them (`SPLIT` of
+/// `attention_reduce.wgsl`'s `split`), and the bytes of its workgroup memory: a (max, sum) pair and
+/// a vector of 4 f32 per invocation.
+pub(crate) const REDUCE_SPLIT_LANES: u32 = 256;
+pub(crate) const REDUCE_SPLIT_BYTES: u64 = REDUCE_SPLIT_LANES as u64 * (8 + 16);
 
 /// One kernel: its shader module and pipeline layout; pipelines are made from them per variant.
 #[derive(Debug)]
@@ -172,7 +179,7 @@ struct AttentionKernels {
     partial_pipelines: Mutex<HashMap<PartialKey, wgpu::ComputePipeline>>,
     reduce: Kernel,
     /// The reduce pipeline of each workgroup size of [`REDUCE_LANES`], made on first use.
-    reduce_pipelines: [OnceLock<wgpu::ComputePipeline>; 2],
+    reduce_pipelines: [OnceLock<wgpu::ComputePipeline>; 3],
     /// Generated streaming pass-1 pipelines by shape.
     stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
 }
@@ -628,11 +635,11 @@ impl Kernels {
     pub(crate) fn attention_reduce(&self, lanes: u32) -> &wgpu::ComputePipeline {
         let kernels = self.attention();
         let i = REDUCE_LANES.iter().position(|&l| l == lanes).unwrap_or(0);
-        kernels.reduce_pipelines[i].get_or_init(|| {
-            let lanes = f64::from(REDUCE_LANES[i]);
-            kernels
+        kernels.reduce_pipelines[i].get_or_init(|| match REDUCE_LANES[i] {
+            REDUCE_SPLIT_LANES => kernels.reduce.pipeline(&self.device, "split", &[]),
+            lanes => kernels
                 .reduce
-                .pipeline(&self.device, "main", &[("LANES", lanes)])
+                .pipeline(&self.device, "main", &[("LANES", f64::from(lanes))]),
         })
     }
 }
@@ -792,21 +799,25 @@ mod tests {
     use super::wgsl::WGSL_LAYOUTS;
     use super::*;
 
-    /// The tiled kernel's workgroup variables take the bytes the planner asks a device for (naga is
-    /// a native dev-dependency).
+    /// The tiled kernel's and the split reduce's workgroup variables take the bytes the planner
+    /// asks a device for (naga is a native dev-dependency; the reduce's `main` has none).
     #[cfg(not(target_arch = "wasm32"))]
     #[test]
-    fn the_tiled_kernel_uses_the_workgroup_memory_a_device_is_asked_for() {
-        let module = naga::front::wgsl::parse_str(wgsl::ATTENTION_PARTIAL).unwrap();
-        let mut layouter = naga::proc::Layouter::default();
-        layouter.update(module.to_ctx()).unwrap();
-        let bytes: u32 = module
-            .global_variables
-            .iter()
-            .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
-            .map(|(_, v)| layouter[v.ty].size)
-            .sum();
-        assert_eq!(u64::from(bytes), TILED_WORKGROUP_BYTES);
+    fn kernels_use_the_workgroup_memory_a_device_is_asked_for() {
+        let bytes = |source: &str| {
+            let module = naga::front::wgsl::parse_str(source).unwrap();
+            let mut layouter = naga::proc::Layouter::default();
+            layouter.update(module.to_ctx()).unwrap();
+            let bytes: u32 = module
+                .global_variables
+                .iter()
+                .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
+                .map(|(_, v)| layouter[v.ty].size)
+                .sum();
+            u64::from(bytes)
+        };
+        assert_eq!(bytes(wgsl::ATTENTION_PARTIAL), TILED_WORKGROUP_BYTES);
+        assert_eq!(bytes(wgsl::ATTENTION_REDUCE), REDUCE_SPLIT_BYTES);
     }
 
     /// A device below any of the cache's needed limits is refused, naming that limit; WebGPU's

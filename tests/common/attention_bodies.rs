@@ -299,22 +299,21 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
         .copied()
         .filter(|&k| k != KernelChoice::Tiled)
         .collect();
-    for (target, kernels) in [(usize::MAX, &all), (1, &streaming)] {
+    // At the largest target a longer call too, whose 16-row chunks outnumber the GPU reduce's 256
+    // invocations, so that each takes several for the (max, sum).
+    let mut long_cases = PLAN_CASES.to_vec();
+    long_cases.push(Gqa {
+        visible: 4500,
+        ..PLAN_CASES[0]
+    });
+    for (target, kernels, cases) in [
+        (usize::MAX, &all, &long_cases[..]),
+        (1, &streaming, &PLAN_CASES[..]),
+    ] {
         att.set_target_workgroups(std::num::NonZeroUsize::new(target));
         let what = format!("as for a GPU, aiming for {target} workgroups");
         let f32 = [DType::F32];
-        check_kernels(
-            g,
-            &mut att,
-            kernels,
-            &PLAN_CASES,
-            &f32,
-            PLAN_MLA,
-            &[],
-            80,
-            &what,
-        )
-        .await;
+        check_kernels(g, &mut att, kernels, cases, &f32, PLAN_MLA, &[], 80, &what).await;
     }
 }
 
