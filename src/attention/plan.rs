@@ -50,7 +50,8 @@ const STREAM_WORKGROUPS_CPU: usize = 32;
 /// their attention took 1.03-1.08x the f16 time at 16k; with 4, 0.78-0.86x.
 pub(crate) const LANE_FLOATS: usize = 656;
 /// The same for MLA's subgroup kernel on CPU adapters, which takes two rows per loop iteration
-/// ([`StreamKey::step_rows`] 2; both rows' elements count): DeepSeek-V2-Lite's f32 and f16 latent rows
+/// ([`StreamKey::step_rows`] 2; both rows' elements count): DeepSeek-V2-Lite's f32 and f16 latent
+/// rows
 /// take 8 heads per team (1,232 floats), so each row is loaded by 2 teams instead of 4, and each
 /// spilled query element and accumulator serves two rows. On lavapipe its decode at 4k took
 /// 0.69-0.81 of the time of 4 heads and one row per iteration (f32, f16; q8_0, q4_0 and bf16
@@ -486,8 +487,8 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         (TeamSum::Alone, _) => 1,
     };
     let group = s.n_heads / s.n_kv;
-    // MLA on a CPU adapter with subgroups: two rows per iteration, and more heads per team. GQA on
-    // a GPU with subgroups: GPU_STEP_ROWS rows per iteration.
+    // MLA on a CPU adapter with subgroups: two rows per iteration, and more heads per team. GQA
+    // over a contiguous cache on a GPU with subgroups: GPU_STEP_ROWS rows per iteration.
     let step_rows = match sum {
         TeamSum::Subgroup if dev.cpu && s.v_from_a => 2,
         TeamSum::Subgroup if !dev.cpu && !s.v_from_a && s.paging.is_none() => GPU_STEP_ROWS,
@@ -1036,6 +1037,49 @@ mod tests {
                     assert_eq!(built, [0, 1], "{shape:?}");
                 }
             }
+        }
+    }
+
+    /// A GPU's default plans (from the H200's sweeps): GQA of d_v 128 aims for 4,096 workgroups,
+    /// two rows per iteration over a contiguous cache and one through a page table; MLA's values
+    /// of 512 aim for 1,024; both merge with the split reduce, and the tiled kernel keeps 1,024.
+    #[test]
+    fn gpu_defaults_follow_the_sweeps() {
+        let key = |d: &Dispatch| match d.kernel {
+            Pass1::Stream(k) => k,
+            Pass1::Tiled { .. } => panic!("{d:?}"),
+        };
+        let workgroups = |d: &Dispatch| d.pass1.0 as usize * d.pass1.1 as usize;
+        for dtype in [DType::F32, DType::F16] {
+            let llama = gqa(dtype, 1, 32, 8, 128, 32_768);
+            let d = plan(&llama, &GPU).unwrap();
+            assert_eq!((workgroups(&d), key(&d).step_rows), (4096, 2), "{dtype}");
+            assert_eq!(d.reduce_lanes, REDUCE_SPLIT_LANES);
+            let paged = CallShape {
+                paging: Some(Paging {
+                    page_size: 64,
+                    table_base: 0,
+                    n_pages: 512,
+                }),
+                ..llama
+            };
+            let d = plan(&paged, &GPU).unwrap();
+            assert_eq!((workgroups(&d), key(&d).step_rows), (4096, 1), "{dtype}");
+            let d = plan(&mla(dtype, 1, 32_768), &GPU).unwrap();
+            assert_eq!((workgroups(&d), key(&d).step_rows), (1024, 1), "{dtype}");
+            assert_eq!(d.reduce_lanes, REDUCE_SPLIT_LANES);
+            let tiled = DeviceFacts {
+                choice: KernelChoice::Tiled,
+                ..GPU
+            };
+            let d = plan(&llama, &tiled).unwrap();
+            assert_eq!(d.params.n_chunks as usize * 8, 1024, "{dtype}");
+            // A device without the split reduce's workgroup memory merges with 64 invocations.
+            let small = DeviceFacts {
+                workgroup_bytes: REDUCE_SPLIT_BYTES - 1,
+                ..GPU
+            };
+            assert_eq!(plan(&llama, &small).unwrap().reduce_lanes, 64);
         }
     }
 

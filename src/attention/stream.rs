@@ -23,12 +23,12 @@
 //! Every loop over elements and heads is unrolled in the generated text: the only loop left walks the
 //! chunk's rows, so an invocation runs one loop iteration per row, or per two rows where the key
 //! says so ([`StreamKey::step_rows`]: MLA on CPU adapters with subgroups, whose spilled registers
-//! then serve two rows per load, and GQA on GPUs with subgroups, which then wait on the loads of
-//! several rows at once; the planner keeps chunks within the software adapters' loop budget). The partial results have the layout of
-//! `shaders/attention_partial.wgsl`, so `shaders/attention_reduce.wgsl` merges either kernel's. A
-//! call of one chunk whose output has that layout (`[n_q, n_heads, d_v]`, contiguous, at the start of
-//! its binding) binds it in their place: pass 1 writes the normalised output, and no reduce runs
-//! (`AttnParams::direct`).
+//! then serve two rows per load, and GQA over a contiguous cache on GPUs with subgroups, which then
+//! wait on the loads of two rows at once; the planner keeps chunks within the software adapters'
+//! loop budget). The partial results have the layout of `shaders/attention_partial.wgsl`, so
+//! `shaders/attention_reduce.wgsl` merges either kernel's. A call of one chunk whose output has that
+//! layout (`[n_q, n_heads, d_v]`, contiguous, at the start of its binding) binds it in their place:
+//! pass 1 writes the normalised output, and no reduce runs (`AttnParams::direct`).
 
 use std::fmt::Write as _;
 
@@ -101,7 +101,8 @@ pub(crate) struct StreamKey {
     /// each query element and accumulator a lane loads from its spilled registers serves every
     /// row's products, and the rows' loads are in flight together ([`TeamSum::Subgroup`] only: the
     /// planner asks for 2 for MLA on CPU adapters, where every register is memory,
-    /// `plan::LANE_FLOATS_TWO_ROWS`, and for GQA on GPUs, `plan::GPU_STEP_ROWS`).
+    /// `plan::LANE_FLOATS_TWO_ROWS`, and for GQA over a contiguous cache on GPUs,
+    /// `plan::GPU_STEP_ROWS`; 4 ran slower there).
     pub step_rows: u32,
     pub sum: TeamSum,
     /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
@@ -1502,8 +1503,9 @@ mod tests {
 
     /// Kernels that take several rows per iteration ([`StreamKey::step_rows`]): MLA as the planner
     /// asks for it on CPU adapters (8 heads, within its budget, two rows), GQA with teams of several
-    /// KV heads (two rows), and GQA as GPUs take it (one KV head, 32 lanes, four rows), for every
-    /// storage type and row mode, narrow rows, shared scale vectors and the cap among them.
+    /// KV heads (two rows), and GQA in GPU teams (one KV head, 32 lanes) of four rows, the
+    /// generator's general case, for every storage type and row mode, narrow rows, shared scale
+    /// vectors and the cap among them.
     #[test]
     fn kernels_of_several_rows_validate() {
         let mut checked = 0;
