@@ -143,15 +143,16 @@ fn merge_stats(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
 // same way. Every loop bound and branch around a barrier is uniform.
 @compute @workgroup_size(SPLIT)
 fn split(
+    @builtin(local_invocation_index) lid: u32,
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(num_workgroups) grid: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
 ) {
-    let local = wg.y;
-    let qi = p.q_first + local;
-    if !pair_fits(local) {
+    // Uniform: the workgroup's query (wg.y) and the bindings.
+    if !pair_fits(wg.y) {
         return;
     }
+    let local = wg.y;
+    let qi = p.q_first + local;
     let whole = p.d_v % 4u == 0u;
     // Output vectors, the columns of one pass (a power of two), and the invocations per column.
     let vecs = (p.d_v + 3u) / 4u;
