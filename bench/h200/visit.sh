@@ -11,6 +11,9 @@
 #   device run: command "bash bench/h200/visit.sh", carry [".gl", ".h200/bin.tgz"], timeout_s 540
 # Everything it measures lands in $OUT (at most 8 files come back). About 6 minutes.
 # TORCH=0 and TESTS=0 leave out PyTorch and the suites (a sweep alone, when device time is short).
+# Every step is killed 5 s after its time is up: on 2026-12-04 the OpenGL step outlived its
+# `timeout` and the visit ran past the device tool's limit (a call to the still warm machine read
+# the Vulkan suites' results back from /tmp/vk-test-*.txt).
 set -u
 exec > >(tee -a "$OUT/log.txt") 2>&1
 for f in .gl/*.deb; do dpkg -x "$f" /; done
@@ -34,7 +37,7 @@ log() { echo "[$(el)s] $*"; }
 if [ -x $B/decode ]; then
   for m in llama3-8b deepseek-v2-lite; do
     for run in cold warm; do
-      echo "$m f16 $run: $(WGPU_BACKEND=vulkan timeout 60 $B/decode --model $m --tokens 8 --prompt 16 \
+      echo "$m f16 $run: $(WGPU_BACKEND=vulkan timeout -k 5 60 $B/decode --model $m --tokens 8 --prompt 16 \
         --dtype f16 2>&1 | grep -E 'pipelines|verified|rror' | tr '\n' ' ')" | tee -a "$OUT/long.txt"
     done
   done
@@ -49,7 +52,7 @@ for cfg in ${CONFIGS:-auto:default subgroup:4096 subgroup:16384 shared:default s
   k=${cfg%:*} w=${cfg#*:}
   log "long part, $(basename "$bench"), kernel $k, workgroups $w"
   if [ "$w" = default ]; then unset KVGPU_BENCH_WORKGROUPS; else export KVGPU_BENCH_WORKGROUPS=$w; fi
-  KVGPU_BENCH_KERNEL=$k WGPU_BACKEND=vulkan timeout 90 $bench --only long \
+  KVGPU_BENCH_KERNEL=$k WGPU_BACKEND=vulkan timeout -k 5 90 $bench --only long \
     --json /tmp/long.json --plot /tmp/long.svg > /tmp/long.txt 2>&1
   echo "rc=$?"
   grep -E 'us \(|skipped|rror' /tmp/long.txt | sed -e 's/ layer attention//' -e 's/Llama-3-8B //' \
@@ -58,13 +61,13 @@ done
 unset KVGPU_BENCH_WORKGROUPS
 [ "${TORCH:-1}" = 0 ] || {
 log "PyTorch"
-PYTHONUNBUFFERED=1 timeout 120 python3 bench/h200/anchor.py 2>&1 | tee "$OUT/torch.txt"
+PYTHONUNBUFFERED=1 timeout -k 5 120 python3 bench/h200/anchor.py 2>&1 | tee "$OUT/torch.txt"
 }
 [ "${TESTS:-1}" = 0 ] && { log done; exit 0; }
 log "tests on Vulkan"
 export RUSTC_BOOTSTRAP=1 # for libtest's --report-time
 for t in $B/test-*; do
-  WGPU_BACKEND=vulkan timeout 120 "$t" --test-threads=4 -Z unstable-options --report-time \
+  WGPU_BACKEND=vulkan timeout -k 5 120 "$t" --test-threads=4 -Z unstable-options --report-time \
     > "/tmp/vk-$(basename "$t").txt" 2>&1 &
 done
 wait
@@ -74,6 +77,6 @@ grep -hE 'FAILED|panicked' /tmp/vk-test-*.txt | head -10
 echo "slowest:"
 grep -hE '^test .* ok <[0-9.]+s>' /tmp/vk-test-*.txt | awk -F'<' '{print $2, $1}' | sort -n | tail -6
 log "attention tests on OpenGL"
-WGPU_BACKEND=gl timeout "${GL_SECONDS:-100}" $B/test-attention --test-threads=1 > "$OUT/tests-gl.txt" 2>&1
+WGPU_BACKEND=gl timeout -k 5 "${GL_SECONDS:-100}" $B/test-attention --test-threads=1 > "$OUT/tests-gl.txt" 2>&1
 grep -E '^test result|panicked|found none' "$OUT/tests-gl.txt" | head -5
 log done
