@@ -122,9 +122,11 @@ fn main(
 
 // Invocations per workgroup of `split` (plan.rs's REDUCE_SPLIT_LANES).
 const SPLIT: u32 = 256u;
-// Most output vectors of 4 that one pass of `split` merges: the rest of its invocations take every
-// further chunk, so a head of 128 elements walks its chunks in 8 strides.
-const SPLIT_COLUMNS: u32 = 64u;
+// Output vectors of 4 that one workgroup of `split` merges (plan.rs's REDUCE_SPLIT_COLUMNS): a
+// head's values take ceil(d_v / 32) workgroups, and the invocations of each vector, SPLIT /
+// SPLIT_COLUMNS of them, take every 32nd chunk.
+const SPLIT_COLUMNS: u32 = 8u;
+const SPLIT_STRIDES: u32 = SPLIT / SPLIT_COLUMNS;
 // (max, sum) of each invocation's chunks, then of their pairs, halving (a tree).
 var<workgroup> split_stats: array<vec2<f32>, SPLIT>;
 // Each invocation's weighted sum of its chunks for one output vector, then merged as a tree.
@@ -137,10 +139,12 @@ fn merge_stats(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
 }
 
 // The same merge as `main` for GPUs, where one invocation per output element walking every chunk
-// waits on one load after another: invocation i takes chunks i, i + SPLIT, ... for the head's (max,
-// sum), merged through workgroup memory; then, per pass of up to SPLIT_COLUMNS output vectors, the
-// invocations of each column take every (SPLIT / columns)-th chunk, and their sums are merged the
-// same way. Every loop bound and branch around a barrier is uniform.
+// waits on one load after another, and one workgroup per head leaves most of the GPU idle. Each
+// workgroup takes one head and SPLIT_COLUMNS of its output vectors (workgroup x of the grid is
+// head x / blocks, block x % blocks, where a head's vectors are `blocks` blocks): invocation i takes
+// chunks i, i + SPLIT, ... for the head's (max, sum), merged through workgroup memory; then the
+// invocations of each vector take every SPLIT_STRIDES-th chunk, and their sums are merged the same
+// way. Every loop bound and branch around a barrier is uniform.
 @compute @workgroup_size(SPLIT)
 fn split(
     @builtin(local_invocation_index) lid: u32,
@@ -154,13 +158,12 @@ fn split(
     let local = wg.y;
     let qi = p.q_first + local;
     let whole = p.d_v % 4u == 0u;
-    // Output vectors, the columns of one pass (a power of two), and the invocations per column.
-    let vecs = (p.d_v + 3u) / 4u;
-    let columns = min(1u << (32u - countLeadingZeros(max(vecs, 2u) - 1u)), SPLIT_COLUMNS);
-    let strides = SPLIT / columns;
-    let col = lid % columns;
-    let stride = lid / columns;
-    for (var h = wg.x; h < p.n_heads; h += grid.x) {
+    let blocks = max((p.d_v + 4u * SPLIT_COLUMNS - 1u) / (4u * SPLIT_COLUMNS), 1u);
+    let col = lid % SPLIT_COLUMNS;
+    let stride = lid / SPLIT_COLUMNS;
+    for (var hb = wg.x; hb < p.n_heads * blocks; hb += grid.x) {
+        let h = hb / blocks;
+        let d = 4u * ((hb % blocks) * SPLIT_COLUMNS + col);
         var st = vec2<f32>(NEG, 0.0);
         for (var c = lid; c < p.n_chunks; c += SPLIT) {
             let s = stats[(c * p.q_count + local) * p.n_heads + h];
@@ -177,33 +180,26 @@ fn split(
             workgroupBarrier();
         }
         let total = split_stats[0];
-        let m = total.x;
-        let inv = select(0.0, 1.0 / total.y, total.y > 0.0);
-        for (var v0 = 0u; v0 < vecs; v0 += columns) {
-            let d = 4u * (v0 + col);
-            var o = vec4<f32>(0.0);
-            for (var c = stride; c < p.n_chunks; c += strides) {
-                let s = (c * p.q_count + local) * p.n_heads + h;
-                let w = stats[s];
-                if w.y > 0.0 {
-                    add4(&o, s, d, whole, exp(w.x - m));
-                }
+        var o = vec4<f32>(0.0);
+        for (var c = stride; c < p.n_chunks; c += SPLIT_STRIDES) {
+            let s = (c * p.q_count + local) * p.n_heads + h;
+            let w = stats[s];
+            if w.y > 0.0 {
+                add4(&o, s, d, whole, exp(w.x - total.x));
             }
-            split_out[lid] = o;
-            workgroupBarrier();
-            for (var half = strides / 2u; half > 0u; half >>= 1u) {
-                if stride < half {
-                    split_out[lid] = split_out[lid] + split_out[lid + half * columns];
-                }
-                workgroupBarrier();
+        }
+        split_out[lid] = o;
+        workgroupBarrier();
+        for (var half = SPLIT_STRIDES / 2u; half > 0u; half >>= 1u) {
+            if stride < half {
+                split_out[lid] = split_out[lid] + split_out[lid + half * SPLIT_COLUMNS];
             }
-            if stride == 0u {
-                store4(qi, h, d, split_out[lid] * inv);
-            }
-            // Every invocation has read what it needs before the next pass writes.
             workgroupBarrier();
         }
-        // And `total` before the next head's (max, sum) (no pass at all where d_v is 0).
+        if stride == 0u {
+            store4(qi, h, d, split_out[lid] * select(0.0, 1.0 / total.y, total.y > 0.0));
+        }
+        // Every invocation has read `total` and its sums before the next block writes them.
         workgroupBarrier();
     }
 }

@@ -11,8 +11,8 @@
 use super::stream::{self, ALONE_TEAMS, StreamKey, TeamSum};
 use crate::codec::DType;
 use crate::kernels::{
-    AttnParams, HEAD_BATCHES, REDUCE_LANES, REDUCE_SPLIT_BYTES, REDUCE_SPLIT_LANES,
-    ROWS_PER_INVOCATION, TILED_WORKGROUP_BYTES,
+    AttnParams, HEAD_BATCHES, REDUCE_LANES, REDUCE_SPLIT_BYTES, REDUCE_SPLIT_ELEMENTS,
+    REDUCE_SPLIT_LANES, ROWS_PER_INVOCATION, TILED_WORKGROUP_BYTES,
 };
 pub(crate) use crate::placement::Paging;
 
@@ -346,16 +346,12 @@ pub(crate) fn pass1_iterations_per_tile(
 /// `n_chunks`.
 pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize, lanes: u32) -> usize {
     if lanes == REDUCE_SPLIT_LANES {
-        // `split`: the invocation's share of the chunks for (max, sum), their tree, then per pass
-        // of up to 64 output vectors its share of the chunks and that pass's tree.
+        // `split`, per block of a head's output: the invocation's share of the chunks for (max,
+        // sum) and their tree, then its share of the chunks for its output vector and their tree.
         let lanes = lanes as usize;
-        let vecs = d_v.div_ceil(4);
-        let columns = vecs.max(2).next_power_of_two().min(64);
-        let strides = lanes / columns;
+        let strides = lanes / (REDUCE_SPLIT_ELEMENTS / 4);
         let tree = |n: usize| n.trailing_zeros() as usize;
-        return n_chunks.div_ceil(lanes)
-            + tree(lanes)
-            + vecs.div_ceil(columns) * (1 + n_chunks.div_ceil(strides) + tree(strides));
+        return n_chunks.div_ceil(lanes) + tree(lanes) + n_chunks.div_ceil(strides) + tree(strides);
     }
     // The max and the sum, then per pass of 16 elements per invocation one walk over the chunks.
     2 * n_chunks + d_v.div_ceil(16 * lanes as usize) * (1 + n_chunks)
@@ -365,13 +361,18 @@ pub(crate) fn reduce_iterations(n_chunks: usize, d_v: usize, lanes: u32) -> usiz
 /// and sum are worked out once per workgroup rather than once per vector of 8 (a 128-sequence
 /// batch's reduce took 25 of its 118 ms on llvmpipe with 64), unless an invocation's share of a long
 /// call's chunks would pass the loop budget (then 64). On GPUs [`REDUCE_SPLIT_LANES`], which split
-/// the chunks between them, where the device has the workgroup memory: there an invocation that
-/// walks every chunk waits on one load after another, and a single query's reduce, one workgroup
-/// per head, was most of the call. On an H200, Llama-3-8B's decode (32 heads) at 32k rows took
-/// 2.66-2.80 ms with 2,048 chunks per KV head, against 0.35-0.49 with 128 (docs/benchmarks.md).
-fn reduce_lanes(n_chunks: usize, d_v: usize, dev: &DeviceFacts) -> u32 {
+/// the chunks between them, in a workgroup per head and [`REDUCE_SPLIT_ELEMENTS`] of its output,
+/// where the device has the workgroup memory and the grid: there an invocation that walks every
+/// chunk waits on one load after another, and a single query's reduce, one workgroup per head, was
+/// most of the call. On an H200, Llama-3-8B's decode (32 heads) at 32k rows took 2.66-2.80 ms with
+/// 2,048 chunks per KV head, against 0.35-0.49 with 128 (docs/benchmarks.md).
+fn reduce_lanes(n_chunks: usize, s: &CallShape, dev: &DeviceFacts) -> u32 {
     let [wide, narrow, split] = REDUCE_LANES;
-    if !dev.cpu && dev.workgroup_bytes >= REDUCE_SPLIT_BYTES {
+    let d_v = s.d_v;
+    if !dev.cpu
+        && dev.workgroup_bytes >= REDUCE_SPLIT_BYTES
+        && split_workgroups(s.n_heads, d_v) <= dev.max_workgroups
+    {
         split
     } else if dev.cpu && reduce_iterations(n_chunks, d_v, narrow) + 1 < LOOP_BUDGET {
         narrow
@@ -385,10 +386,20 @@ fn reduce_lanes(n_chunks: usize, d_v: usize, dev: &DeviceFacts) -> u32 {
 /// GPU gets) made the reduce of a many-query call cost more than its pass 1.
 const REDUCE_WORKGROUPS_CPU: usize = 2;
 
-/// Reduce workgroups per query: one per head on a GPU; on a CPU adapter the fewest from
-/// [`REDUCE_WORKGROUPS_CPU`] up whose heads each keep an invocation within the loop budget (a
-/// workgroup's heads are one more loop around [`reduce_iterations`]).
+/// Workgroups of the split reduce per query: one per head and [`REDUCE_SPLIT_ELEMENTS`] of its
+/// output.
+fn split_workgroups(n_heads: usize, d_v: usize) -> usize {
+    n_heads.saturating_mul(d_v.div_ceil(REDUCE_SPLIT_ELEMENTS).max(1))
+}
+
+/// Reduce workgroups per query: the split reduce's [`split_workgroups`]; one per head on a GPU
+/// otherwise; on a CPU adapter the fewest from [`REDUCE_WORKGROUPS_CPU`] up whose heads each keep an
+/// invocation within the loop budget (a workgroup's heads are one more loop around
+/// [`reduce_iterations`]).
 fn reduce_workgroups(n_heads: usize, n_chunks: usize, d_v: usize, lanes: u32, cpu: bool) -> usize {
+    if lanes == REDUCE_SPLIT_LANES {
+        return split_workgroups(n_heads, d_v);
+    }
     if !cpu {
         return n_heads;
     }
@@ -817,7 +828,7 @@ fn finish(
         direct: 0,
         _pad: [0; 3],
     };
-    let reduce_lanes = reduce_lanes(n_chunks, s.d_v, dev);
+    let reduce_lanes = reduce_lanes(n_chunks, s, dev);
     Ok(Dispatch {
         params,
         kernel,

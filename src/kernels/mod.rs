@@ -106,9 +106,11 @@ fn storage_layout(device: &wgpu::Device, label: &str, read_only: &[bool]) -> wgp
 pub(crate) const REDUCE_LANES: [u32; 3] = [64, 8, REDUCE_SPLIT_LANES];
 
 /// Invocations of the reduce that splits a head's chunks between them (`SPLIT` of
-/// `attention_reduce.wgsl`'s `split`), and the bytes of its workgroup memory: a (max, sum) pair and
-/// a vector of 4 f32 per invocation.
+/// `attention_reduce.wgsl`'s `split`), the output elements one of its workgroups merges (4
+/// `SPLIT_COLUMNS`), and the bytes of its workgroup memory: a (max, sum) pair and a vector of 4 f32
+/// per invocation.
 pub(crate) const REDUCE_SPLIT_LANES: u32 = 256;
+pub(crate) const REDUCE_SPLIT_ELEMENTS: usize = 32;
 pub(crate) const REDUCE_SPLIT_BYTES: u64 = REDUCE_SPLIT_LANES as u64 * (8 + 16);
 
 /// One kernel: its shader module and pipeline layout; pipelines are made from them per variant.
