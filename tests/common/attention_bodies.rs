@@ -268,10 +268,12 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
     gqa_prefill_and_decode_match_an_independent_model(g).await;
 }
 
-/// The plans a GPU gets (1,024-workgroup grids, 32-lane teams summing through workgroup memory, a
-/// reduce of 64 invocations per head), run here on whatever adapter the suite has: GQA and MLA over
+/// The plans a GPU gets (grids of 1,024-4,096 workgroups, 32-lane teams summing through workgroup
+/// memory, GQA's subgroup teams two rows per iteration, the split reduce of 256 invocations per
+/// head and 32 output elements), run here on whatever adapter the suite has: GQA and MLA over
 /// several chunks, with window and soft-cap, every kernel, f32 and f16, against the twins; then GQA
-/// in f32 under the least and the largest workgroup targets an app can set.
+/// in f32 under the least and the largest workgroup targets an app can set, the largest also over
+/// more chunks than the reduce has invocations.
 pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     att.plan_as_for_a_gpu(true);
