@@ -90,13 +90,14 @@ const ALONE_MIN_ROWS: usize = 64;
 /// one invocation that takes blocks of rows through a page table may take one block,
 /// [`stream::ALONE_BLOCK_ROWS`] rows, more than a chunk.)
 const STREAM_MAX_ROWS: usize = LOOP_BUDGET - 1 - stream::ALONE_BLOCK_ROWS as usize;
-/// Rows of one loop iteration of GQA's subgroup teams on GPUs over a contiguous cache
+/// Rows of one loop iteration of GQA's subgroup teams on GPUs over a contiguous f32 cache
 /// ([`StreamKey::step_rows`]): a team of one subgroup walks its chunk waiting on each row's loads,
 /// and a second row per iteration puts more loads in flight at once. On an H200 (4,096
-/// workgroups, Llama-3-8B at 32k-128k rows) two rows took 0.89-0.92 of the time of one in f32 and
+/// workgroups, Llama-3-8B at 32k-128k rows) two rows took 0.89-0.92 of the time of one in f32 but
 /// the same within 1% in f16, and four rows 1.13-1.24 and 1.33-1.35 of it. A ragged batch through
-/// a page table took 1.35-1.36 of the time with two rows (f32; f16 the same), so paged rows keep
-/// one.
+/// a page table took 1.35-1.36 of the time with two rows (f32; f16 the same). So only f32 slots
+/// over contiguous rows take two: each such kernel is one more variant, and its cold compile took
+/// tens of seconds on lavapipe, where the tests run the GPU plans for every storage type.
 pub(crate) const GPU_STEP_ROWS: u32 = 2;
 /// Lanes of a streaming team summed through workgroup memory: on CPU adapters 8 (one SIMD vector of
 /// llvmpipe), elsewhere 32.
@@ -499,10 +500,12 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     };
     let group = s.n_heads / s.n_kv;
     // MLA on a CPU adapter with subgroups: two rows per iteration, and more heads per team. GQA
-    // over a contiguous cache on a GPU with subgroups: GPU_STEP_ROWS rows per iteration.
+    // over a contiguous f32 cache on a GPU with subgroups: GPU_STEP_ROWS rows per iteration.
+    let gpu_rows =
+        !dev.cpu && !s.v_from_a && s.paging.is_none() && s.dtypes.iter().all(|&t| t == DType::F32);
     let step_rows = match sum {
         TeamSum::Subgroup if dev.cpu && s.v_from_a => 2,
-        TeamSum::Subgroup if !dev.cpu && !s.v_from_a && s.paging.is_none() => GPU_STEP_ROWS,
+        TeamSum::Subgroup if gpu_rows => GPU_STEP_ROWS,
         _ => 1,
     };
     let two_rows = dev.cpu && step_rows == 2;
@@ -1052,8 +1055,9 @@ mod tests {
     }
 
     /// A GPU's default plans (from the H200's sweeps): GQA of d_v 128 aims for 4,096 workgroups,
-    /// two rows per iteration over a contiguous cache and one through a page table; MLA's values
-    /// of 512 aim for 1,024; both merge with the split reduce, and the tiled kernel keeps 1,024.
+    /// two rows per iteration over a contiguous f32 cache and one in f16 or through a page table;
+    /// MLA's values of 512 aim for 1,024; both merge with the split reduce, and the tiled kernel
+    /// keeps 1,024.
     #[test]
     fn gpu_defaults_follow_the_sweeps() {
         let key = |d: &Dispatch| match d.kernel {
@@ -1064,7 +1068,8 @@ mod tests {
         for dtype in [DType::F32, DType::F16] {
             let llama = gqa(dtype, 1, 32, 8, 128, 32_768);
             let d = plan(&llama, &GPU).unwrap();
-            assert_eq!((workgroups(&d), key(&d).step_rows), (4096, 2), "{dtype}");
+            let rows = if dtype == DType::F32 { 2 } else { 1 };
+            assert_eq!((workgroups(&d), key(&d).step_rows), (4096, rows), "{dtype}");
             assert_eq!(d.reduce_lanes, REDUCE_SPLIT_LANES);
             let paged = CallShape {
                 paging: Some(Paging {

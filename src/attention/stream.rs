@@ -23,8 +23,8 @@
 //! Every loop over elements and heads is unrolled in the generated text: the only loop left walks the
 //! chunk's rows, so an invocation runs one loop iteration per row, or per two rows where the key
 //! says so ([`StreamKey::step_rows`]: MLA on CPU adapters with subgroups, whose spilled registers
-//! then serve two rows per load, and GQA over a contiguous cache on GPUs with subgroups, which then
-//! wait on the loads of two rows at once; the planner keeps chunks within the software adapters'
+//! then serve two rows per load, and GQA over a contiguous f32 cache on GPUs with subgroups, which
+//! then wait on the loads of two rows at once; the planner keeps chunks within the software adapters'
 //! loop budget). The partial results have the layout of `shaders/attention_partial.wgsl`, so
 //! `shaders/attention_reduce.wgsl` merges either kernel's. A call of one chunk whose output has that
 //! layout (`[n_q, n_heads, d_v]`, contiguous, at the start of its binding) binds it in their place:
@@ -101,7 +101,7 @@ pub(crate) struct StreamKey {
     /// each query element and accumulator a lane loads from its spilled registers serves every
     /// row's products, and the rows' loads are in flight together ([`TeamSum::Subgroup`] only: the
     /// planner asks for 2 for MLA on CPU adapters, where every register is memory,
-    /// `plan::LANE_FLOATS_TWO_ROWS`, and for GQA over a contiguous cache on GPUs,
+    /// `plan::LANE_FLOATS_TWO_ROWS`, and for GQA over a contiguous f32 cache on GPUs,
     /// `plan::GPU_STEP_ROWS`; 4 ran slower there).
     pub step_rows: u32,
     pub sum: TeamSum,
