@@ -98,7 +98,7 @@ const STREAM_MAX_ROWS: usize = LOOP_BUDGET - 1 - stream::ALONE_BLOCK_ROWS as usi
 /// a page table took 1.35-1.36 of the time with two rows (f32; f16 the same). So only f32 slots
 /// over contiguous rows take two: each such kernel is one more variant to compile, and lavapipe's
 /// cold attention suite, which runs the GPU plans for every storage type, took 602 s with two rows
-/// for all of them against 309 s for one (docs/benchmarks.md).
+/// for all of them, against 309 s before the GPU sweeps (docs/benchmarks.md).
 pub(crate) const GPU_STEP_ROWS: u32 = 2;
 /// Lanes of a streaming team summed through workgroup memory: on CPU adapters 8 (one SIMD vector of
 /// llvmpipe), elsewhere 32.
