@@ -1,6 +1,7 @@
 // Attention, pass 2 of 2: merges the per-chunk partials of attention_partial.wgsl into the output.
-// Workgroups per query: one per head on GPUs; on CPU adapters a few, each merging every few heads
-// (head h by workgroup h mod the grid's width), so that per-workgroup costs stay small. Chunks that
+// Workgroups per query: on GPUs one per head and 32 output elements (`split`); on CPU adapters a
+// few, each merging every few heads (head h by workgroup h mod the grid's width), so that
+// per-workgroup costs stay small. Chunks that
 // saw no row of the query (sum 0) are skipped. Two entry points: `main`, whose every invocation walks
 // all of a head's chunks for its own output elements (CPU adapters, where a barrier costs more than a
 // loop), and `split` (GPUs), whose invocations split the chunks between them and merge through
@@ -120,9 +121,9 @@ fn main(
     }
 }
 
-// Invocations per workgroup of `split` (plan.rs's REDUCE_SPLIT_LANES).
+// Invocations per workgroup of `split` (src/kernels/mod.rs's REDUCE_SPLIT_LANES).
 const SPLIT: u32 = 256u;
-// Output vectors of 4 that one workgroup of `split` merges (plan.rs's REDUCE_SPLIT_COLUMNS): a
+// Output vectors of 4 that one workgroup of `split` merges (REDUCE_SPLIT_ELEMENTS / 4 there): a
 // head's values take ceil(d_v / 32) workgroups, and the invocations of each vector, SPLIT /
 // SPLIT_COLUMNS of them, take every 32nd chunk.
 const SPLIT_COLUMNS: u32 = 8u;
