@@ -95,9 +95,9 @@ const STREAM_MAX_ROWS: usize = LOOP_BUDGET - 1 - stream::ALONE_BLOCK_ROWS as usi
 /// workgroups, Llama-3-8B at 32k-128k rows) two rows took 0.89-0.92 of the time of one in f32 but
 /// the same within 1% in f16, and four rows 1.13-1.24 and 1.33-1.35 of it. A ragged batch through
 /// a page table took 1.35-1.36 of the time with two rows (f32; f16 the same). So only f32 slots
-/// over contiguous rows take two: each such kernel is one more variant to compile, and lavapipe's
-/// cold attention suite, which runs the GPU plans for every storage type, took 602 s with two rows
-/// for all of them, against 309 s before the GPU sweeps (docs/benchmarks.md).
+/// over contiguous rows take two. (Two rows for every storage type had not slowed lavapipe's cold
+/// attention suite, which runs the GPU plans: side by side on one host it took 530 s with them and
+/// 575-633 s with this rule; docs/benchmarks.md.)
 pub(crate) const GPU_STEP_ROWS: u32 = 2;
 /// Lanes of a streaming team summed through workgroup memory: on CPU adapters 8 (one SIMD vector of
 /// llvmpipe), elsewhere 32.
