@@ -1,11 +1,10 @@
 // Attention, pass 2 of 2: merges the per-chunk partials of attention_partial.wgsl into the output.
 // Workgroups per query: on GPUs one per head and 32 output elements (`split`); on CPU adapters a
 // few, each merging every few heads (head h by workgroup h mod the grid's width), so that
-// per-workgroup costs stay small. Chunks that
-// saw no row of the query (sum 0) are skipped. Two entry points: `main`, whose every invocation walks
-// all of a head's chunks for its own output elements (CPU adapters, where a barrier costs more than a
-// loop), and `split` (GPUs), whose invocations split the chunks between them and merge through
-// workgroup memory.
+// per-workgroup costs stay small. Chunks that saw no row of the query (sum 0) are skipped. Two
+// entry points: `main`, whose every invocation walks all of a head's chunks for its own output
+// elements (CPU adapters, where a barrier costs more than a loop), and `split` (GPUs), whose
+// invocations split the chunks between them and merge through workgroup memory.
 
 // The lowest finite f32, as in attention_partial.wgsl.
 const NEG: f32 = -3.4028234e38;

@@ -456,9 +456,9 @@ impl Attention {
     /// adapter's default: on GPUs 4,096 for values of up to 128 elements, proportionally fewer for
     /// longer values down to 1,024 (1,024 for the tiled kernel), a few per host thread on CPU
     /// adapters. More chunks give a long context more parallelism and the reduce pass more partial
-    /// results to merge. A chunk never gets fewer than 16 rows (64 for a team of one invocation), nor more than the loop budget
-    /// allows, and the chunks stay within the device's workgroup and binding limits, so any target
-    /// plans a valid call (a target above 2^24 counts as 2^24).
+    /// results to merge. A chunk never gets fewer than 16 rows (64 for a team of one invocation),
+    /// nor more than the loop budget allows, and the chunks stay within the device's workgroup and
+    /// binding limits, so any target plans a valid call (a target above 2^24 counts as 2^24).
     pub fn set_target_workgroups(&mut self, target: Option<NonZeroUsize>) {
         self.facts.target = target.map(NonZeroUsize::get);
     }

@@ -51,8 +51,8 @@ const STREAM_WORKGROUPS_CPU: usize = 32;
 pub(crate) const LANE_FLOATS: usize = 656;
 /// The same for MLA's subgroup kernel on CPU adapters, which takes two rows per loop iteration
 /// ([`StreamKey::step_rows`] 2; both rows' elements count): DeepSeek-V2-Lite's f32 and f16 latent
-/// rows take 8 heads per team (1,232 floats), so each row is loaded by 2 teams instead of 4, and each
-/// spilled query element and accumulator serves two rows. On lavapipe its decode at 4k took
+/// rows take 8 heads per team (1,232 floats), so each row is loaded by 2 teams instead of 4, and
+/// each spilled query element and accumulator serves two rows. On lavapipe its decode at 4k took
 /// 0.69-0.81 of the time of 4 heads and one row per iteration (f32, f16; q8_0, q4_0 and bf16
 /// 0.76-0.87), and a first call's compile there took 8-12.6 s against 2-2.6 (an empty shader
 /// cache). Two rows alone gained 5-10%, 8 heads alone 10-13%; 16 heads (one team per row)
