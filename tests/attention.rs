@@ -150,3 +150,88 @@ fn buffers_and_caches_of_another_device_are_refused() {
     let want = reference::attention_gqa(&d, [1, 1, 8], &d, &d, 1, 8, &Default::default());
     assert_close(&read(&out), &want, "after refusals");
 }
+
+#[test]
+fn attentions_preparing_on_many_threads_at_once_build_each_pipeline_once() {
+    // The registry makes a pipeline outside its lock, once, by the first thread that needs it: the
+    // pipelines that threads preparing one model at once build between them are as many as one
+    // thread alone builds, and each thread's attention then matches the twin. Two fresh registries
+    // (one for the thread alone), small heads: cold OpenGL compiles each variant twice.
+    let _serial = serial();
+    let g = gpu();
+    let spec = CacheSpec::new(
+        vec![LayerSpec::kv(2, 16, 16), LayerSpec::kv(1, 32, 32)],
+        DType::F32,
+        16,
+    )
+    .unwrap();
+    let mut c = cache(spec);
+    let rows: Vec<Vec<Vec<f32>>> = (0..2)
+        .map(|l| append_random(&mut c, l, 7, 40 + l as u64))
+        .collect();
+    c.advance(7).unwrap();
+    let choices = [KernelChoice::Auto, KernelChoice::Tiled];
+    let registry = || Kernels::new(&g.device, &g.queue).unwrap();
+    let mut alone = Attention::with_kernels(registry());
+    let mut built_alone = Vec::new();
+    for choice in choices {
+        alone.set_kernel(choice);
+        built_alone.push(alone.prepare(&c, 4).unwrap());
+    }
+    assert!(built_alone.iter().all(|&n| n >= 1), "{built_alone:?}");
+    let (q, out_len) = (values(50, 4 * 32), 4 * 32);
+    let qb = storage(&q);
+    let shared = registry();
+    let threads = 4;
+    let start = std::sync::Barrier::new(threads);
+    let built: Vec<Vec<usize>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let (shared, start, c, qb) = (shared.clone(), &start, &c, &qb);
+                let rows = &rows;
+                let q = &q;
+                s.spawn(move || {
+                    let mut att = Attention::with_kernels(shared);
+                    start.wait();
+                    let mut built = Vec::new();
+                    for choice in choices {
+                        att.set_kernel(choice);
+                        built.push(att.prepare(c, 4).unwrap());
+                    }
+                    for choice in choices {
+                        att.set_kernel(choice);
+                        assert_eq!(att.prepare(c, 4).unwrap(), 0, "thread {t}, {choice:?}");
+                        for (layer, d) in [(0, 16), (1, 32)] {
+                            let out = output(out_len);
+                            let options = AttentionOptions::default();
+                            att.gqa(c, layer, Queries::new(qb, 1, 4, d), &out, &options)
+                                .unwrap();
+                            let want = reference::attention_gqa(
+                                &q[..4 * d],
+                                [1, 4, d],
+                                &rows[layer][0],
+                                &rows[layer][1],
+                                2 - layer,
+                                d,
+                                &options,
+                            );
+                            let got = read(&out);
+                            let what = format!("thread {t}, {choice:?}, layer {layer}");
+                            assert_close(&got[..4 * d], &want, &what);
+                        }
+                    }
+                    built
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    for (i, &alone) in built_alone.iter().enumerate() {
+        let together: usize = built.iter().map(|b| b[i]).sum();
+        assert_eq!(
+            together, alone,
+            "{:?}: built per thread {built:?}",
+            choices[i]
+        );
+    }
+}

@@ -250,10 +250,12 @@ impl Attention {
     /// cache), and some drivers only when a pipeline first runs: `prepare` builds each pipeline and
     /// submits one dispatch of it that returns at once, touching no memory, then waits for the device
     /// (natively; in the browser the submission runs on its own). Call it while loading a model so the
-    /// first token does not wait. Returns how many pass-1 pipelines it built (0 when every one was built
-    /// before). It builds the kernels of calls without a logit soft-cap: on CPU adapters with
-    /// subgroups (lavapipe) a call with one takes its own kernel, compiled when first used. Other
-    /// layers are skipped; a head count that does not divide into a GQA layer's KV heads
+    /// first token does not wait. Returns how many pass-1 pipelines it built itself (0 when every
+    /// one was built before). Attentions of one registry may prepare on several threads at once: each
+    /// pipeline is built once, by the first call that needs it, while the others build theirs. It
+    /// builds the kernels of calls without a logit soft-cap: on CPU adapters with subgroups
+    /// (lavapipe) a call with one takes its own kernel, compiled when first used. Other layers are
+    /// skipped; a head count that does not divide into a GQA layer's KV heads
     /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
     /// [`Error::AttentionRequest`], both before anything is built.
     pub fn prepare(&mut self, cache: &KvCache, n_heads: usize) -> Result<usize> {
@@ -333,7 +335,7 @@ impl Attention {
                 planned.push((layer, l.kind, shape, dispatch));
             }
         }
-        let before = self.kernels.pass1_pipelines();
+        let mut built = 0;
         let mut runs = Vec::new();
         for &(layer, kind, shape, dispatch) in &planned {
             let params = dispatch.params;
@@ -348,19 +350,20 @@ impl Attention {
                     ..
                 } => {
                     for rpl in plan::tiled_rows(&shape, batch) {
-                        let pipeline = self
+                        let fetched = self
                             .kernels
                             .attention_partial(dtypes, slot_b, batch, rpl, rows);
-                        runs.push((layer, kind, params, pipeline, dispatch.reduce_lanes));
+                        built += usize::from(fetched.made);
+                        runs.push((layer, kind, params, fetched.pipeline, dispatch.reduce_lanes));
                     }
                 }
                 plan::Pass1::Stream(key) => {
-                    let pipeline = self.kernels.attention_stream(&key).map_err(limit(layer))?;
-                    runs.push((layer, kind, params, pipeline, dispatch.reduce_lanes));
+                    let fetched = self.kernels.attention_stream(&key).map_err(limit(layer))?;
+                    built += usize::from(fetched.made);
+                    runs.push((layer, kind, params, fetched.pipeline, dispatch.reduce_lanes));
                 }
             }
         }
-        let built = self.kernels.pass1_pipelines() - before;
         self.warm_up(cache, &runs);
         Ok(built)
     }

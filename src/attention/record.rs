@@ -131,24 +131,28 @@ impl Attention {
                     .get_or_try_insert(out_key, &[out], reduce_group)?,
             )
         };
-        let partial =
-            match dispatch.kernel {
-                Pass1::Tiled {
-                    dtypes,
-                    slot_b,
-                    batch,
-                    rpl,
-                    rows,
-                } => self
-                    .kernels
-                    .attention_partial(dtypes, slot_b, batch, rpl, rows),
-                Pass1::Stream(key) => self.kernels.attention_stream(&key).map_err(|detail| {
-                    Error::AttentionRequest {
+        let partial = match dispatch.kernel {
+            Pass1::Tiled {
+                dtypes,
+                slot_b,
+                batch,
+                rpl,
+                rows,
+            } => {
+                self.kernels
+                    .attention_partial(dtypes, slot_b, batch, rpl, rows)
+                    .pipeline
+            }
+            Pass1::Stream(key) => {
+                self.kernels
+                    .attention_stream(&key)
+                    .map_err(|detail| Error::AttentionRequest {
                         layer,
                         problem: AttentionProblem::DeviceLimit { detail },
-                    }
-                })?,
-            };
+                    })?
+                    .pipeline
+            }
+        };
         let pairs: Vec<_> = dispatch.pairs().collect();
         self.ring.reserve(pairs.len() as u64)?;
         // Copied inside the encoder, so calls recorded one after another each read their own.

@@ -8,6 +8,7 @@ mod upload;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use crate::attention::{RowMode, StreamKey};
@@ -169,6 +170,46 @@ impl Kernel {
     }
 }
 
+/// A pipeline the registry handed out, and whether this call made it (not an earlier call, on this
+/// thread or another).
+#[derive(Debug)]
+pub(crate) struct Fetched {
+    pub(crate) pipeline: wgpu::ComputePipeline,
+    pub(crate) made: bool,
+}
+
+/// Values made on first use, one per key: pipelines, or for generated kernels a pipeline or why the
+/// device refused it (a refusal is kept too: the same source is refused again). The map's lock is
+/// held only to find or add the key's cell, and the value is made outside it. GPU drivers compile
+/// inside `create_compute_pipeline`, so threads that need different pipelines make them at the same
+/// time, and threads that need the same one wait for the first to make it.
+#[derive(Debug)]
+struct Pipelines<K, V>(Mutex<HashMap<K, Arc<OnceLock<V>>>>);
+
+impl<K: Eq + Hash, V: Clone> Pipelines<K, V> {
+    fn new() -> Self {
+        Self(Mutex::new(HashMap::new()))
+    }
+
+    /// The value of `key`, made by `make` when no call has made it before, and whether this call
+    /// made it.
+    fn get(&self, key: K, make: impl FnOnce() -> V) -> (V, bool) {
+        let cell = Arc::clone(
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(key)
+                .or_default(),
+        );
+        let mut made = false;
+        let value = cell.get_or_init(|| {
+            made = true;
+            make()
+        });
+        (value.clone(), made)
+    }
+}
+
 /// A tiled pass-1 pipeline: storage types of slots a, b and v, whether scores read slot b,
 /// `HEAD_BATCHES` index, `ROWS_PER_INVOCATION` index, how rows are found.
 type PartialKey = ([DType; 3], bool, usize, usize, RowMode);
@@ -178,12 +219,12 @@ type PartialKey = ([DType; 3], bool, usize, usize, RowMode);
 struct AttentionKernels {
     partial: Kernel,
     /// Tiled pass-1 pipelines.
-    partial_pipelines: Mutex<HashMap<PartialKey, wgpu::ComputePipeline>>,
+    partial_pipelines: Pipelines<PartialKey, wgpu::ComputePipeline>,
     reduce: Kernel,
     /// The reduce pipeline of each workgroup size of [`REDUCE_LANES`], made on first use.
     reduce_pipelines: [OnceLock<wgpu::ComputePipeline>; 3],
     /// Generated streaming pass-1 pipelines by shape.
-    stream_pipelines: Mutex<HashMap<StreamKey, wgpu::ComputePipeline>>,
+    stream_pipelines: Pipelines<StreamKey, std::result::Result<wgpu::ComputePipeline, String>>,
 }
 
 /// Bytes of the workgroup variables of `shaders/attention_partial.wgsl` (checked against the shader
@@ -305,7 +346,7 @@ pub struct Kernels {
     write: Kernel,
     /// Slab-write pipelines by (source type, storage type, 16-byte entry point, scatter), built on
     /// first use.
-    write_pipelines: Mutex<HashMap<(DType, DType, bool, bool), wgpu::ComputePipeline>>,
+    write_pipelines: Pipelines<(DType, DType, bool, bool), wgpu::ComputePipeline>,
     /// Attention group 0: the slots a, b and v of one layer, and a page table.
     attn_slots_layout: wgpu::BindGroupLayout,
     /// The page table a cache that is not paged binds (never read).
@@ -401,7 +442,7 @@ impl Kernels {
             zero_int64,
             write_layout,
             write,
-            write_pipelines: Mutex::new(HashMap::new()),
+            write_pipelines: Pipelines::new(),
             attention: OnceLock::new(),
         }))
     }
@@ -457,12 +498,8 @@ impl Kernels {
         vec4: bool,
         scatter: bool,
     ) -> wgpu::ComputePipeline {
-        let mut map = self
-            .write_pipelines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        map.entry((src, dst, vec4, scatter))
-            .or_insert_with(|| {
+        self.write_pipelines
+            .get((src, dst, vec4, scatter), || {
                 let constants = [
                     ("SRC_DTYPE", src.code() as f64),
                     ("DST_DTYPE", dst.code() as f64),
@@ -478,7 +515,7 @@ impl Kernels {
                 };
                 self.write.pipeline(&self.device, entry, &constants)
             })
-            .clone()
+            .0
     }
 
     pub(crate) fn attn_slots_layout(&self) -> &wgpu::BindGroupLayout {
@@ -519,17 +556,17 @@ impl Kernels {
             );
             AttentionKernels {
                 partial,
-                partial_pipelines: Mutex::new(HashMap::new()),
+                partial_pipelines: Pipelines::new(),
                 reduce,
                 reduce_pipelines: Default::default(),
-                stream_pipelines: Mutex::new(HashMap::new()),
+                stream_pipelines: Pipelines::new(),
             }
         })
     }
 
     /// The attention pass-1 pipeline reading slots a, b (where `slot_b`) and v stored as `dtypes`
     /// with `HEAD_BATCHES[batch]` heads per workgroup and `ROWS_PER_INVOCATION[rpl]` rows per
-    /// invocation, finding rows as `rows` says.
+    /// invocation, finding rows as `rows` says, and whether this call made it.
     pub(crate) fn attention_partial(
         &self,
         dtypes: [DType; 3],
@@ -537,81 +574,55 @@ impl Kernels {
         batch: usize,
         rpl: usize,
         rows: RowMode,
-    ) -> wgpu::ComputePipeline {
+    ) -> Fetched {
         let kernels = self.attention();
-        let mut map = kernels
-            .partial_pipelines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        map.entry((dtypes, slot_b, batch, rpl, rows))
-            .or_insert_with(|| {
-                let constants = [
-                    ("DTYPE_A", dtypes[0].code() as f64),
-                    ("DTYPE_B", dtypes[1].code() as f64),
-                    ("DTYPE_V", dtypes[2].code() as f64),
-                    ("SLOT_B", f64::from(u8::from(slot_b))),
-                    ("HB", HEAD_BATCHES[batch] as f64),
-                    ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
-                    ("ROWS", f64::from(rows.code())),
-                ];
-                kernels.partial.pipeline(&self.device, "main", &constants)
-            })
-            .clone()
-    }
-
-    /// How many pass-1 pipelines (tiled and streaming) this registry has built.
-    pub(crate) fn pass1_pipelines(&self) -> usize {
-        let kernels = self.attention();
-        let tiled = kernels
-            .partial_pipelines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len();
-        let stream = kernels
-            .stream_pipelines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len();
-        tiled + stream
+        let (pipeline, made) =
+            kernels
+                .partial_pipelines
+                .get((dtypes, slot_b, batch, rpl, rows), || {
+                    let constants = [
+                        ("DTYPE_A", dtypes[0].code() as f64),
+                        ("DTYPE_B", dtypes[1].code() as f64),
+                        ("DTYPE_V", dtypes[2].code() as f64),
+                        ("SLOT_B", f64::from(u8::from(slot_b))),
+                        ("HB", HEAD_BATCHES[batch] as f64),
+                        ("RPL", ROWS_PER_INVOCATION[rpl] as f64),
+                        ("ROWS", f64::from(rows.code())),
+                    ];
+                    kernels.partial.pipeline(&self.device, "main", &constants)
+                });
+        Fetched { pipeline, made }
     }
 
     /// The generated streaming pass-1 pipeline of `key` (`src/attention/stream.rs`). Its source is
     /// made and compiled inside an error scope, so a kernel the device refuses is reported here rather
-    /// than as a wgpu error later.
-    pub(crate) fn attention_stream(
-        &self,
-        key: &StreamKey,
-    ) -> std::result::Result<wgpu::ComputePipeline, String> {
+    /// than as a wgpu error later; or the pipeline, and whether this call made it.
+    pub(crate) fn attention_stream(&self, key: &StreamKey) -> std::result::Result<Fetched, String> {
         let kernels = self.attention();
-        let mut map = kernels
-            .stream_pipelines
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(pipeline) = map.get(key) {
-            return Ok(pipeline.clone());
-        }
-        let device = &self.device;
-        let source = crate::attention::stream_source(key, wgsl::PRELUDE, wgsl::ROWS);
-        let (pipeline, error) = scoped(device, || {
-            Kernel::new(
-                device,
-                "kvgpu attention_stream",
-                &source,
-                &[
-                    &self.attn_slots_layout,
-                    &self.attn_io_layout,
-                    &self.params_layout,
-                ],
-            )
-            .pipeline(device, "main", &[])
+        let (result, made) = kernels.stream_pipelines.get(*key, || {
+            let device = &self.device;
+            let source = crate::attention::stream_source(key, wgsl::PRELUDE, wgsl::ROWS);
+            let (pipeline, error) = scoped(device, || {
+                Kernel::new(
+                    device,
+                    "kvgpu attention_stream",
+                    &source,
+                    &[
+                        &self.attn_slots_layout,
+                        &self.attn_io_layout,
+                        &self.params_layout,
+                    ],
+                )
+                .pipeline(device, "main", &[])
+            });
+            match error {
+                Some(e) => Err(format!(
+                    "the streaming attention kernel for {key:?} was refused: {e}"
+                )),
+                None => Ok(pipeline),
+            }
         });
-        if let Some(e) = error {
-            return Err(format!(
-                "the streaming attention kernel for {key:?} was refused: {e}"
-            ));
-        }
-        map.insert(*key, pipeline.clone());
-        Ok(pipeline)
+        result.map(|pipeline| Fetched { pipeline, made })
     }
 
     /// Whether the device has 64-bit integers in shaders (`wgpu::Features::SHADER_INT64`).
@@ -800,6 +811,67 @@ fn poll_now<F: std::future::Future>(future: F) -> Option<F::Output> {
 mod tests {
     use super::wgsl::WGSL_LAYOUTS;
     use super::*;
+
+    /// The registry's maps make values outside their lock: two threads making values of different
+    /// keys are inside `make` at the same time (each waits there for the other, which a map holding
+    /// its lock while making would never let happen), and threads wanting one key get the one value
+    /// made once, by one of them.
+    #[cfg(not(target_arch = "wasm32"))]
+    #[test]
+    fn pipelines_of_different_keys_are_made_at_once_and_each_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::mpsc;
+        use std::time::Duration;
+        let map: Pipelines<u32, u32> = Pipelines::new();
+        let made = AtomicUsize::new(0);
+        let (to_b, from_a) = mpsc::channel();
+        let (to_a, from_b) = mpsc::channel();
+        let meet = |tell: mpsc::Sender<()>, hear: mpsc::Receiver<()>| {
+            move || {
+                tell.send(()).unwrap();
+                hear.recv_timeout(Duration::from_secs(20))
+                    .expect("the other key's value was not being made at the same time");
+            }
+        };
+        let (a, b) = (meet(to_b, from_b), meet(to_a, from_a));
+        let map = &map;
+        std::thread::scope(|s| {
+            let one = s.spawn(move || {
+                map.get(1, || {
+                    a();
+                    10
+                })
+            });
+            let two = s.spawn(move || {
+                map.get(2, || {
+                    b();
+                    20
+                })
+            });
+            assert_eq!(one.join().unwrap(), (10, true));
+            assert_eq!(two.join().unwrap(), (20, true));
+        });
+        let start = std::sync::Barrier::new(8);
+        let got: Vec<(u32, bool)> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        map.get(3, || {
+                            made.fetch_add(1, Ordering::Relaxed);
+                            std::thread::sleep(Duration::from_millis(50));
+                            30
+                        })
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert_eq!(made.load(Ordering::Relaxed), 1);
+        assert!(got.iter().all(|&(v, _)| v == 30), "{got:?}");
+        assert_eq!(got.iter().filter(|&&(_, m)| m).count(), 1, "{got:?}");
+        assert_eq!(map.get(1, || 0), (10, false));
+    }
 
     /// The tiled kernel's and the split reduce's workgroup variables take the bytes the planner
     /// asks a device for (naga is a native dev-dependency; the reduce's `main` has none).
