@@ -15,6 +15,9 @@
 //! by a command recorded with it, so they change where the append stands in its encoder: an
 //! attention recorded before the append reads the pages it was recorded against, one recorded after
 //! it the append's (a host append's entries, like its rows, land ahead of the next submission).
+//! The pages and the table row that `remove` or `truncate` frees go to the next sequence that takes
+//! one, at once: submit an encoder holding GPU appends to a sequence before removing or truncating
+//! it, or they land in the pages of whichever sequence takes them next.
 
 mod ledger;
 mod snapshot;
