@@ -257,7 +257,8 @@ impl Attention {
     /// (lavapipe) a call with one takes its own kernel, compiled when first used. Other layers are
     /// skipped; a head count that does not divide into a GQA layer's KV heads
     /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
-    /// [`Error::AttentionRequest`], both before anything is built.
+    /// [`Error::AttentionRequest`], both before anything is built. A generated kernel the device
+    /// refuses is [`Error::AttentionRequest`] too, found as it is built.
     pub fn prepare(&mut self, cache: &KvCache, n_heads: usize) -> Result<usize> {
         self.prepare_rows(cache, None, n_heads)
     }
@@ -291,7 +292,9 @@ impl Attention {
                 problem: crate::error::AttentionProblem::DeviceLimit { detail },
             }
         };
-        // Every layer's kernel first, so a refusal builds nothing.
+        // Every layer's plan first, so a refused head count or shape builds nothing. (A generated
+        // kernel the device itself refuses is found as it is built: the pipelines of the layers
+        // before it stay built, for later calls.)
         let mut planned = Vec::new();
         for layer in 0..cache.spec().layers().len() {
             let Some(l) = LayerShape::of(cache.ledger().slot_shapes(layer)?) else {
