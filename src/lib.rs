@@ -129,3 +129,19 @@ pub use placement::Run;
 pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
 pub use verify::verify_buffer;
+
+// Natively the caches, the pool, attention and the registry may move to and be shared between
+// threads (apps load layers or serve sequences on several): checked when the crate compiles, so
+// that no later field takes it away.
+#[cfg(not(target_arch = "wasm32"))]
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<KvCache>();
+    send_sync::<PagedCache>();
+    send_sync::<Attention>();
+    send_sync::<Kernels>();
+    send_sync::<Gpu>();
+    send_sync::<Error>();
+    send_sync::<CacheImport<'static>>();
+    send_sync::<SequenceImport<'static>>();
+};
