@@ -3,7 +3,8 @@
 //! readbacks, imports (whole or streamed), host appends, uploads, page tables, copy-on-write staging,
 //! parameter buffers (resets, scrubs, converting GPU appends, attention) and attention calls whose
 //! buffers it cannot allocate. A batch naming more queries than the call
-//! has is refused before its query table is built.
+//! has is refused before its query table is built, and an import the device cannot stage before
+//! the pool's page table grows.
 //!
 //! A software adapter backs buffers with this process's memory, so the test caps the process's
 //! address space (`RLIMIT_AS`, raised back afterwards) a little above what it uses, and asks for more.
@@ -248,6 +249,75 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
         d
     );
     lost.assert_none();
+}
+
+/// The bytes of the allocations named `label` on the device (Vulkan's allocator report).
+fn allocated_as(device: &wgpu::Device, label: &str) -> Option<u64> {
+    let report = device.generate_allocator_report()?;
+    Some(
+        report
+            .allocations
+            .iter()
+            .filter(|a| a.name == label)
+            .map(|a| a.size)
+            .sum(),
+    )
+}
+
+#[test]
+fn an_import_the_device_cannot_stage_is_refused_before_the_page_table_grows() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // Rows of 1 KiB in pages of 64: a snapshot of 98,304 rows is 96 MiB of rows, more than the
+    // device keeps in any memory block it made before, so it stages them only with room for them.
+    // The pool's table holds 8 sequences at first; they are there, so a ninth would grow it.
+    let rows = 96 << 10;
+    let layer = LayerSpec::new(vec![SlotSpec::new("s", &[256])]);
+    let spec = CacheSpec::new(vec![layer], DType::F32, rows).unwrap();
+    let mut c = cache(spec.clone());
+    let d = values(12, rows * 256);
+    c.append(0, &[HostSlab::f32(&d, &[rows, 256])]).unwrap();
+    c.advance(rows).unwrap();
+    let bytes = c.snapshot().unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 64, 8 + rows / 64).unwrap();
+    for _ in 0..8 {
+        pool.add_sequence().unwrap();
+    }
+    let ledger = pool.ledger().clone();
+    let Some(table) = allocated_as(&g.device, "kvgpu page table") else {
+        eprintln!("skipped here: {} gives no allocator report", g.describe());
+        return;
+    };
+    assert!(table > 0, "no page table in the allocator report");
+    {
+        let _cap = Cap::room(4 << 20);
+        let e = pool.import_sequence(&bytes).unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "the snapshot's rows"),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+    }
+    assert_eq!(
+        pool.ledger(),
+        &ledger,
+        "the refused import changed the pool"
+    );
+    assert_eq!(
+        allocated_as(&g.device, "kvgpu page table"),
+        Some(table),
+        "the refused import grew the page table"
+    );
+    // With room, it lands in the grown table.
+    let seq = pool.import_sequence(&bytes).unwrap();
+    assert_eq!(
+        pollster::block_on(pool.read_f32_async(seq, 0, 0)).unwrap(),
+        d
+    );
+    assert!(allocated_as(&g.device, "kvgpu page table").unwrap() > table);
 }
 
 /// K and V host slabs of `shape`, from the first rows of `k` and `v` (8 heads of 128).

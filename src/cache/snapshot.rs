@@ -221,6 +221,7 @@ impl KvCache {
             .iter()
             .map(|p| HostRows::of_plan(p, Rows::Stored(&snap.sections[p.layer])))
             .collect();
+        self.check_snapshot_rows(&jobs)?;
         self.write_snapshot_rows(&jobs)?;
         self.commit_import(plans, snap.header.len)
     }
@@ -313,16 +314,21 @@ impl KvCache {
         }
     }
 
-    /// Writes a snapshot's rows (`jobs`, of stored rows) into their slots with `Queue::write_buffer`,
-    /// under the out-of-memory check: more than 4 MiB of them natively after [`check_staging`] (a
-    /// device that cannot stage them refuses, and nothing is written), and every write inside an
-    /// out-of-memory scope. Where wgpu still cannot stage one,
-    /// the rows written so far (past the empty cache's length, so unseen) stay; wgpu 30 then also
-    /// loses the device.
+    /// Checks that the device can stage a snapshot's rows (`jobs`, of stored rows): natively, more
+    /// than 4 MiB of them go through [`check_staging`], and a device that cannot stage them
+    /// refuses. Nothing is kept, so a caller checks before it takes anything else (a page-table
+    /// row) and a refusal changes nothing.
+    pub(crate) fn check_snapshot_rows(&self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
+        check_staging(&self.device, SNAPSHOT_ROWS, self.host_rows_bytes(jobs))
+    }
+
+    /// Writes a snapshot's rows, checked by [`KvCache::check_snapshot_rows`], into their slots
+    /// with `Queue::write_buffer`, every write inside an out-of-memory scope. Where wgpu still
+    /// cannot stage one, the rows written so far (past the empty cache's length, so unseen) stay;
+    /// wgpu 30 then also loses the device.
     pub(crate) fn write_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
         let (what, bytes) = (SNAPSHOT_ROWS, self.host_rows_bytes(jobs));
         let device = self.device.clone();
-        check_staging(&device, what, bytes)?;
         allocated(&device, what, bytes, || self.write_host_rows(jobs))
     }
 }

@@ -78,9 +78,6 @@ impl PagedCache {
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         let plan = self.plan_import(snap.header.len)?;
-        let row = self.take_table_row()?;
-        // As `KvCache::import`: where the rows cannot be staged, nothing is committed (the table
-        // row goes back to the free ones).
         let jobs: Vec<HostRows<'_, '_>> = plan
             .plans
             .iter()
@@ -90,8 +87,12 @@ impl PagedCache {
                 runs: Cow::Borrowed(&p.runs),
             })
             .collect();
-        let written = self.store.write_snapshot_rows(&jobs);
-        if let Err(e) = written {
+        // Whether the device can stage the rows is checked before a table row is taken, which may
+        // grow the table; where the rows still cannot be written, nothing is committed (the table
+        // row goes back to the free ones).
+        self.store.check_snapshot_rows(&jobs)?;
+        let row = self.take_table_row()?;
+        if let Err(e) = self.store.write_snapshot_rows(&jobs) {
             self.free_rows.push(row);
             return Err(e);
         }
