@@ -5,6 +5,7 @@
 
 use std::fmt;
 
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// Element type of the stored cache. 16-bit types are packed two to a `u32` word.
@@ -566,10 +567,46 @@ pub fn unpack_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
 
 /// Stored words to f32 values, `[rows, row_elems]` row-major.
 pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
-    unpack_rows(words, dtype, row_elems)
-        .into_iter()
-        .map(|b| bits_to_f32(b, dtype))
-        .collect()
+    if dtype == DType::F32 {
+        return bytemuck::cast_slice(words).to_vec();
+    }
+    let row_words = packed_row_words(dtype, row_elems).max(1);
+    let rows = words.len() / row_words;
+    let mut out = vec![0f32; rows * row_elems];
+    if row_elems == 0 {
+        return out;
+    }
+    // Row by row, each type's elements where they lie (the 16-bit ones and fp8 low bits first, as
+    // little-endian words hold them); f16 through `half`'s slice conversion, which converts as
+    // `f16::to_f32` does (F16C's eight at a time where the processor has it).
+    let blocks = row_elems.div_ceil(QUANT_BLOCK);
+    for (row, values) in words
+        .chunks_exact(row_words)
+        .zip(out.chunks_exact_mut(row_elems))
+    {
+        let bytes: &[u8] = bytemuck::cast_slice(row);
+        match dtype {
+            DType::F16 => {
+                let halves: &[f16] = bytemuck::cast_slice(row);
+                halves[..row_elems].convert_to_f32_slice(values);
+            }
+            DType::BF16 => {
+                let halves: &[bf16] = bytemuck::cast_slice(row);
+                halves[..row_elems].convert_to_f32_slice(values);
+            }
+            DType::F8E4M3 | DType::F8E5M2 => {
+                for (v, &b) in values.iter_mut().zip(bytes) {
+                    *v = bits_to_f32(b as u32, dtype);
+                }
+            }
+            _ => {
+                for (e, v) in values.iter_mut().enumerate() {
+                    *v = block_elem(row, dtype, blocks, e);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The multiplier appends apply to the values of an fp8 slot scaled by `scale`
@@ -677,41 +714,188 @@ pub(crate) fn encode_rows(
     let row_bytes = padded_row_bytes(row_elems, storage) as usize;
     let rows = data.len().checked_div(row_elems).unwrap_or(0);
     out.resize(rows * row_bytes, 0);
-    let esize = storage.size();
-    let mut put = |i: usize, bits: u32| {
-        let (r, e) = (i / row_elems, i % row_elems);
-        let at = r * row_bytes + e * esize;
-        out[at..at + esize].copy_from_slice(&bits.to_le_bytes()[..esize]);
-    };
+    if rows == 0 {
+        return;
+    }
+    // Row by row: each row's bytes are its elements' bits, then the padding (zero).
+    let out_rows = out.chunks_exact_mut(row_bytes);
     if scale.is_some() {
-        for (i, bits) in scaled_host_bits(data, storage, scale)
-            .into_iter()
-            .enumerate()
-        {
-            put(i, bits);
+        let bits = scaled_host_bits(data, storage, scale);
+        for (bits, row) in bits.chunks_exact(row_elems).zip(out_rows) {
+            put_row(bits.iter().copied(), storage, row);
         }
         return;
     }
     match data {
-        HostData::F32(d) => d
-            .iter()
-            .enumerate()
-            .for_each(|(i, &x)| put(i, f32_to_bits(x, storage))),
+        // f32 to a 16-bit type through `half`'s slice conversions (F16C's eight at a time where
+        // the processor has it), which round as `f16::from_f32` and `bf16::from_f32` do.
+        HostData::F32(d) if storage == DType::F16 => {
+            let mut half = vec![f16::ZERO; row_elems];
+            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
+                half.convert_from_f32_slice(src);
+                row[..2 * row_elems].copy_from_slice(bytemuck::cast_slice(&half));
+            }
+        }
+        HostData::F32(d) if storage == DType::BF16 => {
+            let mut half = vec![bf16::ZERO; row_elems];
+            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
+                half.convert_from_f32_slice(src);
+                row[..2 * row_elems].copy_from_slice(bytemuck::cast_slice(&half));
+            }
+        }
+        HostData::F32(d) => {
+            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
+                put_row(src.iter().map(|&x| f32_to_bits(x, storage)), storage, row);
+            }
+        }
         // Data of the storage type as it is; f16 or bf16 into fp8 converted.
-        HostData::F16(d) => d
-            .iter()
-            .enumerate()
-            .for_each(|(i, x)| put(i, convert_bits(x.to_bits() as u32, DType::F16, storage))),
-        HostData::BF16(d) => d
-            .iter()
-            .enumerate()
-            .for_each(|(i, x)| put(i, convert_bits(x.to_bits() as u32, DType::BF16, storage))),
+        HostData::F16(d) => {
+            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
+                let bits = src.iter().map(|x| x.to_bits() as u32);
+                put_row(
+                    bits.map(|b| convert_bits(b, DType::F16, storage)),
+                    storage,
+                    row,
+                );
+            }
+        }
+        HostData::BF16(d) => {
+            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
+                let bits = src.iter().map(|x| x.to_bits() as u32);
+                put_row(
+                    bits.map(|b| convert_bits(b, DType::BF16, storage)),
+                    storage,
+                    row,
+                );
+            }
+        }
+    }
+}
+
+/// Writes one row's element bits into the front of its stored bytes `row`, `storage.size()`
+/// little-endian bytes each (a 16-bit or fp8 type's low bits), leaving the padding after them.
+fn put_row(bits: impl Iterator<Item = u32>, storage: DType, row: &mut [u8]) {
+    match storage.size() {
+        1 => row.iter_mut().zip(bits).for_each(|(o, b)| *o = b as u8),
+        2 => row
+            .chunks_exact_mut(2)
+            .zip(bits)
+            .for_each(|(o, b)| o.copy_from_slice(&(b as u16).to_le_bytes())),
+        _ => row
+            .chunks_exact_mut(4)
+            .zip(bits)
+            .for_each(|(o, b)| o.copy_from_slice(&b.to_le_bytes())),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Host rows encoded row by row (F16C's slice conversion for f16) hold the bits that element by
+    /// element conversion and [`pack_rows`] give, for every type but the block ones, padded rows
+    /// and not, f32 / f16 / bf16 host data and scaled slots: specials, subnormals, values halfway
+    /// between two stored ones, and every f16 code as f32.
+    #[test]
+    fn encoded_rows_hold_the_bits_of_each_element_converted() {
+        let mut x: Vec<f32> = [
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-45,
+            65504.0,
+            65520.0,
+            1.0 + f32::EPSILON,
+            1.0 + 1.0 / 2048.0,
+            1.0 + 3.0 / 2048.0,
+            448.0,
+            464.0,
+            57344.0,
+            61440.0,
+        ]
+        .to_vec();
+        x.extend((0..=u16::MAX).map(|h| f16::from_bits(h).to_f32()));
+        // The f16 codes and the halfway points between neighbours.
+        x.extend(
+            (0..u16::MAX).map(|h| f32::from_bits(f16::from_bits(h).to_f32().to_bits() + 0x1000)),
+        );
+        x.extend((0..4096u32).map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9))));
+        let halves: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        let brains: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let mut out = Vec::new();
+        for storage in [
+            DType::F16,
+            DType::BF16,
+            DType::F8E4M3,
+            DType::F8E5M2,
+            DType::F32,
+        ] {
+            for row_elems in [1, 3, 64, 100] {
+                let n = x.len() / row_elems * row_elems;
+                for data in [
+                    HostData::F32(&x[..n]),
+                    HostData::F16(&halves[..n]),
+                    HostData::BF16(&brains[..n]),
+                ] {
+                    for scale in [None, Some(0.25)] {
+                        encode_rows(data, storage, row_elems, scale, &mut out);
+                        let bits = scaled_host_bits(data, storage, scale);
+                        let want = pack_rows(&bits, storage, row_elems);
+                        assert_eq!(
+                            out,
+                            bytemuck::cast_slice::<u32, u8>(&want),
+                            "{:?} into {storage:?}, rows of {row_elems}, scale {scale:?}",
+                            data.dtype()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stored rows decoded row by row hold each element's value as [`unpack_rows`] and
+    /// [`bits_to_f32`] give it, bit for bit: every f16 and bf16 code, every fp8 byte, and quantized
+    /// blocks, in padded rows and not.
+    #[test]
+    fn decoded_rows_hold_the_value_of_each_element() {
+        let codes: Vec<u32> = (0..=u16::MAX as u32).collect();
+        let x: Vec<f32> = (0..8192u32)
+            .map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9)))
+            .map(|v| if v.is_finite() { v % 1e4 } else { 0.5 })
+            .collect();
+        for dtype in DType::STORAGE {
+            let bits: Vec<u32> = match dtype {
+                DType::F16 | DType::BF16 => codes.clone(),
+                DType::F8E4M3 | DType::F8E5M2 => codes.iter().map(|c| c & 0xff).collect(),
+                _ => x.iter().map(|&v| f32_to_bits(v, dtype)).collect(),
+            };
+            let widths: &[usize] = if dtype.block().is_some() {
+                &[32, 64, 256]
+            } else {
+                &[1, 3, 64, 100]
+            };
+            for &row_elems in widths {
+                let n = bits.len() / row_elems * row_elems;
+                let words = pack_rows(&bits[..n], dtype, row_elems);
+                let got: Vec<u32> = decode_rows(&words, dtype, row_elems)
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                let want: Vec<u32> = unpack_rows(&words, dtype, row_elems)
+                    .into_iter()
+                    .map(|b| bits_to_f32(b, dtype).to_bits())
+                    .collect();
+                assert_eq!(got, want, "{dtype:?}, rows of {row_elems}");
+            }
+        }
+    }
 
     #[test]
     fn encode_rows_pads_16_bit_rows() {
