@@ -343,6 +343,22 @@ pub fn run(
             cache.borrow_mut().truncate(ctx)?;
             Ok(t)
         };
+        // The same with f32 host rows, which the cache converts to its f16 on the host.
+        let mut kh32 = || -> Result<f64> {
+            let t = std::time::Instant::now();
+            let mut encoder = gpu.device.create_command_encoder(&Default::default());
+            let shape = [1, KV_HEADS, HEAD_DIM];
+            let slabs = [HostSlab::f32(&kf, &shape), HostSlab::f32(&vf, &shape)];
+            let mut c = cache.borrow_mut();
+            c.record_append_layers(&mut encoder, &[&slabs[..]; LAYERS])?;
+            c.advance(1)?;
+            drop(c);
+            let t = t.elapsed().as_secs_f64();
+            gpu.queue.submit([encoder.finish()]);
+            timer.wait()?;
+            cache.borrow_mut().truncate(ctx)?;
+            Ok(t)
+        };
         let mut raw = || timer.host(|| raw_step(&gpu.queue, &bufs, ctx, &k, &v));
         let mut cd = || -> Result<f64> {
             let t = std::time::Instant::now();
@@ -357,10 +373,12 @@ pub fn run(
         };
         // The floor of any step that waits on the device: an empty submission and the wait.
         let mut floor = || timer.host(|| Ok(()));
-        let [tk, th, tr, tc, tv, tf] = interleaved(
+        let [tk, th, th32, tr, tc, tv, tf] = interleaved(
             cfg.warm,
             cfg.step_reps,
-            [&mut kv, &mut kh, &mut raw, &mut cd, &mut fv, &mut floor],
+            [
+                &mut kv, &mut kh, &mut kh32, &mut raw, &mut cd, &mut fv, &mut floor,
+            ],
         )?;
         // The prefix-copy cache moves the whole prefix each step: few repetitions.
         let mut prefix = PrefixCopy::new(gpu, ctx);
@@ -439,6 +457,21 @@ pub fn run(
                 Goal::Info,
             ),
         );
+        if ctx == 4000 {
+            rows.push(
+                Row::new(
+                    "append_layers host calls, f32 host rows into the f16 cache / f16 rows, ctx 4000",
+                    th32 * 1e6,
+                    "us",
+                    Clock::Cpu,
+                )
+                .ratio(
+                    th32 / th,
+                    format!("the same calls with f16 host rows ({:.1} us)", th * 1e6),
+                    Goal::Info,
+                ),
+            );
+        }
         rows.push(
             Row::new(
                 format!("prefix-copy cache step, ctx {ctx}"),
