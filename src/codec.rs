@@ -591,7 +591,6 @@ pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
         .chunks_exact(row_words)
         .zip(out.chunks_exact_mut(row_elems))
     {
-        let bytes: &[u8] = bytemuck::cast_slice(row);
         match dtype {
             DType::F16 => {
                 let halves: &[f16] = bytemuck::cast_slice(row);
@@ -602,6 +601,7 @@ pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
                 halves[..row_elems].convert_to_f32_slice(values);
             }
             DType::F8E4M3 | DType::F8E5M2 => {
+                let bytes: &[u8] = bytemuck::cast_slice(row);
                 for (v, &b) in values.iter_mut().zip(bytes) {
                     *v = bits_to_f32(b as u32, dtype);
                 }
