@@ -375,7 +375,9 @@ fn scale_bits(d: f32) -> u32 {
 /// `floor(a / d + 0.5)` for `0 < d` and a quotient of magnitude below 2^20, decided by exact products
 /// (`(q +- 0.5) * d` has at most 21 significant bits) around an estimate from the reciprocal. The
 /// estimate only needs to be within one of the result, so it truncates instead of taking the floor
-/// (which, without SSE4.1, is a call into libm per element).
+/// (which, without SSE4.1, is a call into libm per element): for `a >= 0` (q8_0) truncation is the
+/// floor, and for a negative quotient (q4_0) it is the floor or one more, since `a * (1 / d)` never
+/// rounds past the half step `r + 0.5` the true result `r` lies below (`(r + 0.5) * d` is exact).
 fn round_div(a: f32, d: f32) -> i32 {
     let mut q = (a * (1.0 / d) + 0.5) as i32;
     if a >= (q as f32 + 0.5) * d {

@@ -130,6 +130,12 @@ pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
 pub use verify::verify_buffer;
 
+// Stored words are little-endian, and kvgpu views host slices and stored rows in place (f16 halves,
+// fp8 bytes), which holds only where the host is little-endian too: a big-endian build is refused
+// here instead of storing swapped elements.
+#[cfg(target_endian = "big")]
+compile_error!("kvgpu supports little-endian targets only: it views host slices as stored words");
+
 // Natively the caches, the pool, attention and the registry may move to and be shared between
 // threads (apps load layers or serve sequences on several): checked when the crate compiles, so
 // that no later field takes it away.

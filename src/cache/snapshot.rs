@@ -322,8 +322,9 @@ impl KvCache {
         check_staging(&self.device, SNAPSHOT_ROWS, self.host_rows_bytes(jobs))
     }
 
-    /// Writes a snapshot's rows, checked by [`KvCache::check_snapshot_rows`], into their slots
-    /// with `Queue::write_buffer`, every write inside an out-of-memory scope. Where wgpu still
+    /// Writes a snapshot's rows, just checked by [`KvCache::check_snapshot_rows`] (nothing
+    /// allocated in between), into their slots with `Queue::write_buffer`, every write inside an
+    /// out-of-memory scope. Where wgpu still
     /// cannot stage one, the rows written so far (past the empty cache's length, so unseen) stay;
     /// wgpu 30 then also loses the device.
     pub(crate) fn write_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {

@@ -233,19 +233,27 @@ impl PagedCache {
         })
     }
 
+    /// Whether a sequence can get a table row: a free one, or room to grow the table within the
+    /// device's binding limit ([`Error::TooManySequences`] otherwise). Changes nothing.
+    fn check_table_row(&self) -> Result<()> {
+        let rows = self.table_rows.len();
+        if self.free_rows.is_empty() && rows == self.most_rows {
+            return Err(Error::TooManySequences { most: rows });
+        }
+        Ok(())
+    }
+
     /// A table row for a new sequence, growing the table when every row is taken. The grown table
     /// is written whole from the ledger with `Queue::write_buffer`, not copied from the old one on
     /// the GPU: a recorded GPU append not yet submitted writes its entries into the old table, and
     /// the new one must hold them too.
     fn take_table_row(&mut self) -> Result<usize> {
+        self.check_table_row()?;
         if let Some(row) = self.free_rows.pop() {
             return Ok(row);
         }
         let row = self.table_rows.len();
         if row == self.row_capacity {
-            if row == self.most_rows {
-                return Err(Error::TooManySequences { most: row });
-            }
             let rows = (self.row_capacity * 2).min(self.most_rows);
             let table = table_buffer(self.device(), self.table_width, rows)?;
             let mut entries = vec![0u32; self.table_width * self.row_capacity];

@@ -87,12 +87,22 @@ impl PagedCache {
                 runs: Cow::Borrowed(&p.runs),
             })
             .collect();
-        // Whether the device can stage the rows is checked before a table row is taken, which may
-        // grow the table; where the rows still cannot be written, nothing is committed (the table
-        // row goes back to the free ones).
+        // The table row and the staging are checked before a row is taken, which may grow the
+        // table, so a refusal leaves the table as it was. A table that grew took memory: the
+        // staging is checked again. Where the rows still cannot be written, nothing is committed
+        // (the table row goes back to the free ones).
+        self.check_table_row()?;
         self.store.check_snapshot_rows(&jobs)?;
+        let capacity = self.row_capacity;
         let row = self.take_table_row()?;
-        if let Err(e) = self.store.write_snapshot_rows(&jobs) {
+        let written = if self.row_capacity == capacity {
+            self.store.write_snapshot_rows(&jobs)
+        } else {
+            self.store
+                .check_snapshot_rows(&jobs)
+                .and_then(|()| self.store.write_snapshot_rows(&jobs))
+        };
+        if let Err(e) = written {
             self.free_rows.push(row);
             return Err(e);
         }

@@ -1310,6 +1310,16 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
     );
     let forked = pool.fork(seqs[0], 0).unwrap_err();
     assert_eq!(forked, Error::TooManySequences { most: 4 });
+    // An import is refused before it stages anything, whole or streamed.
+    let bytes = pool.snapshot_sequence_async(seqs[0]).await.unwrap();
+    let imported = pool.import_sequence(&bytes).unwrap_err();
+    assert_eq!(imported, Error::TooManySequences { most: 4 });
+    let mut streamed = pool.import_sequence_stream();
+    streamed.push(&bytes).unwrap();
+    assert_eq!(
+        streamed.finish().unwrap_err(),
+        Error::TooManySequences { most: 4 }
+    );
     assert_eq!(pool.ledger(), &before);
     pool.remove(seqs[1]).unwrap();
     pool.add_sequence().unwrap();
