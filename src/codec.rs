@@ -759,25 +759,28 @@ pub(crate) fn encode_rows(
         }
         // Data of the storage type as it is; f16 or bf16 into fp8 converted.
         HostData::F16(d) => {
-            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
-                let bits = src.iter().map(|x| x.to_bits() as u32);
-                put_row(
-                    bits.map(|b| convert_bits(b, DType::F16, storage)),
-                    storage,
-                    row,
-                );
-            }
+            let halves: &[u16] = bytemuck::cast_slice(d);
+            put_half_rows(halves, DType::F16, storage, row_elems, out_rows);
         }
         HostData::BF16(d) => {
-            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
-                let bits = src.iter().map(|x| x.to_bits() as u32);
-                put_row(
-                    bits.map(|b| convert_bits(b, DType::BF16, storage)),
-                    storage,
-                    row,
-                );
-            }
+            let halves: &[u16] = bytemuck::cast_slice(d);
+            put_half_rows(halves, DType::BF16, storage, row_elems, out_rows);
         }
+    }
+}
+
+/// Rows of `row_elems` 16-bit host elements of type `from` (f16 or bf16 bits) into stored rows of
+/// `storage`, converted where the types differ.
+fn put_half_rows<'a>(
+    halves: &[u16],
+    from: DType,
+    storage: DType,
+    row_elems: usize,
+    out_rows: impl Iterator<Item = &'a mut [u8]>,
+) {
+    for (src, row) in halves.chunks_exact(row_elems).zip(out_rows) {
+        let bits = src.iter().map(|&h| convert_bits(h as u32, from, storage));
+        put_row(bits, storage, row);
     }
 }
 

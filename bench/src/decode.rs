@@ -327,12 +327,17 @@ pub fn run(
             Ok(t)
         };
         // The host calls alone: what a decode loop pays when the submit is shared with its kernels
-        // (the step recorded into the loop's encoder).
-        let mut kh = || -> Result<f64> {
+        // (the step recorded into the loop's encoder); with f16 host rows, or f32 ones, which the
+        // cache converts to its f16 on the host.
+        let host_calls = |f32_rows: bool| -> Result<f64> {
             let t = std::time::Instant::now();
             let mut encoder = gpu.device.create_command_encoder(&Default::default());
             let shape = [1, KV_HEADS, HEAD_DIM];
-            let slabs = [HostSlab::f16(&k, &shape), HostSlab::f16(&v, &shape)];
+            let slabs = if f32_rows {
+                [HostSlab::f32(&kf, &shape), HostSlab::f32(&vf, &shape)]
+            } else {
+                [HostSlab::f16(&k, &shape), HostSlab::f16(&v, &shape)]
+            };
             let mut c = cache.borrow_mut();
             c.record_append_layers(&mut encoder, &[&slabs[..]; LAYERS])?;
             c.advance(1)?;
@@ -343,22 +348,8 @@ pub fn run(
             cache.borrow_mut().truncate(ctx)?;
             Ok(t)
         };
-        // The same with f32 host rows, which the cache converts to its f16 on the host.
-        let mut kh32 = || -> Result<f64> {
-            let t = std::time::Instant::now();
-            let mut encoder = gpu.device.create_command_encoder(&Default::default());
-            let shape = [1, KV_HEADS, HEAD_DIM];
-            let slabs = [HostSlab::f32(&kf, &shape), HostSlab::f32(&vf, &shape)];
-            let mut c = cache.borrow_mut();
-            c.record_append_layers(&mut encoder, &[&slabs[..]; LAYERS])?;
-            c.advance(1)?;
-            drop(c);
-            let t = t.elapsed().as_secs_f64();
-            gpu.queue.submit([encoder.finish()]);
-            timer.wait()?;
-            cache.borrow_mut().truncate(ctx)?;
-            Ok(t)
-        };
+        let mut kh = || host_calls(false);
+        let mut kh32 = || host_calls(true);
         let mut raw = || timer.host(|| raw_step(&gpu.queue, &bufs, ctx, &k, &v));
         let mut cd = || -> Result<f64> {
             let t = std::time::Instant::now();
