@@ -909,6 +909,32 @@ mod tests {
         }
     }
 
+    /// Any words and any width give whole rows and no panic (`decode_rows` is public through
+    /// `kvgpu::reference`): no words, fewer than a row, a partial row after whole ones, a width of
+    /// 0 and the largest width. f32 words are values whatever the width, as before.
+    #[test]
+    fn decoded_rows_of_any_length_are_whole_rows() {
+        let words: Vec<u32> = (0..40u32).map(|i| i.wrapping_mul(0x0101_0101)).collect();
+        for dtype in DType::STORAGE {
+            for row_elems in [0, 1, 3, 32, 33, 1 << 20, usize::MAX] {
+                for n in [0, 1, 7, 40] {
+                    let got = decode_rows(&words[..n], dtype, row_elems);
+                    let want = if dtype == DType::F32 {
+                        n
+                    } else if row_elems == 0 {
+                        0
+                    } else {
+                        n / packed_row_words(dtype, row_elems) * row_elems
+                    };
+                    assert_eq!(got.len(), want, "{dtype:?}, rows of {row_elems}, {n} words");
+                }
+            }
+        }
+        let mut out = Vec::new();
+        encode_rows(HostData::F32(&[]), DType::F16, 3, None, &mut out);
+        assert!(out.is_empty());
+    }
+
     #[test]
     fn encode_rows_pads_16_bit_rows() {
         let mut out = Vec::new();
