@@ -739,18 +739,10 @@ pub(crate) fn encode_rows(
         // f32 to a 16-bit type through `half`'s slice conversions (F16C's eight at a time where
         // the processor has it), which round as `f16::from_f32` and `bf16::from_f32` do.
         HostData::F32(d) if storage == DType::F16 => {
-            let mut half = vec![f16::ZERO; row_elems];
-            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
-                half.convert_from_f32_slice(src);
-                row[..2 * row_elems].copy_from_slice(bytemuck::cast_slice(&half));
-            }
+            put_f32_rows_as(f16::ZERO, d, row_elems, out_rows)
         }
         HostData::F32(d) if storage == DType::BF16 => {
-            let mut half = vec![bf16::ZERO; row_elems];
-            for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
-                half.convert_from_f32_slice(src);
-                row[..2 * row_elems].copy_from_slice(bytemuck::cast_slice(&half));
-            }
+            put_f32_rows_as(bf16::ZERO, d, row_elems, out_rows)
         }
         HostData::F32(d) => {
             for (src, row) in d.chunks_exact(row_elems).zip(out_rows) {
@@ -766,6 +758,23 @@ pub(crate) fn encode_rows(
             let halves: &[u16] = bytemuck::cast_slice(d);
             put_half_rows(halves, DType::BF16, storage, row_elems, out_rows);
         }
+    }
+}
+
+/// f32 rows into rows of a 16-bit type `H` (`f16` or `bf16`, `zero` its zero) through `half`'s
+/// slice conversion, one row at a time; each row's padding stays as it is (zero).
+fn put_f32_rows_as<'a, H: bytemuck::Pod>(
+    zero: H,
+    data: &[f32],
+    row_elems: usize,
+    out_rows: impl Iterator<Item = &'a mut [u8]>,
+) where
+    [H]: HalfFloatSliceExt,
+{
+    let mut half = vec![zero; row_elems];
+    for (src, row) in data.chunks_exact(row_elems).zip(out_rows) {
+        half.convert_from_f32_slice(src);
+        row[..2 * row_elems].copy_from_slice(bytemuck::cast_slice(&half));
     }
 }
 

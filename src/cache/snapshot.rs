@@ -324,9 +324,8 @@ impl KvCache {
 
     /// Writes a snapshot's rows, just checked by [`KvCache::check_snapshot_rows`] (nothing
     /// allocated in between), into their slots with `Queue::write_buffer`, every write inside an
-    /// out-of-memory scope. Where wgpu still
-    /// cannot stage one, the rows written so far (past the empty cache's length, so unseen) stay;
-    /// wgpu 30 then also loses the device.
+    /// out-of-memory scope. Where wgpu still cannot stage one, the rows written so far (past the
+    /// empty cache's length, so unseen) stay; wgpu 30 then also loses the device.
     pub(crate) fn write_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
         let (what, bytes) = (SNAPSHOT_ROWS, self.host_rows_bytes(jobs));
         let device = self.device.clone();
