@@ -188,7 +188,8 @@ pub(crate) fn used_row_bytes(elems: usize, dtype: DType) -> u64 {
     dtype.used_bytes(elems).unwrap_or(u64::MAX / 4 * 4)
 }
 
-/// Host data for one slab: f32 (converted to the storage type) or data already in the storage type.
+/// Host data for one slab: f32 (converted to the storage type) or data already in the storage type;
+/// a quantized slot (q8_0, q4_0, fp8) takes any of the three and converts it.
 #[derive(Clone, Copy, Debug)]
 pub enum HostData<'a> {
     F32(&'a [f32]),

@@ -112,8 +112,8 @@ impl PagedCache {
     /// [`PagedCache::import_sequence`] of a snapshot that arrives in pieces:
     /// [`SequenceImport::push`] each piece, then [`SequenceImport::finish`] (as
     /// [`crate::KvCache::import_stream`]: the rows wait in GPU staging buffers until the whole
-    /// checks out, and a snapshot that is incompatible or needs more pages than are free is refused
-    /// as soon as its header arrives).
+    /// checks out, and a snapshot that is incompatible, needs more pages than are free or finds
+    /// every page-table row taken is refused as soon as its header arrives).
     pub fn import_sequence_stream(&mut self) -> SequenceImport<'_> {
         SequenceImport {
             stream: SnapshotStream::new(&self.spec),
@@ -243,7 +243,11 @@ struct PoolSink<'a> {
 
 impl RowSink for PoolSink<'_> {
     fn header(&mut self, header: &SnapshotHeader) -> Result<()> {
-        *self.plan = Some(self.pool.plan_import(header.len)?);
+        let plan = self.pool.plan_import(header.len)?;
+        // A full page table is refused here, before any row is staged (the stream holds the pool,
+        // so no sequence takes a row before `finish`).
+        self.pool.check_table_row()?;
+        *self.plan = Some(plan);
         *self.staged = Some(StagedRows::new(
             self.pool.device(),
             self.pool.queue(),

@@ -1310,12 +1310,22 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
     );
     let forked = pool.fork(seqs[0], 0).unwrap_err();
     assert_eq!(forked, Error::TooManySequences { most: 4 });
-    // An import is refused before it stages anything, whole or streamed.
+    // An import is refused before it stages anything, whole or streamed: a stream at its header,
+    // before any row arrives, and every later call repeats the refusal.
     let bytes = pool.snapshot_sequence_async(seqs[0]).await.unwrap();
     let imported = pool.import_sequence(&bytes).unwrap_err();
     assert_eq!(imported, Error::TooManySequences { most: 4 });
+    let header = SnapshotHeader::parse(&bytes).unwrap();
+    let header_bytes = (header.total_bytes() - header.rows_bytes() - 4) as usize;
     let mut streamed = pool.import_sequence_stream();
-    streamed.push(&bytes).unwrap();
+    assert_eq!(
+        streamed.push(&bytes[..header_bytes]).unwrap_err(),
+        Error::TooManySequences { most: 4 }
+    );
+    assert_eq!(
+        streamed.push(&bytes[header_bytes..]).unwrap_err(),
+        Error::TooManySequences { most: 4 }
+    );
     assert_eq!(
         streamed.finish().unwrap_err(),
         Error::TooManySequences { most: 4 }
