@@ -110,6 +110,13 @@ fn buffers_and_caches_of_another_device_are_refused() {
     let q = storage(&d);
     let out = output(8);
     let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    // Natively wgpu tells a foreign query or output only when its bind group is made, after the
+    // call's scratch buffers are: a refused call puts the scratch it had back (here none).
+    let scratch = |att: &Attention| {
+        let debug = format!("{att:?}");
+        debug[debug.find("scratch_bytes").unwrap()..].to_string()
+    };
+    assert!(scratch(&att).starts_with("scratch_bytes: None"), "{att:?}");
     let e = att
         .gqa(
             &c,
@@ -120,6 +127,7 @@ fn buffers_and_caches_of_another_device_are_refused() {
         )
         .unwrap_err();
     assert!(matches!(e, Error::ForeignDevice { layer: 0, .. }), "{e}");
+    assert!(scratch(&att).starts_with("scratch_bytes: None"), "{att:?}");
     let e = att
         .gqa(
             &c,
@@ -130,6 +138,7 @@ fn buffers_and_caches_of_another_device_are_refused() {
         )
         .unwrap_err();
     assert!(matches!(e, Error::ForeignDevice { layer: 0, .. }), "{e}");
+    assert!(scratch(&att).starts_with("scratch_bytes: None"), "{att:?}");
     let mut elsewhere = Attention::new(&other.device, &other.queue).unwrap();
     let e = elsewhere
         .gqa(
@@ -147,6 +156,7 @@ fn buffers_and_caches_of_another_device_are_refused() {
     // The refusals left the Attention usable.
     att.gqa(&c, 0, Queries::new(&q, 1, 1, 8), &out, &Default::default())
         .unwrap();
+    assert!(scratch(&att).starts_with("scratch_bytes: Some"), "{att:?}");
     let want = reference::attention_gqa(&d, [1, 1, 8], &d, &d, 1, 8, &Default::default());
     assert_close(&read(&out), &want, "after refusals");
 }

@@ -89,6 +89,7 @@ pub use request::{AttentionOptions, Kv, MlaQueries, Output, Queries};
 pub(crate) use stream::{StreamKey, source as stream_source};
 
 /// Partial results of pass 1, grown (never shrunk) when a call first needs more.
+#[derive(Clone)]
 struct Scratch {
     stats: wgpu::Buffer,
     part: wgpu::Buffer,

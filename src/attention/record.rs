@@ -52,85 +52,7 @@ impl Attention {
                 format!("{which} buffer")
             })?;
         }
-        // Grown after the checks that need no binding (the bind groups below bind the scratch).
-        self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes)?;
-        let Some(scratch) = &self.scratch else {
-            return Err(Error::Device {
-                reason: "attention scratch buffers are missing".into(),
-            });
-        };
-        let (device, kernels) = (&self.device, &self.kernels);
-        let refused = |which: &'static str| {
-            move |e: String| Error::ForeignDevice {
-                layer,
-                what: format!("{which} buffer (wgpu refused to bind it: {e})"),
-            }
-        };
-        let (a, b, o) = (views.q_a, views.q_b, views.out);
-        let out_key = (out.clone(), (o.bind_offset, o.bind_size));
-        let direct = dispatch.params.direct != 0;
-        // The reduce's group: the output and the scratch. Where pass 1 writes the output itself, it
-        // is built only to tell which buffer wgpu refused (pass 1's group binds the output too).
-        let reduce_group = || {
-            let (group, error) = scoped(device, || {
-                device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: Some("kvgpu attention_reduce"),
-                    layout: kernels.reduce_layout(),
-                    entries: &[
-                        entry(0, scratch.stats.as_entire_binding()),
-                        entry(1, scratch.part.as_entire_binding()),
-                        entry(2, range(out, &o)),
-                    ],
-                })
-            });
-            error.map_or(Ok(group), |e| Err(refused("output")(e)))
-        };
-        let io = self.io_groups.get_or_try_insert(
-            (
-                q_a.clone(),
-                (a.bind_offset, a.bind_size),
-                q_b.clone(),
-                (b.bind_offset, b.bind_size),
-                direct.then(|| out_key.clone()),
-            ),
-            &[q_a, q_b, out][..if direct { 3 } else { 2 }],
-            || {
-                let part = if direct {
-                    range(out, &o)
-                } else {
-                    scratch.part.as_entire_binding()
-                };
-                let (group, error) = scoped(device, || {
-                    device.create_bind_group(&wgpu::BindGroupDescriptor {
-                        label: Some("kvgpu attention io"),
-                        layout: kernels.attn_io_layout(),
-                        entries: &[
-                            entry(0, range(q_a, &a)),
-                            entry(1, range(q_b, &b)),
-                            entry(2, scratch.stats.as_entire_binding()),
-                            entry(3, part),
-                        ],
-                    })
-                });
-                error.map_or(Ok(group), |e| Err(refused("query")(e)))
-            },
-        );
-        let io = match io {
-            Ok(group) => group,
-            Err(e) if direct => {
-                reduce_group()?;
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        };
-        let reduce = if direct {
-            None
-        } else {
-            Some(
-                self.out_groups
-                    .get_or_try_insert(out_key, &[out], reduce_group)?,
-            )
-        };
+        // The pipeline and the parameter entries first: neither needs the scratch.
         let partial = match dispatch.kernel {
             Pass1::Tiled {
                 dtypes,
@@ -155,15 +77,109 @@ impl Attention {
         };
         let pairs: Vec<_> = dispatch.pairs().collect();
         self.ring.reserve(pairs.len() as u64)?;
-        // Copied inside the encoder, so calls recorded one after another each read their own.
-        let table = if table_bytes > 0 {
-            let words = bytemuck::cast_slice(&table_words);
-            Some(
-                self.uploads
-                    .push(&self.queue, "a batch's query table", words)?,
-            )
-        } else {
-            None
+        // Grown before the bind groups, which bind it. A refusal after this (a buffer wgpu will not
+        // bind, no memory for a batch's query table) puts the old scratch back, so a refused call
+        // keeps no new memory.
+        let before = self.scratch.clone();
+        let grew = self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes)?;
+        let Some(scratch) = &self.scratch else {
+            return Err(Error::Device {
+                reason: "attention scratch buffers are missing".into(),
+            });
+        };
+        let (device, kernels) = (&self.device, &self.kernels);
+        let (io_groups, out_groups) = (&mut self.io_groups, &mut self.out_groups);
+        let (uploads, queue) = (&mut self.uploads, &self.queue);
+        let bound = (|| {
+            let refused = |which: &'static str| {
+                move |e: String| Error::ForeignDevice {
+                    layer,
+                    what: format!("{which} buffer (wgpu refused to bind it: {e})"),
+                }
+            };
+            let (a, b, o) = (views.q_a, views.q_b, views.out);
+            let out_key = (out.clone(), (o.bind_offset, o.bind_size));
+            let direct = dispatch.params.direct != 0;
+            // The reduce's group: the output and the scratch. Where pass 1 writes the output
+            // itself, it is built only to tell which buffer wgpu refused (pass 1's group binds the
+            // output too).
+            let reduce_group = || {
+                let (group, error) = scoped(device, || {
+                    device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some("kvgpu attention_reduce"),
+                        layout: kernels.reduce_layout(),
+                        entries: &[
+                            entry(0, scratch.stats.as_entire_binding()),
+                            entry(1, scratch.part.as_entire_binding()),
+                            entry(2, range(out, &o)),
+                        ],
+                    })
+                });
+                error.map_or(Ok(group), |e| Err(refused("output")(e)))
+            };
+            let io = io_groups.get_or_try_insert(
+                (
+                    q_a.clone(),
+                    (a.bind_offset, a.bind_size),
+                    q_b.clone(),
+                    (b.bind_offset, b.bind_size),
+                    direct.then(|| out_key.clone()),
+                ),
+                &[q_a, q_b, out][..if direct { 3 } else { 2 }],
+                || {
+                    let part = if direct {
+                        range(out, &o)
+                    } else {
+                        scratch.part.as_entire_binding()
+                    };
+                    let (group, error) = scoped(device, || {
+                        device.create_bind_group(&wgpu::BindGroupDescriptor {
+                            label: Some("kvgpu attention io"),
+                            layout: kernels.attn_io_layout(),
+                            entries: &[
+                                entry(0, range(q_a, &a)),
+                                entry(1, range(q_b, &b)),
+                                entry(2, scratch.stats.as_entire_binding()),
+                                entry(3, part),
+                            ],
+                        })
+                    });
+                    error.map_or(Ok(group), |e| Err(refused("query")(e)))
+                },
+            );
+            let io = match io {
+                Ok(group) => group,
+                Err(e) if direct => {
+                    reduce_group()?;
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            };
+            let reduce = if direct {
+                None
+            } else {
+                Some(out_groups.get_or_try_insert(out_key, &[out], reduce_group)?)
+            };
+            // Copied inside the encoder, so calls recorded one after another each read their own.
+            let table = if table_bytes > 0 {
+                let words = bytemuck::cast_slice(&table_words);
+                Some(uploads.push(queue, "a batch's query table", words)?)
+            } else {
+                None
+            };
+            Ok((io, reduce, table))
+        })();
+        let (io, reduce, table) = match bound {
+            Ok(bound) => bound,
+            Err(e) => {
+                if grew {
+                    // Groups made in this call bound the new scratch.
+                    self.scratch = before;
+                    self.io_groups.clear();
+                    self.out_groups.clear();
+                }
+                return Err(e);
+            }
         };
         let params = self.ring.push_all(&self.queue, &pairs);
         if let Some(table) = table {
@@ -403,14 +419,14 @@ impl Attention {
     }
 
     /// Grows the scratch buffers when this call needs more than they hold (bind groups that named the
-    /// old ones are dropped). A device that cannot allocate them refuses with
-    /// [`Error::OutOfMemory`], and the old ones stay.
-    pub(super) fn ensure_scratch(&mut self, stats_bytes: u64, part_bytes: u64) -> Result<()> {
+    /// old ones are dropped), and says whether it did. A device that cannot allocate them refuses
+    /// with [`Error::OutOfMemory`], and the old ones stay.
+    pub(super) fn ensure_scratch(&mut self, stats_bytes: u64, part_bytes: u64) -> Result<bool> {
         if let Some(s) = &self.scratch
             && s.stats.size() >= stats_bytes
             && s.part.size() >= part_bytes
         {
-            return Ok(());
+            return Ok(false);
         }
         let old = self
             .scratch
@@ -439,7 +455,7 @@ impl Attention {
         self.scratch = Some(scratch);
         self.io_groups.clear();
         self.out_groups.clear();
-        Ok(())
+        Ok(true)
     }
 }
 

@@ -209,16 +209,23 @@ impl PageLedger {
         check_layer(layer, self.shapes.len())
     }
 
+    /// Refuses a new sequence when its id would be the last one (`u32::MAX`, which `next_id`
+    /// cannot pass): [`PageLedger::add`] and the ways that share pages fail exactly then.
+    pub(crate) fn check_add(&self) -> Result<()> {
+        if self.next_id == u32::MAX {
+            return Err(Error::SequenceIdsExhausted);
+        }
+        Ok(())
+    }
+
     /// A new, empty sequence (it takes no page until it is written).
     pub(crate) fn add(&mut self) -> Result<SeqId> {
+        self.check_add()?;
         let id = SeqId {
             pool: self.pool,
             n: self.next_id,
         };
-        self.next_id = self
-            .next_id
-            .checked_add(1)
-            .ok_or(Error::SequenceIdsExhausted)?;
+        self.next_id += 1;
         self.seqs.insert(
             id,
             Sequence {
@@ -730,9 +737,13 @@ mod tests {
             pool: l.pool,
             n: u32::MAX - 1,
         };
+        assert_eq!(l.check_add(), Ok(()));
         assert_eq!(l.add(), Ok(last));
         let before = l.clone();
+        assert_eq!(l.check_add(), Err(Error::SequenceIdsExhausted));
         assert_eq!(l.add(), Err(Error::SequenceIdsExhausted));
+        assert_eq!(l.fork(last, 0), Err(Error::SequenceIdsExhausted));
+        assert_eq!(l.add_with_prefix(&[]), Err(Error::SequenceIdsExhausted));
         assert_eq!(l, before);
     }
 

@@ -377,11 +377,13 @@ impl PagedCache {
     }
 
     /// A sequence the ledger makes with `make`, given a table row of its own (taken first, and given
-    /// back when the ledger refuses) that holds its pages.
+    /// back when the ledger refuses) that holds its pages. The last sequence id is refused before
+    /// the row is taken, so that a refusal does not grow the page table.
     fn open_sequence<T>(
         &mut self,
         make: impl FnOnce(&mut PageLedger) -> Result<(SeqId, T)>,
     ) -> Result<(SeqId, T)> {
+        self.ledger.check_add()?;
         let row = self.take_table_row()?;
         let (seq, made) = make(&mut self.ledger).inspect_err(|_| self.free_rows.push(row))?;
         self.table_rows.insert(seq, row);
