@@ -509,7 +509,7 @@ impl Attention {
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut table = Vec::new();
-        let rows = Rows::of(kv.into(), layer, q.shape[0], &mut table)?;
+        let rows = Rows::of(kv.into(), layer, q.shape[0], &self.facts, &mut table)?;
         self.record_gqa_rows(encoder, rows, layer, q, out, options)
     }
 
@@ -583,7 +583,7 @@ impl Attention {
         options: &AttentionOptions,
     ) -> Result<()> {
         let mut table = Vec::new();
-        let rows = Rows::of(kv.into(), layer, q.latent.shape[0], &mut table)?;
+        let rows = Rows::of(kv.into(), layer, q.latent.shape[0], &self.facts, &mut table)?;
         self.record_mla_rows(encoder, rows, layer, q, out, options)
     }
 

@@ -413,7 +413,7 @@ fn reduce_workgroups(n_heads: usize, n_chunks: usize, d_v: usize, lanes: u32, cp
 }
 
 /// `n` workgroups fit one dimension of a dispatch, or why not.
-fn fits_dimension(n: usize, what: &str, dev: &DeviceFacts) -> Result<(), String> {
+pub(crate) fn fits_dimension(n: usize, what: &str, dev: &DeviceFacts) -> Result<(), String> {
     if n > dev.max_workgroups {
         return Err(format!(
             "{n} {what} exceed the device's {} workgroups per dispatch dimension",

@@ -1,7 +1,7 @@
 //! Turning one checked attention call into commands: the call's checks and plan, its bind groups
 //! (the slots' from the cache, queries and output from bounded caches) and both passes.
 
-use super::plan::{self, CallShape, Dispatch, Paging, Pass1};
+use super::plan::{self, CallShape, DeviceFacts, Dispatch, Paging, Pass1};
 use super::request::contiguous;
 use super::view::{self, Bound, ViewError};
 use super::{Attention, AttentionOptions, Job, Kv, Scratch};
@@ -514,17 +514,27 @@ pub(super) struct Rows<'a> {
 
 impl<'a> Rows<'a> {
     /// The rows `kv` names in `layer` for a call of `n_q` queries; a batch's per-query rows go to
-    /// `table`.
+    /// `table`, once `n_q` is found to fit the device's dispatch (as the planner asks later), so a
+    /// call of more queries than any device runs allocates no table of them.
     pub(super) fn of(
         kv: Kv<'a>,
         layer: usize,
         n_q: usize,
+        facts: &DeviceFacts,
         table: &'a mut Vec<[u32; 2]>,
     ) -> Result<Self> {
         match kv {
             Kv::Cache(cache) => Self::of_cache(cache, layer),
             Kv::Sequence(pool, seq) => Self::of_sequence(pool, seq, layer),
-            Kv::Batch(pool, batch) => Self::of_batch(pool, layer, batch, n_q, table),
+            Kv::Batch(pool, batch) => {
+                plan::fits_dimension(n_q, "queries", facts).map_err(|detail| {
+                    Error::AttentionRequest {
+                        layer,
+                        problem: AttentionProblem::DeviceLimit { detail },
+                    }
+                })?;
+                Self::of_batch(pool, layer, batch, n_q, table)
+            }
         }
     }
 
