@@ -1340,14 +1340,17 @@ fn attention_refuses_hostile_requests() {
                 ..gqa(&format!("output {what}"), [1, 4, dk], expect)
             });
         }
-        // Writing into another layer's slot corrupts the cache behind the ledger; not refused today.
+        // Writing into another layer's slot would corrupt the cache behind the ledger. This one is
+        // too small for the output as well (which is found first); a cache's own slot buffers of
+        // every layer are refused as outputs even where they are large enough
+        // (`views_out_of_range_overflowing_overlapping_or_aliased_are_refused`).
         calls.push(Call {
             out: Output::new(&c_kv),
             twin: false,
             ..gqa(
                 "output into another layer's slot",
                 [1, 4, dk],
-                Expect::Either,
+                refused!(AttentionBuffer | BufferTooSmall),
             )
         });
         let scale = |x| AttentionOptions {
@@ -1792,46 +1795,54 @@ fn uniform_with_usize_max_layers() {
 }
 
 /// A spec whose slots each fit (`<= u64::MAX / 4` bytes) but together pass `u64::MAX` bytes:
-/// `CacheSpec::uniform(8, LayerSpec::new(vec![SlotSpec::new("x", &[1])]), DType::F32, 1 << 59)` is
-/// accepted, and its `total_bytes()` panics with "attempt to multiply with overflow" at
-/// src/spec.rs:263 in debug builds (and wraps to 0 in release). So does
-/// `CacheSpec::llama3_8b(DType::F32, 1 << 49)`. Either the spec is refused or the total saturates.
+/// `CacheSpec::uniform(8, LayerSpec::new(vec![SlotSpec::new("x", &[1])]), DType::F32, 1 << 59)` was
+/// accepted, and its `total_bytes()` panicked with "attempt to multiply with overflow" at
+/// src/spec.rs:263 in debug builds (and wrapped to 0 in release). So did
+/// `CacheSpec::llama3_8b(DType::F32, 1 << 49)`. Both are refused now, naming their layers and rows;
+/// a spec just within the count is accepted, and its total is its slots' sum.
 #[test]
 fn total_bytes_of_a_spec_past_u64() {
     let one = LayerSpec::new(vec![SlotSpec::new("x", &[1])]);
-    for spec in [
-        CacheSpec::uniform(8, one, DType::F32, 1 << 59),
-        CacheSpec::llama3_8b(DType::F32, 1 << 49),
+    for (spec, n_layers, max_seq_len) in [
+        (
+            CacheSpec::uniform(8, one.clone(), DType::F32, 1 << 59),
+            8,
+            1 << 59,
+        ),
+        (CacheSpec::llama3_8b(DType::F32, 1 << 49), 32, 1 << 49),
     ] {
-        let Ok(spec) = spec else { continue };
-        let total = spec.total_bytes();
-        assert!(
-            total >= spec.slot_bytes(0, 0).unwrap(),
-            "total_bytes {total}"
+        assert_eq!(
+            spec.unwrap_err(),
+            Error::InvalidSpec {
+                problem: SpecProblem::TotalTooLarge {
+                    n_layers,
+                    max_seq_len
+                }
+            }
         );
     }
+    let spec = CacheSpec::uniform(8, one, DType::F32, 1 << 40).unwrap();
+    assert_eq!(spec.total_bytes(), 8 * spec.slot_bytes(0, 0).unwrap());
 }
 
-/// `KvCache::new(&device, &queue_of_another_device, spec)` is accepted; the next `append` panics
+/// `KvCache::new(&device, &queue_of_another_device, spec)` was accepted; the next `append` panicked
 /// inside wgpu: "In Queue::write_buffer: Device with '' label of Queue with '' label doesn't match
-/// Device with 'kvgpu' label of Buffer with 'kvgpu layer 0 compressed_kv' label". The same holds for
-/// `Kernels::new` + `KvCache::with_kernels`. The pair should be refused (or each operation refused).
+/// Device with 'kvgpu' label of Buffer with 'kvgpu layer 0 compressed_kv' label". The same held for
+/// `Kernels::new` + `KvCache::with_kernels`. The pair is refused now, and the device's own queue
+/// makes a cache that takes the same append.
 #[test]
 fn cache_with_the_queue_of_another_device() {
     let _serial = serial();
     let g = gpu();
     let (_, other_queue) = other_device();
     let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap();
-    let Ok(mut c) = KvCache::new(&g.device, other_queue, spec) else {
-        return;
-    };
+    let e = KvCache::new(&g.device, other_queue, spec.clone()).unwrap_err();
+    assert_eq!(e, Error::QueueMismatch);
+    let mut c = KvCache::new(&g.device, &g.queue, spec).unwrap();
     let (x, y) = (values(1, 4), values(2, 2));
-    if c.append(0, &[HostSlab::f32(&x, &[1, 4]), HostSlab::f32(&y, &[1, 2])])
-        .is_ok()
-    {
-        assert_eq!(c.read_f32(0, 0).unwrap(), x);
-        c.reset().unwrap();
-    }
+    c.append(0, &[HostSlab::f32(&x, &[1, 4]), HostSlab::f32(&y, &[1, 2])])
+        .unwrap();
+    assert_eq!(c.read_f32(0, 0).unwrap(), x);
 }
 
 /// `Attention::new(&device, &queue_of_another_device)` is accepted; `gqa` then panics inside wgpu:
@@ -2655,4 +2666,61 @@ fn scattered_gpu_appends_bind_their_map_within_small_bindings() {
         let read = |seq| pollster::block_on(pool.read_f32_async(seq, 0, slot)).unwrap();
         assert_eq!(read(s), read(t), "slot {slot}");
     }
+}
+
+/// A ragged batch that names one long sequence again and again: each entry within the sequence's
+/// visible rows, the counts adding up to the call's queries. Before, the call built its query
+/// table (8 bytes per query) before any limit was asked, so 2^20 entries of 2^16 rows made it
+/// allocate 512 GiB, and the process died (out of memory) instead of getting an error. Now more
+/// queries than one dispatch dimension holds are refused first, by name, and the table is built
+/// only for a call the device can run.
+#[test]
+fn a_ragged_batch_of_more_queries_than_a_dispatch_holds_is_refused_before_its_table() {
+    let _serial = serial();
+    let g = gpu();
+    let rows = 1 << 16;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, rows).unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 256, rows / 256).unwrap();
+    let s = pool.add_sequence().unwrap();
+    let x = values(1, rows * 4);
+    let shape = [rows, 1, 4];
+    pool.append(s, 0, &[HostSlab::f32(&x, &shape); 2]).unwrap();
+    pool.advance(s, rows).unwrap();
+    let q = f32_buffer(&values(2, 4), USAGE);
+    let out = f32_buffer(&[0.0; 4], USAGE);
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    let batch = vec![(s, rows); 1 << 20];
+    let n_q = rows << 20;
+    let e = att
+        .gqa(
+            Kv::Batch(&pool, &batch),
+            0,
+            Queries::new(&q, n_q, 1, 4),
+            &out,
+            &AttentionOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::AttentionRequest {
+                layer: 0,
+                problem: AttentionProblem::DeviceLimit { detail },
+            } if detail.contains(&format!("{n_q} queries"))
+        ),
+        "{e}"
+    );
+    // The same batch of one query per entry, within a dispatch, is planned (and then refused for
+    // its query buffer, which holds one query).
+    let batch = vec![(s, 1); 2];
+    let e = att
+        .gqa(
+            Kv::Batch(&pool, &batch),
+            0,
+            Queries::new(&q, 2, 1, 4),
+            &out,
+            &AttentionOptions::default(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { .. }), "{e}");
 }

@@ -17,6 +17,7 @@ common::shared_tests!(snapshot_bodies:
     the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend,
     streamed_imports_match_whole_ones,
     a_failing_writer_stops_the_export,
+    a_failing_reader_stops_the_import,
 );
 
 /// A snapshot taken on Vulkan restores bit for bit on OpenGL, and one taken there on Vulkan, whatever

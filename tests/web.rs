@@ -157,6 +157,7 @@ browser_tests!(snapshot_bodies:
     the_snapshot_of_a_seeded_cache_is_the_same_on_every_backend,
     streamed_imports_match_whole_ones,
     a_failing_writer_stops_the_export,
+    a_failing_reader_stops_the_import,
 );
 
 // tests/quant.rs.

@@ -1627,9 +1627,12 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
         }),
         "{e}"
     );
-    // The output into a slot.
+    // The output into a slot: of the layer read, and of another layer (large enough for it).
     let slot = c.view(0, 1).unwrap().buffer.clone();
     let e = gqa(q1, Output::new(&slot));
+    assert_eq!(unusable(&e, "output"), Some(BufferProblem::IsSlot), "{e}");
+    let other = c.full_view(1, 0).unwrap().buffer.clone();
+    let e = gqa(q1, Output::new(&other));
     assert_eq!(unusable(&e, "output"), Some(BufferProblem::IsSlot), "{e}");
 
     // MLA: the output beside the latent queries, over the rope queries of the same buffer.

@@ -251,6 +251,91 @@ pub async fn a_failing_writer_stops_the_export(g: &Gpu) {
     assert_eq!(p.snapshot_sequence_async(seq).await.unwrap(), from_pool);
 }
 
+/// A reader that hands out `whole` in pieces of at most `piece` bytes, is interrupted before every
+/// piece (as a reader may be; the import reads again) and fails once it has handed out `fail_at`
+/// bytes, as a broken connection does.
+struct BrokenReader<'a> {
+    whole: &'a [u8],
+    at: usize,
+    piece: usize,
+    fail_at: usize,
+    interrupted: bool,
+}
+
+impl std::io::Read for BrokenReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.interrupted = !self.interrupted;
+        if self.interrupted {
+            return Err(std::io::ErrorKind::Interrupted.into());
+        }
+        if self.at >= self.fail_at {
+            return Err(std::io::Error::other("connection reset"));
+        }
+        let n = (buf.len().min(self.piece))
+            .min(self.fail_at - self.at)
+            .min(self.whole.len() - self.at);
+        buf[..n].copy_from_slice(&self.whole[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
+}
+
+/// An import from a reader that fails part way (before the header, in it, in the rows, in the
+/// checksum) stops with the reader's error and changes nothing: the cache stays empty, the pool's
+/// ledger as it was. Interrupted reads are read again, and the same reader that does not fail
+/// restores the rows bit for bit, into the cache and into the pool.
+pub async fn a_failing_reader_stops_the_import(g: &Gpu) {
+    let mut rng = Xorshift::new(37);
+    let spec = CacheSpec::new(
+        vec![
+            LayerSpec::kv(2, 8, 5),
+            LayerSpec::empty(),
+            LayerSpec::mla(7, 3),
+        ],
+        DType::F16,
+        24,
+    )
+    .unwrap();
+    let mut c = cache_on(g, spec.clone());
+    fill(&mut c, 20, &mut rng);
+    let bytes = c.snapshot_async().await.unwrap();
+    let n = bytes.len();
+    let reader = |fail_at| BrokenReader {
+        whole: &bytes,
+        at: 0,
+        piece: 100,
+        fail_at,
+        interrupted: false,
+    };
+    let mut fresh = cache_on(g, spec.clone());
+    let mut p = pool(g, spec, 4, 6);
+    let before = p.ledger().clone();
+    let broken = |e: &Error| {
+        matches!(e, Error::Snapshot { problem: SnapshotProblem::Read { reason } }
+            if reason == "connection reset")
+    };
+    for fail_at in [0, 10, n / 3, n / 2, n - 2] {
+        let e = fresh.import_from(reader(fail_at)).unwrap_err();
+        assert!(broken(&e), "{fail_at} of {n} bytes: {e}");
+        assert_eq!(fresh.len(), 0, "{fail_at} of {n} bytes");
+        let e = p.import_sequence_from(reader(fail_at)).unwrap_err();
+        assert!(broken(&e), "{fail_at} of {n} bytes, pool: {e}");
+        assert_eq!(p.ledger(), &before, "{fail_at} of {n} bytes");
+    }
+    assert_eq!(fresh.import_from(reader(usize::MAX)).unwrap(), 20);
+    assert_eq!(fresh.snapshot_async().await.unwrap(), bytes);
+    let seq = p.import_sequence_from(reader(usize::MAX)).unwrap();
+    for (layer, slots) in [(0, 2), (2, 2)] {
+        for slot in 0..slots {
+            assert_eq!(
+                p.read_f32_async(seq, layer, slot).await.unwrap(),
+                c.read_f32_async(layer, slot).await.unwrap(),
+                "layer {layer} slot {slot}"
+            );
+        }
+    }
+}
+
 const PAGE: usize = 4;
 
 fn attention_spec(dtype: DType) -> CacheSpec {
