@@ -114,6 +114,7 @@ browser_tests!(attention_bodies:
     quantized_storage_matches_the_reference,
     mixed_storage_matches_the_reference,
     quantized_attention_over_4096_rows_splits_the_sequence,
+    quantized_gpu_plans_match_the_reference,
     wide_unaligned_fp8_heads_stay_within_the_loop_budget,
     attention_over_4096_rows_splits_the_sequence,
     large_soft_caps_keep_their_precision,

@@ -319,6 +319,26 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     }
 }
 
+/// [`gpu_plans_match_the_reference`]'s calls over q8_0, q4_0 and fp8 storage (run with the quantized
+/// suite): the plans a real GPU takes for them, every kernel of the adapter, GQA and DeepSeek's MLA,
+/// against the twins. Real GPUs ran them only on the H200 visits before.
+pub async fn quantized_gpu_plans_match_the_reference(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    att.plan_as_for_a_gpu(true);
+    check_kernels(
+        g,
+        &mut att,
+        &kernels(g),
+        &PLAN_CASES,
+        &DType::QUANTIZED,
+        PLAN_MLA,
+        &DType::QUANTIZED,
+        70,
+        "quantized, as for a GPU",
+    )
+    .await;
+}
+
 /// The GQA calls of the tests of other plans than the adapter's own: over several chunks, one with
 /// window and soft-cap.
 #[rustfmt::skip]
