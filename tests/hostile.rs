@@ -1187,6 +1187,23 @@ fn attention_refuses_hostile_requests() {
         let small = refused!(BufferTooSmall);
         let unusable = refused!(AttentionBuffer);
         let request = refused!(AttentionRequest);
+        // The options' refusals, by their problem.
+        macro_rules! request_problem {
+            ($problem:pat) => {
+                Expect::Refused(stringify!($problem), |e| {
+                    matches!(
+                        e,
+                        Error::AttentionRequest {
+                            problem: $problem,
+                            ..
+                        }
+                    )
+                })
+            };
+        }
+        let bad_scale = request_problem!(AttentionProblem::Scale { .. });
+        let bad_cap = request_problem!(AttentionProblem::SoftCap { .. });
+        let empty_window = request_problem!(AttentionProblem::EmptyWindow);
         let not_attention = refused!(NotAttentionLayer);
         let mut calls = vec![
             gqa("valid", [1, 4, dk], Expect::Ok),
@@ -1366,22 +1383,22 @@ fn attention_refuses_hostile_requests() {
             ..dflt
         };
         let options = [
-            ("scale NaN", scale(f32::NAN), request),
-            ("scale inf", scale(f32::INFINITY), request),
-            ("scale -inf", scale(f32::NEG_INFINITY), request),
+            ("scale NaN", scale(f32::NAN), bad_scale),
+            ("scale inf", scale(f32::INFINITY), bad_scale),
+            ("scale -inf", scale(f32::NEG_INFINITY), bad_scale),
             ("scale -1", scale(-1.0), Expect::Ok),
             ("scale 0", scale(0.0), Expect::Ok),
             ("scale -0", scale(-0.0), Expect::Ok),
             ("scale 1e-45", scale(1e-45), Expect::Ok),
             ("scale 100", scale(100.0), Expect::Ok),
-            ("soft-cap NaN", cap(f32::NAN), request),
-            ("soft-cap -1", cap(-1.0), request),
-            ("soft-cap 0", cap(0.0), request),
-            ("soft-cap -0", cap(-0.0), request),
-            ("soft-cap inf", cap(f32::INFINITY), request),
+            ("soft-cap NaN", cap(f32::NAN), bad_cap),
+            ("soft-cap -1", cap(-1.0), bad_cap),
+            ("soft-cap 0", cap(0.0), bad_cap),
+            ("soft-cap -0", cap(-0.0), bad_cap),
+            ("soft-cap inf", cap(f32::INFINITY), bad_cap),
             ("soft-cap MIN_POSITIVE", cap(f32::MIN_POSITIVE), Expect::Ok),
             ("soft-cap 100", cap(100.0), Expect::Ok),
-            ("window 0", window(0), request),
+            ("window 0", window(0), empty_window),
             ("window 1", window(1), Expect::Ok),
             ("window MAX", window(MAX), Expect::Ok),
             (
@@ -1929,7 +1946,19 @@ fn mapped_gpu_source() {
             strides: None,
         };
         let ledger = c.ledger().clone();
-        assert!(c.append_gpu(0, &[slab(&[1, 4]), slab(&[1, 2])]).is_err());
+        let e = c
+            .append_gpu(0, &[slab(&[1, 4]), slab(&[1, 2])])
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::SourceLayout {
+                    problem: SourceProblem::Mapped,
+                    ..
+                }
+            ),
+            "{dtype}: {e}"
+        );
         assert_eq!(c.ledger(), &ledger);
     }
 }
@@ -2213,7 +2242,20 @@ fn attention_with_a_mapped_output() {
         mapped_at_creation: true,
     });
     let o = AttentionOptions::default();
-    assert!(att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o).is_err());
+    let e = att
+        .gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &o)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::AttentionBuffer {
+                which: "output",
+                problem: BufferProblem::Mapped,
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
 /// One GQA call over two rows whose scores are -4 and -2 before scaling, against the twin.
@@ -2723,4 +2765,85 @@ fn a_ragged_batch_of_more_queries_than_a_dispatch_holds_is_refused_before_its_ta
         )
         .unwrap_err();
     assert!(matches!(e, Error::BufferTooSmall { .. }), "{e}");
+}
+
+/// A GPU source and queries that span more than one storage binding of the device are refused by
+/// name, before anything is recorded: on a device of 16 KiB bindings, a converting source of two
+/// rows 32 KiB apart (`SourceProblem::BindingTooLarge`) and 32 KiB of queries
+/// (`BufferProblem::BindingTooLarge`). The same within a binding are taken.
+#[test]
+fn spans_past_one_binding_are_refused_by_name() {
+    let _serial = serial();
+    let small = device_with(
+        gpu(),
+        wgpu::Limits {
+            max_storage_buffer_binding_size: 16 << 10,
+            ..wgpu::Limits::default()
+        },
+    );
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 8, 8)], DType::F16, 64).unwrap();
+    let mut c = KvCache::new(&small.device, &small.queue, spec).unwrap();
+    let words: Vec<u32> = values(1, 8192 + 8).iter().map(|x| x.to_bits()).collect();
+    let src = buffer_on(&small.device, &words, USAGE);
+    let shape = [2, 1, 8];
+    const FAR: [usize; 3] = [8192, 8, 1];
+    const NEAR: [usize; 3] = [1024, 8, 1];
+    let slab = |strides: &'static [usize]| GpuSlab {
+        buffer: &src,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &shape,
+        strides: Some(strides),
+    };
+    let ledger = c.ledger().clone();
+    let e = c.append_gpu(0, &[slab(&FAR), slab(&FAR)]).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::SourceLayout {
+                problem: SourceProblem::BindingTooLarge {
+                    bytes: 32800,
+                    limit: 16384
+                },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert_eq!(c.ledger(), &ledger);
+    c.append_gpu(0, &[slab(&NEAR), slab(&NEAR)]).unwrap();
+    // 64 rows, then GQA of 16 heads over the one KV head.
+    let x = values(2, 62 * 8);
+    c.append(0, &[HostSlab::f32(&x, &[62, 1, 8]); 2]).unwrap();
+    c.advance(64).unwrap();
+    let q = f32_buffer_on(&small.device, &values(3, 64 * 16 * 8));
+    let out = f32_buffer_on(&small.device, &vec![0.0; 64 * 16 * 8]);
+    let mut att = Attention::for_cache(&c);
+    let o = AttentionOptions::default();
+    let e = att
+        .gqa(&c, 0, Queries::new(&q, 64, 16, 8), &out, &o)
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::AttentionBuffer {
+                which: "q",
+                problem: BufferProblem::BindingTooLarge {
+                    bytes: 32768,
+                    limit: 16384,
+                    ..
+                },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    att.gqa(&c, 0, Queries::new(&q, 16, 16, 8), &out, &o)
+        .unwrap();
+}
+
+/// An f32 buffer of `data` on `device`.
+fn f32_buffer_on(device: &wgpu::Device, data: &[f32]) -> wgpu::Buffer {
+    let words: Vec<u32> = data.iter().map(|x| x.to_bits()).collect();
+    buffer_on(device, &words, USAGE)
 }
