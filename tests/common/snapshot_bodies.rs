@@ -185,6 +185,25 @@ pub async fn snapshots_round_trip_bit_for_bit(g: &Gpu) {
     }
 }
 
+/// The cache the failing writer and reader tests move (GQA, an empty layer and MLA, f16), filled
+/// with 20 rows from `seed`; its snapshot and its spec.
+async fn filled_f16_cache(g: &Gpu, seed: u64) -> (KvCache, Vec<u8>, CacheSpec) {
+    let spec = CacheSpec::new(
+        vec![
+            LayerSpec::kv(2, 8, 5),
+            LayerSpec::empty(),
+            LayerSpec::mla(7, 3),
+        ],
+        DType::F16,
+        24,
+    )
+    .unwrap();
+    let mut c = cache_on(g, spec.clone());
+    fill(&mut c, 20, &mut Xorshift::new(seed));
+    let bytes = c.snapshot_async().await.unwrap();
+    (c, bytes, spec)
+}
+
 /// A writer that takes `left` bytes and then fails, as a full disk does.
 struct FullDisk {
     kept: Vec<u8>,
@@ -210,20 +229,7 @@ impl std::io::Write for FullDisk {
 /// and the last slot, in the checksum) stops with the writer's error after writing what it took, and
 /// leaves nothing behind: the cache and a pool sequence export the same bytes again.
 pub async fn a_failing_writer_stops_the_export(g: &Gpu) {
-    let mut rng = Xorshift::new(31);
-    let spec = CacheSpec::new(
-        vec![
-            LayerSpec::kv(2, 8, 5),
-            LayerSpec::empty(),
-            LayerSpec::mla(7, 3),
-        ],
-        DType::F16,
-        24,
-    )
-    .unwrap();
-    let mut c = cache_on(g, spec.clone());
-    fill(&mut c, 20, &mut rng);
-    let bytes = c.snapshot_async().await.unwrap();
+    let (c, bytes, spec) = filled_f16_cache(g, 31).await;
     let mut p = pool(g, spec, 4, 6);
     let seq = p.import_sequence(&bytes).unwrap();
     let from_pool = p.snapshot_sequence_async(seq).await.unwrap();
@@ -285,20 +291,7 @@ impl std::io::Read for BrokenReader<'_> {
 /// ledger as it was. Interrupted reads are read again, and the same reader that does not fail
 /// restores the rows bit for bit, into the cache and into the pool.
 pub async fn a_failing_reader_stops_the_import(g: &Gpu) {
-    let mut rng = Xorshift::new(37);
-    let spec = CacheSpec::new(
-        vec![
-            LayerSpec::kv(2, 8, 5),
-            LayerSpec::empty(),
-            LayerSpec::mla(7, 3),
-        ],
-        DType::F16,
-        24,
-    )
-    .unwrap();
-    let mut c = cache_on(g, spec.clone());
-    fill(&mut c, 20, &mut rng);
-    let bytes = c.snapshot_async().await.unwrap();
+    let (c, bytes, spec) = filled_f16_cache(g, 37).await;
     let n = bytes.len();
     let reader = |fail_at| BrokenReader {
         whole: &bytes,
