@@ -103,8 +103,8 @@ pub enum Error {
     #[error("{seq} was not handed out by this pool (it is another pool's id)")]
     ForeignSequence { seq: SeqId },
 
-    /// A paged pool has handed out every sequence id it can (2^32).
-    #[error("the pool has handed out every sequence id it can (2^32)")]
+    /// A paged pool has handed out every sequence id it can (2^32 - 1: ids 0 to 2^32 - 2).
+    #[error("the pool has handed out every sequence id it can (2^32 - 1)")]
     SequenceIdsExhausted,
 
     /// `fork(seq, at_len)` past the sequence's committed rows.

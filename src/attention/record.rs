@@ -52,7 +52,7 @@ impl Attention {
                 format!("{which} buffer")
             })?;
         }
-        // The pipeline and the parameter entries first: neither needs the scratch.
+        // The pipeline first: it does not need the scratch.
         let partial = match dispatch.kernel {
             Pass1::Tiled {
                 dtypes,
@@ -76,10 +76,9 @@ impl Attention {
             }
         };
         let pairs: Vec<_> = dispatch.pairs().collect();
-        self.ring.reserve(pairs.len() as u64)?;
         // Grown before the bind groups, which bind it. A refusal after this (a buffer wgpu will not
-        // bind, no memory for a batch's query table) puts the old scratch back, so a refused call
-        // keeps no new memory.
+        // bind, no memory for the parameter entries or a batch's query table) puts the old scratch
+        // back, so a refused call keeps no new scratch.
         let before = self.scratch.clone();
         let grew = self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes)?;
         let Some(scratch) = &self.scratch else {
@@ -89,7 +88,7 @@ impl Attention {
         };
         let (device, kernels) = (&self.device, &self.kernels);
         let (io_groups, out_groups) = (&mut self.io_groups, &mut self.out_groups);
-        let (uploads, queue) = (&mut self.uploads, &self.queue);
+        let (ring, uploads, queue) = (&mut self.ring, &mut self.uploads, &self.queue);
         let bound = (|| {
             let refused = |which: &'static str| {
                 move |e: String| Error::ForeignDevice {
@@ -160,6 +159,7 @@ impl Attention {
             } else {
                 Some(out_groups.get_or_try_insert(out_key, &[out], reduce_group)?)
             };
+            ring.reserve(pairs.len() as u64)?;
             // Copied inside the encoder, so calls recorded one after another each read their own.
             let table = if table_bytes > 0 {
                 let words = bytemuck::cast_slice(&table_words);
@@ -170,7 +170,10 @@ impl Attention {
             Ok((io, reduce, table))
         })();
         let (io, reduce, table) = match bound {
-            Ok(bound) => bound,
+            Ok(bound) => {
+                drop(before);
+                bound
+            }
             Err(e) => {
                 if grew {
                     // Groups made in this call bound the new scratch.
@@ -514,8 +517,7 @@ pub(super) struct Rows<'a> {
 
 impl<'a> Rows<'a> {
     /// The rows `kv` names in `layer` for a call of `n_q` queries; a batch's per-query rows go to
-    /// `table`, once `n_q` is found to fit the device's dispatch (as the planner asks later), so a
-    /// call of more queries than any device runs allocates no table of them.
+    /// `table`.
     pub(super) fn of(
         kv: Kv<'a>,
         layer: usize,
@@ -526,15 +528,7 @@ impl<'a> Rows<'a> {
         match kv {
             Kv::Cache(cache) => Self::of_cache(cache, layer),
             Kv::Sequence(pool, seq) => Self::of_sequence(pool, seq, layer),
-            Kv::Batch(pool, batch) => {
-                plan::fits_dimension(n_q, "queries", facts).map_err(|detail| {
-                    Error::AttentionRequest {
-                        layer,
-                        problem: AttentionProblem::DeviceLimit { detail },
-                    }
-                })?;
-                Self::of_batch(pool, layer, batch, n_q, table)
-            }
+            Kv::Batch(pool, batch) => Self::of_batch(pool, layer, batch, n_q, facts, table),
         }
     }
 
@@ -562,13 +556,15 @@ impl<'a> Rows<'a> {
 
     /// A batch of `pool`'s sequences in `layer`: per `(seq, n)` its last `n` visible rows' queries, in
     /// order. `table` receives each query's own row and first page-table entry, once the counts
-    /// are found to add up to the call's `n_q` queries (so a batch that names more queries than the
-    /// call has builds no table of them).
+    /// are found to add up to the call's `n_q` queries, every entry is checked, and `n_q` fits one
+    /// dispatch dimension (as the planner asks later): a batch that names one long sequence again
+    /// and again builds no table of more queries than a device runs.
     pub(super) fn of_batch(
         pool: &'a PagedCache,
         layer: usize,
         batch: &[(SeqId, usize)],
         n_q: usize,
+        facts: &DeviceFacts,
         table: &'a mut Vec<[u32; 2]>,
     ) -> Result<Self> {
         if let &[(seq, n_q)] = batch {
@@ -592,6 +588,7 @@ impl<'a> Rows<'a> {
         }
         let mut longest = 0;
         let mut paging = None;
+        let mut runs = Vec::with_capacity(batch.len());
         for &(seq, n) in batch {
             let visible = pool.visible(seq, layer)?;
             if n == 0 || n > visible {
@@ -602,7 +599,7 @@ impl<'a> Rows<'a> {
                 });
             }
             let p = pool.paging(seq)?;
-            table.extend((visible - n..visible).map(|last| [last as u32, p.table_base as u32]));
+            runs.push((visible - n..visible, p.table_base as u32));
             longest = longest.max(visible);
             paging = Some(p);
         }
@@ -612,6 +609,13 @@ impl<'a> Rows<'a> {
                 problem: AttentionProblem::EmptyBatch,
             });
         };
+        plan::fits_dimension(n_q, "queries", facts).map_err(|detail| Error::AttentionRequest {
+            layer,
+            problem: AttentionProblem::DeviceLimit { detail },
+        })?;
+        for (rows, base) in runs {
+            table.extend(rows.map(|last| [last as u32, base]));
+        }
         Ok(Self {
             store: pool.store(),
             visible: longest,
