@@ -67,7 +67,12 @@ fn sized(size: u64, usage: U) -> wgpu::Buffer {
 }
 
 fn f32_buffer(data: &[f32], usage: U) -> wgpu::Buffer {
-    buffer(bytemuck::cast_slice(data), usage)
+    f32_buffer_on(&gpu().device, data, usage)
+}
+
+/// An f32 buffer of `data` on `device`.
+fn f32_buffer_on(device: &wgpu::Device, data: &[f32], usage: U) -> wgpu::Buffer {
+    buffer_on(device, bytemuck::cast_slice(data), usage)
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -2777,8 +2782,7 @@ fn spans_past_one_binding_are_refused_by_name() {
     );
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 8, 8)], DType::F16, 64).unwrap();
     let mut c = KvCache::new(&small.device, &small.queue, spec).unwrap();
-    let words: Vec<u32> = values(1, 8192 + 8).iter().map(|x| x.to_bits()).collect();
-    let src = buffer_on(&small.device, &words, USAGE);
+    let src = f32_buffer_on(&small.device, &values(1, 8192 + 8), USAGE);
     let shape = [2, 1, 8];
     const FAR: [usize; 3] = [8192, 8, 1];
     const NEAR: [usize; 3] = [1024, 8, 1];
@@ -2810,8 +2814,8 @@ fn spans_past_one_binding_are_refused_by_name() {
     let x = values(2, 62 * 8);
     c.append(0, &[HostSlab::f32(&x, &[62, 1, 8]); 2]).unwrap();
     c.advance(64).unwrap();
-    let q = f32_buffer_on(&small.device, &values(3, 64 * 16 * 8));
-    let out = f32_buffer_on(&small.device, &vec![0.0; 64 * 16 * 8]);
+    let q = f32_buffer_on(&small.device, &values(3, 64 * 16 * 8), USAGE);
+    let out = f32_buffer_on(&small.device, &vec![0.0; 64 * 16 * 8], USAGE);
     let mut att = Attention::for_cache(&c);
     let o = AttentionOptions::default();
     let e = att
@@ -2834,10 +2838,4 @@ fn spans_past_one_binding_are_refused_by_name() {
     );
     att.gqa(&c, 0, Queries::new(&q, 16, 16, 8), &out, &o)
         .unwrap();
-}
-
-/// An f32 buffer of `data` on `device`.
-fn f32_buffer_on(device: &wgpu::Device, data: &[f32]) -> wgpu::Buffer {
-    let words: Vec<u32> = data.iter().map(|x| x.to_bits()).collect();
-    buffer_on(device, &words, USAGE)
 }
