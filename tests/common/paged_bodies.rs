@@ -2197,7 +2197,8 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
 /// the new one. Here the append writes into a page a fork shares, so its table entry moves to a
 /// private copy that the append fills; read through the new entry too early, the earlier attention
 /// would see that page empty. Then an append recorded before the page table grows: the grown table
-/// holds its entries when the encoder runs, after the growth.
+/// holds its entries when the encoder runs, after the growth. Last, two batches recorded into one
+/// encoder, each read by an attention recorded after it.
 pub async fn recorded_appends_change_the_table_in_encoder_order(g: &Gpu) {
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 16).unwrap();
     let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 2, 64).unwrap();
@@ -2352,4 +2353,96 @@ pub async fn recorded_appends_change_the_table_in_encoder_order(g: &Gpu) {
         &want(&q1, 3),
         "a later attention over the grown table",
     );
+
+    // Two batches recorded into one encoder, an attention between them and after: a second fork
+    // of the parent shares its half-filled page, and both append into it (a private copy each),
+    // then both again into fresh pages. Each batch's rows are two runs, so each is scattered by
+    // its own row map; the maps, tables and copies of the first must not be overwritten by the
+    // second's before the encoder runs.
+    let fork = c.fork(parent, 3).unwrap();
+    let rows = values(15, 4 * 4);
+    let rows_v = values(16, 4 * 4);
+    let (kb, vb) = (
+        super::f32_buffer(&g.device, &rows).await,
+        super::f32_buffer(&g.device, &rows_v).await,
+    );
+    let two = |first: usize| {
+        [&kb, &vb].map(|buffer| GpuSlab {
+            buffer,
+            dtype: DType::F32,
+            offset: (first * 4) as u64,
+            shape: &[2, 1, 4],
+            strides: None,
+        })
+    };
+    // The rows each sequence should hold: the parent's three, then its row of each batch.
+    let seen = |extra: &[usize]| {
+        let mut kk = k[..12].to_vec();
+        let mut vv = v[..12].to_vec();
+        for &r in extra {
+            kk.extend_from_slice(&rows[r * 4..r * 4 + 4]);
+            vv.extend_from_slice(&rows_v[r * 4..r * 4 + 4]);
+        }
+        (kk, vv)
+    };
+    let want_over = |q: &[f32], (kk, vv): (Vec<f32>, Vec<f32>)| {
+        reference::attention_gqa(q, [1, 2, 4], &kk, &vv, 1, 4, &opts)
+    };
+    let outs = [
+        super::output(&g.device, 8).await,
+        super::output(&g.device, 8).await,
+        super::output(&g.device, 8).await,
+    ];
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    c.record_append_gpu_batch(&mut encoder, 0, &[(parent, 1), (fork, 1)], &two(0))
+        .unwrap();
+    att.record_gqa(
+        &mut encoder,
+        Kv::Sequence(&c, fork),
+        0,
+        Queries::new(&qb1, 1, 2, 4),
+        &outs[0],
+        &opts,
+    )
+    .unwrap();
+    c.record_append_gpu_batch(&mut encoder, 0, &[(fork, 1), (parent, 1)], &two(2))
+        .unwrap();
+    for (seq, out) in [(fork, &outs[1]), (parent, &outs[2])] {
+        att.record_gqa(
+            &mut encoder,
+            Kv::Sequence(&c, seq),
+            0,
+            Queries::new(&qb2, 1, 2, 4),
+            out,
+            &opts,
+        )
+        .unwrap();
+    }
+    g.queue.submit([encoder.finish()]);
+    let checks = [
+        (
+            &outs[0],
+            want_over(&q1, seen(&[1])),
+            "the fork between the batches",
+        ),
+        (
+            &outs[1],
+            want_over(&q2, seen(&[1, 2])),
+            "the fork after both",
+        ),
+        (
+            &outs[2],
+            want_over(&q2, seen(&[0, 3])),
+            "the parent after both",
+        ),
+    ];
+    for (out, want, what) in checks {
+        super::assert_close(&super::read_f32(g, out).await, &want, what);
+    }
+    for (seq, extra) in [(parent, [0, 3]), (fork, [1, 2])] {
+        c.advance(seq, 2).unwrap();
+        let (kk, vv) = seen(&extra);
+        assert_eq!(c.read_f32_async(seq, 0, 0).await.unwrap(), kk);
+        assert_eq!(c.read_f32_async(seq, 0, 1).await.unwrap(), vv);
+    }
 }
