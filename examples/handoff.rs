@@ -46,7 +46,7 @@ const MAX_TOKENS: usize = 1024;
 #[command(
     name = "handoff",
     allow_negative_numbers = true,
-    after_help = "The last line is `verified: <checks> checks, max abs error <e>`; the exit status \
+    after_help = "The last line is `verified: <checks> checks, max scaled error <e>`; the exit status \
                   is non-zero on a mismatch or a refused snapshot."
 )]
 struct Args {
@@ -288,7 +288,7 @@ fn prefill(
         secs,
         mib(written) / secs.max(1e-9)
     );
-    println!("verified: {checks} checks, max abs error {worst:.3e}");
+    println!("verified: {checks} checks, max scaled error {worst:.3e}");
     Ok(ok)
 }
 
@@ -355,7 +355,7 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
         "decode: {tokens} tokens in {:.2} s (with the checks)",
         start.elapsed().as_secs_f64()
     );
-    println!("verified: {checks} checks, max abs error {worst:.3e}");
+    println!("verified: {checks} checks, max scaled error {worst:.3e}");
     Ok(ok)
 }
 

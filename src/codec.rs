@@ -520,7 +520,8 @@ fn block_elem(row: &[u32], dtype: DType, blocks: usize, i: usize) -> f32 {
 
 /// Packs row-major element bits (one element per entry) into stored words: whole rows of `row_elems`
 /// elements, 16-bit types two per word low half first, fp8 four per word, the block types quantized
-/// (see [`DType`]), each row padded to a whole word.
+/// (see [`DType`]), each row padded to a whole word. f32 elements are their own words, a partial
+/// last row included; the other types drop a partial last row.
 pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     if dtype == DType::F32 {
         return bits.to_vec();
@@ -625,8 +626,10 @@ pub fn inverse_scale(scale: f32) -> f32 {
     1.0 / scale
 }
 
-/// `x` as a scaled fp8 slot stores it before rounding: `x * inv` (one f32 product, exact on every
-/// adapter), NaN kept as it is (its sign included).
+/// `x` as a scaled fp8 slot stores it before rounding: `x * inv` (one rounded f32 product, the
+/// slab-write kernel's too), NaN kept as it is (its sign included). An adapter that flushes f32
+/// subnormals in arithmetic (SwiftShader) reads a subnormal `x` of a GPU source as zero; only a
+/// scale below 2^-116 (e4m3; 2^-109 for e5m2) makes such an `x` an fp8 code other than zero.
 pub fn prescaled(x: f32, inv: f32) -> f32 {
     if x.is_nan() { x } else { x * inv }
 }

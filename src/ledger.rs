@@ -18,7 +18,7 @@ pub struct AppendPlan {
 }
 
 impl AppendPlan {
-    /// Where the rows go: one run per page they touch (one run in a single-sequence cache).
+    /// Where the rows go: the one run of a single-sequence cache.
     pub fn runs(&self) -> [Run; 1] {
         [Run {
             page: 0,

@@ -2,8 +2,8 @@
 //!
 //! The ledger plans in [`Run`]s — rows `[first_row, first_row + n_rows)` of one page of a slot's
 //! storage — and only [`Placement`] turns a run into offsets. A single-sequence cache has one page per
-//! slot (its whole buffer), so every plan is one run; a paged pool will give a run per page touched,
-//! and nothing else has to learn how pages lie in memory.
+//! slot (its whole buffer), so every plan is one run; a paged pool's plans give a run per page
+//! touched, and nothing else has to learn how pages lie in memory.
 
 /// Rows `[first_row, first_row + n_rows)` of page `page` of a slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

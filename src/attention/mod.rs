@@ -60,8 +60,9 @@
 //! query part of fused `[q | k | v]` rows. Before anything is recorded every element of every view
 //! must lie inside its buffer (checked arithmetic: a view that overflows is refused), the bytes a view
 //! spans must fit one storage binding, and the output's axes must nest so that no two of its elements
-//! share an address; it may share a buffer with its queries, but not their bytes, and it may not be a
-//! slot of the cache. Any f32 element may start a view: the binding starts at the device's offset
+//! share an address; it may share a buffer with its queries, but not the bytes their view spans
+//! (from its first element to its last: an output interleaved with the queries' rows is refused), and
+//! it may not be a slot of the cache. Any f32 element may start a view: the binding starts at the device's offset
 //! alignment below it and the kernels take the rest of the offset as a parameter.
 //!
 //! Devices and buffers are told apart the way wgpu compares them, by id within one `wgpu::Instance`:
@@ -375,8 +376,9 @@ impl Attention {
     /// Submits one dispatch of each pass-1 pipeline and of the reduce pass, so that drivers that
     /// compile a pipeline when it first runs do it now. Each gets the parameters of a decode call
     /// (lavapipe compiles a variant per value of some parameters), but query and output bindings of 16
-    /// bytes, too small for them: every kernel's bounds check fails and it returns before touching
-    /// memory.
+    /// bytes, too small for them: the bounds check of every kernel whose heads need more fails, and it
+    /// returns before touching memory. Those of a layer small enough to fit (up to 4 heads of up to 4
+    /// elements) may run, and write only this `Attention`'s own scratch and dummy buffer.
     fn warm_up(&mut self, cache: &KvCache, runs: &[WarmUp]) {
         // Best effort: a device that cannot make the scratch, the parameter entries or the dummy
         // binding here (each made under the out-of-memory check) refuses the first call instead.
@@ -463,9 +465,11 @@ impl Attention {
     /// adapter's default: on GPUs 4,096 for values of up to 128 elements, proportionally fewer for
     /// longer values down to 1,024 (1,024 for the tiled kernel), a few per host thread on CPU
     /// adapters. More chunks give a long context more parallelism and the reduce pass more partial
-    /// results to merge. A chunk never gets fewer than 16 rows (64 for a team of one invocation),
-    /// nor more than the loop budget allows, and the chunks stay within the device's workgroup and
-    /// binding limits, so any target plans a valid call (a target above 2^24 counts as 2^24).
+    /// results to merge. The rows are split into no more chunks than they make pieces of 16 rows
+    /// (64 for a team of one invocation), the last piece counted even if shorter: 17 rows make two
+    /// chunks of 9. No chunk gets more rows than the loop budget allows, and the chunks stay within
+    /// the device's workgroup and binding limits, so any target plans a valid call (a target above
+    /// 2^24 counts as 2^24).
     pub fn set_target_workgroups(&mut self, target: Option<NonZeroUsize>) {
         self.facts.target = target.map(NonZeroUsize::get);
     }

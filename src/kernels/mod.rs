@@ -370,7 +370,8 @@ impl fmt::Debug for Kernels {
 impl Kernels {
     /// The registry of `device`, whose commands go through `queue` (its own queue: the pair that
     /// `request_device` returned; a queue of another device is refused with [`Error::QueueMismatch`]).
-    /// Compiles the zeroing kernel now, every other variant on first use.
+    /// Compiles the zeroing kernel now (and, on CPU adapters with `SHADER_INT64`, its 64-bit twin),
+    /// every other pipeline on first use.
     /// A device whose limits are below what the kernels need is refused with
     /// [`Error::DeviceLimit`].
     pub fn new(device: &wgpu::Device, queue: &wgpu::Queue) -> Result<Arc<Kernels>> {

@@ -10,8 +10,10 @@
 //! Ordering, as for [`KvCache`]: host appends reach the GPU at the next queue submission, ahead of the
 //! commands submitted with it. A host append into a page shared after a fork first submits the copy
 //! that gives the writer its private page, so the copy sees every earlier host append and every
-//! command submitted before it: submit an encoder holding GPU appends to a parent before host
-//! appends to its forks. The table entries a recorded GPU append changes are copied into the table
+//! command submitted before it. A recorded GPU append into a shared page records its copy, and the
+//! page is then left to its other holders, whose host appends write into it at the next submission:
+//! submit an encoder holding GPU appends before host appends to any sequence that shared a page with
+//! the ones it appends to (a parent and its forks, or two forks of one parent). The table entries a recorded GPU append changes are copied into the table
 //! by a command recorded with it, so they change where the append stands in its encoder: an
 //! attention recorded before the append reads the pages it was recorded against, one recorded after
 //! it the append's (a host append's entries, like its rows, land ahead of the next submission).
@@ -443,7 +445,9 @@ impl PagedCache {
 
     /// Returns up to `n` published pages that no sequence holds to the pool, least recently published
     /// or matched first (a page goes only after the pages published after it on the same prefix);
-    /// returns how many went. `evict_prefixes(usize::MAX)` returns every page no sequence holds.
+    /// returns how many went. `evict_prefixes(usize::MAX)` returns every page no sequence holds but
+    /// those on the way to a published page a sequence still holds (a prefix's first page stays while
+    /// a sequence holds a page published after it on the same prefix).
     pub fn evict_prefixes(&mut self, n: usize) -> usize {
         self.ledger.evict_prefixes(n)
     }
@@ -454,8 +458,8 @@ impl PagedCache {
         self.ledger.cached_pages()
     }
 
-    /// Rolls `seq` back to `new_len` committed rows in O(1), dropping pending rows; pages past the new
-    /// end return to the pool (their bytes stay until overwritten).
+    /// Rolls `seq` back to `new_len` committed rows, dropping pending rows, with no GPU work; pages
+    /// past the new end return to the pool (their bytes stay until overwritten), one by one.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         self.ledger.truncate(seq, new_len)
     }

@@ -57,7 +57,7 @@ const PREFIX: usize = 16;
 /// version, the header's length and checksum, the header itself, the total length, the checksum of
 /// the whole, then compatibility with the destination — so a truncated snapshot is
 /// [`SnapshotProblem::Truncated`] wherever it is cut, and a flipped bit is a bad magic, another
-/// version or a failed checksum.
+/// version, a failed checksum, or (in the header's length) a snapshot too short for its header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SnapshotHeader {
     /// Layers, slot names and trailing shapes, storage type and `max_seq_len` of the source.
