@@ -45,7 +45,9 @@
 //!   inside the caller's encoder ([`KvCache::append_gpu`] submits them on its own).
 //!   [`KvCache::append_layers`] takes one slab list per layer (a whole decode step) and uploads all of
 //!   it at once (steps up to 4 MiB; larger ones are written slot by slot), copied into place, instead
-//!   of one write per slot; it checks every layer first.
+//!   of one write per slot; it checks every layer first. [`KvCache::record_append_layers`] records
+//!   the copies into the caller's encoder, a step over 4 MiB in pieces of 4 MiB, so its rows land in
+//!   the encoder's order, after a scrub or an attention recorded before them.
 //! - `advance(n)` commits `n` rows once every layer with slots holds exactly `n` pending rows.
 //! - Views, reads and attention of layer `l` see rows `[0, len + pending[l])`.
 //! - Attention ([`Attention`]) reads its queries and writes its output through f32 views of the app's

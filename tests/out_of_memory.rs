@@ -344,6 +344,8 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     lost.watch(&g.device);
     let mut c = cache(spec.clone());
     let mut layers = cache(spec.clone());
+    // Recorded, a step this large goes up in pieces copied in the encoder's order.
+    let mut recorded = cache(spec.clone());
     let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
     let seq = pool.add_sequence().unwrap();
     // A quarter of the slots by one scattered dispatch per slot, from an upload of 64 MiB (the
@@ -373,6 +375,13 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
             layers.append_layers(&[&slabs(&whole)]).unwrap_err(),
             "the staging of host rows",
         );
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        staging(
+            recorded
+                .record_append_layers(&mut encoder, &[&slabs(&whole)])
+                .unwrap_err(),
+            "the staging of host rows",
+        );
         staging(
             pool.append(seq, 0, &slabs(&whole)).unwrap_err(),
             "the staging of host rows",
@@ -384,6 +393,7 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     }
     assert_eq!(c.visible(0).unwrap(), 0);
     assert_eq!(layers.visible(0).unwrap(), 0);
+    assert_eq!(recorded.visible(0).unwrap(), 0);
     assert_eq!(pool.visible(seq, 0).unwrap(), 0);
     assert_eq!(scattered.visible(other, 0).unwrap(), 0);
     assert_eq!(
@@ -394,10 +404,16 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     // With room, the same calls append every row.
     c.append(0, &slabs(&whole)).unwrap();
     layers.append_layers(&[&slabs(&whole)]).unwrap();
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    recorded
+        .record_append_layers(&mut encoder, &[&slabs(&whole)])
+        .unwrap();
+    g.queue.submit([encoder.finish()]);
     pool.append(seq, 0, &slabs(&whole)).unwrap();
     scattered.append(other, 0, &slabs(&quarter)).unwrap();
     assert_eq!(c.read_f32(0, 1).unwrap(), v);
     assert_eq!(layers.read_f32(0, 0).unwrap(), k);
+    assert_eq!(recorded.read_f32(0, 1).unwrap(), v);
     let read = |p: &PagedCache, s, slot| pollster::block_on(p.read_f32_async(s, 0, slot)).unwrap();
     assert_eq!(read(&pool, seq, 1), v);
     assert_eq!(read(&scattered, other, 0), k[..rows / 4 * 1024]);

@@ -643,6 +643,58 @@ impl KvCache {
         Ok(true)
     }
 
+    /// Records `jobs`' rows, however many, as uploads of at most the upload ring's size and one copy
+    /// from each into `encoder`, so that they land in the encoder's order. Every upload is reserved
+    /// first (ring buffers made under the out-of-memory check), and natively the writes' staging is
+    /// checked ([`check_staging`]) before anything is written or recorded: a refusal
+    /// ([`Error::OutOfMemory`]) records nothing.
+    pub(crate) fn record_host_pieces(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        jobs: &[HostRows<'_, '_>],
+    ) -> Result<()> {
+        let piece = self.uploads.size();
+        // (job, slot, byte in the slot's rows, byte in the slot, bytes), each at most `piece`
+        let mut copies = Vec::new();
+        for (j, job) in jobs.iter().enumerate() {
+            for slot in 0..job.rows.slots() {
+                let sb = &self.slots[job.layer][slot];
+                for (first, run) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
+                    let (offset, size) = sb.placement.bytes(run);
+                    let from = *first as u64 * sb.placement.row_bytes;
+                    for at in (0..size).step_by(piece as usize) {
+                        copies.push((j, slot, from + at, offset + at, piece.min(size - at)));
+                    }
+                }
+            }
+        }
+        self.check_host_rows(jobs, HOST_ROWS)?;
+        let uploads = copies
+            .iter()
+            .map(|&(.., size)| self.uploads.reserve(UPLOAD, size))
+            .collect::<Result<Vec<_>>>()?;
+        let mut next = copies.iter().zip(&uploads).peekable();
+        for (j, job) in jobs.iter().enumerate() {
+            for slot in 0..job.rows.slots() {
+                let sb = &self.slots[job.layer][slot];
+                let bytes = sb.rows_bytes(job.rows, slot, &mut self.scratch);
+                while let Some((&(_, _, from, to, size), upload)) =
+                    next.next_if(|((cj, cs, ..), _)| (*cj, *cs) == (j, slot))
+                {
+                    upload.write(&self.queue, &bytes[from as usize..(from + size) as usize]);
+                    encoder.copy_buffer_to_buffer(
+                        &upload.buffer,
+                        upload.offset,
+                        &sb.buffer,
+                        to,
+                        size,
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Commits `n` rows: every layer with slots must have exactly `n` pending rows.
     pub fn advance(&mut self, n: usize) -> Result<()> {
         self.ledger.advance(n)

@@ -13,15 +13,29 @@ impl KvCache {
     /// layer is checked before anything is written; a refused call changes no layer.
     ///
     /// The rows of a step up to 4 MiB (or one storage binding of the device, where that is less) go
-    /// up in one upload and are copied into place by commands
-    /// recorded into `encoder`: they land when that encoder's commands run. Larger steps are
-    /// written slot by slot as [`KvCache::append`] writes them (at the next submission, and checked
-    /// for memory above 4 MiB), since the per-call overhead no longer matters there. Call
+    /// up in one upload and are copied into place by commands recorded into `encoder`: they land
+    /// when that encoder's commands run, after the commands recorded before them (a
+    /// [`KvCache::record_truncate_and_scrub`], an attention over the rows they replace). A larger
+    /// step goes up in pieces of that size, each copied by a command of its own, so it lands in
+    /// the same order; its uploads (as many bytes again as the step, checked for memory before
+    /// anything is written) are let go once the encoder's commands have run. Call
     /// [`KvCache::advance`] afterwards as usual.
     pub fn record_append_layers(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
         slabs: &[&[HostSlab<'_>]],
+    ) -> Result<()> {
+        self.append_layers_into(encoder, slabs, true)
+    }
+
+    /// Plans, checks and writes a step into `encoder`; a step over one upload goes up in pieces
+    /// copied in `encoder`'s order where `in_order` says so, or else is written slot by slot with
+    /// `Queue::write_buffer` (landing at the next submission, ahead of its commands).
+    fn append_layers_into(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        slabs: &[&[HostSlab<'_>]],
+        in_order: bool,
     ) -> Result<()> {
         let plans = self.plan_layers(slabs)?;
         for plan in plans.iter().flatten() {
@@ -33,8 +47,12 @@ impl KvCache {
             .map(|p| HostRows::of_plan(p, Rows::Slabs(slabs[p.layer])))
             .collect();
         if !self.record_host_copies(encoder, &jobs)? {
-            self.check_host_rows(&jobs, HOST_ROWS)?;
-            self.write_host_rows(&jobs);
+            if in_order {
+                self.record_host_pieces(encoder, &jobs)?;
+            } else {
+                self.check_host_rows(&jobs, HOST_ROWS)?;
+                self.write_host_rows(&jobs);
+            }
         }
         for plan in plans.into_iter().flatten() {
             self.ledger.commit_append(plan);
@@ -43,14 +61,16 @@ impl KvCache {
     }
 
     /// [`KvCache::record_append_layers`] in its own submission: one upload, one command buffer of
-    /// copies, submitted before this returns. A call whose every list is empty (once their count is
-    /// checked) submits nothing.
+    /// copies, submitted before this returns. A step over one upload is written slot by slot as
+    /// [`KvCache::append`] writes them (checked for memory above 4 MiB), with no second copy of its
+    /// bytes: nothing can be recorded before it in its own submission. A call whose every list is
+    /// empty (once their count is checked) submits nothing.
     pub fn append_layers(&mut self, slabs: &[&[HostSlab<'_>]]) -> Result<()> {
         if slabs.iter().all(|layer| layer.is_empty()) {
             return self.plan_layers(slabs).map(|_| ());
         }
         let mut encoder = self.encoder("kvgpu append_layers");
-        self.record_append_layers(&mut encoder, slabs)?;
+        self.append_layers_into(&mut encoder, slabs, false)?;
         self.queue.submit([encoder.finish()]);
         Ok(())
     }

@@ -930,8 +930,9 @@ fn slabs_of(rows: &[Vec<(Vec<usize>, Vec<f32>)>]) -> Vec<Vec<HostSlab<'_>>> {
 /// the middle one recorded into the caller's encoder. Then every refusal (the wrong number of layer
 /// lists, a bad slab in the last layer, capacity in one layer, a short slab, a wrong element type)
 /// raises no wgpu validation error and leaves every slot's bytes and the ledger as they were, and
-/// the cache still takes a step. Last, a
-/// step over the 4 MiB upload ring (written slot by slot) and a small one after it.
+/// the cache still takes a step. Last, steps over the 4 MiB upload ring: one written slot by slot,
+/// one recorded after a scrub of the rows it replaces (in pieces, in the encoder's order), and a
+/// small one after them.
 pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
     for dtype in DType::STORAGE {
         note!("-- {dtype}");
@@ -1083,18 +1084,38 @@ pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
         c.advance(2).unwrap();
         assert_matches(&c, &m).await;
     }
-    // 520 rows of 8 KiB: 4.06 MiB, over the upload ring, so written slot by slot; then one row more.
-    for dtype in [DType::F32, DType::Q8_0] {
+    // Steps over the 4 MiB upload ring: 520 rows of 8 KiB (f32), 2,000 of 2,176 bytes (q8_0).
+    // `append_layers` writes one slot by slot. Then, in one encoder, a truncate and scrub of most of
+    // its rows and `record_append_layers` of as many again over them: the step goes up in pieces
+    // copied in the encoder's order (written ahead of the encoder's commands, the scrub recorded
+    // before it would zero them). Then one row more.
+    for (dtype, n) in [(DType::F32, 520), (DType::Q8_0, 2000)] {
         note!("-- {dtype}, over 4 MiB");
-        let spec = CacheSpec::uniform(1, LayerSpec::kv(8, 128, 128), dtype, 600).unwrap();
+        let spec = CacheSpec::uniform(1, LayerSpec::kv(8, 128, 128), dtype, n + 16).unwrap();
+        assert!(
+            n as u64 * spec.bytes_per_token() > 4 << 20,
+            "{dtype}: a step under 4 MiB"
+        );
         let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
-        for (n, seed) in [(520, 60), (1, 61)] {
-            let rows = step_rows(&spec, &mut m, c.len(), n, seed);
-            let slabs = slabs_of(&rows);
-            let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
-            c.append_layers(&lists).unwrap();
-            c.advance(n).unwrap();
-        }
+        let rows = step_rows(&spec, &mut m, 0, n, 60);
+        let slabs = slabs_of(&rows);
+        let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
+        c.append_layers(&lists).unwrap();
+        c.advance(n).unwrap();
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        c.record_truncate_and_scrub(&mut encoder, 10).unwrap();
+        m.zero_rows(0, 10, n);
+        let rows = step_rows(&spec, &mut m, 10, n, 61);
+        let slabs = slabs_of(&rows);
+        let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
+        c.record_append_layers(&mut encoder, &lists).unwrap();
+        g.queue.submit([encoder.finish()]);
+        c.advance(n).unwrap();
+        let rows = step_rows(&spec, &mut m, 10 + n, 1, 62);
+        let slabs = slabs_of(&rows);
+        let lists: Vec<&[HostSlab]> = slabs.iter().map(Vec::as_slice).collect();
+        c.append_layers(&lists).unwrap();
+        c.advance(1).unwrap();
         assert_matches(&c, &m).await;
     }
 }
