@@ -653,6 +653,71 @@ fn page_tables_and_copies_the_device_cannot_make_are_refused_and_change_nothing(
     assert_eq!(read(&shared, parent), d);
 }
 
+/// A fork's first append makes the pool's copy-on-write staging buffer; where the append is then
+/// refused (here: its rows' writes cannot be staged), that buffer goes too.
+#[test]
+fn a_refused_copy_on_write_append_keeps_no_new_staging() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // Pages of 4,096 rows of 8 KiB: the staging buffer is one page (32 MiB), and 6,000 rows (47
+    // MiB, more than the device keeps in any memory block it made before) are checked for memory
+    // before they are written.
+    let wide = LayerSpec::new(vec![SlotSpec::new("s", &[2048])]);
+    let spec = CacheSpec::new(vec![wide], DType::F32, 1 << 14).unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 4096, 4).unwrap();
+    let (n, w) = (6000, 2048);
+    let (d, rows) = (values(13, w), values(14, n * w));
+    let parent = pool.add_sequence().unwrap();
+    pool.append(parent, 0, &[HostSlab::f32(&d, &[1, w])])
+        .unwrap();
+    pool.advance(parent, 1).unwrap();
+    let child = pool.fork(parent, 1).unwrap();
+    let ledger = pool.ledger().clone();
+    let Some(before) = allocated_as(&g.device, "kvgpu page staging") else {
+        eprintln!("skipped here: {} gives no allocator report", g.describe());
+        return;
+    };
+    assert_eq!(before, 0, "a staging buffer before the first copy");
+    {
+        let _cap = Cap::room(40 << 20);
+        let e = pool
+            .append(child, 0, &[HostSlab::f32(&rows, &[n, w])])
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "the staging of host rows"),
+            "{e}"
+        );
+        eprintln!("refused: {e}");
+    }
+    assert_eq!(
+        pool.ledger(),
+        &ledger,
+        "the refused append changed the pool"
+    );
+    assert_eq!(
+        allocated_as(&g.device, "kvgpu page staging"),
+        Some(0),
+        "the refused append kept its staging buffer"
+    );
+    // With room, it lands, and the staging buffer stays for later copies.
+    pool.append(child, 0, &[HostSlab::f32(&rows, &[n, w])])
+        .unwrap();
+    pool.advance(child, n).unwrap();
+    assert_eq!(
+        pollster::block_on(pool.read_f32_async(child, 0, 0)).unwrap(),
+        [&d[..], &rows[..]].concat()
+    );
+    assert_eq!(
+        pollster::block_on(pool.read_f32_async(parent, 0, 0)).unwrap(),
+        d
+    );
+    let kept = allocated_as(&g.device, "kvgpu page staging").unwrap();
+    assert!(kept >= 32 << 20, "a staging buffer of {kept} bytes");
+}
+
 #[test]
 fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
     let _serial = serial();

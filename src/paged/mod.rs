@@ -591,6 +591,26 @@ impl PagedCache {
         slabs: &[HostSlab<'_>],
         plans: &[PagedPlan],
     ) -> Result<()> {
+        self.keeping_no_new_staging(|pool| pool.write_host_checked(layer, slabs, plans))
+    }
+
+    /// Runs `f`; where it is refused, a copy-on-write staging buffer it made is let go, so that a
+    /// refused append keeps no new memory.
+    fn keeping_no_new_staging(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        let had = self.staging.is_some();
+        let done = f(self);
+        if done.is_err() && !had {
+            self.staging = None;
+        }
+        done
+    }
+
+    fn write_host_checked(
+        &mut self,
+        layer: usize,
+        slabs: &[HostSlab<'_>],
+        plans: &[PagedPlan],
+    ) -> Result<()> {
         let runs = moving_runs(plans);
         let mut encoder = None;
         if let Some(staging) = self.page_staging(plans)? {
@@ -704,6 +724,22 @@ impl PagedCache {
         plans: &[PagedPlan],
     ) -> Result<()> {
         self.check_usable(layer, plans)?;
+        self.keeping_no_new_staging(|pool| {
+            pool.record_gpu_checked(encoder, layer, slabs, rows, plans)
+        })
+    }
+
+    /// [`PagedCache::record_gpu`] once the slots are known usable. The copy-on-write staging comes
+    /// first, and every fallible step before anything is recorded.
+    fn record_gpu_checked(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+        rows: usize,
+        plans: &[PagedPlan],
+    ) -> Result<()> {
+        let staging = self.page_staging(plans)?;
         let runs = moving_runs(plans);
         let copy_runs = if self.kernels().is_cpu() {
             COPY_RUNS_CPU
@@ -727,7 +763,7 @@ impl PagedCache {
             None => self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?,
         };
         let tables = self.table_uploads(plans)?;
-        if let Some(staging) = self.page_staging(plans)? {
+        if let Some(staging) = staging {
             for plan in plans {
                 self.record_copies(encoder, &staging, &plan.copies);
             }
