@@ -73,12 +73,15 @@ pub enum Error {
         remaining: usize,
     },
 
-    /// `advance(n)` found a layer whose pending rows are not exactly `n`.
+    /// `advance(n)` found a layer whose pending rows are not exactly `n`. `seq` names the paged
+    /// pool's sequence; `None` in a single-sequence cache.
     #[error(
-        "advance({expected}): layer {layer} has {pending} pending rows, expected exactly {expected} \
-         (committed length {len})"
+        "{}advance({expected}): layer {layer} has {pending} pending rows, expected exactly \
+         {expected} (committed length {len})",
+        .seq.map_or(String::new(), |seq| format!("{seq}, "))
     )]
     UnevenAdvance {
+        seq: Option<SeqId>,
         layer: usize,
         pending: usize,
         expected: usize,
@@ -156,9 +159,17 @@ pub enum Error {
         max_pages: usize,
     },
 
-    /// `truncate(new_len)` was asked to grow the cache.
-    #[error("cannot truncate to {new_len}: the committed length is only {len}")]
-    TruncateBeyondLength { new_len: usize, len: usize },
+    /// `truncate(new_len)` was asked to grow the cache. `seq` names the paged pool's sequence;
+    /// `None` in a single-sequence cache.
+    #[error(
+        "{}cannot truncate to {new_len}: the committed length is only {len}",
+        .seq.map_or(String::new(), |seq| format!("{seq}, "))
+    )]
+    TruncateBeyondLength {
+        seq: Option<SeqId>,
+        new_len: usize,
+        len: usize,
+    },
 
     /// Host data of an element type that cannot go into this cache's storage type.
     #[error(

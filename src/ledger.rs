@@ -230,6 +230,7 @@ impl Ledger {
             (0..self.shapes.len()).find(|&l| !self.shapes[l].is_empty() && self.pending[l] != n);
         if let Some(layer) = uneven {
             return Err(Error::UnevenAdvance {
+                seq: None,
                 layer,
                 pending: self.pending[layer],
                 expected: n,
@@ -245,6 +246,7 @@ impl Ledger {
     pub(crate) fn plan_truncate(&self, new_len: usize) -> Result<Vec<DroppedRows>> {
         if new_len > self.len {
             return Err(Error::TruncateBeyondLength {
+                seq: None,
                 new_len,
                 len: self.len,
             });
@@ -382,6 +384,7 @@ mod tests {
         assert_eq!(
             l.advance(2).unwrap_err(),
             Error::UnevenAdvance {
+                seq: None,
                 layer: 0,
                 pending: 1,
                 expected: 2,
@@ -391,6 +394,7 @@ mod tests {
         assert_eq!(
             l.advance(1).unwrap_err(),
             Error::UnevenAdvance {
+                seq: None,
                 layer: 2,
                 pending: 0,
                 expected: 1,
@@ -399,7 +403,11 @@ mod tests {
         );
         assert_eq!(
             l.truncate(1).unwrap_err(),
-            Error::TruncateBeyondLength { new_len: 1, len: 0 }
+            Error::TruncateBeyondLength {
+                seq: None,
+                new_len: 1,
+                len: 0,
+            }
         );
         assert_eq!(l, before);
     }

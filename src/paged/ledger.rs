@@ -302,6 +302,7 @@ impl PageLedger {
         let s = self.seq(seq)?;
         if new_len > s.len {
             return Err(Error::TruncateBeyondLength {
+                seq: Some(seq),
                 new_len,
                 len: s.len,
             });
@@ -324,6 +325,7 @@ impl PageLedger {
             (0..self.shapes.len()).find(|&l| !self.shapes[l].is_empty() && s.pending[l] != n);
         if let Some(layer) = uneven {
             return Err(Error::UnevenAdvance {
+                seq: Some(seq),
                 layer,
                 pending: s.pending[layer],
                 expected: n,
@@ -792,6 +794,45 @@ mod tests {
                 "{b}, layer 0: appending 9 rows at position 0 exceeds the capacity of 8 rows (8 left)"
             )
         );
+    }
+
+    /// A pool's refused advance and truncate name the sequence, and change nothing.
+    #[test]
+    fn advance_and_truncate_name_the_sequence() {
+        let mut l = PageLedger::new(&spec(8), 4, 8);
+        let (a, b) = (l.add().unwrap(), l.add().unwrap());
+        let plan = l.plan_append(b, 0, 2, |_| &[2, 1, 2][..]).unwrap();
+        l.commit_append(&plan);
+        let before = l.clone();
+        let e = l.advance(b, 2).unwrap_err();
+        assert_eq!(
+            e,
+            Error::UnevenAdvance {
+                seq: Some(b),
+                layer: 2,
+                pending: 0,
+                expected: 2,
+                len: 0,
+            }
+        );
+        assert!(
+            e.to_string().starts_with(&format!("{b}, advance(2)")),
+            "{e}"
+        );
+        let e = l.truncate(a, 1).unwrap_err();
+        assert_eq!(
+            e,
+            Error::TruncateBeyondLength {
+                seq: Some(a),
+                new_len: 1,
+                len: 0,
+            }
+        );
+        assert!(
+            e.to_string().starts_with(&format!("{a}, cannot truncate")),
+            "{e}"
+        );
+        assert_eq!(l, before);
     }
 
     /// Pool contents by (layer, pool row): a value naming what was written there.

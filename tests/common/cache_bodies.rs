@@ -180,6 +180,7 @@ pub async fn layers_are_isolated_and_hybrid_layers_own_nothing(g: &Gpu) {
         assert_eq!(
             err,
             Error::UnevenAdvance {
+                seq: None,
                 layer: 3,
                 pending: 0,
                 expected: 2,
@@ -375,6 +376,7 @@ pub async fn every_refusal_leaves_the_cache_unchanged(g: &Gpu) {
         assert_eq!(
             err,
             Error::UnevenAdvance {
+                seq: None,
                 layer: 1,
                 pending: 0,
                 expected: 1,
@@ -384,11 +386,19 @@ pub async fn every_refusal_leaves_the_cache_unchanged(g: &Gpu) {
         assert!(err.to_string().contains("layer 1"), "{err}");
         assert_eq!(
             c.truncate(3).unwrap_err(),
-            Error::TruncateBeyondLength { new_len: 3, len: 2 }
+            Error::TruncateBeyondLength {
+                seq: None,
+                new_len: 3,
+                len: 2,
+            }
         );
         assert_eq!(
             c.truncate_and_scrub(4).unwrap_err(),
-            Error::TruncateBeyondLength { new_len: 4, len: 2 }
+            Error::TruncateBeyondLength {
+                seq: None,
+                new_len: 4,
+                len: 2,
+            }
         );
         assert!(matches!(
             c.view(1, 2),
