@@ -208,6 +208,14 @@ impl<K: Eq + Hash, V: Clone> Pipelines<K, V> {
         });
         (value.clone(), made)
     }
+
+    /// How many values have been made, for `held` ones.
+    fn count(&self, held: impl Fn(&V) -> bool) -> usize {
+        let map = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        map.values()
+            .filter(|cell| cell.get().is_some_and(&held))
+            .count()
+    }
 }
 
 /// A tiled pass-1 pipeline: storage types of slots a, b and v, whether scores read slot b,
@@ -456,6 +464,20 @@ impl Kernels {
     /// The queue that goes with the device.
     pub fn queue(&self) -> &wgpu::Queue {
         &self.queue
+    }
+
+    /// How many attention pipelines (pass 1 and reduce) this registry holds so far. Once
+    /// [`crate::Attention::prepare`] has run for a model, its calls add none: an app can check that
+    /// the first token compiles nothing.
+    pub fn attention_pipelines(&self) -> usize {
+        self.attention.get().map_or(0, |a| {
+            a.partial_pipelines.count(|_| true)
+                + a.stream_pipelines.count(Result::is_ok)
+                + a.reduce_pipelines
+                    .iter()
+                    .filter(|p| p.get().is_some())
+                    .count()
+        })
     }
 
     /// Whether the adapter is a CPU (llvmpipe, lavapipe, WARP): few fat workgroups suit it best.
