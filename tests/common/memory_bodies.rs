@@ -50,6 +50,15 @@ impl Residency {
         self.device.get_internal_counters().hal.buffers.read()
     }
 
+    /// Natively, the bytes of every live buffer of the device (after the same poll).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub async fn live_bytes(&self) -> isize {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .unwrap();
+        self.device.get_internal_counters().hal.buffer_memory.read()
+    }
+
     #[cfg(target_arch = "wasm32")]
     pub async fn live(&self) -> isize {
         use wasm_bindgen::{JsCast, JsValue};
@@ -84,12 +93,21 @@ async fn next_task() {
         .expect("setTimeout resolved");
 }
 
-/// One `Attention` serving 24 caches of 4 MiB per slot in turn, each dropped after its call: after
-/// the first cycle (which sizes the attention's scratch) the live buffers never grow, so the
-/// attention keeps none of the dropped caches.
+/// One `Attention` serving 24 caches of 1 MiB and more per slot in turn, each dropped after its
+/// call: after the first cycle (which sizes the attention's scratch) the live buffers never grow, so
+/// the attention keeps none of the dropped caches. Each cache is 64 KiB per slot larger than the one
+/// before: natively the live bytes stay at the first cycle's too, which they would not if the
+/// attention kept the latest cache in place of the one before.
 pub async fn one_attention_serving_many_dropped_caches_keeps_none_of_them(g: &Gpu) {
     let mut residency = Residency::new(g);
-    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], DType::F32, 4096).unwrap();
+    let spec_of = |i: u64| {
+        CacheSpec::new(
+            vec![LayerSpec::kv(1, 64, 64)],
+            DType::F32,
+            4096 + 256 * i as usize,
+        )
+    };
+    let spec = spec_of(0).unwrap();
     let q = g
         .device
         .create_buffer_init(&wgpu::util::BufferInitDescriptor {
@@ -110,12 +128,28 @@ pub async fn one_attention_serving_many_dropped_caches_keeps_none_of_them(g: &Gp
     let mut attention = Attention::for_cache(&first);
     drop(first);
     let mut baseline = None;
+    #[cfg(not(target_arch = "wasm32"))]
+    let mut base_bytes = None;
     for i in 0..24 {
-        let mut c = KvCache::new(&g.device, &g.queue, spec.clone()).unwrap();
+        let mut c = KvCache::new(&g.device, &g.queue, spec_of(i).unwrap()).unwrap();
         for s in 0..2 {
             residency.follow(c.full_view(0, s).unwrap().buffer);
         }
         append_random(&mut c, 0, 100, i);
+        // wgpu counts buffer memory where its backend allocates it (Vulkan), not on OpenGL.
+        #[cfg(not(target_arch = "wasm32"))]
+        let counted = {
+            let bytes = residency.live_bytes().await;
+            let slots = spec_of(i).unwrap().total_bytes() as isize;
+            if i == 0 && bytes < slots {
+                eprintln!(
+                    "live bytes not checked here: {} counts {bytes} bytes of buffers with a \
+                     cache of {slots} alive",
+                    g.describe()
+                );
+            }
+            bytes >= slots
+        };
         attention
             .gqa(&c, 0, Queries::new(&q, 1, 4, 64), &out, &Default::default())
             .unwrap();
@@ -127,6 +161,17 @@ pub async fn one_attention_serving_many_dropped_caches_keeps_none_of_them(g: &Gp
             live <= base,
             "cycle {i}: {live} live buffers, {base} after the first"
         );
+        #[cfg(not(target_arch = "wasm32"))]
+        {
+            let bytes = residency.live_bytes().await;
+            if counted {
+                let base = *base_bytes.get_or_insert(bytes);
+                assert!(
+                    bytes <= base,
+                    "cycle {i}: {bytes} live bytes, {base} after the first"
+                );
+            }
+        }
     }
 }
 
