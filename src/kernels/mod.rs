@@ -618,14 +618,16 @@ impl Kernels {
     }
 
     /// The generated streaming pass-1 pipeline of `key` (`src/attention/stream.rs`). Its source is
-    /// made and compiled inside an error scope, so a kernel the device refuses is reported here rather
-    /// than as a wgpu error later; or the pipeline, and whether this call made it.
+    /// made and compiled inside error scopes of every kind (a shader the backend or its driver fails
+    /// to compile is an internal error, not a validation one), so natively a kernel the device
+    /// refuses is reported here rather than as a wgpu error later (in the browser the scopes resolve
+    /// only later: see [`scoped`]); or the pipeline, and whether this call made it.
     pub(crate) fn attention_stream(&self, key: &StreamKey) -> std::result::Result<Fetched, String> {
         let kernels = self.attention();
         let (result, made) = kernels.stream_pipelines.get(*key, || {
             let device = &self.device;
             let source = crate::attention::stream_source(key, wgsl::PRELUDE, wgsl::ROWS);
-            let (pipeline, error) = scoped(device, || {
+            let (pipeline, error) = scoped_all(device, || {
                 Kernel::new(
                     device,
                     "kvgpu attention_stream",
@@ -780,6 +782,18 @@ pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
 /// so there nothing is reported here and a refused object surfaces as a wgpu error instead.
 pub(crate) fn scoped<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Option<String>) {
     scoped_to(device, wgpu::ErrorFilter::Validation, f)
+}
+
+/// [`scoped`] for errors of every kind (validation, internal, out of memory), in nested scopes: the
+/// first one reported, if any.
+fn scoped_all<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Option<String>) {
+    let (((made, memory), internal), validation) =
+        scoped_to(device, wgpu::ErrorFilter::Validation, || {
+            scoped_to(device, wgpu::ErrorFilter::Internal, || {
+                scoped_to(device, wgpu::ErrorFilter::OutOfMemory, f)
+            })
+        });
+    (made, validation.or(internal).or(memory))
 }
 
 /// [`scoped`] for the errors `filter` selects.
