@@ -1783,8 +1783,9 @@ fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
 /// of 64 (68-byte q8_0 and 36-byte q4_0 rows, which the streaming kernel reads as words). Each row's key scores 128
 /// above the previous row's, so causal query `i` weighs row `i` by exactly 1 and every other row by
 /// exactly 0, and its output must equal row `i` as the cache reads it back (`read_f32`, decoded on
-/// the CPU) bit for bit, not merely within the tolerance: on every kernel of the adapter. (Only
-/// bf16's codes below f32's normals may read as zero, where the adapter flushes them.)
+/// the CPU) exactly, not merely within the tolerance: on every kernel of the adapter. Exactly is bit
+/// for bit but for the sign of a zero (the output sums weighted values from +0, so a -0 code comes
+/// out +0), and bf16's codes below f32's normals may read as zero where the adapter flushes them.
 pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
     const ROWS: usize = 64;
     const D_K: usize = 16;
@@ -1895,8 +1896,12 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
                 // WGSL lets arithmetic flush f32's subnormals to zero (SwiftShader does): bf16 codes
                 // below f32's smallest normal may come out as zero, and nothing else may differ.
                 let flushed = |i: usize| got[i] == 0.0 && stored[i].is_subnormal();
+                // Bits compared, but a zero of either sign for a zero.
+                let same = |i: usize| {
+                    got[i].to_bits() == stored[i].to_bits() || (got[i] == 0.0 && stored[i] == 0.0)
+                };
                 let wrong: Vec<usize> = (0..got.len())
-                    .filter(|&i| got[i] != stored[i] && !flushed(i))
+                    .filter(|&i| !same(i) && !flushed(i))
                     .collect();
                 zeroed += (0..got.len()).filter(|&i| got[i] != stored[i]).count();
                 assert!(

@@ -538,29 +538,49 @@ pub async fn reset_zeroes_every_byte_and_reset_fast_keeps_data(g: &Gpu) {
     }
 }
 
-/// A scrub and a reset recorded into one encoder with the app's own copy, submitted once.
+/// Two scrubs and a reset recorded into one encoder between the app's own copies of a slot, and
+/// submitted once: each copy sees the slot as the commands recorded before it left it.
 pub async fn recorded_ops_share_one_encoder(g: &Gpu) {
     let spec = CacheSpec::new(vec![LayerSpec::kv(2, 4, 4)], DType::F16, 8).unwrap();
     let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
     append_both(&mut c, &mut m, 0, 6, 1);
     c.advance(6).unwrap();
+    let slot = c.full_view(0, 0).unwrap().buffer.clone();
+    let size = slot.size();
+    let copies: Vec<wgpu::Buffer> = (0..3)
+        .map(|_| {
+            g.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("the app's copy"),
+                size,
+                usage: wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            })
+        })
+        .collect();
     let mut encoder = g.device.create_command_encoder(&Default::default());
     c.record_truncate_and_scrub(&mut encoder, 4).unwrap();
+    encoder.copy_buffer_to_buffer(&slot, 0, &copies[0], 0, size);
     c.record_truncate_and_scrub(&mut encoder, 2).unwrap();
-    g.queue.submit([encoder.finish()]);
-    m.zero_rows(0, 2, 6);
-    assert_matches(&c, &m).await;
-    let mut encoder = g.device.create_command_encoder(&Default::default());
+    encoder.copy_buffer_to_buffer(&slot, 0, &copies[1], 0, size);
     c.record_reset(&mut encoder).unwrap();
+    encoder.copy_buffer_to_buffer(&slot, 0, &copies[2], 0, size);
     g.queue.submit([encoder.finish()]);
-    assert!(
-        snapshot(&c)
+    let mut want = Vec::new();
+    for (start, end) in [(4, 6), (2, 4)] {
+        m.zero_rows(0, start, end);
+        want.push(m.words[0][0].clone());
+    }
+    want.push(vec![0; m.words[0][0].len()]);
+    assert!(want[1].iter().any(|&w| w != 0), "rows 0 and 1 hold data");
+    for (i, (copy, want)) in copies.iter().zip(&want).enumerate() {
+        let bytes = read_buffer_async(&g.device, &g.queue, copy, 0, size)
             .await
-            .iter()
-            .flatten()
-            .flatten()
-            .all(|&w| w == 0)
-    );
+            .unwrap();
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
+        assert_eq!(&words, want, "the app's copy {i}");
+    }
+    m.zero_all();
+    assert_matches(&c, &m).await;
 }
 
 pub async fn views_narrow_to_visible_rows(g: &Gpu) {

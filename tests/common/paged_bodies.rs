@@ -1758,9 +1758,24 @@ pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
         c.advance(s, 3).unwrap();
         rows.insert(s, [k, v]);
     };
+    // The table's rows, as the pool's `Debug` gives them.
+    let table_rows = |c: &PagedCache| {
+        let debug = format!("{c:?}");
+        let at = debug
+            .find("table_rows: ")
+            .expect("table_rows in the Debug output")
+            + 12;
+        debug[at..]
+            .split(|ch: char| !ch.is_ascii_digit())
+            .next()
+            .and_then(|n| n.parse::<usize>().ok())
+            .expect("a row count")
+    };
+    assert_eq!(table_rows(&c), 8);
     for i in 0..20 {
         add(&mut c, &mut rows, i);
     }
+    assert_eq!(table_rows(&c), 32, "8 rows grown twice");
     for round in 0..2 {
         let batch: Vec<(SeqId, usize)> = rows.keys().map(|&s| (s, 1)).collect();
         let n = batch.len();
@@ -1795,6 +1810,7 @@ pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
         for i in 0..10 {
             add(&mut c, &mut rows, 100 + 10 * round + i);
         }
+        assert_eq!(table_rows(&c), 32, "round {round}: freed rows reused");
     }
     assert_eq!(
         c.pages_in_use(),
