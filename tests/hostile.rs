@@ -2080,7 +2080,10 @@ fn read_buffer_with_the_queue_of_another_device() {
     let _serial = serial();
     let g = gpu();
     let b = buffer(&[1, 2, 3, 4], USAGE);
-    assert!(read_buffer(&g.device, &other_device().1, &b, 0, 4).is_err());
+    assert_eq!(
+        read_buffer(&g.device, &other_device().1, &b, 0, 4),
+        Err(Error::QueueMismatch)
+    );
 }
 
 /// `read_buffer` of a buffer still mapped (`mapped_at_creation: true`) panics inside wgpu: "In

@@ -1132,7 +1132,17 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
         },
     ] {
         let e = gqa(0, Queries::new(&q, 1, 2, 8), &out, &bad);
-        assert!(matches!(e, Error::AttentionRequest { layer: 0, .. }), "{e}");
+        // Each is refused for the option that is wrong in it (the others are the defaults).
+        let named = match &e {
+            Error::AttentionRequest { layer: 0, problem } => match problem {
+                AttentionProblem::EmptyWindow => bad.window == Some(0),
+                AttentionProblem::SoftCap { .. } => bad.soft_cap.is_some(),
+                AttentionProblem::Scale { .. } => bad.scale.is_some(),
+                _ => false,
+            },
+            _ => false,
+        };
+        assert!(named, "{bad:?}: {e}");
     }
 
     let ql = f32_buffer(&g.device, &values(5, 64)).await;
