@@ -2,9 +2,17 @@
 //! wasm32-unknown-unknown`, flags in `webdriver.json`; `.ci/browser` runs it with a longer timeout).
 //! Every test opens the browser's adapter and fails when there is none. The tests run the async
 //! bodies of `common/` that the native suites run too (`tests/core.rs`, `gpu_source.rs`,
-//! `attention.rs`, `limits.rs`, `safety.rs`, `paged.rs`, `snapshot.rs`), with the same helpers and
-//! the one tolerance `shared::TOL`; a check that cannot run in a browser is an ignored test that
-//! says why.
+//! `attention.rs`, `limits.rs`, `safety.rs`, `paged.rs`, `snapshot.rs`, `quant.rs`, `memory.rs`,
+//! `model.rs`), with the same helpers and the one tolerance `shared::TOL`.
+//!
+//! Native only, and why: `hostile.rs` (each case checks that a native call refuses or works
+//! without a wgpu panic; the browser's refusals are the shared bodies' — some of its cases check
+//! kernels against the twins too: a scale or soft-cap at the edge of f32, zeroing on a device
+//! allowing 8 workgroups per dimension), `device.rs` and the foreign-device test of
+//! `attention.rs` (several devices and instances of one adapter), `out_of_memory.rs` (it caps the
+//! process's address space), and `limits.rs`'s slot of exactly the binding limit (128 MiB filled
+//! from the host, read back whole: minutes of SwiftShader; the shared body of that file, the slot
+//! over the limit, runs here).
 #![cfg(target_arch = "wasm32")]
 
 #[path = "common/shared.rs"]

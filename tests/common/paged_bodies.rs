@@ -283,7 +283,8 @@ async fn check_rows(c: &PagedCache, m: &Model, what: &str) {
 }
 
 /// Attention of the newest row of up to three sequences, as one ragged batch per attention layer (GQA
-/// on layer 0, MLA on layer 2), against the twins over the model's rows.
+/// on layer 0, MLA on layer 2), against the twins over the model's rows; returns how many layers it
+/// checked (a layer no sequence has rows in is not).
 async fn check_attention(
     g: &Gpu,
     c: &PagedCache,
@@ -291,7 +292,8 @@ async fn check_attention(
     att: &mut Attention,
     seed: u64,
     what: &str,
-) {
+) -> usize {
+    let mut checked = 0;
     // K/V widths of layer 0 and the latent and rope widths of layer 2.
     let width_of = |l: usize, s: usize| *c.spec().layers()[l].slots[s].trailing.last().unwrap();
     let (dk, r, rope) = (width_of(0, 0), width_of(2, 0), width_of(2, 1));
@@ -353,7 +355,9 @@ async fn check_attention(
                 &format!("{what}: {id} layer {layer} attention"),
             );
         }
+        checked += 1;
     }
+    checked
 }
 
 /// Rows for an append of `n` to `layer`: per slot the f32 values and what the storage keeps.
@@ -434,6 +438,7 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
     let mut att = Attention::with_kernels(super::kernels_for(g));
     let mut rng = reference::Xorshift::new(seed);
     let mut refused: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut attention_checks = 0;
     for op in 0..n_ops {
         let ids: Vec<SeqId> = m.seqs.keys().copied().collect();
         let mut choice = rng.below(12);
@@ -714,13 +719,19 @@ pub async fn paged_run_matches_the_model(g: &Gpu, dtype: DType, seed: u64, n_ops
         }
         if op % 8 == 7 {
             check_rows(&c, &m, &what).await;
-            check_attention(g, &c, &m, &mut att, seed * 1000 + op as u64, &what).await;
+            attention_checks +=
+                check_attention(g, &c, &m, &mut att, seed * 1000 + op as u64, &what).await;
         }
     }
     check_rows(&c, &m, "end").await;
+    assert!(
+        attention_checks > 0,
+        "{dtype} seed {seed}: no attention was checked"
+    );
     note!(
-        "{dtype} seed {seed}: {n_ops} operations, {} private page copies, {} sequences from \
-         published pages, {} published pages evicted, refusals {refused:?}",
+        "{dtype} seed {seed}: {n_ops} operations, {attention_checks} attention layers checked, {} \
+         private page copies, {} sequences from published pages, {} published pages evicted, \
+         refusals {refused:?}",
         m.copies,
         m.matched,
         m.evicted
