@@ -45,3 +45,73 @@ fn snapshots_move_between_vulkan_and_opengl() {
         &gl, &vulkan,
     ));
 }
+
+/// The blocking exports write what the snapshots hold (`KvCache::export`,
+/// `PagedCache::export_sequence`), and a snapshot's header checks a destination's spec on its own:
+/// the same spec (and another capacity) passes, another storage type or slot shape is named.
+#[test]
+fn blocking_exports_write_the_snapshots_and_headers_check_their_destination() {
+    use common::*;
+    use kvgpu::*;
+    let g = gpu();
+    let spec = CacheSpec::new(
+        vec![LayerSpec::kv(2, 4, 4), LayerSpec::mla(6, 2)],
+        DType::F16,
+        16,
+    )
+    .unwrap();
+    let mut c = cache(spec.clone());
+    for layer in 0..2 {
+        append_random(&mut c, layer, 5, 40 + layer as u64);
+    }
+    c.advance(5).unwrap();
+    let mut out = Vec::new();
+    let written = c.export(&mut out).unwrap();
+    assert_eq!(written, out.len() as u64);
+    assert_eq!(out, c.snapshot().unwrap());
+
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 4, 8).unwrap();
+    let seq = pool.import_sequence(&out).unwrap();
+    let mut again = Vec::new();
+    let written = pool.export_sequence(seq, &mut again).unwrap();
+    assert_eq!(written, again.len() as u64);
+    assert_eq!(again, pool.snapshot_sequence(seq).unwrap());
+    // The pool's header names its page size; its rows restore the cache's snapshot exactly.
+    assert_eq!(SnapshotHeader::parse(&again).unwrap().page_size, 4);
+    let mut back = cache(spec.clone());
+    back.import(&again).unwrap();
+    assert_eq!(back.snapshot().unwrap(), out);
+
+    let header = SnapshotHeader::parse(&out).unwrap();
+    assert_eq!((header.len, &header.spec), (5, &spec));
+    let roomier = CacheSpec::new(spec.layers().to_vec(), DType::F16, 64).unwrap();
+    assert_eq!(header.check_compatible(&roomier), Ok(()));
+    let f32_spec = CacheSpec::new(spec.layers().to_vec(), DType::F32, 16).unwrap();
+    assert!(matches!(
+        header.check_compatible(&f32_spec),
+        Err(Error::Snapshot {
+            problem: SnapshotProblem::DType {
+                layer: 0,
+                slot: 0,
+                snapshot: DType::F16,
+                cache: DType::F32,
+            }
+        })
+    ));
+    let wider = CacheSpec::new(
+        vec![LayerSpec::kv(2, 4, 4), LayerSpec::mla(8, 2)],
+        DType::F16,
+        16,
+    )
+    .unwrap();
+    assert!(matches!(
+        header.check_compatible(&wider),
+        Err(Error::Snapshot {
+            problem: SnapshotProblem::SlotShape {
+                layer: 1,
+                slot: 0,
+                ..
+            }
+        })
+    ));
+}

@@ -11,7 +11,7 @@
 //! allowing 8 workgroups per dimension), `device.rs` and the foreign-device test of
 //! `attention.rs` (several devices and instances of one adapter), `out_of_memory.rs` (it caps the
 //! process's address space), and `limits.rs`'s slot of exactly the binding limit (128 MiB filled
-//! from the host, read back whole: minutes of SwiftShader; the shared body of that file, the slot
+//! from the host and read back whole; the shared body of that file, the slot
 //! over the limit, runs here).
 #![cfg(target_arch = "wasm32")]
 
