@@ -255,7 +255,9 @@ async fn app_buffers_of_another_device_are_refused() {
 /// tell it).
 #[wasm_bindgen_test]
 async fn a_buffer_mapped_in_part_or_being_mapped_is_refused() {
-    use kvgpu::{CacheSpec, KvCache, LayerSpec, read_buffer_async, verify_buffer};
+    use kvgpu::{
+        CacheSpec, Error, KvCache, LayerSpec, SourceProblem, read_buffer_async, verify_buffer,
+    };
     use wasm_bindgen::JsValue;
 
     let g = gpu().await;
@@ -269,7 +271,7 @@ async fn a_buffer_mapped_in_part_or_being_mapped_is_refused() {
     let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap();
     let mut c = shared::cache_on(&g, spec);
     let append = |c: &mut KvCache| c.append_gpu(0, &shared::mla_4_2_token(&b, 1024));
-    let ledger = c.ledger().clone();
+    let (ledger, words) = (c.ledger().clone(), shared::snapshot(&c).await);
     // The first half is being mapped: map_async has been called and has not resolved.
     let mapped = js_sys::Promise::new(&mut |resolve, _| {
         b.slice(..4096).map_async(wgpu::MapMode::Write, move |r| {
@@ -288,8 +290,18 @@ async fn a_buffer_mapped_in_part_or_being_mapped_is_refused() {
             .unwrap_err();
         assert!(e.to_string().contains("mapped"), "{state}: {e}");
         let e = append(&mut c).unwrap_err();
-        assert!(e.to_string().contains("mapped"), "{state}: {e}");
+        assert!(
+            matches!(
+                e,
+                Error::SourceLayout {
+                    problem: SourceProblem::Mapped,
+                    ..
+                }
+            ),
+            "{state}: {e}"
+        );
         assert_eq!(c.ledger(), &ledger, "{state}");
+        assert_eq!(shared::snapshot(&c).await, words, "{state}");
     }
     b.unmap();
     read_buffer_async(&g.device, &g.queue, &b, 4096, 16)

@@ -246,8 +246,8 @@ fn row_strides(shape: &[usize], row: usize) -> Vec<usize> {
 /// Every word of every pool buffer.
 async fn pool_words(c: &PagedCache) -> Vec<Vec<u32>> {
     let mut all = Vec::new();
-    for layer in SLOTTED {
-        for slot in 0..2 {
+    for (layer, spec) in c.spec().layers().iter().enumerate() {
+        for slot in 0..spec.slots.len() {
             all.push(c.read_pool_words_async(layer, slot).await.unwrap());
         }
     }
@@ -1493,7 +1493,7 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
                     .map(|k| HostSlab::f32(&data[k], &shapes[k]))
                     .collect();
                 // Counts that do not add up, an unknown sequence: refused, nothing changed.
-                let before = all.ledger().clone();
+                let (before, words) = (all.ledger().clone(), pool_words(&all).await);
                 let short = [(s0, 2), (s1, 4), (s2, 5)];
                 assert!(matches!(
                     all.append_batch(layer, &short, &slabs).unwrap_err(),
@@ -1510,6 +1510,11 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
                     Error::UnknownSequence { seq: gone }
                 );
                 assert_eq!(all.ledger(), &before);
+                assert_eq!(
+                    pool_words(&all).await,
+                    words,
+                    "{dtype}: a refused batch wrote"
+                );
                 all.append_batch(layer, &batch, &slabs).unwrap();
             } else {
                 let slabs: Vec<GpuSlab> = (0..2)
@@ -1556,10 +1561,7 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
             HostSlab::f32(&big_k, &shapes[0]),
             HostSlab::f32(&big_vv, &shapes[1]),
         ];
-        let (ledger, words) = (
-            all.ledger().clone(),
-            all.read_pool_words_async(0, 0).await.unwrap(),
-        );
+        let (ledger, words) = (all.ledger().clone(), pool_words(&all).await);
         let e = all
             .append_batch(0, &[(s2, 1), (s1, n_big)], &slabs)
             .unwrap_err();
@@ -1572,7 +1574,11 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
             &ledger,
             "{dtype}: a refused batch changed the ledger"
         );
-        assert_eq!(all.read_pool_words_async(0, 0).await.unwrap(), words);
+        assert_eq!(
+            pool_words(&all).await,
+            words,
+            "{dtype}: a refused batch wrote"
+        );
         // A batch whose second sequence would pass the pool's 40 rows: the error names it.
         let n_long = 40 - all.len(s1).unwrap() + 1;
         let shapes: Vec<Vec<usize>> = trailing(0)

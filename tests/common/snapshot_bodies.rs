@@ -303,6 +303,7 @@ pub async fn a_failing_reader_stops_the_import(g: &Gpu) {
     let mut fresh = cache_on(g, spec.clone());
     let mut p = pool(g, spec, 4, 6);
     let before = p.ledger().clone();
+    let (fresh_words, pool_before) = (all_words(&fresh).await, pool_words(&p).await);
     let broken = |e: &Error| {
         matches!(e, Error::Snapshot { problem: SnapshotProblem::Read { reason } }
             if reason == "connection reset")
@@ -315,6 +316,9 @@ pub async fn a_failing_reader_stops_the_import(g: &Gpu) {
         assert!(broken(&e), "{fail_at} of {n} bytes, pool: {e}");
         assert_eq!(p.ledger(), &before, "{fail_at} of {n} bytes");
     }
+    // Nothing the interrupted imports staged reached a slot.
+    assert_eq!(all_words(&fresh).await, fresh_words);
+    assert_eq!(pool_words(&p).await, pool_before);
     assert_eq!(fresh.import_from(reader(usize::MAX)).unwrap(), 20);
     assert_eq!(fresh.snapshot_async().await.unwrap(), bytes);
     let seq = p.import_sequence_from(reader(usize::MAX)).unwrap();
