@@ -654,7 +654,8 @@ fn page_tables_and_copies_the_device_cannot_make_are_refused_and_change_nothing(
 }
 
 /// A fork's first append makes the pool's copy-on-write staging buffer; where the append is then
-/// refused (here: its rows' writes cannot be staged), that buffer goes too.
+/// refused (a host append whose rows' writes cannot be staged, a GPU append from a source it cannot
+/// read), that buffer goes too.
 #[test]
 fn a_refused_copy_on_write_append_keeps_no_new_staging() {
     let _serial = serial();
@@ -701,6 +702,46 @@ fn a_refused_copy_on_write_append_keeps_no_new_staging() {
         allocated_as(&g.device, "kvgpu page staging"),
         Some(0),
         "the refused append kept its staging buffer"
+    );
+    // A GPU append makes the staging buffer before it binds its sources: one whose source cannot
+    // be read (no STORAGE or COPY_SRC usage) lets it go as well, and records nothing.
+    let unreadable = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("unreadable"),
+        size: (w * 4) as u64,
+        usage: wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let slab = GpuSlab {
+        buffer: &unreadable,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &[1, w],
+        strides: None,
+    };
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    let e = pool
+        .record_append_gpu(&mut encoder, child, 0, &[slab])
+        .unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::SourceLayout {
+                problem: SourceProblem::NeedsStorage { .. },
+                ..
+            }
+        ),
+        "{e}"
+    );
+    g.queue.submit([encoder.finish()]);
+    assert_eq!(
+        pool.ledger(),
+        &ledger,
+        "the refused GPU append changed the pool"
+    );
+    assert_eq!(
+        allocated_as(&g.device, "kvgpu page staging"),
+        Some(0),
+        "the refused GPU append kept its staging buffer"
     );
     // With room, it lands, and the staging buffer stays for later copies.
     pool.append(child, 0, &[HostSlab::f32(&rows, &[n, w])])

@@ -1,7 +1,8 @@
 //! Snapshots (`KvCache::export_async` / `import`, `PagedCache::export_sequence_async` /
 //! `import_sequence`): round trips, refusals that change nothing, the same bytes on every backend.
 //! The bodies live in `common/snapshot_bodies.rs`; the browser suite (`tests/web.rs`) runs the same
-//! ones. One test here moves snapshots between a Vulkan and an OpenGL device of one process.
+//! ones. Two tests here are native only: one moves snapshots between a Vulkan and an OpenGL device
+//! of one process, one checks the blocking exports and a header's compatibility check.
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;

@@ -5,14 +5,21 @@
 //! `attention.rs`, `limits.rs`, `safety.rs`, `paged.rs`, `snapshot.rs`, `quant.rs`, `memory.rs`,
 //! `model.rs`), with the same helpers and the one tolerance `shared::TOL`.
 //!
-//! Native only, and why: `hostile.rs` (each case checks that a native call refuses or works
-//! without a wgpu panic; the browser's refusals are the shared bodies' — some of its cases check
-//! kernels against the twins too: a scale or soft-cap at the edge of f32, zeroing on a device
-//! allowing 8 workgroups per dimension), `device.rs` and the foreign-device test of
-//! `attention.rs` (several devices and instances of one adapter), `out_of_memory.rs` (it caps the
-//! process's address space), and `limits.rs`'s slot of exactly the binding limit (128 MiB filled
-//! from the host and read back whole; the shared body of that file, the slot
-//! over the limit, runs here).
+//! Native only, and why:
+//! - `hostile.rs`: each case checks that a native call refuses or works without a wgpu panic (the
+//!   browser's refusals are the shared bodies'). Some of its cases check kernels against the twins
+//!   too: a scale or soft-cap at the edge of f32, zeroing on a device allowing 8 workgroups per
+//!   dimension.
+//! - `device.rs`, `attention.rs`'s foreign-device test and `snapshot.rs`'s move between Vulkan and
+//!   OpenGL: several devices, instances or backends in one process (the browser's own foreign
+//!   buffer and queue tests are below).
+//! - `attention.rs`'s prepare on many threads at once: threads.
+//! - `out_of_memory.rs`: it caps the process's address space.
+//! - `limits.rs`'s slot of exactly the binding limit: 128 MiB filled from the host and read back
+//!   whole (the shared body of that file, the slot over the limit, runs here).
+//! - Native calls or blocking ones: `safety.rs`'s `verify_buffer` over every usage (the browser
+//!   verifies its buffers in the tests below), the accessors of `core.rs`, the blocking exports of
+//!   `snapshot.rs`, and `model.rs`'s property test (its seeded run is here).
 #![cfg(target_arch = "wasm32")]
 
 #[path = "common/shared.rs"]

@@ -377,8 +377,9 @@ impl Attention {
     /// compile a pipeline when it first runs do it now. Each gets the parameters of a decode call
     /// (lavapipe compiles a variant per value of some parameters), but query and output bindings of 16
     /// bytes, too small for them: the bounds check of every kernel whose heads need more fails, and it
-    /// returns before touching memory. Those of a layer small enough to fit (up to 4 heads of up to 4
-    /// elements) may run, and write only this `Attention`'s own scratch and dummy buffer.
+    /// returns before touching memory. Those of a layer small enough to fit (heads times elements at
+    /// most 4: one head of 4, four of 1) may run, and write only this `Attention`'s own scratch and
+    /// dummy buffer.
     fn warm_up(&mut self, cache: &KvCache, runs: &[WarmUp]) {
         // Best effort: a device that cannot make the scratch, the parameter entries or the dummy
         // binding here (each made under the out-of-memory check) refuses the first call instead.

@@ -606,91 +606,89 @@ impl KvCache {
         encoder: &mut wgpu::CommandEncoder,
         jobs: &[HostRows<'_, '_>],
     ) -> Result<bool> {
-        match self.host_rows_bytes(jobs) {
-            0 => return Ok(true),
-            bytes if bytes > self.uploads.size() => return Ok(false),
-            _ => {}
+        if self.host_rows_bytes(jobs) > self.uploads.size() {
+            return Ok(false);
         }
-        let mut blob = std::mem::take(&mut self.upload_bytes);
-        blob.clear();
-        // (layer, slot, byte in the upload, byte in the slot, bytes)
-        let mut copies = Vec::new();
-        for job in jobs {
-            let runs = job.runs.iter().filter(|(_, run)| run.n_rows > 0);
-            for slot in 0..job.rows.slots() {
-                let sb = &self.slots[job.layer][slot];
-                let start = blob.len() as u64;
-                blob.extend_from_slice(sb.rows_bytes(job.rows, slot, &mut self.scratch));
-                for (first, run) in runs.clone() {
-                    let (offset, size) = sb.placement.bytes(run);
-                    let from = start + *first as u64 * sb.placement.row_bytes;
-                    copies.push((job.layer, slot, from, offset, size));
-                }
-            }
-        }
-        let upload = self.uploads.push(&self.queue, UPLOAD, &blob);
-        self.upload_bytes = blob;
-        let upload = upload?;
-        for (layer, slot, from, to, size) in copies {
-            encoder.copy_buffer_to_buffer(
-                &upload.buffer,
-                upload.offset + from,
-                &self.slots[layer][slot].buffer,
-                to,
-                size,
-            );
-        }
+        self.record_host_pieces(encoder, jobs)?;
         Ok(true)
     }
 
-    /// Records `jobs`' rows, however many, as uploads of at most the upload ring's size and one copy
-    /// from each into `encoder`, so that they land in the encoder's order. Every upload is reserved
-    /// first (ring buffers made under the out-of-memory check), and natively the writes' staging is
-    /// checked ([`check_staging`]) before anything is written or recorded: a refusal
-    /// ([`Error::OutOfMemory`]) records nothing.
+    /// Records `jobs`' rows, however many, as uploads of at most the upload ring's size, packed
+    /// (a piece holds the end of one run and the start of the next), each written once and copied
+    /// into place by commands recorded into `encoder`, so that they land in the encoder's order.
+    /// The uploads are reserved first (ring buffers made under the out-of-memory check), and
+    /// natively the writes' staging is checked (above 4 MiB, [`check_staging`]) before and after:
+    /// a refusal ([`Error::OutOfMemory`]) writes and records nothing.
     pub(crate) fn record_host_pieces(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
         jobs: &[HostRows<'_, '_>],
     ) -> Result<()> {
         let piece = self.uploads.size();
-        // (job, slot, byte in the slot's rows, byte in the slot, bytes), each at most `piece`
-        let mut copies = Vec::new();
+        // (job, slot, byte in the slot's rows, byte in the slot, bytes, piece, byte in the piece),
+        // in upload order, cut where a piece ends.
+        let mut segments = Vec::new();
+        let mut pieces: Vec<u64> = Vec::new();
         for (j, job) in jobs.iter().enumerate() {
             for slot in 0..job.rows.slots() {
                 let sb = &self.slots[job.layer][slot];
                 for (first, run) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
-                    let (offset, size) = sb.placement.bytes(run);
-                    let from = *first as u64 * sb.placement.row_bytes;
-                    for at in (0..size).step_by(piece as usize) {
-                        copies.push((j, slot, from + at, offset + at, piece.min(size - at)));
+                    let (mut to, mut left) = sb.placement.bytes(run);
+                    let mut from = *first as u64 * sb.placement.row_bytes;
+                    while left > 0 {
+                        if pieces.last().is_none_or(|&used| used == piece) {
+                            pieces.push(0);
+                        }
+                        let p = pieces.len() - 1;
+                        let take = left.min(piece - pieces[p]);
+                        segments.push((j, slot, from, to, take, p, pieces[p]));
+                        pieces[p] += take;
+                        (from, to, left) = (from + take, to + take, left - take);
                     }
                 }
             }
         }
+        if segments.is_empty() {
+            return Ok(());
+        }
         self.check_host_rows(jobs, HOST_ROWS)?;
-        let uploads = copies
+        let uploads = pieces
             .iter()
-            .map(|&(.., size)| self.uploads.reserve(UPLOAD, size))
+            .map(|&size| self.uploads.reserve(UPLOAD, size))
             .collect::<Result<Vec<_>>>()?;
-        let mut next = copies.iter().zip(&uploads).peekable();
+        // The uploads hold their memory now: the writes' staging must fit beside them.
+        self.check_host_rows(jobs, HOST_ROWS)?;
+        let mut blob = std::mem::take(&mut self.upload_bytes);
+        blob.clear();
+        let mut next = segments.iter().peekable();
+        let mut filling = 0;
         for (j, job) in jobs.iter().enumerate() {
             for slot in 0..job.rows.slots() {
                 let sb = &self.slots[job.layer][slot];
                 let bytes = sb.rows_bytes(job.rows, slot, &mut self.scratch);
-                while let Some((&(_, _, from, to, size), upload)) =
-                    next.next_if(|((cj, cs, ..), _)| (*cj, *cs) == (j, slot))
+                while let Some(&(_, _, from, _, take, p, _)) =
+                    next.next_if(|(sj, ss, ..)| (*sj, *ss) == (j, slot))
                 {
-                    upload.write(&self.queue, &bytes[from as usize..(from + size) as usize]);
-                    encoder.copy_buffer_to_buffer(
-                        &upload.buffer,
-                        upload.offset,
-                        &sb.buffer,
-                        to,
-                        size,
-                    );
+                    if p != filling {
+                        uploads[filling].write(&self.queue, &blob);
+                        blob.clear();
+                        filling = p;
+                    }
+                    blob.extend_from_slice(&bytes[from as usize..(from + take) as usize]);
                 }
             }
+        }
+        uploads[filling].write(&self.queue, &blob);
+        self.upload_bytes = blob;
+        for &(j, slot, _, to, take, p, at) in &segments {
+            let upload = &uploads[p];
+            encoder.copy_buffer_to_buffer(
+                &upload.buffer,
+                upload.offset + at,
+                &self.slots[jobs[j].layer][slot].buffer,
+                to,
+                take,
+            );
         }
         Ok(())
     }

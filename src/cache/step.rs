@@ -16,9 +16,10 @@ impl KvCache {
     /// up in one upload and are copied into place by commands recorded into `encoder`: they land
     /// when that encoder's commands run, after the commands recorded before them (a
     /// [`KvCache::record_truncate_and_scrub`], an attention over the rows they replace). A larger
-    /// step goes up in pieces of that size, each copied by a command of its own, so it lands in
-    /// the same order; its uploads (as many bytes again as the step, checked for memory before
-    /// anything is written) are let go once the encoder's commands have run. Call
+    /// step goes up in pieces of that size, packed end to end and copied by commands of their own,
+    /// so it lands in the same order; its uploads (as many bytes again as the step, rounded up to
+    /// whole 4 MiB buffers, checked for memory before anything is written) are let go once the
+    /// encoder's commands have run. Call
     /// [`KvCache::advance`] afterwards as usual.
     pub fn record_append_layers(
         &mut self,

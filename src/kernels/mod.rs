@@ -467,8 +467,10 @@ impl Kernels {
     }
 
     /// How many attention pipelines (pass 1 and reduce) this registry holds so far. Once
-    /// [`crate::Attention::prepare`] has run for a model, its calls add none: an app can check that
-    /// the first token compiles nothing.
+    /// [`crate::Attention::prepare`] has run for a model, its calls add none, so an app can check
+    /// that the first token compiles nothing; but for calls with a logit soft-cap, which on CPU
+    /// adapters with subgroups take a kernel of their own, and calls over a pool's page tables,
+    /// which [`crate::Attention::prepare_paged`] builds.
     pub fn attention_pipelines(&self) -> usize {
         self.attention.get().map_or(0, |a| {
             a.partial_pipelines.count(|_| true)

@@ -129,7 +129,7 @@ impl std::fmt::Debug for PagedCache {
             .field("n_pages", &self.ledger.n_pages())
             .field("free_pages", &self.ledger.free_pages())
             .field("sequences", &self.ledger.sequences().count())
-            .field("table_rows", &self.row_capacity)
+            .field("table_capacity", &self.row_capacity)
             .finish_non_exhaustive()
     }
 }

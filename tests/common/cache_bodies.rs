@@ -1114,18 +1114,17 @@ pub async fn append_layers_writes_every_layer_in_one_upload(g: &Gpu) {
         c.advance(2).unwrap();
         assert_matches(&c, &m).await;
     }
-    // Steps over the 4 MiB upload ring: 520 rows of 8 KiB (f32), 2,000 of 2,176 bytes (q8_0).
-    // `append_layers` writes one slot by slot. Then, in one encoder, a truncate and scrub of most of
-    // its rows and `record_append_layers` of as many again over them: the step goes up in pieces
-    // copied in the encoder's order (written ahead of the encoder's commands, the scrub recorded
-    // before it would zero them). Then one row more.
-    for (dtype, n) in [(DType::F32, 520), (DType::Q8_0, 2000)] {
-        note!("-- {dtype}, over 4 MiB");
+    // Steps whose every slot takes more than the 4 MiB upload ring: 1,040 rows of 4 KiB (f32),
+    // 3,900 of 1,088 bytes (q8_0). `append_layers` writes one slot by slot. Then, in one encoder, a
+    // truncate and scrub of most of its rows and `record_append_layers` of as many again over
+    // them: the step goes up in pieces of the ring (a slot's rows cut in two, a piece holding the
+    // end of K's and the start of V's) copied in the encoder's order (written ahead of the
+    // encoder's commands, the scrub recorded before it would zero them). Then one row more.
+    for (dtype, n) in [(DType::F32, 1040), (DType::Q8_0, 3900)] {
+        note!("-- {dtype}, over 4 MiB per slot");
         let spec = CacheSpec::uniform(1, LayerSpec::kv(8, 128, 128), dtype, n + 16).unwrap();
-        assert!(
-            n as u64 * spec.bytes_per_token() > 4 << 20,
-            "{dtype}: a step under 4 MiB"
-        );
+        let slot_bytes = n as u64 * spec.row_bytes(0, 0).unwrap();
+        assert!(slot_bytes > 4 << 20, "{dtype}: {slot_bytes} bytes a slot");
         let (mut c, mut m) = (cache_on(g, spec.clone()), CpuCache::new(&spec));
         let rows = step_rows(&spec, &mut m, 0, n, 60);
         let slabs = slabs_of(&rows);

@@ -1775,13 +1775,13 @@ pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
         c.advance(s, 3).unwrap();
         rows.insert(s, [k, v]);
     };
-    // The table's rows, as the pool's `Debug` gives them.
+    // The rows the table holds, as the pool's `Debug` gives them.
     let table_rows = |c: &PagedCache| {
         let debug = format!("{c:?}");
         let at = debug
-            .find("table_rows: ")
-            .expect("table_rows in the Debug output")
-            + 12;
+            .find("table_capacity: ")
+            .expect("table_capacity in the Debug output")
+            + 16;
         debug[at..]
             .split(|ch: char| !ch.is_ascii_digit())
             .next()
