@@ -557,43 +557,54 @@ impl KvCache {
         check_staging(&self.device, what, self.host_rows_bytes(jobs))
     }
 
+    /// Every move of `jobs`' rows, in order: (job, slot, byte in the slot's rows as stored, byte in
+    /// the slot, bytes), one per run of rows and slot.
+    fn host_moves(&self, jobs: &[HostRows<'_, '_>]) -> Vec<(usize, usize, u64, u64, u64)> {
+        let mut moves = Vec::new();
+        for (j, job) in jobs.iter().enumerate() {
+            for (slot, sb) in self.slots[job.layer][..job.rows.slots()].iter().enumerate() {
+                for (first, run) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
+                    let (to, size) = sb.placement.bytes(run);
+                    moves.push((j, slot, *first as u64 * sb.placement.row_bytes, to, size));
+                }
+            }
+        }
+        moves
+    }
+
     /// Bytes `jobs` write into their slots.
     pub(crate) fn host_rows_bytes(&self, jobs: &[HostRows<'_, '_>]) -> u64 {
-        jobs.iter()
-            .map(|job| {
-                let slots = &self.slots[job.layer][..job.rows.slots()];
-                job.runs
-                    .iter()
-                    .map(|(_, run)| {
-                        slots
-                            .iter()
-                            .map(|sb| sb.placement.bytes(run).1)
-                            .sum::<u64>()
-                    })
-                    .sum::<u64>()
-            })
-            .sum()
+        self.host_moves(jobs).iter().map(|m| m.4).sum()
+    }
+
+    /// Calls `each` with every move of [`KvCache::host_moves`] and the bytes of its slot's rows
+    /// as stored (converted once per job and slot).
+    fn for_each_move(
+        &mut self,
+        jobs: &[HostRows<'_, '_>],
+        moves: &[(usize, usize, u64, u64, u64)],
+        mut each: impl FnMut(&wgpu::Queue, &wgpu::Buffer, usize, &[u8]),
+    ) {
+        let mut at = 0;
+        while at < moves.len() {
+            let (j, slot, ..) = moves[at];
+            let sb = &self.slots[jobs[j].layer][slot];
+            let bytes = sb.rows_bytes(jobs[j].rows, slot, &mut self.scratch);
+            while at < moves.len() && (moves[at].0, moves[at].1) == (j, slot) {
+                each(&self.queue, &sb.buffer, at, bytes);
+                at += 1;
+            }
+        }
     }
 
     /// Writes `jobs`' rows into their slots with `Queue::write_buffer` (landing at the next
     /// submission, ahead of its commands).
     pub(crate) fn write_host_rows(&mut self, jobs: &[HostRows<'_, '_>]) {
-        for job in jobs {
-            for slot in 0..job.rows.slots() {
-                let sb = &self.slots[job.layer][slot];
-                if job.runs.iter().all(|(_, run)| run.n_rows == 0) {
-                    continue;
-                }
-                let bytes = sb.rows_bytes(job.rows, slot, &mut self.scratch);
-                let row_bytes = sb.placement.row_bytes as usize;
-                for (first, run) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
-                    let (offset, size) = sb.placement.bytes(run);
-                    let from = first * row_bytes;
-                    self.queue
-                        .write_buffer(&sb.buffer, offset, &bytes[from..from + size as usize]);
-                }
-            }
-        }
+        let moves = self.host_moves(jobs);
+        self.for_each_move(jobs, &moves, |queue, slot, m, bytes| {
+            let (_, _, from, to, size) = moves[m];
+            queue.write_buffer(slot, to, &bytes[from as usize..(from + size) as usize]);
+        });
     }
 
     /// Records `jobs`' rows as one upload and one copy per run and slot into `encoder`, where they
@@ -625,62 +636,52 @@ impl KvCache {
         jobs: &[HostRows<'_, '_>],
     ) -> Result<()> {
         let piece = self.uploads.size();
-        // (job, slot, byte in the slot's rows, byte in the slot, bytes, piece, byte in the piece),
-        // in upload order, cut where a piece ends.
+        let moves = self.host_moves(jobs);
+        // (move, byte in its rows, byte in the slot, bytes, piece, byte in the piece), in upload
+        // order, cut where a piece ends.
         let mut segments = Vec::new();
         let mut pieces: Vec<u64> = Vec::new();
-        for (j, job) in jobs.iter().enumerate() {
-            for slot in 0..job.rows.slots() {
-                let sb = &self.slots[job.layer][slot];
-                for (first, run) in job.runs.iter().filter(|(_, run)| run.n_rows > 0) {
-                    let (mut to, mut left) = sb.placement.bytes(run);
-                    let mut from = *first as u64 * sb.placement.row_bytes;
-                    while left > 0 {
-                        if pieces.last().is_none_or(|&used| used == piece) {
-                            pieces.push(0);
-                        }
-                        let p = pieces.len() - 1;
-                        let take = left.min(piece - pieces[p]);
-                        segments.push((j, slot, from, to, take, p, pieces[p]));
-                        pieces[p] += take;
-                        (from, to, left) = (from + take, to + take, left - take);
-                    }
+        for (m, &(.., mut from, mut to, mut left)) in moves.iter().enumerate() {
+            while left > 0 {
+                if pieces.last().is_none_or(|&used| used == piece) {
+                    pieces.push(0);
                 }
+                let p = pieces.len() - 1;
+                let take = left.min(piece - pieces[p]);
+                segments.push((m, from, to, take, p, pieces[p]));
+                pieces[p] += take;
+                (from, to, left) = (from + take, to + take, left - take);
             }
         }
         if segments.is_empty() {
             return Ok(());
         }
-        self.check_host_rows(jobs, HOST_ROWS)?;
+        let total = pieces.iter().sum();
+        check_staging(&self.device, HOST_ROWS, total)?;
         let uploads = pieces
             .iter()
             .map(|&size| self.uploads.reserve(UPLOAD, size))
             .collect::<Result<Vec<_>>>()?;
         // The uploads hold their memory now: the writes' staging must fit beside them.
-        self.check_host_rows(jobs, HOST_ROWS)?;
+        check_staging(&self.device, HOST_ROWS, total)?;
         let mut blob = std::mem::take(&mut self.upload_bytes);
         blob.clear();
         let mut next = segments.iter().peekable();
         let mut filling = 0;
-        for (j, job) in jobs.iter().enumerate() {
-            for slot in 0..job.rows.slots() {
-                let sb = &self.slots[job.layer][slot];
-                let bytes = sb.rows_bytes(job.rows, slot, &mut self.scratch);
-                while let Some(&(_, _, from, _, take, p, _)) =
-                    next.next_if(|(sj, ss, ..)| (*sj, *ss) == (j, slot))
-                {
-                    if p != filling {
-                        uploads[filling].write(&self.queue, &blob);
-                        blob.clear();
-                        filling = p;
-                    }
-                    blob.extend_from_slice(&bytes[from as usize..(from + take) as usize]);
+        self.for_each_move(jobs, &moves, |queue, _, m, bytes| {
+            while let Some(&(_, from, _, take, p, _)) = next.next_if(|s| s.0 == m) {
+                if p != filling {
+                    uploads[filling].write(queue, &blob);
+                    blob.clear();
+                    filling = p;
                 }
+                blob.extend_from_slice(&bytes[from as usize..(from + take) as usize]);
             }
-        }
+        });
         uploads[filling].write(&self.queue, &blob);
         self.upload_bytes = blob;
-        for &(j, slot, _, to, take, p, at) in &segments {
+        for &(m, _, to, take, p, at) in &segments {
+            let (j, slot, ..) = moves[m];
             let upload = &uploads[p];
             encoder.copy_buffer_to_buffer(
                 &upload.buffer,
