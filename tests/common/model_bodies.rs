@@ -99,6 +99,17 @@ pub async fn random_operations_match_the_model(g: &Gpu, dtype: DType, ops: &[Op]
                     && (!m.slotted[layer] || m.len + m.pending[layer] + n <= CAPACITY);
                 let got = c.append(layer, &slabs);
                 assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
+                // A refusal names what was wrong: the layer, then slot 1's shape, then room.
+                if let Err(e) = &got {
+                    let named = match e {
+                        Error::LayerOutOfRange { .. } => layer >= 3,
+                        Error::RowCountMismatch { slot: 1, .. } => bad == 1,
+                        Error::SlabShape { slot: 1, .. } => bad == 2,
+                        Error::CapacityExceeded { .. } => layer < 3 && m.slotted[layer],
+                        _ => false,
+                    };
+                    assert!(named, "{op:?} -> {e}");
+                }
                 if valid {
                     for (slot, d) in data.iter().enumerate() {
                         let bits: Vec<u32> = d
@@ -161,6 +172,9 @@ pub async fn random_operations_match_the_model(g: &Gpu, dtype: DType, ops: &[Op]
                 let valid = !m.slotted[layer] || m.len + m.pending[layer] + n <= CAPACITY;
                 let got = c.append_gpu(layer, &slabs);
                 assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
+                if let Err(e) = &got {
+                    assert!(matches!(e, Error::CapacityExceeded { .. }), "{op:?} -> {e}");
+                }
                 if valid {
                     for (slot, (s, st)) in shapes.iter().zip(&strides).enumerate() {
                         let bits: Vec<u32> = reference::gather_strided(&src, 1, s, st)
@@ -177,6 +191,9 @@ pub async fn random_operations_match_the_model(g: &Gpu, dtype: DType, ops: &[Op]
                 let valid = (0..3).all(|l| !m.slotted[l] || m.pending[l] == n);
                 let got = c.advance(n);
                 assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
+                if let Err(e) = &got {
+                    assert!(matches!(e, Error::UnevenAdvance { .. }), "{op:?} -> {e}");
+                }
                 if valid {
                     m.len += n;
                     m.pending = vec![0; 3];
@@ -190,6 +207,12 @@ pub async fn random_operations_match_the_model(g: &Gpu, dtype: DType, ops: &[Op]
                     c.truncate(new_len)
                 };
                 assert_eq!(got.is_ok(), valid, "{:?} -> {:?}", op, got);
+                if let Err(e) = &got {
+                    assert!(
+                        matches!(e, Error::TruncateBeyondLength { .. }),
+                        "{op:?} -> {e}"
+                    );
+                }
                 if valid {
                     if scrub {
                         for l in (0..3).filter(|&l| m.slotted[l]) {
