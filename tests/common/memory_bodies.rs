@@ -44,19 +44,22 @@ impl Residency {
 
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn live(&self) -> isize {
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .unwrap();
-        self.device.get_internal_counters().hal.buffers.read()
+        self.counters().buffers.read()
     }
 
     /// Natively, the bytes of every live buffer of the device (after the same poll).
     #[cfg(not(target_arch = "wasm32"))]
     pub async fn live_bytes(&self) -> isize {
+        self.counters().buffer_memory.read()
+    }
+
+    /// The device's counters after a poll that frees what nothing references.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn counters(&self) -> wgpu::wgt::HalCounters {
         self.device
             .poll(wgpu::PollType::wait_indefinitely())
             .unwrap();
-        self.device.get_internal_counters().hal.buffer_memory.read()
+        self.device.get_internal_counters().hal
     }
 
     #[cfg(target_arch = "wasm32")]
