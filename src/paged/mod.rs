@@ -13,8 +13,9 @@
 //! command submitted before it. A recorded GPU append into a shared page records its copy, and the
 //! page is then left to its other holders, whose host appends write into it at the next submission:
 //! submit an encoder holding GPU appends before host appends to any sequence that shared a page with
-//! the ones it appends to (a parent and its forks, or two forks of one parent). The table entries a recorded GPU append changes are copied into the table
-//! by a command recorded with it, so they change where the append stands in its encoder: an
+//! the ones it appends to (a parent and its forks, or two forks of one parent). The table entries a
+//! recorded GPU append changes are copied into the table by a command recorded with it, so they
+//! change where the append stands in its encoder: an
 //! attention recorded before the append reads the pages it was recorded against, one recorded after
 //! it the append's (a host append's entries, like its rows, land ahead of the next submission).
 //! The pages and the table row that `remove` or `truncate` frees go to the next sequence that takes
@@ -556,8 +557,9 @@ impl PagedCache {
     /// The buffer each private copy of `plans` passes through (one page of the widest slot), where
     /// any plan copies a shared page. Made at the pool's first copy, under the out-of-memory check:
     /// before anything is recorded, so that a device that cannot hold it refuses the append
-    /// ([`Error::OutOfMemory`]) with nothing changed.
-    fn page_staging(&mut self, plans: &[PagedPlan]) -> Result<Option<wgpu::Buffer>> {
+    /// ([`Error::OutOfMemory`]) with nothing changed. The pool keeps a new one only once the append
+    /// that made it succeeds ([`PagedCache::keep_staging`]): a refused append keeps no new memory.
+    fn page_staging(&self, plans: &[PagedPlan]) -> Result<Option<wgpu::Buffer>> {
         if plans.iter().all(|p| p.copies.is_empty()) {
             return Ok(None);
         }
@@ -575,8 +577,14 @@ impl PagedCache {
                     mapped_at_creation: false,
                 })
             })?;
-        self.staging = Some(staging.clone());
         Ok(Some(staging))
+    }
+
+    /// Keeps the staging buffer [`PagedCache::page_staging`] gave an append that succeeded.
+    fn keep_staging(&mut self, staging: Option<wgpu::Buffer>) {
+        if staging.is_some() {
+            self.staging = staging;
+        }
     }
 
     /// Writes checked host slabs as `plans` say and commits the plans. Each plan's private copies
@@ -592,32 +600,13 @@ impl PagedCache {
         slabs: &[HostSlab<'_>],
         plans: &[PagedPlan],
     ) -> Result<()> {
-        self.keeping_no_new_staging(|pool| pool.write_host_checked(layer, slabs, plans))
-    }
-
-    /// Runs `f`; where it is refused, a copy-on-write staging buffer it made is let go, so that a
-    /// refused append keeps no new memory.
-    fn keeping_no_new_staging(&mut self, f: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
-        let had = self.staging.is_some();
-        let done = f(self);
-        if done.is_err() && !had {
-            self.staging = None;
-        }
-        done
-    }
-
-    fn write_host_checked(
-        &mut self,
-        layer: usize,
-        slabs: &[HostSlab<'_>],
-        plans: &[PagedPlan],
-    ) -> Result<()> {
         let runs = moving_runs(plans);
         let mut encoder = None;
-        if let Some(staging) = self.page_staging(plans)? {
+        let staging = self.page_staging(plans)?;
+        if let Some(staging) = &staging {
             let encoder = encoder.insert(self.encoder("kvgpu page copy"));
             for plan in plans {
-                self.record_copies(encoder, &staging, &plan.copies);
+                self.record_copies(encoder, staging, &plan.copies);
             }
         }
         // (scatter, upload once and copy run by run): on a CPU adapter a dispatch costs about a
@@ -659,6 +648,7 @@ impl PagedCache {
         for plan in plans {
             self.commit(plan, None);
         }
+        self.keep_staging(staging);
         Ok(())
     }
 
@@ -725,21 +715,6 @@ impl PagedCache {
         plans: &[PagedPlan],
     ) -> Result<()> {
         self.check_usable(layer, plans)?;
-        self.keeping_no_new_staging(|pool| {
-            pool.record_gpu_checked(encoder, layer, slabs, rows, plans)
-        })
-    }
-
-    /// [`PagedCache::record_gpu`] once the slots are known usable. The copy-on-write staging comes
-    /// first, and every fallible step before anything is recorded.
-    fn record_gpu_checked(
-        &mut self,
-        encoder: &mut wgpu::CommandEncoder,
-        layer: usize,
-        slabs: &[GpuSlab<'_>],
-        rows: usize,
-        plans: &[PagedPlan],
-    ) -> Result<()> {
         let staging = self.page_staging(plans)?;
         let runs = moving_runs(plans);
         let copy_runs = if self.kernels().is_cpu() {
@@ -764,9 +739,9 @@ impl PagedCache {
             None => self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?,
         };
         let tables = self.table_uploads(plans)?;
-        if let Some(staging) = staging {
+        if let Some(staging) = &staging {
             for plan in plans {
-                self.record_copies(encoder, &staging, &plan.copies);
+                self.record_copies(encoder, staging, &plan.copies);
             }
         }
         match scatters {
@@ -776,6 +751,7 @@ impl PagedCache {
         for (plan, table) in plans.iter().zip(tables) {
             self.commit(plan, Some((&mut *encoder, table)));
         }
+        self.keep_staging(staging);
         Ok(())
     }
 
