@@ -617,10 +617,11 @@ impl KvCache {
         encoder: &mut wgpu::CommandEncoder,
         jobs: &[HostRows<'_, '_>],
     ) -> Result<bool> {
-        if self.host_rows_bytes(jobs) > self.uploads.size() {
+        let moves = self.host_moves(jobs);
+        if moves.iter().map(|m| m.4).sum::<u64>() > self.uploads.size() {
             return Ok(false);
         }
-        self.record_host_pieces(encoder, jobs)?;
+        self.record_moves(encoder, jobs, &moves)?;
         Ok(true)
     }
 
@@ -635,8 +636,18 @@ impl KvCache {
         encoder: &mut wgpu::CommandEncoder,
         jobs: &[HostRows<'_, '_>],
     ) -> Result<()> {
-        let piece = self.uploads.size();
         let moves = self.host_moves(jobs);
+        self.record_moves(encoder, jobs, &moves)
+    }
+
+    /// [`KvCache::record_host_pieces`] of `moves`, the [`KvCache::host_moves`] of `jobs`.
+    fn record_moves(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        jobs: &[HostRows<'_, '_>],
+        moves: &[(usize, usize, u64, u64, u64)],
+    ) -> Result<()> {
+        let piece = self.uploads.size();
         // (move, byte in its rows, byte in the slot, bytes, piece, byte in the piece), in upload
         // order, cut where a piece ends.
         let mut segments = Vec::new();
@@ -668,7 +679,7 @@ impl KvCache {
         blob.clear();
         let mut next = segments.iter().peekable();
         let mut filling = 0;
-        self.for_each_move(jobs, &moves, |queue, _, m, bytes| {
+        self.for_each_move(jobs, moves, |queue, _, m, bytes| {
             while let Some(&(_, from, _, take, p, _)) = next.next_if(|s| s.0 == m) {
                 if p != filling {
                     uploads[filling].write(queue, &blob);

@@ -47,13 +47,13 @@ impl KvCache {
             .flatten()
             .map(|p| HostRows::of_plan(p, Rows::Slabs(slabs[p.layer])))
             .collect();
-        if !self.record_host_copies(encoder, &jobs)? {
-            if in_order {
-                self.record_host_pieces(encoder, &jobs)?;
-            } else {
-                self.check_host_rows(&jobs, HOST_ROWS)?;
-                self.write_host_rows(&jobs);
-            }
+        // In order: one upload, or pieces of the ring, copied in the encoder. Otherwise a step
+        // over one upload is written slot by slot.
+        if in_order {
+            self.record_host_pieces(encoder, &jobs)?;
+        } else if !self.record_host_copies(encoder, &jobs)? {
+            self.check_host_rows(&jobs, HOST_ROWS)?;
+            self.write_host_rows(&jobs);
         }
         for plan in plans.into_iter().flatten() {
             self.ledger.commit_append(plan);
