@@ -1294,26 +1294,9 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
                 append_random(&mut c, l, 5, 300 + l as u64);
             }
             c.advance(5).unwrap();
-            let (q, qb) = {
-                let q = values(310, 4 * 128);
-                let qb = f32_buffer(&g.device, &q).await;
-                (q, qb)
-            };
-            let out = output(&g.device, 4 * 64).await;
-            let options = AttentionOptions::default();
-            att.gqa(&c, 0, Queries::new(&qb, 1, 4, 128), &out, &options)
-                .unwrap();
-            let want = reference::attention_gqa(
-                &q,
-                [1, 4, 128],
-                &c.read_f32_async(0, 0).await.unwrap(),
-                &c.read_f32_async(0, 1).await.unwrap(),
-                2,
-                64,
-                &options,
-            );
             let what = format!("{types:?} {kernel:?} after prepare");
-            assert_close(&read_f32(g, &out).await, &want, &what);
+            one_gqa_query(g, &mut att, &c, 0, [128, 64], 310, &what).await;
+            let options = AttentionOptions::default();
             // MLA (layer 2) and the odd GQA layer 3, where there is one.
             let (ql, qr) = (values(311, 4 * 32), values(312, 4 * 8));
             let (qlb, qrb) = (
@@ -1337,21 +1320,8 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             );
             assert_close(&read_f32(g, &out).await, &want, &format!("MLA, {what}"));
             if n_layers == 4 {
-                let q = values(313, 4 * 33);
-                let qb = f32_buffer(&g.device, &q).await;
-                let out = output(&g.device, 4 * 17).await;
-                att.gqa(&c, 3, Queries::new(&qb, 1, 4, 33), &out, &options)
-                    .unwrap();
-                let want = reference::attention_gqa(
-                    &q,
-                    [1, 4, 33],
-                    &c.read_f32_async(3, 0).await.unwrap(),
-                    &c.read_f32_async(3, 1).await.unwrap(),
-                    2,
-                    17,
-                    &options,
-                );
-                assert_close(&read_f32(g, &out).await, &want, &format!("odd, {what}"));
+                let what = format!("odd, {what}");
+                one_gqa_query(g, &mut att, &c, 3, [33, 17], 313, &what).await;
             }
             // Nothing new was needed for those calls.
             if fresh {
@@ -1360,6 +1330,35 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
         }
     }
 }
+/// One query of 4 heads over GQA layer `layer` of `c` (2 KV heads of `d_k` / `d_v` elements),
+/// against the twin over its read-back.
+async fn one_gqa_query(
+    g: &Gpu,
+    att: &mut Attention,
+    c: &KvCache,
+    layer: usize,
+    [d_k, d_v]: [usize; 2],
+    seed: u64,
+    what: &str,
+) {
+    let q = values(seed, 4 * d_k);
+    let qb = f32_buffer(&g.device, &q).await;
+    let out = output(&g.device, 4 * d_v).await;
+    let options = AttentionOptions::default();
+    att.gqa(c, layer, Queries::new(&qb, 1, 4, d_k), &out, &options)
+        .unwrap();
+    let want = reference::attention_gqa(
+        &q,
+        [1, 4, d_k],
+        &c.read_f32_async(layer, 0).await.unwrap(),
+        &c.read_f32_async(layer, 1).await.unwrap(),
+        2,
+        d_v,
+        &options,
+    );
+    assert_close(&read_f32(g, &out).await, &want, what);
+}
+
 /// Element `(i, h, e)` of a view at `offset` along `strides`.
 fn view_at(offset: usize, strides: [usize; 3], i: usize, h: usize, e: usize) -> usize {
     offset + i * strides[0] + h * strides[1] + e * strides[2]
