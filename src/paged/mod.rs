@@ -380,17 +380,37 @@ impl PagedCache {
             .map(|(seq, ())| seq)
     }
 
-    /// A sequence the ledger makes with `make`, given a table row of its own (taken first, and given
-    /// back when the ledger refuses) that holds its pages. The last sequence id is refused before
+    /// Runs `open` with a table row for a new sequence ([`PagedCache::take_table_row`]). When `open`
+    /// refuses, the row goes back, and a table grown for it is let go for the old one: a refusal
+    /// keeps no new memory. A row past the old table is not put among the free ones (the next
+    /// sequence takes it again, and grows the table then).
+    fn with_table_row<T>(&mut self, open: impl FnOnce(&mut Self, usize) -> Result<T>) -> Result<T> {
+        let (table, capacity) = (self.table.clone(), self.row_capacity);
+        let row = self.take_table_row()?;
+        open(self, row).inspect_err(|_| {
+            if self.row_capacity == capacity {
+                self.free_rows.push(row);
+            } else {
+                self.store.set_page_table(table.clone());
+                self.table = table;
+                self.row_capacity = capacity;
+            }
+        })
+    }
+
+    /// A sequence the ledger makes with `make`, given a table row of its own
+    /// ([`PagedCache::with_table_row`]) that holds its pages. The last sequence id is refused before
     /// the row is taken, so that a refusal does not grow the page table.
     fn open_sequence<T>(
         &mut self,
         make: impl FnOnce(&mut PageLedger) -> Result<(SeqId, T)>,
     ) -> Result<(SeqId, T)> {
         self.ledger.check_add()?;
-        let row = self.take_table_row()?;
-        let (seq, made) = make(&mut self.ledger).inspect_err(|_| self.free_rows.push(row))?;
-        self.table_rows.insert(seq, row);
+        let (seq, made) = self.with_table_row(|pool, row| {
+            let (seq, made) = make(&mut pool.ledger)?;
+            pool.table_rows.insert(seq, row);
+            Ok((seq, made))
+        })?;
         self.write_table(seq, 0, None);
         Ok((seq, made))
     }

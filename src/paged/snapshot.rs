@@ -89,31 +89,17 @@ impl PagedCache {
             .collect();
         // The table row and the staging are checked before a row is taken, which may grow the
         // table, so a refusal leaves the table as it was. A table that grew took memory: the
-        // staging is checked again. Where the rows still cannot be written, nothing is committed:
-        // the table row goes back, and a grown table is let go for the old one.
+        // staging is checked again. Where the rows still cannot be written, nothing is committed,
+        // and the row and the table go back ([`PagedCache::with_table_row`]).
         self.check_table_row()?;
         self.store.check_snapshot_rows(&jobs)?;
-        let (table, capacity) = (self.table.clone(), self.row_capacity);
-        let row = self.take_table_row()?;
-        let written = if self.row_capacity == capacity {
-            self.store.write_snapshot_rows(&jobs)
-        } else {
-            self.store
-                .check_snapshot_rows(&jobs)
-                .and_then(|()| self.store.write_snapshot_rows(&jobs))
-        };
-        if let Err(e) = written {
-            if self.row_capacity == capacity {
-                self.free_rows.push(row);
-            } else {
-                // The row was the first past the old table (none was free): the next sequence
-                // takes it again, and grows the table then.
-                self.store.set_page_table(table.clone());
-                self.table = table;
-                self.row_capacity = capacity;
+        let capacity = self.row_capacity;
+        let row = self.with_table_row(|pool, row| {
+            if pool.row_capacity != capacity {
+                pool.store.check_snapshot_rows(&jobs)?;
             }
-            return Err(e);
-        }
+            pool.store.write_snapshot_rows(&jobs).map(|()| row)
+        })?;
         Ok(self.commit_import(plan, row))
     }
 
