@@ -36,6 +36,10 @@ impl<'a> HostSlab<'a> {
 /// element `offset + Σ i_k · strides[k]` of `buffer`, of type `dtype` (16-bit types packed two per word,
 /// low half first). `strides: None` means row-major contiguous.
 ///
+/// A slab of no rows (or with an axis of extent 0) moves nothing: its buffer is not read, so its size,
+/// usage and device are not checked. A buffer that is mapped, destroyed or the destination slot is
+/// refused all the same.
+///
 /// K out of a fused QKV output `[n_tokens, q_dim + 2·kv_dim]` with `kv_dim = heads · dim`:
 /// `offset: q_dim`, `shape: [n_tokens, heads, dim]`, `strides: [q_dim + 2·kv_dim, dim, 1]`.
 #[derive(Clone, Copy, Debug)]
