@@ -375,11 +375,10 @@ impl Attention {
 
     /// Submits one dispatch of each pass-1 pipeline and of the reduce pass, so that drivers that
     /// compile a pipeline when it first runs do it now. Each gets the parameters of a decode call
-    /// (lavapipe compiles a variant per value of some parameters), but query and output bindings of 16
-    /// bytes, too small for them: the bounds check of every kernel whose heads need more fails, and it
-    /// returns before touching memory. Those of a layer small enough to fit (heads times elements at
-    /// most 4: one head of 4, four of 1) may run, and write only this `Attention`'s own scratch and
-    /// dummy buffer.
+    /// (lavapipe compiles a variant per value of some parameters), but with its query and output
+    /// views starting past any binding (`u32::MAX`): every kernel's bounds check fails, and it returns
+    /// before touching memory. (Zero strides alone would not do: every element of such a view is
+    /// element 0, which fits the 16-byte bindings, and a kernel would run its whole pass.)
     fn warm_up(&mut self, cache: &KvCache, runs: &[WarmUp]) {
         // Best effort: a device that cannot make the scratch, the parameter entries or the dummy
         // binding here (each made under the out-of-memory check) refuses the first call instead.
@@ -425,7 +424,14 @@ impl Attention {
             [&scratch.stats, &scratch.part, &dummy, &dummy],
             3,
         );
-        let all: Vec<_> = runs.iter().map(|r| r.2).collect();
+        let all: Vec<_> = runs
+            .iter()
+            .map(|r| crate::kernels::AttnParams {
+                view_a: [u32::MAX, 0, 0, 0],
+                view_out: [u32::MAX, 0, 0, 0],
+                ..r.2
+            })
+            .collect();
         let params = self.ring.push_all(&self.queue, &all);
         let mut encoder = self.encoder();
         {
