@@ -780,8 +780,9 @@ pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
 }
 
 /// Runs `f` inside a validation error scope of `device` and returns what it made, with the error wgpu
-/// reported during it, if any. Native wgpu resolves the scope at once; in the browser it resolves later,
-/// so there nothing is reported here and a refused object surfaces as a wgpu error instead.
+/// reported during it, if any. Native wgpu resolves the scope at once. In the browser a scope resolves
+/// only in a later task, and a scope dropped unanswered would swallow the error: there no scope is
+/// pushed, nothing is reported here, and a refused object surfaces as the device's uncaptured error.
 pub(crate) fn scoped<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Option<String>) {
     scoped_to(device, wgpu::ErrorFilter::Validation, f)
 }
@@ -804,6 +805,9 @@ fn scoped_to<T>(
     filter: wgpu::ErrorFilter,
     f: impl FnOnce() -> T,
 ) -> (T, Option<String>) {
+    if cfg!(target_arch = "wasm32") {
+        return (f(), None);
+    }
     let scope = device.push_error_scope(filter);
     let made = f();
     let error = poll_now(scope.pop()).flatten().map(|e| e.to_string());
@@ -812,18 +816,14 @@ fn scoped_to<T>(
 
 /// Runs `f`, which creates `bytes` bytes of buffers for `what`, inside an out-of-memory error scope:
 /// [`Error::OutOfMemory`] where the device could not allocate them (the buffers `f` made are then
-/// dropped, before anything uses them). Native wgpu resolves the scope at once. In the browser it
-/// resolves only in a later task, and a scope dropped unanswered would swallow the error: there no
-/// scope is pushed, so WebGPU reports a refused allocation itself (the device's uncaptured error).
+/// dropped, before anything uses them). In the browser no scope is pushed ([`scoped`]), so WebGPU
+/// reports a refused allocation itself (the device's uncaptured error).
 pub(crate) fn allocated<T>(
     device: &wgpu::Device,
     what: &str,
     bytes: u64,
     f: impl FnOnce() -> T,
 ) -> crate::Result<T> {
-    if cfg!(target_arch = "wasm32") {
-        return Ok(f());
-    }
     match scoped_to(device, wgpu::ErrorFilter::OutOfMemory, f) {
         (made, None) => Ok(made),
         (_, Some(reason)) => Err(Error::OutOfMemory {
