@@ -263,7 +263,17 @@ pub(crate) async fn read_range(
     offset: u64,
     size: u64,
 ) -> std::result::Result<Vec<u8>, String> {
-    match Readback::start(device, queue, buffer, &[(offset, size)]).await? {
+    read_ranges(device, queue, buffer, &[(offset, size)]).await
+}
+
+/// The bytes of checked ranges `(offset, size)` of `buffer`, one after the other, in one readback.
+pub(crate) async fn read_ranges(
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    buffer: &wgpu::Buffer,
+    ranges: &[(u64, u64)],
+) -> std::result::Result<Vec<u8>, String> {
+    match Readback::start(device, queue, buffer, ranges).await? {
         Some(readback) => readback.finish(device, <[u8]>::to_vec).await,
         None => Ok(Vec::new()),
     }

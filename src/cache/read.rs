@@ -4,7 +4,7 @@ use std::sync::atomic::Ordering;
 
 use super::{KvCache, SlotView};
 use crate::codec::decode_scaled_rows;
-use crate::device::read_range;
+use crate::device::read_ranges;
 use crate::error::{Error, Result};
 
 impl KvCache {
@@ -51,20 +51,27 @@ impl KvCache {
 
     async fn read_bytes(&self, layer: usize, slot: usize, full: bool) -> Result<Vec<u8>> {
         let view = self.slot_view(layer, slot, full)?;
+        self.read_ranges(layer, slot, &[(view.offset, view.size)])
+            .await
+    }
+
+    /// Byte ranges `(offset, size)` of a slot buffer, one after the other, in one readback (a paged
+    /// sequence's rows, page by page). Each range lies inside the slot buffer.
+    pub(crate) async fn read_ranges(
+        &self,
+        layer: usize,
+        slot: usize,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<u8>> {
+        let buffer = &self.slot_buffer(layer, slot)?.buffer;
         self.check_slot_usable(layer, slot)?;
-        read_range(
-            &self.device,
-            &self.queue,
-            view.buffer,
-            view.offset,
-            view.size,
-        )
-        .await
-        .map_err(|reason| Error::Readback {
-            layer,
-            slot,
-            reason,
-        })
+        read_ranges(&self.device, &self.queue, buffer, ranges)
+            .await
+            .map_err(|reason| Error::Readback {
+                layer,
+                slot,
+                reason,
+            })
     }
 
     /// The visible rows of a slot as stored: 32-bit words, 16-bit types packed, rows padded.

@@ -799,7 +799,8 @@ impl PagedCache {
         self.store.read_full_words_async(layer, slot).await
     }
 
-    /// The visible rows of `seq` in a slot as stored words, gathered through its page table.
+    /// The visible rows of `seq` in a slot as stored words, gathered through its page table: one
+    /// readback of its pages' rows (not of the pool).
     pub async fn read_words_async(
         &self,
         seq: SeqId,
@@ -807,16 +808,18 @@ impl PagedCache {
         slot: usize,
     ) -> Result<Vec<u32>> {
         let visible = self.ledger.visible(seq, layer)?;
-        let row_words = (self.spec.row_bytes(layer, slot)? / 4) as usize;
-        let pool = self.read_pool_words_async(layer, slot).await?;
+        let row_bytes = self.spec.row_bytes(layer, slot)?;
         let pages = self.ledger.pages(seq)?;
         let p = self.page_size();
-        let mut words = Vec::with_capacity(visible * row_words);
-        for row in 0..visible {
-            let at = (pages[row / p] as usize * p + row % p) * row_words;
-            words.extend_from_slice(&pool[at..at + row_words]);
-        }
-        Ok(words)
+        let ranges: Vec<(u64, u64)> = (0..visible.div_ceil(p))
+            .map(|i| {
+                let rows = (visible - i * p).min(p) as u64;
+                (pages[i] as u64 * p as u64 * row_bytes, rows * row_bytes)
+            })
+            .collect();
+        Ok(bytemuck::pod_collect_to_vec(
+            &self.store.read_ranges(layer, slot, &ranges).await?,
+        ))
     }
 
     /// The visible rows of `seq` in a slot as f32, `[visible, ...trailing]` row-major.
