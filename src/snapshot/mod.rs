@@ -26,6 +26,11 @@ pub const SNAPSHOT_VERSION: u32 = 2;
 /// Magic, version and header length: the bytes before the header.
 const PREFIX: usize = 16;
 
+/// The longest header kvgpu writes or reads (real headers take a few dozen bytes per slot). A
+/// longer one is refused from its length field, before it is read: a stream does not buffer it,
+/// and the parser does not build a spec of millions of layers from it.
+pub(crate) const MAX_HEADER: u64 = 16 << 20;
+
 /// What a snapshot's header says: the source's spec, its committed rows and page size.
 ///
 /// # Format, version 2
@@ -35,7 +40,7 @@ const PREFIX: usize = 16;
 /// |---|---|
 /// | 8 | magic `KVGPUSNP` |
 /// | 4 | format version (`u32`, 2) |
-/// | 4 | header length `h` (`u32`): the bytes of the header that follow |
+/// | 4 | header length `h` (`u32`, at most 16 MiB): the bytes of the header that follow |
 /// | `h` | header (below) |
 /// | 4 | CRC-32 of every byte before it (magic to header) |
 /// | ... | rows: for each layer, for each of its slots, `len` rows exactly as stored |
@@ -57,7 +62,8 @@ const PREFIX: usize = 16;
 /// version, the header's length and checksum, the header itself, the total length, the checksum of
 /// the whole, then compatibility with the destination — so a truncated snapshot is
 /// [`SnapshotProblem::Truncated`] wherever it is cut, and a flipped bit is a bad magic, another
-/// version, a failed checksum, or (in the header's length) a snapshot too short for its header.
+/// version, a failed checksum, or (in the header's length) a snapshot too short for its header or a
+/// header over 16 MiB ([`SnapshotProblem::MalformedHeader`], refused before it is read).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SnapshotHeader {
     /// Layers, slot names and trailing shapes, storage type and `max_seq_len` of the source.
@@ -214,6 +220,16 @@ impl<'w, W: Write + ?Sized> SnapshotWriter<'w, W> {
             written: 0,
         };
         let mut header = encode_header(spec, len, page_size);
+        let body = (header.len() - PREFIX) as u64;
+        if body > MAX_HEADER {
+            return Err(Error::Snapshot {
+                problem: SnapshotProblem::Write {
+                    reason: format!(
+                        "its header of {body} bytes is more than a snapshot holds ({MAX_HEADER})"
+                    ),
+                },
+            });
+        }
         let crc = crc32(&header);
         header.extend_from_slice(&crc.to_le_bytes());
         w.put(&header)?;
@@ -324,6 +340,11 @@ fn parse_header(bytes: &[u8]) -> Result<(SnapshotHeader, usize)> {
         });
     }
     let body_len = u32_at(bytes, 12) as u64;
+    if body_len > MAX_HEADER {
+        return Err(malformed(format!(
+            "a header of {body_len} bytes is more than a snapshot holds ({MAX_HEADER})"
+        )));
+    }
     let needed = PREFIX as u64 + body_len + 4;
     if got < needed {
         return problem(SnapshotProblem::Truncated { needed, got });
@@ -576,6 +597,32 @@ mod tests {
     }
 
     #[test]
+    fn a_header_over_16_mib_is_neither_written_nor_read() {
+        let name = "k".repeat(MAX_HEADER as usize);
+        let layer = LayerSpec::new(vec![SlotSpec::new(name, &[4])]);
+        let spec = CacheSpec::new(vec![layer], DType::F32, 2).unwrap();
+        let mut out = Vec::new();
+        let e = SnapshotWriter::new(&mut out, &spec, 0, 0).err().unwrap();
+        assert!(
+            matches!(&e, Error::Snapshot { problem: SnapshotProblem::Write { reason } }
+                if reason.contains("more than a snapshot holds")),
+            "{e}"
+        );
+        assert!(out.is_empty());
+        // The header it would have written, checksummed, is refused from its length field.
+        let mut bytes = encode_header(&spec, 0, 0);
+        let crc = crc32(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        for bytes in [&bytes[..], &bytes[..PREFIX]] {
+            let p = match SnapshotHeader::parse(bytes) {
+                Err(Error::Snapshot { problem }) => problem,
+                r => panic!("{r:?}"),
+            };
+            assert!(matches!(p, SnapshotProblem::MalformedHeader { .. }), "{p}");
+        }
+    }
+
+    #[test]
     fn every_truncation_is_refused_as_truncated() {
         let spec = spec(DType::F16);
         let (bytes, rows_at) = fabricated(&spec, 4, 2);
@@ -621,8 +668,10 @@ mod tests {
                 let ok = match at {
                     0..8 => p == SnapshotProblem::BadMagic,
                     8..12 => matches!(p, SnapshotProblem::UnsupportedVersion { .. }),
-                    // The header length: longer than the bytes, or the wrong bytes checksummed.
-                    12..16 => matches!(
+                    // The header length's top byte: 16 MiB or more, refused from the field.
+                    15 => matches!(p, SnapshotProblem::MalformedHeader { .. }),
+                    // Its other bytes: longer than the bytes, or the wrong bytes checksummed.
+                    12..15 => matches!(
                         p,
                         SnapshotProblem::Truncated { .. }
                             | SnapshotProblem::ChecksumMismatch {
