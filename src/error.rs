@@ -92,6 +92,7 @@ pub enum Error {
     #[error("layer {layer}: the batch's sequences take {batch} rows but the slabs hold {rows}")]
     BatchRows {
         layer: usize,
+        /// The rows the sequences' counts add up to: `usize::MAX` where their sum overflows.
         batch: usize,
         rows: usize,
     },
