@@ -144,7 +144,7 @@ pub struct KvCache {
     attention_groups: Vec<[OnceLock<wgpu::BindGroup>; 2]>,
     /// The page table attention reads rows through, when this cache holds a paged pool's pages.
     page_table: Option<wgpu::Buffer>,
-    /// Reused conversion buffer for host appends.
+    /// Reused conversion buffer for host appends (at most [`KEEP_HOST_BYTES`] kept between calls).
     scratch: Vec<u8>,
     /// Scattered appends' uploads, and the host bytes one is assembled in.
     uploads: UploadRing,
@@ -163,6 +163,19 @@ pub(crate) const HOST_ROWS: &str = "the staging of host rows";
 pub(crate) const UPLOAD: &str = "an upload of host rows";
 /// What [`Error::OutOfMemory`] names for a snapshot's rows the device cannot stage.
 pub(crate) const SNAPSHOT_ROWS: &str = "the snapshot's rows";
+
+/// The most capacity a host buffer a cache reuses between calls (`scratch`, `upload_bytes`) keeps:
+/// a decode step's bytes stay allocated, a long prefill's are let go once written.
+const KEEP_HOST_BYTES: usize = 4 << 20;
+
+/// `bytes`, or an empty `Vec` in its place where it holds more than [`KEEP_HOST_BYTES`].
+pub(crate) fn kept(bytes: Vec<u8>) -> Vec<u8> {
+    if bytes.capacity() > KEEP_HOST_BYTES {
+        Vec::new()
+    } else {
+        bytes
+    }
+}
 
 /// Checked host rows of one layer and where they go: `(first row of the rows, run)` per run.
 pub(crate) struct HostRows<'s, 'a> {
@@ -595,6 +608,7 @@ impl KvCache {
                 at += 1;
             }
         }
+        self.scratch = kept(std::mem::take(&mut self.scratch));
     }
 
     /// Writes `jobs`' rows into their slots with `Queue::write_buffer` (landing at the next
@@ -690,7 +704,7 @@ impl KvCache {
             }
         });
         uploads[filling].write(&self.queue, &blob);
-        self.upload_bytes = blob;
+        self.upload_bytes = kept(blob);
         for &(m, _, to, take, p, at) in &segments {
             let (j, slot, ..) = moves[m];
             let upload = &uploads[p];

@@ -3,7 +3,7 @@
 //! uploaded in one write per call.
 
 use super::source::{self, Source, SourceJob};
-use super::{GpuSlab, HostSlab, KvCache, UPLOAD};
+use super::{GpuSlab, HostSlab, KvCache, UPLOAD, kept};
 use crate::codec::DType;
 use crate::error::Result;
 use crate::kernels::{WriteParams, grid, write_outputs};
@@ -97,7 +97,17 @@ impl KvCache {
         slabs: &[HostSlab<'_>],
         map: &[u32],
     ) -> Result<bool> {
-        // The map, then each slot's rows as stored, every part on a 16-byte boundary.
+        // The map, then each slot's rows as stored, every part on a 16-byte boundary: sized first,
+        // so that an upload too large for one binding is not built.
+        let size = self.slots[layer][..slabs.len()]
+            .iter()
+            .fold(4 * map.len() as u64, |at, sb| {
+                at.next_multiple_of(16) + map.len() as u64 * sb.placement.row_bytes
+            })
+            .next_multiple_of(16);
+        if size > self.max_binding {
+            return Ok(false);
+        }
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
         bytes.extend_from_slice(bytemuck::cast_slice(map));
@@ -109,16 +119,14 @@ impl KvCache {
             bytes.extend_from_slice(sb.stored(slab.data, &mut self.scratch));
         }
         bytes.resize(bytes.len().next_multiple_of(16), 0);
-        if bytes.len() as u64 > self.max_binding {
-            self.upload_bytes = bytes;
-            return Ok(false);
-        }
+        debug_assert_eq!(bytes.len() as u64, size);
         // Binding and recording below cannot fail once the parameters and the upload are made.
         let upload = self
             .ring
             .reserve(slabs.len() as u64)
             .and_then(|()| self.uploads.push(&self.queue, UPLOAD, &bytes));
-        self.upload_bytes = bytes;
+        self.upload_bytes = kept(bytes);
+        self.scratch = kept(std::mem::take(&mut self.scratch));
         let upload = upload?;
         let size = upload.buffer.size();
         let mut scatters = Vec::with_capacity(slabs.len());

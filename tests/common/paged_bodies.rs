@@ -1344,6 +1344,34 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
     assert_eq!(pool.ledger(), &before);
     pool.remove(seqs[1]).unwrap();
     pool.add_sequence().unwrap();
+    // Scattered appends within one binding: 40 rows of two 256-byte slots and their map (20.6 KB)
+    // would not fit one 16 KiB binding, so the rows move run by run; 4 rows are scattered. Both
+    // land (in the browser every append fits, and is scattered).
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], DType::F32, 64).unwrap();
+    let mut pool = PagedCache::new(&small.device, &small.queue, spec, 8, 8).unwrap();
+    pool.set_scatter(ScatterChoice::Always);
+    let s = pool.add_sequence().unwrap();
+    let mut want = [Vec::new(), Vec::new()];
+    for (n, seed) in [(40, 1), (4, 3)] {
+        let data = [values(seed, n * 64), values(seed + 1, n * 64)];
+        let shape = [n, 1, 64];
+        let slabs = [
+            HostSlab::f32(&data[0], &shape),
+            HostSlab::f32(&data[1], &shape),
+        ];
+        pool.append(s, 0, &slabs).unwrap();
+        pool.advance(s, n).unwrap();
+        for k in 0..2 {
+            want[k].extend_from_slice(&data[k]);
+        }
+    }
+    for (k, want) in want.iter().enumerate() {
+        assert_eq!(
+            &pool.read_f32_async(s, 0, k).await.unwrap(),
+            want,
+            "slot {k}"
+        );
+    }
 }
 
 /// A GPU source of another device is refused by a pool's append as by a cache's (natively the call
