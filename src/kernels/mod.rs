@@ -179,7 +179,8 @@ pub(crate) struct Fetched {
 }
 
 /// Values made on first use, one per key: pipelines, or for generated kernels a pipeline or why the
-/// device refused it (a refusal is kept too: the same source is refused again). The map's lock is
+/// device refused it (a refusal is kept too: the same source is refused again; one for want of
+/// memory is forgotten, [`Pipelines::forget`]). The map's lock is
 /// held only to find or add the key's cell, and the value is made outside it. GPU drivers compile
 /// inside `create_compute_pipeline`, so threads that need different pipelines make them at the same
 /// time, and threads that need the same one wait for the first to make it.
@@ -207,6 +208,15 @@ impl<K: Eq + Hash, V: Clone> Pipelines<K, V> {
             make()
         });
         (value.clone(), made)
+    }
+
+    /// Drops the value of `key`, so that the next call makes it again (callers waiting for it
+    /// meanwhile get the value it had).
+    fn forget(&self, key: &K) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key);
     }
 
     /// How many values have been made, for `held` ones.
@@ -626,6 +636,7 @@ impl Kernels {
     /// only later: see [`scoped`]); or the pipeline, and whether this call made it.
     pub(crate) fn attention_stream(&self, key: &StreamKey) -> std::result::Result<Fetched, String> {
         let kernels = self.attention();
+        let mut passing = false;
         let (result, made) = kernels.stream_pipelines.get(*key, || {
             let device = &self.device;
             let source = crate::attention::stream_source(key, wgsl::PRELUDE, wgsl::ROWS);
@@ -643,12 +654,19 @@ impl Kernels {
                 .pipeline(device, "main", &[])
             });
             match error {
-                Some(e) => Err(format!(
-                    "the streaming attention kernel for {key:?} was refused: {e}"
-                )),
+                Some((e, out_of_memory)) => {
+                    passing = out_of_memory;
+                    Err(format!(
+                        "the streaming attention kernel for {key:?} was refused: {e}"
+                    ))
+                }
                 None => Ok(pipeline),
             }
         });
+        // A refusal for want of memory is not kept: the next call that needs the kernel tries again.
+        if passing {
+            kernels.stream_pipelines.forget(key);
+        }
         result.map(|pipeline| Fetched { pipeline, made })
     }
 
@@ -788,15 +806,19 @@ pub(crate) fn scoped<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Opt
 }
 
 /// [`scoped`] for errors of every kind (validation, internal, out of memory), in nested scopes: the
-/// first one reported, if any.
-fn scoped_all<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Option<String>) {
+/// first one reported, if any, and whether it was the device running out of memory (which may pass).
+fn scoped_all<T>(device: &wgpu::Device, f: impl FnOnce() -> T) -> (T, Option<(String, bool)>) {
     let (((made, memory), internal), validation) =
         scoped_to(device, wgpu::ErrorFilter::Validation, || {
             scoped_to(device, wgpu::ErrorFilter::Internal, || {
                 scoped_to(device, wgpu::ErrorFilter::OutOfMemory, f)
             })
         });
-    (made, validation.or(internal).or(memory))
+    let error = validation
+        .or(internal)
+        .map(|e| (e, false))
+        .or(memory.map(|e| (e, true)));
+    (made, error)
 }
 
 /// [`scoped`] for the errors `filter` selects.
