@@ -164,10 +164,15 @@ pub(crate) struct Sender<T>(Slot<T>);
 pub(crate) struct Receiver<T>(Slot<T>);
 
 impl<T> Sender<T> {
+    /// Hands over `value` and wakes the receiver's task, after letting go of the lock (an executor
+    /// that polls the task at once locks it again).
     pub(crate) fn send(self, value: T) {
-        let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        slot.0 = Some(value);
-        if let Some(w) = slot.1.take() {
+        let waker = {
+            let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            slot.0 = Some(value);
+            slot.1.take()
+        };
+        if let Some(w) = waker {
             w.wake();
         }
     }
