@@ -61,7 +61,7 @@ done
 unset KVGPU_BENCH_WORKGROUPS
 [ "${TORCH:-1}" = 0 ] || {
 log "PyTorch"
-PYTHONUNBUFFERED=1 timeout -k 5 120 python3 bench/h200/anchor.py 2>&1 | tee "$OUT/torch.txt"
+PYTHONUNBUFFERED=1 timeout -k 5 180 python3 bench/h200/anchor.py 2>&1 | tee "$OUT/torch.txt"
 }
 [ "${TESTS:-1}" = 0 ] && { log done; exit 0; }
 log "tests on Vulkan"

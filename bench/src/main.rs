@@ -190,6 +190,9 @@ fn main() -> Result<()> {
         "driver": format!("{} {}", info.driver, info.driver_info),
         "gpu_timing": timer.clock().name(),
         "mode": if quick { "quick" } else { "full" },
+        // What the attention and long parts were told to measure (the default choice when unset).
+        "kernel": std::env::var("KVGPU_BENCH_KERNEL").ok(),
+        "workgroups": std::env::var("KVGPU_BENCH_WORKGROUPS").ok(),
         "seconds": started.elapsed().as_secs_f64(),
         "results": rows.iter().map(report::Row::json).collect::<Vec<_>>(),
         "series": recorded::series_json(&steps, &attention),

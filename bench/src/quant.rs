@@ -104,7 +104,7 @@ fn bytes_per_token(rows: &mut Vec<Row>) -> Result<()> {
                     format!("{preset} cache, {name}: bytes per token"),
                     b as f64,
                     "B",
-                    Clock::HostWall,
+                    Clock::Untimed,
                 )
                 .ratio(
                     b as f64 / f16 as f64,
@@ -192,7 +192,7 @@ fn accuracy(rows: &mut Vec<Row>) -> Result<()> {
                         format!("{label} attention error, {dtype}, {what} data: max / RMS"),
                         max,
                         "",
-                        Clock::HostWall,
+                        Clock::Untimed,
                     )
                     .ratio(
                         mean,

@@ -131,10 +131,18 @@ impl StreamRead {
         }
     }
 
-    /// Seconds to read `bytes` once: the best of a few grid shapes, each the median of `reps`.
-    pub fn time(&self, timer: &Timer, bytes: u64, warm: usize, reps: usize) -> Result<f64> {
+    /// The grid shape that reads `bytes` fastest (each timed alone, the median of `reps`), and its
+    /// time, for timing again interleaved with the kernel it is the roofline of
+    /// ([`RoofRun::time`]).
+    pub fn best(
+        &self,
+        timer: &Timer,
+        bytes: u64,
+        warm: usize,
+        reps: usize,
+    ) -> Result<(RoofRun<'_>, f64)> {
         let n_vec4 = (bytes / 16).max(1) as u32;
-        let mut best = f64::INFINITY;
+        let mut best: Option<(RoofRun<'_>, f64)> = None;
         // One 16-byte word per invocation, then 4, 16 and 64 per invocation (grid stride), and a few
         // fat workgroups that each stream whole rows (one or a few per core: what a CPU adapter
         // reads fastest), as long as an invocation stays within the software adapters' loop limit.
@@ -178,14 +186,27 @@ impl StreamRead {
                     params.as_entire_binding(),
                 ],
             );
-            let [t] = interleaved(
-                warm,
-                reps,
-                [&mut || timer.gpu(|enc| dispatch(enc, pipe, &bind, groups))],
-            )?;
-            best = best.min(t);
+            let run = RoofRun { pipe, bind, groups };
+            let [t] = interleaved(warm, reps, [&mut || run.time(timer)])?;
+            if best.as_ref().is_none_or(|b| t < b.1) {
+                best = Some((run, t));
+            }
         }
-        Ok(best)
+        best.ok_or_else(|| anyhow::anyhow!("the roofline has no grid shape"))
+    }
+}
+
+/// One grid shape of the streaming-read roofline, bound to its bytes.
+pub struct RoofRun<'a> {
+    pipe: &'a wgpu::ComputePipeline,
+    bind: wgpu::BindGroup,
+    groups: u32,
+}
+
+impl RoofRun<'_> {
+    /// Seconds of one read.
+    pub fn time(&self, timer: &Timer) -> Result<f64> {
+        timer.gpu(|enc| dispatch(enc, self.pipe, &self.bind, self.groups))
     }
 }
 

@@ -9,6 +9,9 @@ use crate::timing::Clock;
 pub enum Goal {
     AtMost(f64),
     AtLeast(f64),
+    /// At least the first, at most the second (a bandwidth against a roofline: above 1.0 the
+    /// roofline would not be one).
+    Within(f64, f64),
     Info,
 }
 
@@ -17,6 +20,7 @@ impl Goal {
         match self {
             Goal::AtMost(g) => format!("ratio <= {g}"),
             Goal::AtLeast(g) => format!("ratio >= {g}"),
+            Goal::Within(lo, hi) => format!("{lo} <= ratio <= {hi}"),
             Goal::Info => "none (context)".into(),
         }
     }
@@ -25,6 +29,7 @@ impl Goal {
         match self {
             Goal::AtMost(g) => Some(ratio <= g),
             Goal::AtLeast(g) => Some(ratio >= g),
+            Goal::Within(lo, hi) => Some((lo..=hi).contains(&ratio)),
             Goal::Info => None,
         }
     }

@@ -7,7 +7,7 @@ use kvgpu::{CacheSpec, DType, Gpu, GpuSlab, KvCache, LayerSpec, SlotSpec};
 use crate::Config;
 use crate::refs::{BoundKernel, StreamRead, storage};
 use crate::report::{Goal, Row};
-use crate::timing::{Timer, interleaved, median};
+use crate::timing::{Timer, interleaved};
 
 const KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
@@ -172,18 +172,20 @@ pub fn run(
 
     // Reference bandwidths: the streaming-read roofline and host memcpy.
     let bytes = 64u64 << 20;
-    let tr = roof.time(timer, bytes, cfg.warm, cfg.reps)?;
+    let (roof_run, _) = roof.best(timer, bytes, 1, 3)?;
     let host: Vec<u8> = vec![1; bytes as usize];
     let mut copy = vec![0u8; bytes as usize];
-    let mut samples: Vec<f64> = (0..cfg.reps.max(3))
-        .map(|_| {
-            let t = std::time::Instant::now();
-            copy.copy_from_slice(&host);
-            std::hint::black_box(&copy);
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    let tm = median(&mut samples);
+    let mut memcpy = || -> Result<f64> {
+        let t = std::time::Instant::now();
+        copy.copy_from_slice(&host);
+        std::hint::black_box(&copy);
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let [tr, tm] = interleaved(
+        cfg.warm,
+        cfg.reps.max(3),
+        [&mut || roof_run.time(timer), &mut memcpy],
+    )?;
     rows.push(
         Row::new(
             "reference: streaming-read roofline kernel, 64 MiB",

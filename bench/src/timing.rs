@@ -16,6 +16,8 @@ pub enum Clock {
     HostWall,
     /// Host wall clock of CPU work alone.
     Cpu,
+    /// Not timed: a count or an error, not a duration.
+    Untimed,
 }
 
 impl Clock {
@@ -25,6 +27,7 @@ impl Clock {
             Clock::Wall => "wall clock (submit + wait)",
             Clock::HostWall => "wall clock (host calls + submit + wait)",
             Clock::Cpu => "wall clock (CPU work only)",
+            Clock::Untimed => "not timed",
         }
     }
 }
