@@ -707,7 +707,7 @@ pub enum BufferProblem {
 pub enum AttentionProblem {
     #[error("scale {scale} is not finite")]
     Scale { scale: f32 },
-    #[error("soft-cap {cap} must be positive, finite and not subnormal")]
+    #[error("soft-cap {cap} must be positive, not subnormal and at most 2^100")]
     SoftCap { cap: f32 },
     #[error("a sliding window of 0 rows sees nothing")]
     EmptyWindow,

@@ -115,7 +115,9 @@ mod verify;
 /// match.
 pub use wgpu;
 
-pub use attention::{Attention, AttentionOptions, KernelChoice, Kv, MlaQueries, Output, Queries};
+pub use attention::{
+    Attention, AttentionOptions, KernelChoice, Kv, MAX_SOFT_CAP, MlaQueries, Output, Queries,
+};
 pub use cache::{CacheImport, GpuSlab, HostSlab, KvCache, SlotView};
 pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]

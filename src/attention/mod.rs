@@ -86,7 +86,7 @@ use plan::DeviceFacts;
 pub use plan::KernelChoice;
 pub(crate) use plan::RowMode;
 use record::Rows;
-pub use request::{AttentionOptions, Kv, MlaQueries, Output, Queries};
+pub use request::{AttentionOptions, Kv, MAX_SOFT_CAP, MlaQueries, Output, Queries};
 pub(crate) use stream::{StreamKey, source as stream_source};
 
 /// Partial results of pass 1, grown (never shrunk) when a call first needs more.

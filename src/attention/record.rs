@@ -2,7 +2,7 @@
 //! (the slots' from the cache, queries and output from bounded caches) and both passes.
 
 use super::plan::{self, CallShape, DeviceFacts, Dispatch, Paging, Pass1};
-use super::request::contiguous;
+use super::request::{MAX_SOFT_CAP, contiguous};
 use super::view::{self, Bound, ViewError};
 use super::{Attention, AttentionOptions, Job, Kv, Scratch};
 use crate::cache::{AttentionKind, KvCache};
@@ -264,8 +264,10 @@ impl Attention {
         let soft_cap = match options.soft_cap {
             None => 0.0,
             // Normal, not merely non-zero: a device that flushes subnormals to zero would read a
-            // subnormal cap as 0, the kernels' "no cap", where the twin caps every score.
-            Some(c) if c.is_normal() && c > 0.0 => c,
+            // subnormal cap as 0, the kernels' "no cap", where the twin caps every score. At most
+            // 2^100: `score / cap` of a larger cap is subnormal for scores of order 1 (and so is
+            // `1 / cap` above 2^126), which such a device flushes to 0, every score with it.
+            Some(c) if c.is_normal() && c > 0.0 && c <= MAX_SOFT_CAP => c,
             Some(cap) => return request(AttentionProblem::SoftCap { cap }),
         };
         let window = match options.window {

@@ -16,9 +16,14 @@ pub struct AttentionOptions {
     /// Sliding window: each query sees its own row and at most `w - 1` rows before it.
     pub window: Option<usize>,
     /// Logit soft-cap: scaled scores become `cap · tanh(score / cap)`. A positive, normal `f32`
-    /// (finite, not subnormal); anything else is refused.
+    /// (finite, not subnormal) of at most [`MAX_SOFT_CAP`] (2^100); anything else is refused.
     pub soft_cap: Option<f32>,
 }
+
+/// The largest soft-cap attention takes, 2^100 (about 1.27e30): with a larger one, `score / cap` is
+/// subnormal for ordinary scores, and a device that flushes subnormals to zero would read every
+/// score as 0. (A cap that large changes no score of a real model: `cap · tanh(s / cap)` is `s`.)
+pub const MAX_SOFT_CAP: f32 = 1_267_650_600_228_229_401_496_703_205_376.0;
 
 /// Queries in a GPU buffer (which needs `STORAGE` usage): f32 `[n_q, n_heads, dim]`, by default
 /// row-major from element 0. [`Queries::at`] and [`Queries::with_strides`] describe any other layout,
