@@ -17,3 +17,63 @@ common::shared_tests!(memory_bodies, serial: serial;
     one_attention_serving_many_dropped_caches_keeps_none_of_them,
     a_cache_appending_from_many_dropped_sources_keeps_few_of_them,
 );
+
+/// A refused attention call keeps none of the buffers it bound: natively the queries' bind group
+/// is made before an output of another device is refused, and it was kept in the attention's
+/// cache, holding the query buffer's memory after the app dropped it.
+#[test]
+fn a_refused_attention_keeps_no_query_buffer() {
+    use common::shared::memory_bodies::Residency;
+    use kvgpu::{
+        Attention, AttentionOptions, CacheSpec, DType, Error, HostSlab, LayerSpec, Output, Queries,
+    };
+    let _serial = serial();
+    let g = common::gpu();
+    let other = pollster::block_on(common::shared::default_limits_gpu(g));
+    let mut c =
+        common::cache(CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], DType::F32, 8).unwrap());
+    let row = common::shared::values(1, 64);
+    let slab = HostSlab::f32(&row, &[1, 1, 64]);
+    c.append(0, &[slab, slab]).unwrap();
+    c.advance(1).unwrap();
+    let storage = |device: &wgpu::Device, size| {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("attention buffer"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    };
+    // The output starts past its binding's start (4 elements in), so pass 1 does not write it
+    // itself and the queries' group is made alone, before the output's.
+    let (opts, at) = (AttentionOptions::default(), 4);
+    let mut attn = Attention::for_cache(&c);
+    let (q, out) = (storage(&g.device, 1024), storage(&g.device, 2048));
+    attn.gqa(
+        &c,
+        0,
+        Queries::new(&q, 1, 4, 64),
+        Output::new(&out).at(at),
+        &opts,
+    )
+    .unwrap();
+    // Buffers and their bytes (OpenGL counts no buffer memory in wgpu: there the count tells).
+    let residency = Residency::new(g);
+    let live =
+        || pollster::block_on(async { (residency.live().await, residency.live_bytes().await) });
+    let before = live();
+    let big = storage(&g.device, 8 << 20);
+    let foreign = storage(&other.device, 2048);
+    let e = attn
+        .gqa(
+            &c,
+            0,
+            Queries::new(&big, 1, 4, 64),
+            Output::new(&foreign).at(at),
+            &opts,
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::ForeignDevice { .. }), "{e}");
+    drop(big);
+    assert_eq!(live(), before);
+}

@@ -116,16 +116,18 @@ impl Attention {
                 });
                 error.map_or(Ok(group), |e| Err(refused("output")(e)))
             };
-            let io = io_groups.get_or_try_insert(
-                (
-                    q_a.clone(),
-                    (a.bind_offset, a.bind_size),
-                    q_b.clone(),
-                    (b.bind_offset, b.bind_size),
-                    direct.then(|| out_key.clone()),
-                ),
-                &[q_a, q_b, out][..if direct { 3 } else { 2 }],
-                || {
+            // Groups made here are kept in the caches only once nothing can refuse the call.
+            let io_key = (
+                q_a.clone(),
+                (a.bind_offset, a.bind_size),
+                q_b.clone(),
+                (b.bind_offset, b.bind_size),
+                direct.then(|| out_key.clone()),
+            );
+            let io_cached = io_groups.get(&io_key);
+            let io = match io_cached.clone() {
+                Some(group) => group,
+                None => {
                     let part = if direct {
                         range(out, &o)
                     } else {
@@ -143,21 +145,21 @@ impl Attention {
                             ],
                         })
                     });
-                    error.map_or(Ok(group), |e| Err(refused("query")(e)))
-                },
-            );
-            let io = match io {
-                Ok(group) => group,
-                Err(e) if direct => {
-                    reduce_group()?;
-                    return Err(e);
+                    match error {
+                        None => group,
+                        Some(e) if direct => {
+                            reduce_group()?;
+                            return Err(refused("query")(e));
+                        }
+                        Some(e) => return Err(refused("query")(e)),
+                    }
                 }
-                Err(e) => return Err(e),
             };
-            let reduce = if direct {
-                None
-            } else {
-                Some(out_groups.get_or_try_insert(out_key, &[out], reduce_group)?)
+            let reduce_cached = out_groups.get(&out_key).filter(|_| !direct);
+            let reduce = match (&reduce_cached, direct) {
+                (_, true) => None,
+                (Some(group), false) => Some(group.clone()),
+                (None, false) => Some(reduce_group()?),
             };
             ring.reserve(pairs.len() as u64)?;
             // Copied inside the encoder, so calls recorded one after another each read their own.
@@ -167,6 +169,13 @@ impl Attention {
             } else {
                 None
             };
+            if io_cached.is_none() {
+                let pins = &[q_a, q_b, out][..if direct { 3 } else { 2 }];
+                io_groups.keep(io_key, pins, io.clone());
+            }
+            if let (Some(group), None) = (&reduce, reduce_cached) {
+                out_groups.keep(out_key, &[out], group.clone());
+            }
             Ok((io, reduce, table))
         })();
         let (io, reduce, table) = match bound {

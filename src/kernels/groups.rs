@@ -27,18 +27,31 @@ impl<K: Hash + Eq, V: Clone> GroupCache<K, V> {
         }
     }
 
-    /// The cached group of `key`, or the one `make` builds: kept when it fits the bounds (after
-    /// emptying the cache if need be). `pins` are the outside buffers the group binds.
+    /// The cached group of `key`, or the one `make` builds: kept when it fits the bounds
+    /// ([`GroupCache::keep`]). `pins` are the outside buffers the group binds.
     pub(crate) fn get_or_try_insert<E>(
         &mut self,
         key: K,
         pins: &[&wgpu::Buffer],
         make: impl FnOnce() -> Result<V, E>,
     ) -> Result<V, E> {
-        if let Some(group) = self.entries.get(&key) {
-            return Ok(group.clone());
+        if let Some(group) = self.get(&key) {
+            return Ok(group);
         }
         let group = make()?;
+        self.keep(key, pins, group.clone());
+        Ok(group)
+    }
+
+    /// The cached group of `key`, if any.
+    pub(crate) fn get(&self, key: &K) -> Option<V> {
+        self.entries.get(key).cloned()
+    }
+
+    /// Keeps `group` under `key` when it fits the bounds, after emptying the cache if need be (a
+    /// group whose buffers alone pass `max_bytes` is not kept). `pins` are the outside buffers the
+    /// group binds.
+    pub(crate) fn keep(&mut self, key: K, pins: &[&wgpu::Buffer], group: V) {
         // The distinct outside buffers the group binds: all their bytes, and those not pinned yet.
         let mut distinct: Vec<&wgpu::Buffer> = Vec::with_capacity(pins.len());
         for b in pins {
@@ -47,7 +60,7 @@ impl<K: Hash + Eq, V: Clone> GroupCache<K, V> {
             }
         }
         if distinct.iter().map(|b| b.size()).sum::<u64>() > self.max_bytes {
-            return Ok(group);
+            return;
         }
         let added: u64 = distinct
             .iter()
@@ -62,8 +75,7 @@ impl<K: Hash + Eq, V: Clone> GroupCache<K, V> {
                 self.pinned_bytes += b.size();
             }
         }
-        self.entries.insert(key, group.clone());
-        Ok(group)
+        self.entries.insert(key, group);
     }
 
     /// Drops every cached group (and with them the references they hold).
