@@ -77,3 +77,45 @@ fn a_refused_attention_keeps_no_query_buffer() {
     drop(big);
     assert_eq!(live(), before);
 }
+
+/// A refused GPU append keeps none of the sources it checked: natively the first slot's source is
+/// bound (a slab-write bind group into an f16 cache) or probed (a copy into an f32 one) before the
+/// second slot's source, of another device, is refused, and the cache kept that group or probe,
+/// holding the first source's memory after the app dropped it.
+#[test]
+fn a_refused_gpu_append_keeps_no_source_buffer() {
+    use common::shared::memory_bodies::Residency;
+    use kvgpu::{CacheSpec, DType, Error, GpuSlab, LayerSpec};
+    let _serial = serial();
+    let g = common::gpu();
+    let other = pollster::block_on(common::shared::default_limits_gpu(g));
+    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+    let buffer = |device: &wgpu::Device, size| {
+        device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("source"),
+            size,
+            usage,
+            mapped_at_creation: false,
+        })
+    };
+    for dtype in [DType::F16, DType::F32] {
+        let mut c =
+            common::cache(CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], dtype, 8).unwrap());
+        let residency = Residency::new(g);
+        let live =
+            || pollster::block_on(async { (residency.live().await, residency.live_bytes().await) });
+        let before = live();
+        let (big, foreign) = (buffer(&g.device, 8 << 20), buffer(&other.device, 1024));
+        let slab = |buffer| GpuSlab {
+            buffer,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &[1, 1, 64],
+            strides: None,
+        };
+        let e = c.append_gpu(0, &[slab(&big), slab(&foreign)]).unwrap_err();
+        assert!(matches!(e, Error::ForeignDevice { .. }), "{dtype}: {e}");
+        drop(big);
+        assert_eq!(live(), before, "{dtype}");
+    }
+}

@@ -2,7 +2,7 @@
 //! device, then recorded as a copy or a slab-write dispatch into the caller's encoder.
 
 use super::source::{self, Destination, Source, SourceJob};
-use super::{GpuSlab, KvCache};
+use super::{GpuSlab, KvCache, SourceKey};
 use crate::error::{Error, Result};
 use crate::kernels::{grid, scoped, write_outputs};
 use crate::ledger::AppendPlan;
@@ -14,6 +14,16 @@ pub(crate) struct GpuMove {
     run: Run,
     job: SourceJob,
     group: Option<wgpu::BindGroup>,
+    kept: Option<Kept>,
+}
+
+/// What checking a source made that the cache keeps for later appends: kept only when the append
+/// is recorded ([`KvCache::keep_source`]), so that a refused append pins none of the app's buffers.
+pub(crate) enum Kept {
+    /// A copy source found to be this device's.
+    Copy(wgpu::Buffer),
+    /// A source's bind group, its key and the outside buffers it binds.
+    Group(SourceKey, [wgpu::Buffer; 2], wgpu::BindGroup),
 }
 
 impl KvCache {
@@ -83,12 +93,22 @@ impl KvCache {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        // Bind groups (and the device check of each source) before anything is recorded.
-        let groups = parts
-            .iter()
-            .zip(&jobs)
-            .map(|((slot, ..), job)| self.prepare_source(layer, *slot, &slabs[*slot], job, None))
-            .collect::<Result<Vec<_>>>()?;
+        // Bind groups (and the device check of each source) before anything is recorded; a copy
+        // source is probed once, however many runs it fills.
+        let mut probed: Vec<&wgpu::Buffer> = Vec::new();
+        let mut groups = Vec::with_capacity(parts.len());
+        for ((slot, ..), job) in parts.iter().zip(&jobs) {
+            let slab = &slabs[*slot];
+            if matches!(job, SourceJob::Copy { .. }) && probed.contains(&slab.buffer) {
+                groups.push((None, None));
+                continue;
+            }
+            let made = self.prepare_source(layer, *slot, slab, job, None)?;
+            if matches!(made.1, Some(Kept::Copy(_))) {
+                probed.push(slab.buffer);
+            }
+            groups.push(made);
+        }
         let kernels = jobs
             .iter()
             .filter(|j| matches!(j, SourceJob::Kernel { .. }));
@@ -97,11 +117,12 @@ impl KvCache {
             .into_iter()
             .zip(jobs)
             .zip(groups)
-            .map(|(((slot, run, ..), job), group)| GpuMove {
+            .map(|(((slot, run, ..), job), (group, kept))| GpuMove {
                 slot,
                 run,
                 job,
                 group,
+                kept,
             })
             .collect())
     }
@@ -115,6 +136,9 @@ impl KvCache {
         moves: Vec<GpuMove>,
     ) {
         for m in moves {
+            if let Some(kept) = m.kept {
+                self.keep_source(kept);
+            }
             self.record_source(
                 encoder,
                 layer,
@@ -124,6 +148,19 @@ impl KvCache {
                 m.job,
                 m.group,
             );
+        }
+    }
+
+    /// Keeps what checking a source made ([`Kept`]), now that its append is recorded.
+    pub(crate) fn keep_source(&mut self, kept: Kept) {
+        match kept {
+            Kept::Copy(buffer) => {
+                let pins = [&buffer];
+                self.copy_sources.keep(buffer.clone(), &pins, ());
+            }
+            Kept::Group(key, [source, map], group) => {
+                self.source_groups.keep(key, &[&source, &map], group);
+            }
         }
     }
 
@@ -171,7 +208,8 @@ impl KvCache {
 
     /// Makes (or finds) the bind group a kernel job needs, and checks that the source belongs to this
     /// device: wgpu refuses a bind group or a copy naming a buffer of another device, and the check
-    /// runs here, inside an error scope, so the caller's encoder never sees the refusal.
+    /// runs here, inside an error scope, so the caller's encoder never sees the refusal. What it
+    /// made for the cache to keep comes back with it ([`Kept`]), kept once the append is recorded.
     pub(crate) fn prepare_source(
         &mut self,
         layer: usize,
@@ -179,7 +217,7 @@ impl KvCache {
         slab: &GpuSlab<'_>,
         job: &SourceJob,
         map: Option<&wgpu::Buffer>,
-    ) -> Result<Option<wgpu::BindGroup>> {
+    ) -> Result<(Option<wgpu::BindGroup>, Option<Kept>)> {
         let foreign = |reason: String| Error::ForeignDevice {
             layer,
             what: format!("GPU source of slot {slot} (wgpu: {reason})"),
@@ -190,22 +228,24 @@ impl KvCache {
             })?;
         }
         match *job {
-            SourceJob::Nothing => Ok(None),
+            SourceJob::Nothing => Ok((None, None)),
             SourceJob::Copy { .. } => {
+                if self.copy_sources.get(slab.buffer).is_some() {
+                    return Ok((None, None));
+                }
                 let (device, probe) = (&self.device, &self.probe);
-                self.copy_sources
-                    .get_or_try_insert(slab.buffer.clone(), &[slab.buffer], || {
-                        let (_, error) = scoped(device, || {
-                            let mut encoder =
-                                device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                                    label: Some("kvgpu source probe"),
-                                });
-                            encoder.copy_buffer_to_buffer(slab.buffer, 0, probe, 0, 4);
-                            encoder.finish()
+                let (_, error) = scoped(device, || {
+                    let mut encoder =
+                        device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                            label: Some("kvgpu source probe"),
                         });
-                        error.map_or(Ok(()), |e| Err(foreign(e)))
-                    })?;
-                Ok(None)
+                    encoder.copy_buffer_to_buffer(slab.buffer, 0, probe, 0, 4);
+                    encoder.finish()
+                });
+                match error {
+                    Some(e) => Err(foreign(e)),
+                    None => Ok((None, Some(Kept::Copy(slab.buffer.clone())))),
+                }
             }
             SourceJob::Kernel {
                 bind_offset,
@@ -221,40 +261,41 @@ impl KvCache {
                     slot,
                     map.clone(),
                 );
-                let (device, kernels) = (&self.device, &self.kernels);
+                if let Some(group) = self.source_groups.get(&key) {
+                    return Ok((Some(group), None));
+                }
                 let dst = &self.slots[layer][slot].buffer;
-                let group =
-                    self.source_groups
-                        .get_or_try_insert(key, &[slab.buffer, &map], || {
-                            let (group, error) = scoped(device, || {
-                                device.create_bind_group(&wgpu::BindGroupDescriptor {
-                                    label: Some("kvgpu slab_write"),
-                                    layout: kernels.write_layout(),
-                                    entries: &[
-                                        wgpu::BindGroupEntry {
-                                            binding: 0,
-                                            resource: wgpu::BindingResource::Buffer(
-                                                wgpu::BufferBinding {
-                                                    buffer: slab.buffer,
-                                                    offset: bind_offset,
-                                                    size: wgpu::BufferSize::new(bind_size),
-                                                },
-                                            ),
-                                        },
-                                        wgpu::BindGroupEntry {
-                                            binding: 1,
-                                            resource: dst.as_entire_binding(),
-                                        },
-                                        wgpu::BindGroupEntry {
-                                            binding: 2,
-                                            resource: map.as_entire_binding(),
-                                        },
-                                    ],
-                                })
-                            });
-                            error.map_or(Ok(group), |e| Err(foreign(e)))
-                        })?;
-                Ok(Some(group))
+                let (group, error) = scoped(&self.device, || {
+                    self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some("kvgpu slab_write"),
+                        layout: self.kernels.write_layout(),
+                        entries: &[
+                            wgpu::BindGroupEntry {
+                                binding: 0,
+                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                    buffer: slab.buffer,
+                                    offset: bind_offset,
+                                    size: wgpu::BufferSize::new(bind_size),
+                                }),
+                            },
+                            wgpu::BindGroupEntry {
+                                binding: 1,
+                                resource: dst.as_entire_binding(),
+                            },
+                            wgpu::BindGroupEntry {
+                                binding: 2,
+                                resource: map.as_entire_binding(),
+                            },
+                        ],
+                    })
+                });
+                match error {
+                    Some(e) => Err(foreign(e)),
+                    None => {
+                        let kept = Kept::Group(key, [slab.buffer.clone(), map], group.clone());
+                        Ok((Some(group), Some(kept)))
+                    }
+                }
             }
         }
     }

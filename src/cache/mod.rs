@@ -105,7 +105,7 @@ const SOURCE_GROUPS: usize = 256;
 const SOURCE_PIN_BYTES: u64 = 32 << 20;
 
 /// A slab-write bind group: source buffer, binding offset and size, layer, slot, row map.
-type SourceKey = (wgpu::Buffer, u64, u64, usize, usize, wgpu::Buffer);
+pub(crate) type SourceKey = (wgpu::Buffer, u64, u64, usize, usize, wgpu::Buffer);
 
 /// The two ways attention reads a layer: GQA (scores from slot 0, values from slot 1) and MLA (scores
 /// from slots 0 and 1, values from slot 0).

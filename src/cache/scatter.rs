@@ -2,11 +2,12 @@
 //! by one slab-write dispatch per slot however many runs the rows make. The map, and host rows, are
 //! uploaded in one write per call.
 
+use super::gpu_append::Kept;
 use super::source::{self, Source, SourceJob};
 use super::{GpuSlab, HostSlab, KvCache, UPLOAD, kept};
 use crate::codec::DType;
 use crate::error::Result;
-use crate::kernels::{WriteParams, grid, write_outputs};
+use crate::kernels::{WriteParams, check_staging, grid, write_outputs};
 
 /// One slot's checked and bound scattered move.
 pub(crate) struct Scatter {
@@ -15,6 +16,7 @@ pub(crate) struct Scatter {
     params: WriteParams,
     vec4: bool,
     group: wgpu::BindGroup,
+    kept: Option<Kept>,
 }
 
 impl KvCache {
@@ -65,7 +67,7 @@ impl KvCache {
             .reserve("a scattered append's row map", map_bytes.len() as u64)?;
         let mut scatters = Vec::with_capacity(jobs.len());
         for (slot, (.., job)) in jobs.into_iter().enumerate() {
-            let group =
+            let (group, kept) =
                 self.prepare_source(layer, slot, &slabs[slot], &job, Some(&upload.buffer))?;
             if let (SourceJob::Kernel { params, vec4, .. }, Some(group)) = (job, group) {
                 scatters.push(Scatter {
@@ -77,6 +79,7 @@ impl KvCache {
                     },
                     vec4,
                     group,
+                    kept,
                 });
             }
         }
@@ -98,7 +101,8 @@ impl KvCache {
         map: &[u32],
     ) -> Result<bool> {
         // The map, then each slot's rows as stored, every part on a 16-byte boundary: sized first,
-        // so that an upload too large for one binding is not built.
+        // so that an upload too large for one binding, or one the device cannot hold, is not built
+        // (a long prefill's upload takes as many bytes again on the host).
         let size = self.slots[layer][..slabs.len()]
             .iter()
             .fold(4 * map.len() as u64, |at, sb| {
@@ -108,6 +112,10 @@ impl KvCache {
         if size > self.max_binding {
             return Ok(false);
         }
+        // Binding and recording below cannot fail once the parameters and the upload are made.
+        self.ring.reserve(slabs.len() as u64)?;
+        let upload = self.uploads.reserve(UPLOAD, size)?;
+        check_staging(&self.device, UPLOAD, size)?;
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
         bytes.extend_from_slice(bytemuck::cast_slice(map));
@@ -120,14 +128,9 @@ impl KvCache {
         }
         bytes.resize(bytes.len().next_multiple_of(16), 0);
         debug_assert_eq!(bytes.len() as u64, size);
-        // Binding and recording below cannot fail once the parameters and the upload are made.
-        let upload = self
-            .ring
-            .reserve(slabs.len() as u64)
-            .and_then(|()| self.uploads.push(&self.queue, UPLOAD, &bytes));
+        upload.write(&self.queue, &bytes);
         self.upload_bytes = kept(bytes);
         self.scratch = kept(std::mem::take(&mut self.scratch));
-        let upload = upload?;
         let size = upload.buffer.size();
         let mut scatters = Vec::with_capacity(slabs.len());
         for (slot, start) in starts.into_iter().enumerate() {
@@ -164,7 +167,7 @@ impl KvCache {
             };
             // The upload buffer is this device's own (and known as such in the browser), so binding
             // it does not fail; if it did, no slot's dispatch is recorded.
-            let Ok(Some(group)) =
+            let Ok((Some(group), kept)) =
                 self.prepare_source(layer, slot, &slab, &job, Some(&upload.buffer))
             else {
                 return Ok(false);
@@ -175,6 +178,7 @@ impl KvCache {
                 params,
                 vec4,
                 group,
+                kept,
             });
         }
         self.record_scatters(encoder, scatters);
@@ -193,6 +197,9 @@ impl KvCache {
     }
 
     fn record_scatter(&mut self, encoder: &mut wgpu::CommandEncoder, s: Scatter) {
+        if let Some(kept) = s.kept {
+            self.keep_source(kept);
+        }
         let outputs = write_outputs(&s.params, s.dst_dtype, s.vec4);
         let (groups, thread_stride) = grid(outputs, self.max_workgroups);
         let params = WriteParams {

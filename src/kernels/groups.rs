@@ -27,22 +27,6 @@ impl<K: Hash + Eq, V: Clone> GroupCache<K, V> {
         }
     }
 
-    /// The cached group of `key`, or the one `make` builds: kept when it fits the bounds
-    /// ([`GroupCache::keep`]). `pins` are the outside buffers the group binds.
-    pub(crate) fn get_or_try_insert<E>(
-        &mut self,
-        key: K,
-        pins: &[&wgpu::Buffer],
-        make: impl FnOnce() -> Result<V, E>,
-    ) -> Result<V, E> {
-        if let Some(group) = self.get(&key) {
-            return Ok(group);
-        }
-        let group = make()?;
-        self.keep(key, pins, group.clone());
-        Ok(group)
-    }
-
     /// The cached group of `key`, if any.
     pub(crate) fn get(&self, key: &K) -> Option<V> {
         self.entries.get(key).cloned()
