@@ -161,7 +161,8 @@ mod known {
     }
 
     pub(super) fn contains(device: &wgpu::Device, buffer: &wgpu::Buffer) -> bool {
-        // Another backend (WebGL) validates like the native ones: its scopes answer at once.
+        // Another backend (WebGL, whose devices kvgpu refuses for want of storage buffers) has no
+        // WebGPU objects to remember.
         let Some((device, buffer)) = objects(device, buffer) else {
             return true;
         };

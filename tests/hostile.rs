@@ -2304,10 +2304,11 @@ fn attention_scale_that_pushes_scores_below_minus_1e30() {
     assert_eq!(mismatch(&got, &want), None, "gpu {got:?}, twin {want:?}");
 }
 
-/// A large finite soft-cap is accepted but the scores collapse to 0 (uniform attention):
-/// `tanh_safe(x) = (1 - e^-2|x|) / (1 + e^-2|x|)` (shaders/attention_partial.wgsl) is 0 for
-/// `|x| < ~6e-8`, where `tanh(x) ≈ x`. `soft_cap: Some(1e30)`, scores -2 and -1 after the default
-/// scale of 1/2: GPU the mean of the two V rows, twin softmax weights 0.27 / 0.73.
+/// A large finite soft-cap (1e30, under `MAX_SOFT_CAP`) changes no score. The kernels' `tanh` once
+/// computed `(1 - e^-2|x|) / (1 + e^-2|x|)`, which is 0 for `|x| < ~6e-8`, where `tanh(x) ≈ x`: the
+/// scores (-2 and -1 after the default scale of 1/2) collapsed to 0, and the GPU gave the mean of
+/// the two V rows where the twin's softmax weights are 0.27 / 0.73. Small arguments now take a
+/// polynomial.
 #[test]
 fn attention_soft_cap_so_large_that_tanh_underflows() {
     let _serial = serial();

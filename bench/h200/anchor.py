@@ -5,15 +5,15 @@ from triton.testing import do_bench
 dev = "cuda"
 def bw(nbytes, ms): return nbytes / (ms * 1e-3) / 1e9
 # do_bench times each call alone between CUDA events, with the L2 cache cleared before it. kvgpu's
-# long part times calls back to back: samples of about 2 ms of calls after 0.5 s of the same work,
-# the median of 9. b2b times PyTorch that way too, so both methods can be set side by side.
+# long part times calls back to back: samples of about 2 ms of calls (at most 64) after 0.5 s of the
+# same work, the median of 9 (of a full run). b2b times PyTorch that way too, so both methods can be set side by side.
 def b2b(f):
     end = time.perf_counter() + 0.5
     while time.perf_counter() < end: f()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record(); f(); e.record(); torch.cuda.synchronize()
-    n = max(1, min(4096, math.ceil(2.0 / max(s.elapsed_time(e), 1e-4))))
+    n = max(1, min(64, math.ceil(2.0 / max(s.elapsed_time(e), 1e-4))))
     samples = []
     for _ in range(9):
         s.record()

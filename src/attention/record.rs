@@ -274,8 +274,8 @@ impl Attention {
             None => 0.0,
             // Normal, not merely non-zero: a device that flushes subnormals to zero would read a
             // subnormal cap as 0, the kernels' "no cap", where the twin caps every score. At most
-            // 2^100: `score / cap` of a larger cap is subnormal for scores of order 1 (and so is
-            // `1 / cap` above 2^126), which such a device flushes to 0, every score with it.
+            // 2^100: such a device also flushes a subnormal `score / cap` to 0, which moves a score
+            // by up to `cap · 2^-126` (see `MAX_SOFT_CAP`).
             Some(c) if c.is_normal() && c > 0.0 && c <= MAX_SOFT_CAP => c,
             Some(cap) => return request(AttentionProblem::SoftCap { cap }),
         };

@@ -20,9 +20,11 @@ pub struct AttentionOptions {
     pub soft_cap: Option<f32>,
 }
 
-/// The largest soft-cap attention takes, 2^100 (about 1.27e30): with a larger one, `score / cap` is
-/// subnormal for ordinary scores, and a device that flushes subnormals to zero would read every
-/// score as 0. (A cap that large changes no score of a real model: `cap · tanh(s / cap)` is `s`.)
+/// The largest soft-cap attention takes, 2^100 (about 1.27e30). A device that flushes subnormals to
+/// zero reads `score / cap` as 0 wherever it is subnormal, `|score| < cap · 2^-126`: for caps up to
+/// 2^100 that moves a score by at most 2^-26, for larger ones by more (whole units near 2^126, and
+/// above 2^126 a device dividing through `1 / cap` reads every score as 0). A cap that large changes
+/// no score of a real model: `cap · tanh(s / cap)` is `s`.
 pub const MAX_SOFT_CAP: f32 = 1_267_650_600_228_229_401_496_703_205_376.0;
 
 /// Queries in a GPU buffer (which needs `STORAGE` usage): f32 `[n_q, n_heads, dim]`, by default

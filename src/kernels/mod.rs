@@ -632,8 +632,9 @@ impl Kernels {
     /// The generated streaming pass-1 pipeline of `key` (`src/attention/stream.rs`). Its source is
     /// made and compiled inside error scopes of every kind (a shader the backend or its driver fails
     /// to compile is an internal error, not a validation one), so natively a kernel the device
-    /// refuses is reported here rather than as a wgpu error later (in the browser the scopes resolve
-    /// only later: see [`scoped`]); or the pipeline, and whether this call made it.
+    /// refuses is reported here rather than as a wgpu error later (in the browser no scope is pushed,
+    /// and the refusal is the device's uncaptured error: see [`scoped`]); or the pipeline, and whether
+    /// this call made it.
     pub(crate) fn attention_stream(&self, key: &StreamKey) -> std::result::Result<Fetched, String> {
         let kernels = self.attention();
         let mut passing = false;

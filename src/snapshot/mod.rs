@@ -668,7 +668,7 @@ mod tests {
                 let ok = match at {
                     0..8 => p == SnapshotProblem::BadMagic,
                     8..12 => matches!(p, SnapshotProblem::UnsupportedVersion { .. }),
-                    // The header length's top byte: 16 MiB or more, refused from the field.
+                    // The header length's top byte: over 16 MiB, refused from the field.
                     15 => matches!(p, SnapshotProblem::MalformedHeader { .. }),
                     // Its other bytes: longer than the bytes, or the wrong bytes checksummed.
                     12..15 => matches!(
