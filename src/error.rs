@@ -375,12 +375,15 @@ pub enum Error {
         n_kv_heads: usize,
     },
 
-    /// The queries are not 1 to `visible` of the layer's visible rows.
+    /// The queries are not 1 to `visible` of the layer's visible rows. `seq` names the paged pool's
+    /// sequence read (in a batch, the entry whose count is wrong); `None` for a single-sequence cache.
     #[error(
-        "layer {layer}: {n_q} queries but the layer has {visible} visible rows; the queries are the last \
-         n_q visible rows, so 1 <= n_q <= visible (append this step's rows first)"
+        "{}layer {layer}: {n_q} queries but the layer has {visible} visible rows; the queries are the last \
+         n_q visible rows, so 1 <= n_q <= visible (append this step's rows first)",
+        .seq.map_or(String::new(), |seq| format!("{seq}, "))
     )]
     QueryRows {
+        seq: Option<SeqId>,
         layer: usize,
         n_q: usize,
         visible: usize,

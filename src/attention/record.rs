@@ -253,6 +253,7 @@ impl Attention {
             }
             (None, _) if n_q == 0 || n_q > visible => {
                 return Err(Error::QueryRows {
+                    seq: rows.seq,
                     layer,
                     n_q,
                     visible,
@@ -524,6 +525,8 @@ pub(super) struct Rows<'a> {
     /// The queries a batch of one sequence declares (read as that sequence's last rows, without a
     /// query table).
     pub single: Option<usize>,
+    /// The pool's sequence read, for errors that name it (one sequence, or a batch of one).
+    pub seq: Option<SeqId>,
 }
 
 impl<'a> Rows<'a> {
@@ -551,6 +554,7 @@ impl<'a> Rows<'a> {
             paging: None,
             ragged: None,
             single: None,
+            seq: None,
         })
     }
 
@@ -562,6 +566,7 @@ impl<'a> Rows<'a> {
             paging: Some(pool.paging(seq)?),
             ragged: None,
             single: None,
+            seq: Some(seq),
         })
     }
 
@@ -604,6 +609,7 @@ impl<'a> Rows<'a> {
             let visible = pool.visible(seq, layer)?;
             if n == 0 || n > visible {
                 return Err(Error::QueryRows {
+                    seq: Some(seq),
                     layer,
                     n_q: n,
                     visible,
@@ -633,6 +639,7 @@ impl<'a> Rows<'a> {
             paging: Some(paging),
             ragged: Some(table),
             single: None,
+            seq: None,
         })
     }
 }

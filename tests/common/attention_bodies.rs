@@ -1002,6 +1002,7 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
     assert_eq!(
         e,
         Error::QueryRows {
+            seq: None,
             layer: 0,
             n_q: 5,
             visible: 4
