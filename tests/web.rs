@@ -32,7 +32,9 @@ use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
 
 wasm_bindgen_test_configure!(run_in_browser);
 
-/// The browser's WebGPU adapter; none is a failure, never a skip.
+/// The browser's WebGPU adapter; none is a failure, never a skip. An error WebGPU reported that no
+/// scope caught, left from an earlier test, fails this one (each test also checks its own at its
+/// end: `checked`).
 async fn gpu() -> Gpu {
     let gpu = Gpu::from_env().await.unwrap_or_else(|e| {
         panic!(
@@ -47,7 +49,15 @@ async fn gpu() -> Gpu {
         gpu.describe()
     );
     shared::keep_for_the_suite(&gpu);
+    shared::assert_no_uncaptured_errors(&gpu, "before this test (late errors of an earlier one)")
+        .await;
     gpu
+}
+
+/// Fails the test on any error WebGPU reported during it that no scope caught: kvgpu must trigger
+/// none (natively wgpu panics on them).
+async fn checked(g: &Gpu) {
+    shared::assert_no_uncaptured_errors(g, "during this test").await;
 }
 
 /// Browser tests that run shared bodies of `module` on the browser's adapter, one test per body,
@@ -57,7 +67,9 @@ macro_rules! browser_tests {
         $(
             #[wasm_bindgen_test]
             async fn $name() {
-                shared::$module::$name(&gpu().await).await;
+                let g = gpu().await;
+                shared::$module::$name(&g).await;
+                checked(&g).await;
             }
         )+
     };
@@ -69,7 +81,9 @@ macro_rules! renamed_browser_tests {
         $(
             #[wasm_bindgen_test]
             async fn $name() {
-                shared::$module::$body(&gpu().await).await;
+                let g = gpu().await;
+                shared::$module::$body(&g).await;
+                checked(&g).await;
             }
         )+
     };
@@ -195,23 +209,30 @@ browser_tests!(memory_bodies:
 
 #[wasm_bindgen_test]
 async fn a_16_bit_source_ending_inside_a_word_is_refused_before_recording() {
-    shared::a_16_bit_source_ending_inside_a_word_is_refused_before_recording(&gpu().await).await;
+    let g = gpu().await;
+    shared::a_16_bit_source_ending_inside_a_word_is_refused_before_recording(&g).await;
+    checked(&g).await;
 }
 
 #[wasm_bindgen_test]
 async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters() {
-    shared::thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(&gpu().await)
-        .await;
+    let g = gpu().await;
+    shared::thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(&g).await;
+    checked(&g).await;
 }
 
 #[wasm_bindgen_test]
 async fn the_16_byte_path_leaves_the_padding_half_zero() {
-    shared::the_16_byte_path_leaves_the_padding_half_zero(&gpu().await).await;
+    let g = gpu().await;
+    shared::the_16_byte_path_leaves_the_padding_half_zero(&g).await;
+    checked(&g).await;
 }
 
 #[wasm_bindgen_test]
 async fn a_queue_of_another_device_is_refused() {
-    shared::a_queue_of_another_device_is_refused(&gpu().await).await;
+    let g = gpu().await;
+    shared::a_queue_of_another_device_is_refused(&g).await;
+    checked(&g).await;
 }
 
 #[wasm_bindgen_test]
@@ -220,6 +241,7 @@ async fn many_queries_over_2048_rows_of_deepseek_v2_lite_mla() {
     for dtype in DType::ALL {
         shared::deepseek_v2_lite_mla_matches_the_reference(&g, dtype, 2048, 16).await;
     }
+    checked(&g).await;
 }
 
 /// The long-context defect of tests/attention.rs, sized for SwiftShader. Natively it runs 16 queries
@@ -232,7 +254,8 @@ async fn many_queries_over_2048_rows_of_deepseek_v2_lite_mla() {
 /// context: without it one workgroup would walk all 524,288 (or 131,071) rows, far beyond 16,384.
 #[wasm_bindgen_test]
 async fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
-    let d = shared::default_limits_gpu(&gpu().await).await;
+    let g = gpu().await;
+    let d = shared::default_limits_gpu(&g).await;
     let full_slot = (d.limits().max_slot_bytes() / (64 * 4)) as usize;
     assert_eq!(full_slot, 524_288, "{:?}", d.limits());
     for (types, visible) in [
@@ -243,6 +266,8 @@ async fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
         shared::many_queries_over_a_long_context_see_every_row(&d, types, visible).await;
         note!("{types:?}, {visible} rows: {:.1} s", clock.seconds());
     }
+    checked(&d).await;
+    checked(&g).await;
 }
 
 /// tests/safety.rs `app_buffers_of_another_device_are_refused`, the same body: here the refusals
@@ -250,7 +275,9 @@ async fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
 /// device only asynchronously.
 #[wasm_bindgen_test]
 async fn app_buffers_of_another_device_are_refused() {
-    shared::app_buffers_of_another_device_are_refused(&gpu().await).await;
+    let g = gpu().await;
+    shared::app_buffers_of_another_device_are_refused(&g).await;
+    checked(&g).await;
 }
 
 /// A buffer mapped in part, or one whose `map_async` is still pending, is refused by
@@ -317,4 +344,5 @@ async fn a_buffer_mapped_in_part_or_being_mapped_is_refused() {
     append(&mut c).unwrap();
     c.advance(1).unwrap();
     assert_eq!(c.ledger().len(), 1);
+    checked(&g).await;
 }

@@ -169,15 +169,47 @@ pub async fn gpu_with_limits(g: &Gpu, limits: wgpu::Limits) -> Gpu {
 
 /// In the browser every device a test opens lives until the suite ends: a full garbage collection
 /// (the memory tests call `gc()`) that collected a dropped `GPUDevice` stalled Chromium's renderer
-/// for minutes (Chromium 156, SwiftShader). Natively nothing is kept.
+/// for minutes (Chromium 156, SwiftShader). Natively nothing is kept. In the browser the errors
+/// WebGPU reports on the device that no error scope catches are collected for
+/// [`assert_no_uncaptured_errors`] (natively wgpu panics on them itself).
 pub fn keep_for_the_suite(gpu: &Gpu) {
     #[cfg(target_arch = "wasm32")]
     {
         thread_local!(static KEPT: std::cell::RefCell<Vec<Gpu>> = Default::default());
         KEPT.with(|kept| kept.borrow_mut().push(gpu.clone()));
+        gpu.device.on_uncaptured_error(std::sync::Arc::new(|e| {
+            uncaptured().push(e.to_string());
+        }));
     }
     #[cfg(not(target_arch = "wasm32"))]
     let _ = gpu;
+}
+
+/// The errors WebGPU reported that no error scope caught, since the last check.
+#[cfg(target_arch = "wasm32")]
+fn uncaptured() -> std::sync::MutexGuard<'static, Vec<String>> {
+    static UNCAPTURED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    UNCAPTURED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// In the browser, fails with every error WebGPU reported that no error scope caught since the last
+/// check (a validation error kvgpu triggered, a refused allocation): kvgpu must trigger none. A
+/// scope pushed and popped on `gpu`'s device answers once the device has checked the work before
+/// it, so that work's errors are in by then. `when` says what ran before.
+#[cfg(target_arch = "wasm32")]
+pub async fn assert_no_uncaptured_errors(gpu: &Gpu, when: &str) {
+    let _ = gpu
+        .device
+        .push_error_scope(wgpu::ErrorFilter::Validation)
+        .pop()
+        .await;
+    let errors = std::mem::take(&mut *uncaptured());
+    assert!(
+        errors.is_empty(),
+        "WebGPU reported errors that no scope caught {when}: {errors:#?}"
+    );
 }
 
 /// Largest `|got - want| / (1 + |want|)`, after checking every element is within [`TOL`].
