@@ -146,12 +146,13 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
     let (prompt, tokens) = (args.prompt, args.tokens);
     let dtype = DType::from(args.dtype);
     let mut times = Times::default();
-    let gpu = Gpu::from_env_blocking()?;
     let capacity = prompt + tokens;
+    // The spec first: a slot name the model lacks is refused before an adapter opens.
     let spec = with_slot_storage(
         CacheSpec::preset(args.model.name(), dtype, capacity)?,
         &args.slot_dtype,
     )?;
+    let gpu = Gpu::from_env_blocking()?;
     let cache = KvCache::new(&gpu.device, &gpu.queue, spec.clone())?;
     let (n_heads, scale) = query_heads(args.model);
     let storage = |bytes: usize| {
@@ -685,7 +686,7 @@ mod tests {
         }
         // A slot the model does not have is refused when the spec is built, by name.
         let e = with_slot_storage(spec, &[slot_storage("k_pe=f16").unwrap()]).unwrap_err();
-        assert!(e.to_string().contains("\"k_pe\""), "{e}");
+        assert!(e.to_string().contains("\"k_pe\" (the slots: k, v)"), "{e}");
     }
 
     #[test]

@@ -261,9 +261,10 @@ fn prefill(
     dtype: DType,
     slots: &[SlotStorage],
 ) -> Result<bool> {
+    // The spec first: a slot name the model lacks is refused before an adapter opens.
+    let spec = with_slot_storage(CacheSpec::preset(model.name(), dtype, prompt)?, slots)?;
     let gpu = Gpu::from_env_blocking()?;
     println!("adapter: {}", gpu.describe());
-    let spec = with_slot_storage(CacheSpec::preset(model.name(), dtype, prompt)?, slots)?;
     let storage = describe_storage(&spec);
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     let start = Instant::now();

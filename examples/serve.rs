@@ -322,12 +322,13 @@ fn main() -> ExitCode {
 
 fn run(args: &Args) -> kvgpu::Result<bool> {
     let start = Instant::now();
-    let gpu = Gpu::from_env_blocking()?;
     let longest = args.system + args.prompt + args.tokens;
+    // The spec first: a slot name the model lacks is refused before an adapter opens.
     let spec = with_slot_storage(
         CacheSpec::preset(args.model.name(), DType::from(args.dtype), longest)?,
         &args.slot_dtype,
     )?;
+    let gpu = Gpu::from_env_blocking()?;
     let pool = PagedCache::new(
         &gpu.device,
         &gpu.queue,

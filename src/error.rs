@@ -628,8 +628,11 @@ pub enum SpecProblem {
     TooManyLayers { n_layers: usize, max: usize },
     #[error("unknown preset {name:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid")]
     UnknownPreset { name: String },
-    #[error("no slot is named {name:?}, so none can take its own storage type")]
-    UnknownSlotName { name: String },
+    #[error(
+        "no slot is named {name:?} (the slots: {}), so none can take its own storage type",
+        .names.join(", ")
+    )]
+    UnknownSlotName { name: String, names: Vec<String> },
     #[error("layer {layer} slot {slot} ({name:?}) is {dtype}: only fp8 slots take a scale")]
     ScaleNotFp8 {
         layer: usize,

@@ -363,6 +363,7 @@ impl CacheSpec {
             return Err(Error::InvalidSpec {
                 problem: SpecProblem::UnknownSlotName {
                     name: name.to_string(),
+                    names: self.slot_names(),
                 },
             });
         }
@@ -377,6 +378,17 @@ impl CacheSpec {
 
     fn slots(&self) -> impl Iterator<Item = &SlotSpec> {
         self.layers.iter().flat_map(|l| &l.slots)
+    }
+
+    /// The slots' names, each once, in the order they first appear.
+    fn slot_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for slot in self.slots() {
+            if !names.contains(&slot.name) {
+                names.push(slot.name.clone());
+            }
+        }
+        names
     }
 
     /// A slot's storage type: its own, or the cache's.
@@ -591,11 +603,12 @@ mod tests {
             e,
             Error::InvalidSpec {
                 problem: SpecProblem::UnknownSlotName {
-                    name: "value".into()
+                    name: "value".into(),
+                    names: vec!["k".into(), "v".into()],
                 }
             }
         );
-        assert!(e.to_string().contains("\"value\""));
+        assert!(e.to_string().contains("\"value\" (the slots: k, v)"), "{e}");
         // A width of 48 is not whole blocks of 32: refused, naming the slot. Stored as fp8, its own
         // type, it is taken.
         let spec = CacheSpec::uniform(2, LayerSpec::kv(2, 32, 48), DType::Q8_0, 8);
