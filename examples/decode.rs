@@ -165,6 +165,10 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
             mapped_at_creation: false,
         })
     };
+    // Every layer's queries and output for the whole prompt (4 to 7 GiB at the longest prompt):
+    // made under the out-of-memory check, so a device without room refuses the run instead of
+    // wgpu panicking.
+    let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
     let mut layers = Vec::new();
     for (index, layer) in spec.layers().iter().enumerate() {
         let shapes: Vec<&[usize]> = layer.slots.iter().map(|s| s.trailing.as_slice()).collect();
@@ -189,6 +193,11 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         l.q = l.q_dims().iter().map(|d| storage(rows * d * 4)).collect();
         l.out = storage(rows * l.d_out() * 4);
         layers.push(l);
+    }
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(kvgpu::Error::Device {
+            reason: format!("the queries and outputs of a {prompt}-token prompt: {e}"),
+        });
     }
     let mut run = Run {
         attention: Attention::for_cache(&cache),
