@@ -15,10 +15,9 @@
 //!   buffer and queue tests are below).
 //! - `attention.rs`'s prepare on many threads at once: threads.
 //! - `out_of_memory.rs`: it caps the process's address space.
-//! - `memory.rs`'s refused attention and refused GPU append: a buffer of another device passes
-//!   natively until wgpu refuses to bind it, after the call bound the others; in the browser such
-//!   a buffer is refused before anything is bound (it was never verified for the device), so there
-//!   is nothing to keep (the browser's refusals are `app_buffers_of_another_device_are_refused`).
+//! - `memory.rs`'s refused attention and refused GPU append: they read the device's live buffers
+//!   and bytes, which only native wgpu counts (the shared memory bodies follow buffers through a
+//!   garbage collection in the browser instead).
 //! - `limits.rs`'s slot of exactly the binding limit: 128 MiB filled from the host and read back
 //!   whole (the shared body of that file, the slot over the limit, runs here).
 //! - Native calls or blocking ones: `safety.rs`'s `verify_buffer` over every usage (the browser
