@@ -165,7 +165,7 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
             mapped_at_creation: false,
         })
     };
-    // Every layer's queries and output for the whole prompt (4 to 7 GiB at the longest prompt):
+    // Every layer's queries and output for the whole prompt (up to about 7 GiB at the longest):
     // made under the out-of-memory check, so a device without room refuses the run instead of
     // wgpu panicking.
     let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);

@@ -294,8 +294,6 @@ fn prefill(
 }
 
 fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
-    let gpu = Gpu::from_env_blocking()?;
-    println!("adapter: {}", gpu.describe());
     let start = Instant::now();
     // The header (the first few KiB) says the storage type and length...
     let mut prefix = Vec::new();
@@ -314,6 +312,10 @@ fn decode(input: &Path, model: Model, tokens: usize) -> Result<bool> {
         }
     }
     let spec = CacheSpec::new(layers, dtype, len + tokens)?;
+    // A missing file, or a snapshot of another model, is refused before an adapter opens.
+    header.check_compatible(&spec)?;
+    let gpu = Gpu::from_env_blocking()?;
+    println!("adapter: {}", gpu.describe());
     let storage = describe_storage(&spec);
     let mut cache = KvCache::new(&gpu.device, &gpu.queue, spec)?;
     // Streamed from the file in pieces, checked as they arrive, committed once the checksum holds.

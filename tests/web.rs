@@ -98,6 +98,7 @@ async fn browser_adapter_is_webgpu() {
     let g = gpu().await;
     let limits = g.limits();
     note!("kvgpu browser suite on {} with {limits:?}", g.describe());
+    checked(&g).await;
     assert!(
         limits.max_slot_bytes() >= DeviceLimits::WEBGPU_DEFAULT.max_storage_buffer_binding_size,
         "a WebGPU device binds at least the WebGPU default: {limits:?}"
