@@ -168,12 +168,10 @@ pub(crate) const SNAPSHOT_ROWS: &str = "the snapshot's rows";
 /// a decode step's bytes stay allocated, a long prefill's are let go once written.
 const KEEP_HOST_BYTES: usize = 4 << 20;
 
-/// `bytes`, or an empty `Vec` in its place where it holds more than [`KEEP_HOST_BYTES`].
-pub(crate) fn kept(bytes: Vec<u8>) -> Vec<u8> {
+/// Lets go of `bytes`' memory where it holds more than [`KEEP_HOST_BYTES`].
+pub(crate) fn trim(bytes: &mut Vec<u8>) {
     if bytes.capacity() > KEEP_HOST_BYTES {
-        Vec::new()
-    } else {
-        bytes
+        *bytes = Vec::new();
     }
 }
 
@@ -608,7 +606,7 @@ impl KvCache {
                 at += 1;
             }
         }
-        self.scratch = kept(std::mem::take(&mut self.scratch));
+        trim(&mut self.scratch);
     }
 
     /// Writes `jobs`' rows into their slots with `Queue::write_buffer` (landing at the next
@@ -704,7 +702,8 @@ impl KvCache {
             }
         });
         uploads[filling].write(&self.queue, &blob);
-        self.upload_bytes = kept(blob);
+        self.upload_bytes = blob;
+        trim(&mut self.upload_bytes);
         for &(m, _, to, take, p, at) in &segments {
             let (j, slot, ..) = moves[m];
             let upload = &uploads[p];

@@ -4,7 +4,7 @@
 
 use super::gpu_append::Kept;
 use super::source::{self, Source, SourceJob};
-use super::{GpuSlab, HostSlab, KvCache, UPLOAD, kept};
+use super::{GpuSlab, HostSlab, KvCache, UPLOAD, trim};
 use crate::codec::DType;
 use crate::error::Result;
 use crate::kernels::{WriteParams, check_staging, grid, write_outputs};
@@ -129,8 +129,9 @@ impl KvCache {
         bytes.resize(bytes.len().next_multiple_of(16), 0);
         debug_assert_eq!(bytes.len() as u64, size);
         upload.write(&self.queue, &bytes);
-        self.upload_bytes = kept(bytes);
-        self.scratch = kept(std::mem::take(&mut self.scratch));
+        self.upload_bytes = bytes;
+        trim(&mut self.upload_bytes);
+        trim(&mut self.scratch);
         let size = upload.buffer.size();
         let mut scatters = Vec::with_capacity(slabs.len());
         for (slot, start) in starts.into_iter().enumerate() {
