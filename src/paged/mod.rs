@@ -107,6 +107,18 @@ fn changed_from(plan: &PagedPlan, held: usize) -> usize {
 
 /// The pool row of each of a slab's `rows` rows, from the runs (`(first slab row, run)`) covering
 /// them. Pool rows fit a u32: the pool fits one binding.
+/// Where the first `rows` rows of a sequence holding `pages` lie in a slot of `row_bytes`-byte rows:
+/// `(byte offset, bytes)` per page, in order.
+fn page_ranges(pages: &[u32], page_size: usize, rows: usize, row_bytes: u64) -> Vec<(u64, u64)> {
+    (0..rows.div_ceil(page_size))
+        .map(|i| {
+            let n = (rows - i * page_size).min(page_size) as u64;
+            let first = pages[i] as u64 * page_size as u64;
+            (first * row_bytes, n * row_bytes)
+        })
+        .collect()
+}
+
 fn row_map(rows: usize, runs: &[(usize, Run)]) -> Vec<u32> {
     let mut map = vec![0; rows];
     for &(first, run) in runs {
@@ -809,14 +821,12 @@ impl PagedCache {
     ) -> Result<Vec<u32>> {
         let visible = self.ledger.visible(seq, layer)?;
         let row_bytes = self.spec.row_bytes(layer, slot)?;
-        let pages = self.ledger.pages(seq)?;
-        let p = self.page_size();
-        let ranges: Vec<(u64, u64)> = (0..visible.div_ceil(p))
-            .map(|i| {
-                let rows = (visible - i * p).min(p) as u64;
-                (pages[i] as u64 * p as u64 * row_bytes, rows * row_bytes)
-            })
-            .collect();
+        let ranges = page_ranges(
+            self.ledger.pages(seq)?,
+            self.page_size(),
+            visible,
+            row_bytes,
+        );
         Ok(bytemuck::pod_collect_to_vec(
             &self.store.read_ranges(layer, slot, &ranges).await?,
         ))

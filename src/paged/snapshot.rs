@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use std::io::{Read, Write};
 
 use super::ledger::PagedPlan;
-use super::{PageLedger, PagedCache};
+use super::{PageLedger, PagedCache, page_ranges};
 use crate::cache::{HostRows, Rows, SlotRows, StagedRows, pump, write_slots};
 use crate::error::{Error, Result};
 use crate::seq::SeqId;
@@ -23,26 +23,17 @@ impl PagedCache {
         let len = self.ledger.len(seq)?;
         let pages = self.ledger.pages(seq)?;
         self.store.check_usable()?;
-        let p = self.page_size();
-        let mut writer = SnapshotWriter::new(out, &self.spec, len, p)?;
+        let mut writer = SnapshotWriter::new(out, &self.spec, len, self.page_size())?;
         // Each slot's rows through the sequence's pages.
         let mut slots = Vec::new();
         for layer in 0..self.spec.n_layers() {
             for slot in 0..self.spec.layers()[layer].slots.len() {
                 let view = self.store.slot_view(layer, slot, true)?;
-                let row_bytes = view.row_bytes;
-                let ranges: Vec<(u64, u64)> = (0..len.div_ceil(p))
-                    .map(|i| {
-                        let rows = (len - i * p).min(p) as u64;
-                        let first = pages[i] as u64 * p as u64;
-                        (first * row_bytes, rows * row_bytes)
-                    })
-                    .collect();
                 slots.push(SlotRows {
                     layer,
                     slot,
                     buffer: view.buffer,
-                    ranges,
+                    ranges: page_ranges(pages, self.page_size(), len, view.row_bytes),
                 });
             }
         }
