@@ -124,9 +124,9 @@ impl Attention {
                 (b.bind_offset, b.bind_size),
                 direct.then(|| out_key.clone()),
             );
-            let io_cached = io_groups.get(&io_key);
-            let io = match io_cached.clone() {
-                Some(group) => group,
+            // (group, whether this call made it)
+            let (io, io_made) = match io_groups.get(&io_key) {
+                Some(group) => (group, false),
                 None => {
                     let part = if direct {
                         range(out, &o)
@@ -146,7 +146,7 @@ impl Attention {
                         })
                     });
                     match error {
-                        None => group,
+                        None => (group, true),
                         Some(e) if direct => {
                             reduce_group()?;
                             return Err(refused("query")(e));
@@ -155,11 +155,10 @@ impl Attention {
                     }
                 }
             };
-            let reduce_cached = out_groups.get(&out_key).filter(|_| !direct);
-            let reduce = match (&reduce_cached, direct) {
-                (_, true) => None,
-                (Some(group), false) => Some(group.clone()),
-                (None, false) => Some(reduce_group()?),
+            let reduce = match (direct, out_groups.get(&out_key)) {
+                (true, _) => None,
+                (false, Some(group)) => Some((group, false)),
+                (false, None) => Some((reduce_group()?, true)),
             };
             ring.reserve(pairs.len() as u64)?;
             // Copied inside the encoder, so calls recorded one after another each read their own.
@@ -169,14 +168,14 @@ impl Attention {
             } else {
                 None
             };
-            if io_cached.is_none() {
+            if io_made {
                 let pins = &[q_a, q_b, out][..if direct { 3 } else { 2 }];
                 io_groups.keep(io_key, pins, io.clone());
             }
-            if let (Some(group), None) = (&reduce, reduce_cached) {
+            if let Some((group, true)) = &reduce {
                 out_groups.keep(out_key, &[out], group.clone());
             }
-            Ok((io, reduce, table))
+            Ok((io, reduce.map(|(group, _)| group), table))
         })();
         let (io, reduce, table) = match bound {
             Ok(bound) => {
