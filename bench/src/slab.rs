@@ -172,7 +172,7 @@ pub fn run(
 
     // Reference bandwidths: the streaming-read roofline and host memcpy.
     let bytes = 64u64 << 20;
-    let (roof_run, _) = roof.best(timer, bytes, 1, 3)?;
+    let roof_run = roof.best(timer, bytes)?;
     let host: Vec<u8> = vec![1; bytes as usize];
     let mut copy = vec![0u8; bytes as usize];
     let mut memcpy = || -> Result<f64> {
