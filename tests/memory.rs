@@ -36,14 +36,6 @@ fn a_refused_attention_keeps_no_query_buffer() {
     let slab = HostSlab::f32(&row, &[1, 1, 64]);
     c.append(0, &[slab, slab]).unwrap();
     c.advance(1).unwrap();
-    let storage = |device: &wgpu::Device, size| {
-        device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("attention buffer"),
-            size,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        })
-    };
     // The output starts past its binding's start (4 elements in), so pass 1 does not write it
     // itself and the queries' group is made alone, before the output's.
     let (opts, at) = (AttentionOptions::default(), 4);
@@ -57,11 +49,8 @@ fn a_refused_attention_keeps_no_query_buffer() {
         &opts,
     )
     .unwrap();
-    // Buffers and their bytes (OpenGL counts no buffer memory in wgpu: there the count tells).
     let residency = Residency::new(g);
-    let live =
-        || pollster::block_on(async { (residency.live().await, residency.live_bytes().await) });
-    let before = live();
+    let before = residency.live_now();
     let big = storage(&g.device, 8 << 20);
     let foreign = storage(&other.device, 2048);
     let e = attn
@@ -75,7 +64,7 @@ fn a_refused_attention_keeps_no_query_buffer() {
         .unwrap_err();
     assert!(matches!(e, Error::ForeignDevice { .. }), "{e}");
     drop(big);
-    assert_eq!(live(), before);
+    assert_eq!(residency.live_now(), before);
 }
 
 /// A refused GPU append keeps none of the sources it checked: natively the first slot's source is
@@ -89,23 +78,12 @@ fn a_refused_gpu_append_keeps_no_source_buffer() {
     let _serial = serial();
     let g = common::gpu();
     let other = pollster::block_on(common::shared::default_limits_gpu(g));
-    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-    let buffer = |device: &wgpu::Device, size| {
-        device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("source"),
-            size,
-            usage,
-            mapped_at_creation: false,
-        })
-    };
     for dtype in [DType::F16, DType::F32] {
         let mut c =
             common::cache(CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], dtype, 8).unwrap());
         let residency = Residency::new(g);
-        let live =
-            || pollster::block_on(async { (residency.live().await, residency.live_bytes().await) });
-        let before = live();
-        let (big, foreign) = (buffer(&g.device, 8 << 20), buffer(&other.device, 1024));
+        let before = residency.live_now();
+        let (big, foreign) = (storage(&g.device, 8 << 20), storage(&other.device, 1024));
         let slab = |buffer| GpuSlab {
             buffer,
             dtype: DType::F32,
@@ -116,6 +94,16 @@ fn a_refused_gpu_append_keeps_no_source_buffer() {
         let e = c.append_gpu(0, &[slab(&big), slab(&foreign)]).unwrap_err();
         assert!(matches!(e, Error::ForeignDevice { .. }), "{dtype}: {e}");
         drop(big);
-        assert_eq!(live(), before, "{dtype}");
+        assert_eq!(residency.live_now(), before, "{dtype}");
     }
+}
+
+/// A `STORAGE | COPY_SRC` buffer of `size` bytes on `device`.
+fn storage(device: &wgpu::Device, size: u64) -> wgpu::Buffer {
+    device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("memory test buffer"),
+        size,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    })
 }

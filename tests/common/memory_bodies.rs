@@ -53,6 +53,14 @@ impl Residency {
         self.counters().buffer_memory.read()
     }
 
+    /// Natively, the live buffers and their bytes, from one poll (OpenGL counts no buffer memory
+    /// in wgpu: there the count tells).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn live_now(&self) -> (isize, isize) {
+        let counters = self.counters();
+        (counters.buffers.read(), counters.buffer_memory.read())
+    }
+
     /// The device's counters after a poll that frees what nothing references.
     #[cfg(not(target_arch = "wasm32"))]
     fn counters(&self) -> wgpu::wgt::HalCounters {
