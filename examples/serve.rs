@@ -22,6 +22,8 @@ use std::time::Instant;
 
 use clap::Parser;
 
+#[path = "shared/check.rs"]
+mod check;
 #[path = "shared/cli.rs"]
 mod cli;
 use cli::{
@@ -32,9 +34,6 @@ use kvgpu::{
     Attention, AttentionOptions, CacheSpec, DType, Gpu, HostSlab, Kv, MlaQueries, PagedCache,
     Queries, SeqId, reference,
 };
-
-/// Outputs may differ from the f64 CPU reference by this much, scaled by `1 + |reference|`.
-const TOLERANCE: f32 = 1e-4;
 
 /// Serves requests that share a system prompt from one paged KV pool on the default GPU adapter:
 /// admission, forks that share pages, decode steps of every running request, preemption when the pool
@@ -295,14 +294,9 @@ impl Server {
             (at * 4) as u64,
             (want.len() * 4) as u64,
         )?;
-        let got: &[f32] = bytemuck::cast_slice(&bytes);
-        // A twin that refused the shapes returns nothing: that is a failed check, not a pass.
-        self.good &= !want.is_empty() && got.len() == want.len();
-        for (g, w) in got.iter().zip(want) {
-            let err = (g - w).abs();
-            self.worst = self.worst.max(err);
-            self.good &= err <= TOLERANCE * (1.0 + w.abs());
-        }
+        let (err, within) = check::compare(bytemuck::cast_slice(&bytes), want);
+        self.worst = self.worst.max(err);
+        self.good &= within;
         self.checks += 1;
         Ok(())
     }
