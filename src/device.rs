@@ -243,7 +243,7 @@ pub async fn read_buffer_async(
     if !queue_belongs_to(device, queue) {
         return Err(Error::QueueMismatch);
     }
-    read_range(device, queue, buffer, offset, size)
+    read_ranges(device, queue, buffer, &[(offset, size)])
         .await
         .map_err(|reason| Error::Device { reason })
 }
@@ -258,17 +258,6 @@ pub fn read_buffer(
     size: u64,
 ) -> Result<Vec<u8>> {
     pollster::block_on(read_buffer_async(device, queue, buffer, offset, size))
-}
-
-/// Copies a checked range of `buffer` to the host (see [`read_buffer_async`]).
-pub(crate) async fn read_range(
-    device: &wgpu::Device,
-    queue: &wgpu::Queue,
-    buffer: &wgpu::Buffer,
-    offset: u64,
-    size: u64,
-) -> std::result::Result<Vec<u8>, String> {
-    read_ranges(device, queue, buffer, &[(offset, size)]).await
 }
 
 /// The bytes of checked ranges `(offset, size)` of `buffer`, one after the other, in one readback.
