@@ -38,7 +38,6 @@ const HEADS: u32 = 16u;
 // exp(NEG - m) is 0 for any score m above it.
 const NEG: f32 = -3.4028234e38;
 
-
 // Group 0: the layer's slots (a bind group the cache owns); group 1: queries and scratch; group 2: the
 // call's parameters.
 @group(0) @binding(0) var<storage, read> slot_a: array<u32>;
@@ -61,7 +60,6 @@ var<workgroup> rescale: array<f32, 16>;
 var<workgroup> tile_rows: array<u32, 512>;
 // The query's own row and first page-table entry.
 var<workgroup> query_row: vec2<u32>;
-
 
 // An f16 subnormal (or zero), exactly.
 fn f16_subnormal(h: u32) -> f32 {
@@ -323,10 +321,18 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    // Packed words, two per step (four elements), then a last single word.
-    let w_end = (e0 + d + 1u) >> 1u;
-    var w = e0 >> 1u;
-    for (; w + 1u < w_end; w += 2u) {
+    // Packed words. A slice that starts or ends inside a word takes that element alone (`half_a`):
+    // the word's other half is the next or previous head's, or row padding, and an infinity or NaN
+    // there would make a zero query element's product NaN.
+    var e = 0u;
+    if (e0 & 1u) == 1u && d > 0u {
+        half_a(base, e0, q0, 0u, acc);
+        e = 1u;
+    }
+    // Whole words from element e (e0 + e is even), two per step (four elements), then one.
+    let whole = e + ((d - e) & ~1u);
+    for (; e + 4u <= whole; e += 4u) {
+        let w = (e0 + e) >> 1u;
         var x: array<vec4<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
             let w0 = slot_a[base[k] + w];
@@ -335,38 +341,48 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
                 half_at(DTYPE_A, w1, true));
         }
         for (var h = 0u; h < HB; h++) {
-            let q = vec4<f32>(q_elem_a(q0 + h * sh, e0, d, 2u * w), q_elem_a(q0 + h * sh, e0, d, 2u * w + 1u),
-                q_elem_a(q0 + h * sh, e0, d, 2u * w + 2u), q_elem_a(q0 + h * sh, e0, d, 2u * w + 3u));
+            let at = q0 + h * sh + e * se;
+            let q = vec4<f32>(q_a[at], q_a[at + se], q_a[at + 2u * se], q_a[at + 3u * se]);
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += dot(q, x[k]);
             }
         }
     }
-    if w < w_end {
-        var lo: array<f32, 8>;
-        var hi: array<f32, 8>;
+    if e < whole {
+        let w = (e0 + e) >> 1u;
+        var x: array<vec2<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
             let word = slot_a[base[k] + w];
-            lo[k] = half_at(DTYPE_A, word, false);
-            hi[k] = half_at(DTYPE_A, word, true);
+            x[k] = vec2<f32>(half_at(DTYPE_A, word, false), half_at(DTYPE_A, word, true));
         }
         for (var h = 0u; h < HB; h++) {
-            let ql = q_elem_a(q0 + h * sh, e0, d, 2u * w);
-            let qh = q_elem_a(q0 + h * sh, e0, d, 2u * w + 1u);
+            let at = q0 + h * sh + e * se;
+            let q = vec2<f32>(q_a[at], q_a[at + se]);
             for (var k = 0u; k < RPL; k++) {
-                (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
+                (*acc)[k * HB + h] += dot(q, x[k]);
             }
         }
+        e += 2u;
+    }
+    if e < d {
+        half_a(base, e0, q0, e, acc);
     }
 }
 
-// The query element for stored element `i` of a row whose slice starts at element e0 (0 outside
-// [e0, e0 + d)); q is the query's element 0 in its view.
-fn q_elem_a(q: u32, e0: u32, d: u32, i: u32) -> f32 {
-    if i >= e0 && i < e0 + d {
-        return q_a[q + (i - e0) * p.view_a.w];
+// Element e of slot a's slice that starts at element e0 (16-bit storage), alone: the half of its
+// word that holds it, times the query element e of each head.
+fn half_a(base: array<u32, 8>, e0: u32, q0: u32, e: u32, acc: ptr<function, array<f32, 32>>) {
+    let i = e0 + e;
+    var x: array<f32, 8>;
+    for (var k = 0u; k < RPL; k++) {
+        x[k] = half_at(DTYPE_A, slot_a[base[k] + (i >> 1u)], (i & 1u) == 1u);
     }
-    return 0.0;
+    for (var h = 0u; h < HB; h++) {
+        let q = q_a[q0 + h * p.view_a.z + e * p.view_a.w];
+        for (var k = 0u; k < RPL; k++) {
+            (*acc)[k * HB + h] += q * x[k];
+        }
+    }
 }
 
 // As dot_a, for q_b and slot b.
@@ -439,10 +455,18 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    // Packed words, two per step (four elements), then a last single word.
-    let w_end = (e0 + d + 1u) >> 1u;
-    var w = e0 >> 1u;
-    for (; w + 1u < w_end; w += 2u) {
+    // Packed words. A slice that starts or ends inside a word takes that element alone (`half_b`):
+    // the word's other half is the next or previous head's, or row padding, and an infinity or NaN
+    // there would make a zero query element's product NaN.
+    var e = 0u;
+    if (e0 & 1u) == 1u && d > 0u {
+        half_b(base, e0, q0, 0u, acc);
+        e = 1u;
+    }
+    // Whole words from element e (e0 + e is even), two per step (four elements), then one.
+    let whole = e + ((d - e) & ~1u);
+    for (; e + 4u <= whole; e += 4u) {
+        let w = (e0 + e) >> 1u;
         var x: array<vec4<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
             let w0 = slot_b[base[k] + w];
@@ -451,38 +475,48 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
                 half_at(DTYPE_B, w1, true));
         }
         for (var h = 0u; h < HB; h++) {
-            let q = vec4<f32>(q_elem_b(q0 + h * sh, e0, d, 2u * w), q_elem_b(q0 + h * sh, e0, d, 2u * w + 1u),
-                q_elem_b(q0 + h * sh, e0, d, 2u * w + 2u), q_elem_b(q0 + h * sh, e0, d, 2u * w + 3u));
+            let at = q0 + h * sh + e * se;
+            let q = vec4<f32>(q_b[at], q_b[at + se], q_b[at + 2u * se], q_b[at + 3u * se]);
             for (var k = 0u; k < RPL; k++) {
                 (*acc)[k * HB + h] += dot(q, x[k]);
             }
         }
     }
-    if w < w_end {
-        var lo: array<f32, 8>;
-        var hi: array<f32, 8>;
+    if e < whole {
+        let w = (e0 + e) >> 1u;
+        var x: array<vec2<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
             let word = slot_b[base[k] + w];
-            lo[k] = half_at(DTYPE_B, word, false);
-            hi[k] = half_at(DTYPE_B, word, true);
+            x[k] = vec2<f32>(half_at(DTYPE_B, word, false), half_at(DTYPE_B, word, true));
         }
         for (var h = 0u; h < HB; h++) {
-            let ql = q_elem_b(q0 + h * sh, e0, d, 2u * w);
-            let qh = q_elem_b(q0 + h * sh, e0, d, 2u * w + 1u);
+            let at = q0 + h * sh + e * se;
+            let q = vec2<f32>(q_b[at], q_b[at + se]);
             for (var k = 0u; k < RPL; k++) {
-                (*acc)[k * HB + h] += ql * lo[k] + qh * hi[k];
+                (*acc)[k * HB + h] += dot(q, x[k]);
             }
         }
+        e += 2u;
+    }
+    if e < d {
+        half_b(base, e0, q0, e, acc);
     }
 }
 
-// The query element for stored element `i` of a row whose slice starts at element e0 (0 outside
-// [e0, e0 + d)); q is the query's element 0 in its view.
-fn q_elem_b(q: u32, e0: u32, d: u32, i: u32) -> f32 {
-    if i >= e0 && i < e0 + d {
-        return q_b[q + (i - e0) * p.view_b.w];
+// Element e of slot b's slice that starts at element e0 (16-bit storage), alone: the half of its
+// word that holds it, times the query element e of each head.
+fn half_b(base: array<u32, 8>, e0: u32, q0: u32, e: u32, acc: ptr<function, array<f32, 32>>) {
+    let i = e0 + e;
+    var x: array<f32, 8>;
+    for (var k = 0u; k < RPL; k++) {
+        x[k] = half_at(DTYPE_B, slot_b[base[k] + (i >> 1u)], (i & 1u) == 1u);
     }
-    return 0.0;
+    for (var h = 0u; h < HB; h++) {
+        let q = q_b[q0 + h * p.view_b.z + e * p.view_b.w];
+        for (var k = 0u; k < RPL; k++) {
+            (*acc)[k * HB + h] += q * x[k];
+        }
+    }
 }
 
 // A row of `elems` elements fits `rw` stored words (the block types: whole blocks, values and scales).

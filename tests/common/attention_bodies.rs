@@ -607,6 +607,85 @@ pub async fn large_soft_caps_keep_their_precision(g: &Gpu) {
     }
 }
 
+/// An infinity or a NaN in one KV head's row stays in that head: the heads beside it match the twin.
+/// Heads of 33 and 17 elements share a word of 16-bit storage with their neighbours, and the tiled
+/// kernel read whole words, multiplying the neighbour's half by a zero query element: 0 x inf is
+/// NaN, so one head's infinity made the next head's scores NaN. Here KV head 1 of 3 holds an
+/// infinity and a NaN at both ends of one row's key and value; heads 0 and 2 are checked (head 1's
+/// own outputs are NaN in the twin, and no kernel promises which NaN-free value it gives instead).
+pub async fn a_non_finite_element_stays_in_its_head(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    // `gqa_matches`' case 7 and its storage (its pipelines), without the window.
+    #[rustfmt::skip]
+    let case = Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 70, n_q: 3, window: None, soft_cap: None };
+    let n_heads = case.n_kv * case.group;
+    let (rows, n_q) = (case.visible, case.n_q);
+    let mut k = values(41, rows * case.n_kv * case.d_k);
+    let mut v = values(42, rows * case.n_kv * case.d_v);
+    // Row 20, KV head 1: its first and last elements.
+    for (data, d) in [(&mut k, case.d_k), (&mut v, case.d_v)] {
+        let head = (20 * case.n_kv + 1) * d;
+        data[head] = f32::INFINITY;
+        data[head + d - 1] = f32::NAN;
+    }
+    let q = values(43, n_q * n_heads * case.d_k);
+    let qb = f32_buffer(&g.device, &q).await;
+    let options = AttentionOptions::default();
+    let checked: Vec<usize> = (0..n_heads).filter(|h| h / case.group != 1).collect();
+    let heads_of = |x: &[f32]| -> Vec<f32> {
+        x.chunks(case.d_v)
+            .enumerate()
+            .filter(|(i, _)| checked.contains(&(i % n_heads)))
+            .flat_map(|(_, h)| h.iter().copied())
+            .collect()
+    };
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for types in storage_pairs(&DType::ALL, 7) {
+            let layer = stored_as(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), types);
+            let mut c = cache_on(g, CacheSpec::new(vec![layer], types[0], rows).unwrap());
+            for (from, to) in [(0, rows - n_q), (rows - n_q, rows)] {
+                let (ks, vs) = (k.chunks(case.d_k), v.chunks(case.d_v));
+                let (heads_from, heads) = (from * case.n_kv, (to - from) * case.n_kv);
+                let k_rows: Vec<f32> = ks.skip(heads_from).take(heads).flatten().copied().collect();
+                let v_rows: Vec<f32> = vs.skip(heads_from).take(heads).flatten().copied().collect();
+                let shapes = [
+                    [to - from, case.n_kv, case.d_k],
+                    [to - from, case.n_kv, case.d_v],
+                ];
+                let slabs = [
+                    HostSlab::f32(&k_rows, &shapes[0]),
+                    HostSlab::f32(&v_rows, &shapes[1]),
+                ];
+                c.append(0, &slabs).unwrap();
+                if from == 0 {
+                    c.advance(to).unwrap();
+                }
+            }
+            // A fresh output each time: a refused call is checked to leave it as it was made.
+            let out = output(&g.device, n_q * n_heads * case.d_v).await;
+            let queries = Queries::new(&qb, n_q, n_heads, case.d_k);
+            let result = att.gqa(&c, 0, queries, &out, &options);
+            if !ran(g, result, &att, &c, &out).await {
+                continue;
+            }
+            let want = reference::attention_gqa(
+                &q,
+                [n_q, n_heads, case.d_k],
+                &c.read_f32_async(0, 0).await.unwrap(),
+                &c.read_f32_async(0, 1).await.unwrap(),
+                case.n_kv,
+                case.d_v,
+                &options,
+            );
+            let got = read_f32(g, &out).await;
+            let what = format!("{types:?} {kernel:?}, KV head 1 of 3 holding inf and NaN");
+            let worst = assert_close(&heads_of(&got), &heads_of(&want), &what);
+            note!("{what}: worst scaled error {worst:e} over KV heads 0 and 2");
+        }
+    }
+}
+
 /// fp8 keys whose heads do not start on a word (d_k not a multiple of 4) take the tiled kernel's
 /// element-by-element loads, four loop iterations per row per step more than whole words: with
 /// heads of 9,990 over 512 rows, a tile planned as if every load were whole ran past the 65,535
