@@ -48,11 +48,15 @@ impl Gpu {
     }
 
     /// Opens an adapter of `backends`, the first whose name contains `name` when one is given.
+    ///
+    /// Natively every call for the same `backends` opens its device on one wgpu instance, kept for
+    /// the process: wgpu 30 tells devices and buffers apart by their id within an instance, and ids
+    /// of two instances coincide, so a cache or buffer of another `Gpu` could not be refused as
+    /// [`Error::ForeignDevice`] if each had its own (it would reach wgpu, which panics or takes the
+    /// other instance's object of the same id). The same holds for devices of instances the app
+    /// makes, and of two `Gpu`s opened for different `backends`: their objects must not be mixed.
     pub async fn open(backends: wgpu::Backends, name: Option<&str>) -> Result<Gpu> {
-        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
-            backends,
-            ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
-        });
+        let instance = instance(backends);
         let adapter = match name {
             Some(name) => pick_by_name(&instance, backends, name).await?,
             None => instance
@@ -99,6 +103,29 @@ impl Gpu {
     pub fn limits(&self) -> DeviceLimits {
         DeviceLimits::from_wgpu(&self.device.limits())
     }
+}
+
+/// The wgpu instance of `backends`: natively one per value for the process (see [`Gpu::open`]).
+fn instance(backends: wgpu::Backends) -> wgpu::Instance {
+    let make = || {
+        wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends,
+            ..wgpu::InstanceDescriptor::new_without_display_handle_from_env()
+        })
+    };
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        static INSTANCES: Mutex<Vec<(wgpu::Backends, wgpu::Instance)>> = Mutex::new(Vec::new());
+        let mut made = INSTANCES.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, instance)) = made.iter().find(|(b, _)| *b == backends) {
+            return instance.clone();
+        }
+        let instance = make();
+        made.push((backends, instance.clone()));
+        instance
+    }
+    #[cfg(target_arch = "wasm32")]
+    make()
 }
 
 /// The backends a `WGPU_BACKEND` value names (all of them when unset or empty); a value that names

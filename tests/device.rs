@@ -28,15 +28,25 @@ fn a_matching_name_opens_that_adapter() {
     assert!(any.limits().max_storage_buffer_binding_size >= 128 << 20);
 }
 
+/// A device of a wgpu instance of its own (not `Gpu::open`'s), on the backend `WGPU_BACKEND` names.
+fn own_instance_gpu() -> Gpu {
+    let instance =
+        wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+    let adapter = pollster::block_on(instance.request_adapter(&Default::default())).unwrap();
+    let (device, queue) = pollster::block_on(adapter.request_device(&Default::default())).unwrap();
+    Gpu {
+        adapter,
+        device,
+        queue,
+    }
+}
+
 #[test]
 fn caches_of_two_instances_and_caches_sharing_pipelines() {
     use kvgpu::{CacheSpec, DType, HostSlab, KvCache, LayerSpec};
-    // Two `Gpu`s are two wgpu instances whose device ids can coincide: each cache must still use
-    // pipelines of its own device.
-    let (a, b) = (
-        Gpu::from_env_blocking().unwrap(),
-        Gpu::from_env_blocking().unwrap(),
-    );
+    // Two wgpu instances, whose device ids can coincide: each cache must still use pipelines of its
+    // own device.
+    let (a, b) = (Gpu::from_env_blocking().unwrap(), own_instance_gpu());
     let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F16, 4).unwrap();
     let mut ca = KvCache::new(&a.device, &a.queue, spec.clone()).unwrap();
     let mut cb = KvCache::new(&b.device, &b.queue, spec.clone()).unwrap();
@@ -104,4 +114,79 @@ fn caches_made_on_many_threads_at_once_are_never_refused_their_own_queue() {
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
+}
+
+/// Two `Gpu`s opened on the same backends share one wgpu instance, so a cache or buffer of one is
+/// refused by the other as another device's: with an instance each, their device and buffer ids
+/// coincided, the cache passed as the attention's own, and wgpu met the other instance's ids
+/// (a panic, or another buffer of the same id bound in its place).
+#[test]
+fn caches_and_buffers_of_another_gpu_are_refused() {
+    use kvgpu::{Attention, CacheSpec, DType, Error, HostSlab, KvCache, LayerSpec, Queries};
+    let (a, b) = (
+        Gpu::from_env_blocking().unwrap(),
+        Gpu::from_env_blocking().unwrap(),
+    );
+    assert_ne!(a.device, b.device);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 8, 8)], DType::F32, 4).unwrap();
+    let mut ca = KvCache::new(&a.device, &a.queue, spec.clone()).unwrap();
+    let mut cb = KvCache::new(&b.device, &b.queue, spec).unwrap();
+    let row = [0.5f32; 8];
+    for c in [&mut ca, &mut cb] {
+        c.append(
+            0,
+            &[
+                HostSlab::f32(&row, &[1, 1, 8]),
+                HostSlab::f32(&row, &[1, 1, 8]),
+            ],
+        )
+        .unwrap();
+    }
+    let buffer = |g: &Gpu| {
+        g.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("queries or output"),
+            size: 32,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    };
+    let (qa, qb) = (buffer(&a), buffer(&b));
+    let mut att = Attention::new(&a.device, &a.queue).unwrap();
+    let e = att
+        .gqa(
+            &cb,
+            0,
+            Queries::new(&qa, 1, 1, 8),
+            &buffer(&a),
+            &Default::default(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::ForeignDevice { what, .. } if what.starts_with("cache")),
+        "{e}"
+    );
+    for (queries, out, which) in [(&qb, &qa, "query"), (&qa, &qb, "output")] {
+        let e = att
+            .gqa(
+                &ca,
+                0,
+                Queries::new(queries, 1, 1, 8),
+                out,
+                &Default::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::ForeignDevice { what, .. } if what.starts_with(which)),
+            "{which}: {e}"
+        );
+    }
+    // And the Attention still serves its own device.
+    att.gqa(
+        &ca,
+        0,
+        Queries::new(&qa, 1, 1, 8),
+        &buffer(&a),
+        &Default::default(),
+    )
+    .unwrap();
 }

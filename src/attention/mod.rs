@@ -67,7 +67,8 @@
 //!
 //! Devices and buffers are told apart the way wgpu compares them, by id within one `wgpu::Instance`:
 //! a cache or buffer of another device of the same instance is refused with a typed error; objects
-//! of a different instance cannot be recognised and must not be mixed.
+//! of a different instance cannot be recognised and must not be mixed ([`crate::Gpu::open`] opens
+//! every device of the same backends on one instance).
 
 mod plan;
 mod record;
