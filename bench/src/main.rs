@@ -105,8 +105,8 @@ fn main() -> Result<()> {
             "-h" | "--help" => {
                 println!(
                     "kvgpu-bench [--quick] [--json PATH] [--plot PATH] [--only slab|decode|attention|long|paged|snapshot|quant]\n  \
-                     adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME; the long part (32k-128k contexts) runs\n  \
-                     in full runs on GPUs only, and on any adapter with --only long\n\
+                     adapter from WGPU_BACKEND / WGPU_ADAPTER_NAME; the long part (32k-128k contexts, 32k\n  \
+                     alone with --quick) runs without --only on GPUs only, and on any adapter with --only long\n\
                      kvgpu-bench --plot-from JSON [--plot PATH]\n  \
                      redraws the plot from a recorded run (a JSON written by --json) without measuring"
                 );

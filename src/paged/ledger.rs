@@ -1,17 +1,4 @@
-//! Host truth of a paged pool: the free list, each page's reference count, and per sequence its page
-//! table, committed length and pending rows per layer. No wgpu types.
-//!
-//! A page holds `page_size` consecutive token rows of a sequence in every (layer, slot) at once, so one
-//! page table serves every layer. Row `r` of a sequence lies in its page `pages[r / page_size]`, row
-//! `r % page_size` of it. A page shared by several sequences (after a fork) is never written: a write
-//! into it first gives the writer a private copy of the rows it can see (copy-on-write), so the rows
-//! the other sequences see never change.
-//!
-//! Full pages can also be published under the tokens their rows hold ([`PageLedger::publish`]): the
-//! ledger keeps them, as one more holder, in a trie whose nodes are pages keyed by their parent page
-//! and their own tokens, so that a new sequence whose tokens start the same way starts from those
-//! pages ([`PageLedger::add_with_prefix`]) after its sequence is gone. Pages only the trie holds go
-//! back to the pool when evicted, least recently used first.
+//! The host ledger of a paged pool, [`PageLedger`].
 
 use std::collections::BTreeMap;
 
@@ -62,7 +49,22 @@ pub(crate) struct PagedPlan {
     pub runs: Vec<(usize, Run)>,
 }
 
-/// Host bookkeeping of a paged pool; see the module docs.
+/// Host truth of a paged pool: the free list, each page's reference count, and per sequence its page
+/// table, committed length and pending rows per layer. No wgpu types.
+///
+/// A page holds `page_size` consecutive token rows of a sequence in every (layer, slot) at once, so one
+/// page table serves every layer. Row `r` of a sequence lies in its page `pages[r / page_size]`, row
+/// `r % page_size` of it. A page shared by several sequences (after a fork) is never written: a write
+/// into it first gives the writer a private copy of the rows it can see (copy-on-write), so the rows
+/// the other sequences see never change.
+///
+/// Full pages can also be published under the tokens their rows hold
+/// ([`PagedCache::publish_prefix`](crate::PagedCache::publish_prefix)): the ledger keeps them, as
+/// one more holder, in a trie whose nodes are pages keyed by their parent page and their own
+/// tokens, so that a new sequence whose tokens start the same way starts from those pages
+/// ([`PagedCache::add_sequence_with_prefix`](crate::PagedCache::add_sequence_with_prefix)) after
+/// its sequence is gone. Pages only the trie holds go
+/// back to the pool when evicted, least recently used first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PageLedger {
     shapes: Vec<Vec<Vec<usize>>>,
@@ -237,7 +239,7 @@ impl PageLedger {
         Ok(id)
     }
 
-    /// Removes `seq`; the pages it alone held return to the pool.
+    /// Removes `seq`; the pages it alone held return to the pool (a published page stays cached).
     pub(crate) fn remove(&mut self, seq: SeqId) -> Result<()> {
         self.check_pool(seq)?;
         let s = self

@@ -1,26 +1,4 @@
-//! A paged pool of many sequences: per (layer, slot) one pool buffer of `n_pages` pages of
-//! `page_size` token rows, a [`PageLedger`] that owns the free list, the page tables, the reference
-//! counts of shared pages and every sequence's length, and the commands that carry out its plans.
-//!
-//! The pool's buffers are the slot buffers of an inner [`KvCache`] whose capacity is the pool's rows
-//! (its own ledger is unused): row placement, host and GPU sources, conversion and the device checks
-//! are the single-sequence cache's, applied to the runs a plan gives. Every operation is checked in
-//! full by the ledger before anything is written or recorded, and a refusal changes nothing.
-//!
-//! Ordering, as for [`KvCache`]: host appends reach the GPU at the next queue submission, ahead of the
-//! commands submitted with it. A host append into a page shared after a fork first submits the copy
-//! that gives the writer its private page, so the copy sees every earlier host append and every
-//! command submitted before it. A recorded GPU append into a shared page records its copy, and the
-//! page is then left to its other holders, whose host appends write into it at the next submission:
-//! submit an encoder holding GPU appends before host appends to any sequence that shared a page with
-//! the ones it appends to (a parent and its forks, or two forks of one parent). The table entries a
-//! recorded GPU append changes are copied into the table by a command recorded with it, so they
-//! change where the append stands in its encoder: an
-//! attention recorded before the append reads the pages it was recorded against, one recorded after
-//! it the append's (a host append's entries, like its rows, land ahead of the next submission).
-//! The pages and the table row that `remove` or `truncate` frees go to the next sequence that takes
-//! one, at once: submit an encoder holding GPU appends to a sequence before removing or truncating
-//! it, or they land in the pages of whichever sequence takes them next.
+//! The paged pool of many sequences, [`PagedCache`].
 
 mod ledger;
 mod snapshot;
@@ -41,7 +19,32 @@ use ledger::{PageCopy, PagedPlan};
 pub use snapshot::SequenceImport;
 use std::collections::BTreeMap;
 
-/// Many sequences in one pool of GPU memory; see the module docs.
+/// A paged pool of many sequences: per (layer, slot) one pool buffer of `n_pages` pages of
+/// `page_size` token rows, a [`PageLedger`] that owns the free list, the page tables, the reference
+/// counts of shared pages and every sequence's length, and the commands that carry out its plans.
+///
+/// The pool's buffers are the slot buffers of an inner [`KvCache`] whose capacity is the pool's rows
+/// (its own ledger is unused): row placement, host and GPU sources, conversion and the device checks
+/// are the single-sequence cache's, applied to the runs a plan gives. Every operation is checked in
+/// full by the ledger before anything is written or recorded, and a refusal changes nothing.
+///
+/// Ordering, as for [`KvCache`]: host appends reach the GPU at the next queue submission, ahead of the
+/// commands submitted with it. A host append into a page shared after a fork first submits the copy
+/// that gives the writer its private page, so the copy sees every earlier host append and every
+/// command submitted before it. A recorded GPU append into a shared page records its copy, and the
+/// page is then left to its other holders, whose host appends write into it at the next submission:
+/// submit an encoder holding GPU appends before host appends to any sequence that shared a page with
+/// the ones it appends to (a parent and its forks, or two forks of one parent). The table entries a
+/// recorded GPU append changes are copied into the table by a command recorded with it, so they
+/// change where the append stands in its encoder: an
+/// attention recorded before the append reads the pages it was recorded against, one recorded after
+/// it the append's (a host append's entries, like its rows, land ahead of the next submission).
+/// The pages and the table row that `remove` or `truncate` frees go to the next sequence that takes
+/// one, at once, and that sequence's host appends and table entries land ahead of the next
+/// submission: submit an encoder holding GPU appends to a sequence, or attention over it, before
+/// removing or truncating it. Otherwise the appends land in the pages of whichever sequence takes
+/// them next, and the attention reads that sequence's table entries and rows (within the pool: no
+/// access leaves it, but the rows are another sequence's).
 pub struct PagedCache {
     /// The pool's buffers: a cache of `page_size · n_pages` rows whose ledger stays empty.
     store: KvCache,
@@ -105,8 +108,6 @@ fn changed_from(plan: &PagedPlan, held: usize) -> usize {
     plan.copies.iter().map(|c| c.index).fold(held, usize::min)
 }
 
-/// The pool row of each of a slab's `rows` rows, from the runs (`(first slab row, run)`) covering
-/// them. Pool rows fit a u32: the pool fits one binding.
 /// Where the first `rows` rows of a sequence holding `pages` lie in a slot of `row_bytes`-byte rows:
 /// `(byte offset, bytes)` per page, in order.
 fn page_ranges(pages: &[u32], page_size: usize, rows: usize, row_bytes: u64) -> Vec<(u64, u64)> {
@@ -119,6 +120,8 @@ fn page_ranges(pages: &[u32], page_size: usize, rows: usize, row_bytes: u64) -> 
         .collect()
 }
 
+/// The pool row of each of a slab's `rows` rows, from the runs (`(first slab row, run)`) covering
+/// them. Pool rows fit a u32: the pool fits one binding.
 fn row_map(rows: usize, runs: &[(usize, Run)]) -> Vec<u32> {
     let mut map = vec![0; rows];
     for &(first, run) in runs {
@@ -427,7 +430,9 @@ impl PagedCache {
         Ok((seq, made))
     }
 
-    /// Removes `seq`; the pages no other sequence shares return to the pool.
+    /// Removes `seq`; the pages no other sequence shares return to the pool, but those also
+    /// published as a prefix, which stay cached ([`PagedCache::cached_pages`]) until evicted. Submit
+    /// any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
     pub fn remove(&mut self, seq: SeqId) -> Result<()> {
         self.ledger.remove(seq)?;
         if let Some(row) = self.table_rows.remove(&seq) {
@@ -493,7 +498,9 @@ impl PagedCache {
     }
 
     /// Rolls `seq` back to `new_len` committed rows, dropping pending rows, with no GPU work; pages
-    /// past the new end return to the pool (their bytes stay until overwritten), one by one.
+    /// past the new end return to the pool (their bytes stay until overwritten), one by one, but
+    /// pages shared with another sequence or published as a prefix, which their other holders keep.
+    /// Submit any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         self.ledger.truncate(seq, new_len)
     }
