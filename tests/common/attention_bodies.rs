@@ -252,6 +252,10 @@ pub async fn gqa_matches_the_reference_for_every_dtype(g: &Gpu) {
         // partial (on CPU adapters), with a window and with odd 16-bit dims.
         Gqa { n_kv: 8, group: 4, d_k: 64, d_v: 64, visible: 600, n_q: 2, window: Some(550), soft_cap: None },
         Gqa { n_kv: 8, group: 2, d_k: 33, d_v: 17, visible: 700, n_q: 3, window: None, soft_cap: Some(30.0) },
+        // The window's ends: each query's own row alone, and a window past every row (cases 4 and 3
+        // otherwise, and their storage).
+        Gqa { n_kv: 4, group: 1, d_k: 64, d_v: 64, visible: 65, n_q: 7, window: Some(1), soft_cap: Some(20.0) },
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 64, n_q: 1, window: Some(100_000), soft_cap: None },
     ];
     for kernel in kernels(g) {
         att.set_kernel(kernel);
