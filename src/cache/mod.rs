@@ -724,7 +724,10 @@ impl KvCache {
     }
 
     /// Rolls back to `new_len` committed rows in O(1), dropping pending rows; the dropped rows keep
-    /// their bytes until overwritten (see [`KvCache::truncate_and_scrub`]).
+    /// their bytes until overwritten (see [`KvCache::truncate_and_scrub`]). Submit an encoder holding
+    /// recorded appends or attention over the dropped rows first: rows host-appended after this land
+    /// at the next submission, ahead of that encoder's commands, which would then write over them
+    /// (appends) or read them (attention).
     pub fn truncate(&mut self, new_len: usize) -> Result<()> {
         self.ledger.truncate(new_len).map(drop)
     }

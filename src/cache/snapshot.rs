@@ -212,7 +212,9 @@ impl KvCache {
     /// storage type or shape, a cache that is not empty) and the capacity
     /// ([`Error::CapacityExceeded`]) — and a refusal changes nothing. The rows reach the GPU at the
     /// next queue submission, like host appends (natively checked for memory above 4 MiB:
-    /// [`KvCache::append`]). Returns the rows restored.
+    /// [`KvCache::append`]), so an encoder holding a recorded reset or scrub of this cache must be
+    /// submitted first, or its zeroing runs after the restored rows and wipes them. Returns the rows
+    /// restored.
     pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;
@@ -229,7 +231,8 @@ impl KvCache {
     /// [`KvCache::import`] of a snapshot that arrives in pieces: [`CacheImport::push`] each piece,
     /// then [`CacheImport::finish`]. The host holds one piece (and a word) at a time; the rows wait
     /// in GPU staging buffers (as large as the snapshot's rows) until the whole snapshot checks out,
-    /// and only then are copied into the cache, so a refusal still changes nothing. A snapshot of
+    /// and only then are copied into the cache, so a refusal still changes nothing (the copy is its own
+    /// submission: submit a recorded reset or scrub of this cache first). A snapshot of
     /// another storage type or shape, and one that does not fit, are refused as soon as its header
     /// arrives.
     pub fn import_stream(&mut self) -> Result<CacheImport<'_>> {

@@ -34,7 +34,10 @@ use std::collections::BTreeMap;
 /// command submitted before it. A recorded GPU append into a shared page records its copy, and the
 /// page is then left to its other holders, whose host appends write into it at the next submission:
 /// submit an encoder holding GPU appends before host appends to any sequence that shared a page with
-/// the ones it appends to (a parent and its forks, or two forks of one parent). The table entries a
+/// the ones it appends to (a parent and its forks, or two forks of one parent), the appended
+/// sequence itself included once it has been forked: the host append's private copy of the shared
+/// page and its table entry land first, and the recorded append's table entry, copied later, points
+/// the sequence back at the shared page. The table entries a
 /// recorded GPU append changes are copied into the table by a command recorded with it, so they
 /// change where the append stands in its encoder: an
 /// attention recorded before the append reads the pages it was recorded against, one recorded after
