@@ -166,6 +166,11 @@ impl KvCache {
     /// rows of the current step are not part of it. The rows are read back one slot at a time, the
     /// next slot's copy running while this one is checksummed and written, so besides what `out`
     /// keeps the host holds two staging buffers as large as the largest slot's committed rows.
+    ///
+    /// The rows are read as the GPU holds them when the readback is submitted: submit any encoder
+    /// holding recorded appends of committed rows first, or the snapshot holds (and checksums) the
+    /// bytes those rows had before. A refused export may have written the header and earlier slots
+    /// to `out` already.
     pub async fn export_async<W: Write + ?Sized>(&self, out: &mut W) -> Result<u64> {
         self.check_usable()?;
         let len = self.len();
@@ -229,7 +234,8 @@ impl KvCache {
     }
 
     /// [`KvCache::import`] of a snapshot that arrives in pieces: [`CacheImport::push`] each piece,
-    /// then [`CacheImport::finish`]. The host holds one piece (and a word) at a time; the rows wait
+    /// then [`CacheImport::finish`]. The host keeps up to 1 MiB of a slot's rows between pieces, and a
+    /// copy of each piece while it is pushed; the rows wait
     /// in GPU staging buffers (as large as the snapshot's rows) until the whole snapshot checks out,
     /// and only then are copied into the cache, so a refusal still changes nothing (the copy is its own
     /// submission: submit a recorded reset or scrub of this cache first). A snapshot of

@@ -15,6 +15,9 @@ impl PagedCache {
     /// Writes a snapshot of the committed rows of `seq` to `out` (as [`crate::KvCache::export_async`]:
     /// pending rows are not part of it) and returns its length in bytes. Each slot's rows are
     /// gathered from the sequence's pages on the GPU and read back in one map, one slot at a time.
+    /// Submit any encoder holding recorded appends to `seq` first: a recorded append that gives it a
+    /// private copy of a shared page moves it to the new page at once, and the copy fills the page
+    /// only when that encoder runs.
     pub async fn export_sequence_async<W: Write + ?Sized>(
         &self,
         seq: SeqId,
