@@ -348,6 +348,17 @@ pub(crate) fn pump(mut reader: impl Read, mut push: impl FnMut(&[u8]) -> Result<
     loop {
         let n = match reader.read(&mut piece) {
             Ok(0) => return Ok(()),
+            // A reader that breaks `Read`'s contract is refused, not sliced past the buffer.
+            Ok(n) if n > piece.len() => {
+                return Err(Error::Snapshot {
+                    problem: SnapshotProblem::Read {
+                        reason: format!(
+                            "the reader said it read {n} bytes into a buffer of {}",
+                            piece.len()
+                        ),
+                    },
+                });
+            }
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
@@ -435,5 +446,57 @@ impl RowSink for CacheSink<'_> {
             Some(staged) => staged.rows(layer, slot, offset, bytes),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads `data`, but claims one byte more than the buffer holds once `lie` is set.
+    struct Reader {
+        data: Vec<u8>,
+        lie: bool,
+    }
+
+    impl Read for Reader {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.lie {
+                return Ok(buf.len() + 1);
+            }
+            let n = self.data.len().min(buf.len());
+            buf[..n].copy_from_slice(&self.data[..n]);
+            self.data.drain(..n);
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_reader_claiming_more_bytes_than_its_buffer_is_refused() {
+        let mut seen = Vec::new();
+        let honest = Reader {
+            data: (0..=255).collect(),
+            lie: false,
+        };
+        pump(honest, |piece| {
+            seen.extend_from_slice(piece);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, (0..=255).collect::<Vec<u8>>());
+        let liar = Reader {
+            data: Vec::new(),
+            lie: true,
+        };
+        let e = pump(liar, |_| Ok(())).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::Snapshot {
+                    problem: SnapshotProblem::Read { .. }
+                }
+            ),
+            "{e}"
+        );
     }
 }
