@@ -389,7 +389,16 @@ impl Readback {
         if let Some(e) = scope.pop().await {
             return Err(format!("wgpu refused the copy: {e}"));
         }
+        // The submission in a scope of its own: WebGPU checks a buffer's destroyed state only there
+        // (the browser's `held` cannot see it), and the copy of a buffer destroyed meanwhile would
+        // otherwise leave the staging buffer as it was and be read as the buffer's bytes.
+        let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
         let index = queue.submit([commands]);
+        if let Some(e) = scope.pop().await {
+            return Err(format!(
+                "the device refused the copy when it was submitted (a destroyed buffer?): {e}"
+            ));
+        }
         let (tx, mapped) = oneshot();
         staging.map_async(wgpu::MapMode::Read, ..size, move |r| tx.send(r));
         Ok(Self {

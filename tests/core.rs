@@ -16,6 +16,7 @@ common::shared_tests!(cache_bodies:
     reset_zeroes_every_byte_and_reset_fast_keeps_data,
     recorded_ops_share_one_encoder,
     views_narrow_to_visible_rows,
+    destroyed_buffers_are_not_read_back,
     host_data_already_in_the_storage_type_is_stored_as_is,
     scrub_matches_the_zero_twin_at_every_word_offset,
     parameters_move_on_to_fresh_buffers_inside_one_batch,

@@ -113,6 +113,7 @@ browser_tests!(cache_bodies:
     full_capacity_then_overflow_then_truncate_and_reappend,
     recorded_ops_share_one_encoder,
     views_narrow_to_visible_rows,
+    destroyed_buffers_are_not_read_back,
     scrub_matches_the_zero_twin_at_every_word_offset,
     parameters_move_on_to_fresh_buffers_inside_one_batch,
     a_sequence_moves_between_caches,

@@ -605,6 +605,36 @@ pub async fn views_narrow_to_visible_rows(g: &Gpu) {
     assert_eq!(c.read_words_async(0, 0).await.unwrap().len(), 9);
 }
 
+/// A buffer the app destroyed is not read back, nor a cache whose slot it destroyed through a view:
+/// both calls are refused. In the browser, where a destroyed buffer looks unmapped and only
+/// WebGPU's submission checks it, both returned `Ok` with the staging buffer's bytes (zeros, or
+/// the previous slot's rows in an export) and left an uncaptured error.
+pub async fn destroyed_buffers_are_not_read_back(g: &Gpu) {
+    let b = g.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("destroyed"),
+        size: 16,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    b.destroy();
+    let e = read_buffer_async(&g.device, &g.queue, &b, 0, 16)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Device { .. }), "{e}");
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap();
+    let mut c = cache_on(g, spec);
+    let k = values(2, 8);
+    c.append(
+        0,
+        &[HostSlab::f32(&k, &[2, 1, 4]), HostSlab::f32(&k, &[2, 1, 4])],
+    )
+    .unwrap();
+    c.advance(2).unwrap();
+    c.view(0, 1).unwrap().buffer.destroy();
+    let mut out = Vec::new();
+    assert!(c.export_async(&mut out).await.is_err());
+}
+
 /// 16-bit host data already in the storage type is stored as is, and f32 host data is rounded to
 /// nearest even exactly like `half`: subnormals, signed zero, overflow to infinity, large magnitudes,
 /// rows of odd width (the padding half stays zero). Only f16 and bf16: the test is about 16-bit data
