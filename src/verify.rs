@@ -17,7 +17,10 @@ use crate::kernels::{Held, held};
 ///
 /// A buffer of another device is refused with [`Error::ForeignBuffer`]; natively, one the app
 /// destroyed or whose creation failed with [`Error::UnusableBuffer`] (a browser does not tell: there
-/// such a buffer is refused as another device's, or reported by WebGPU at submit). The probe binds the buffer's
+/// such a buffer is refused as another device's, or reported by WebGPU at submit, and a buffer
+/// verified and then destroyed is still taken as verified: the submission holding a kvgpu command
+/// that uses it fails, with the app's other commands in it, while the ledger counts the rows such
+/// an append wrote). The probe binds the buffer's
 /// first word as read-only storage when it has `STORAGE` usage, otherwise copies it when it has
 /// `COPY_SRC`; nothing is submitted. A buffer with neither usage, or under 4 bytes, cannot be used
 /// by kvgpu at all: it is not probed and returns `Ok`, and the calls that would use it refuse it

@@ -261,7 +261,8 @@ impl Attention {
     /// skipped; a head count that does not divide into a GQA layer's KV heads
     /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
     /// [`Error::AttentionRequest`], both before anything is built. A generated kernel the device
-    /// refuses is [`Error::AttentionRequest`] too, found as it is built.
+    /// refuses is [`Error::AttentionRequest`] too, found as it is built (natively: in the browser the
+    /// refusal is the device's uncaptured error, and the refused pipeline is kept as built).
     pub fn prepare(&mut self, cache: &KvCache, n_heads: usize) -> Result<usize> {
         self.prepare_rows(cache, None, n_heads)
     }
