@@ -15,7 +15,8 @@ pub struct SlotSpec {
     pub dtype: Option<DType>,
     /// fp8 slots only: the scale of the stored values, as vLLM's `k_scale` / `v_scale` (a value is its
     /// stored fp8 number times the scale; appends store `x * (1 / scale)` rounded to fp8, so that
-    /// values beyond fp8's range of +-448 keep their precision). `None`: 1, no multiplication.
+    /// values beyond fp8's range of +-448 keep their precision). `None`: 1, no multiplication; a
+    /// built [`CacheSpec`] keeps `None` for a scale of 1.
     pub scale: Option<f32>,
 }
 
@@ -249,6 +250,13 @@ impl CacheSpec {
                 n_layers: layers.len(),
                 max_seq_len,
             });
+        }
+        // A scale of 1 multiplies by nothing (`x * (1 / 1)` is `x`, bit for bit): kept as `None`, so
+        // that two specs storing the same values compare equal.
+        for slot in layers.iter_mut().flat_map(|l| &mut l.slots) {
+            if slot.scale == Some(1.0) {
+                slot.scale = None;
+            }
         }
         Ok(Self {
             layers,
@@ -591,6 +599,43 @@ mod tests {
         let f16 = CacheSpec::new(spec.layers().to_vec(), DType::F16, 16).unwrap();
         assert_eq!(f16.slot_dtype(0, 0).unwrap(), DType::F16);
         assert_eq!(f16.slot_dtype(0, 1).unwrap(), DType::Q4_0);
+    }
+
+    /// An fp8 slot said to have a scale of 1 is the unscaled slot (the same stored bits), so that
+    /// a snapshot of one restores into the other; a scale of 1 on a slot of another type is still
+    /// refused.
+    #[test]
+    fn a_scale_of_one_is_no_scale() {
+        let slots = |scale: Option<f32>| {
+            let mut k = SlotSpec::new("k", &[2, 4]).stored_as(DType::F8E4M3);
+            k.scale = scale;
+            vec![LayerSpec::new(vec![k])]
+        };
+        let one = CacheSpec::new(slots(Some(1.0)), DType::F32, 8).unwrap();
+        let none = CacheSpec::new(slots(None), DType::F32, 8).unwrap();
+        assert_eq!(one, none);
+        assert_eq!(one.layers()[0].slots[0].scale, None);
+        let header = |spec: &CacheSpec| crate::snapshot::SnapshotHeader {
+            spec: spec.clone(),
+            len: 0,
+            page_size: 0,
+        };
+        header(&one).check_compatible(&none).unwrap();
+        let two = CacheSpec::new(slots(Some(2.0)), DType::F32, 8).unwrap();
+        assert_eq!(two.layers()[0].slots[0].scale, Some(2.0));
+        assert!(header(&two).check_compatible(&none).is_err());
+        let mut f16 = SlotSpec::new("k", &[2, 4]);
+        f16.scale = Some(1.0);
+        let e = CacheSpec::new(vec![LayerSpec::new(vec![f16])], DType::F16, 8).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidSpec {
+                    problem: SpecProblem::ScaleNotFp8 { .. }
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
