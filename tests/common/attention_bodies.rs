@@ -614,27 +614,86 @@ pub async fn large_soft_caps_keep_their_precision(g: &Gpu) {
 /// An infinity or a NaN in one KV head's row stays in that head: the heads beside it match the twin.
 /// Heads of 33 and 17 elements share a word of 16-bit storage with their neighbours, and the tiled
 /// kernel read whole words, multiplying the neighbour's half by a zero query element: 0 x inf is
-/// NaN, so one head's infinity made the next head's scores NaN. Here KV head 1 of 3 holds an
-/// infinity and a NaN at both ends of one row's key and value; heads 0 and 2 are checked (head 1's
-/// own outputs are NaN in the twin, and no kernel promises which NaN-free value it gives instead).
+/// NaN, so one head's infinity made the next head's scores NaN. Here KV head 1 holds an infinity
+/// and a NaN at both ends of one row's key and value; the other heads are checked (head 1's own
+/// outputs are NaN in the twin, and no kernel promises what it gives instead). Heads of 33 / 17
+/// (the tiled kernel alone takes them) and of 64 (every kernel, the streaming ones reading several
+/// KV heads' rows as one run on lavapipe).
 pub async fn a_non_finite_element_stays_in_its_head(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    // `gqa_matches`' case 7 and its storage (its pipelines), without the window.
+    // `gqa_matches`' cases 7 (without its window) and 4, and their storage (their pipelines).
     #[rustfmt::skip]
-    let case = Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 70, n_q: 3, window: None, soft_cap: None };
+    let cases = [
+        (7, Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 70, n_q: 3, window: None, soft_cap: None }),
+        (4, Gqa { n_kv: 4, group: 1, d_k: 64, d_v: 64, visible: 65, n_q: 7, window: Some(32), soft_cap: Some(20.0) }),
+    ];
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        let mut checks = 0;
+        for (i, case) in cases {
+            for types in storage_pairs(&DType::ALL, i) {
+                checks += usize::from(non_finite_in_head_1(g, &mut att, case, types).await);
+            }
+        }
+        // Every kernel takes the aligned heads (f32, and f16 with bf16).
+        assert!(checks >= 2, "{kernel:?}: {checks} checks ran");
+    }
+}
+
+/// One check of [`a_non_finite_element_stays_in_its_head`]; whether the kernel took the shape.
+async fn non_finite_in_head_1(g: &Gpu, att: &mut Attention, case: Gqa, types: [DType; 2]) -> bool {
     let n_heads = case.n_kv * case.group;
     let (rows, n_q) = (case.visible, case.n_q);
     let mut k = values(41, rows * case.n_kv * case.d_k);
     let mut v = values(42, rows * case.n_kv * case.d_v);
-    // Row 20, KV head 1: its first and last elements.
+    // Row 60 (inside every query's window), KV head 1: its first and last elements.
     for (data, d) in [(&mut k, case.d_k), (&mut v, case.d_v)] {
-        let head = (20 * case.n_kv + 1) * d;
+        let head = (60 * case.n_kv + 1) * d;
         data[head] = f32::INFINITY;
         data[head + d - 1] = f32::NAN;
     }
     let q = values(43, n_q * n_heads * case.d_k);
     let qb = f32_buffer(&g.device, &q).await;
-    let options = AttentionOptions::default();
+    let options = AttentionOptions {
+        window: case.window,
+        soft_cap: case.soft_cap,
+        scale: None,
+    };
+    let layer = stored_as(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), types);
+    let mut c = cache_on(g, CacheSpec::new(vec![layer], types[0], rows).unwrap());
+    for (from, to) in [(0, rows - n_q), (rows - n_q, rows)] {
+        let (ks, vs) = (k.chunks(case.d_k), v.chunks(case.d_v));
+        let (heads_from, heads) = (from * case.n_kv, (to - from) * case.n_kv);
+        let k_rows: Vec<f32> = ks.skip(heads_from).take(heads).flatten().copied().collect();
+        let v_rows: Vec<f32> = vs.skip(heads_from).take(heads).flatten().copied().collect();
+        let shapes = [
+            [to - from, case.n_kv, case.d_k],
+            [to - from, case.n_kv, case.d_v],
+        ];
+        let slabs = [
+            HostSlab::f32(&k_rows, &shapes[0]),
+            HostSlab::f32(&v_rows, &shapes[1]),
+        ];
+        c.append(0, &slabs).unwrap();
+        if from == 0 {
+            c.advance(to).unwrap();
+        }
+    }
+    let out = output(&g.device, n_q * n_heads * case.d_v).await;
+    let queries = Queries::new(&qb, n_q, n_heads, case.d_k);
+    let result = att.gqa(&c, 0, queries, &out, &options);
+    if !ran(g, result, att, &c, &out).await {
+        return false;
+    }
+    let want = reference::attention_gqa(
+        &q,
+        [n_q, n_heads, case.d_k],
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        case.n_kv,
+        case.d_v,
+        &options,
+    );
     let checked: Vec<usize> = (0..n_heads).filter(|h| h / case.group != 1).collect();
     let heads_of = |x: &[f32]| -> Vec<f32> {
         x.chunks(case.d_v)
@@ -643,51 +702,17 @@ pub async fn a_non_finite_element_stays_in_its_head(g: &Gpu) {
             .flat_map(|(_, h)| h.iter().copied())
             .collect()
     };
-    for kernel in kernels(g) {
-        att.set_kernel(kernel);
-        for types in storage_pairs(&DType::ALL, 7) {
-            let layer = stored_as(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), types);
-            let mut c = cache_on(g, CacheSpec::new(vec![layer], types[0], rows).unwrap());
-            for (from, to) in [(0, rows - n_q), (rows - n_q, rows)] {
-                let (ks, vs) = (k.chunks(case.d_k), v.chunks(case.d_v));
-                let (heads_from, heads) = (from * case.n_kv, (to - from) * case.n_kv);
-                let k_rows: Vec<f32> = ks.skip(heads_from).take(heads).flatten().copied().collect();
-                let v_rows: Vec<f32> = vs.skip(heads_from).take(heads).flatten().copied().collect();
-                let shapes = [
-                    [to - from, case.n_kv, case.d_k],
-                    [to - from, case.n_kv, case.d_v],
-                ];
-                let slabs = [
-                    HostSlab::f32(&k_rows, &shapes[0]),
-                    HostSlab::f32(&v_rows, &shapes[1]),
-                ];
-                c.append(0, &slabs).unwrap();
-                if from == 0 {
-                    c.advance(to).unwrap();
-                }
-            }
-            // A fresh output each time: a refused call is checked to leave it as it was made.
-            let out = output(&g.device, n_q * n_heads * case.d_v).await;
-            let queries = Queries::new(&qb, n_q, n_heads, case.d_k);
-            let result = att.gqa(&c, 0, queries, &out, &options);
-            if !ran(g, result, &att, &c, &out).await {
-                continue;
-            }
-            let want = reference::attention_gqa(
-                &q,
-                [n_q, n_heads, case.d_k],
-                &c.read_f32_async(0, 0).await.unwrap(),
-                &c.read_f32_async(0, 1).await.unwrap(),
-                case.n_kv,
-                case.d_v,
-                &options,
-            );
-            let got = read_f32(g, &out).await;
-            let what = format!("{types:?} {kernel:?}, KV head 1 of 3 holding inf and NaN");
-            let worst = assert_close(&heads_of(&got), &heads_of(&want), &what);
-            note!("{what}: worst scaled error {worst:e} over KV heads 0 and 2");
-        }
-    }
+    let got = read_f32(g, &out).await;
+    let what = format!(
+        "{types:?} {:?}, heads of {} / {}, KV head 1 of {} holding inf and NaN",
+        att.kernel(),
+        case.d_k,
+        case.d_v,
+        case.n_kv
+    );
+    let worst = assert_close(&heads_of(&got), &heads_of(&want), &what);
+    note!("{what}: worst scaled error {worst:e} over the other KV heads");
+    true
 }
 
 /// fp8 keys whose heads do not start on a word (d_k not a multiple of 4) take the tiled kernel's
@@ -1831,7 +1856,6 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
     // The output in the queries' own buffer after them, at a binding boundary (byte 256): taken, on
     // every kernel. A call of one chunk binds such an output in place of its partial results when it
     // is a buffer of its own; here it may not (one dispatch would read and write one buffer).
-    let shared = f32_buffer(&g.device, &values(5, 128)).await;
     let (k, v) = (
         c.read_f32_async(0, 0).await.unwrap(),
         c.read_f32_async(0, 1).await.unwrap(),
@@ -1839,6 +1863,8 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
     let want = reference::attention_gqa(&values(5, 16), [1, 2, 8], &k, &v, 2, 8, &dflt);
     for kernel in kernels(g) {
         att.set_kernel(kernel);
+        // A fresh buffer per kernel: one an earlier kernel wrote would already hold the answer.
+        let shared = f32_buffer(&g.device, &values(5, 128)).await;
         let q = Queries::new(&shared, 1, 2, 8);
         att.gqa(&c, 0, q, Output::new(&shared).at(64), &dflt)
             .unwrap();
