@@ -862,11 +862,13 @@ fn prefix(rows: &SeqRows, n: usize, widths: &[Vec<usize>]) -> SeqRows {
 const N_KV: usize = 8;
 const HEADS: usize = 16;
 
-/// A GQA layer (`N_KV` heads of `d`) and an MLA layer (latent `r`, rope `rope`) of `dtype`, odd widths
-/// or whole blocks of 32 for the block-quantized types; with `(d, r, rope)`.
+/// A GQA layer (`N_KV` heads of `d`) and an MLA layer (latent `r`, rope `rope`) of `dtype`, of widths
+/// every kernel takes: whole 16-byte vectors (8 elements of f32 and 16-bit types, 16 of fp8), or
+/// whole blocks of 32 for the block-quantized types; with `(d, r, rope)`.
 fn gqa_mla_spec(dtype: DType, max_seq_len: usize) -> (CacheSpec, (usize, usize, usize)) {
     let (d, r, rope) = match dtype.block() {
         Some(b) => (b, b, b),
+        None if dtype.is_fp8() => (16, 16, 16),
         None => (8, 16, 8),
     };
     let layers = vec![LayerSpec::kv(N_KV, d, d), LayerSpec::mla(r, rope)];
@@ -1059,7 +1061,8 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
             if !(takes(0) && takes(1)) {
                 // Rows of a forced streaming kernel must be whole 16-byte vectors: refused up front
-                // (quantized rows of these widths are not).
+                // (every storage type's rows here are, so only an adapter without the kernel's
+                // needs comes here).
                 let e = att.prepare_paged(&c, HEADS).unwrap_err();
                 assert!(matches!(e, Error::AttentionRequest { .. }), "{e}");
                 continue;
