@@ -86,16 +86,16 @@ impl Losses {
 fn reports_host_memory(g: &Gpu) -> bool {
     let info = g.adapter.get_info();
     if info.device_type != wgpu::DeviceType::Cpu {
-        eprintln!(
-            "skipped here: this test caps the process's memory, and {} keeps buffers in its own",
+        common::shared::skipped(&format!(
+            "this test caps the process's memory, and {} keeps buffers in its own",
             g.describe()
-        );
+        ));
         return false;
     }
     if info.backend == wgpu::Backend::Gl {
-        eprintln!(
-            "skipped here: wgpu's OpenGL backend does not report a buffer the driver could not \
-             allocate (wgpu-hal 30 does not read GL_OUT_OF_MEMORY: such a buffer reads as zeros)"
+        common::shared::skipped(
+            "wgpu's OpenGL backend does not report a buffer the driver could not allocate \
+             (wgpu-hal 30 does not read GL_OUT_OF_MEMORY: such a buffer reads as zeros)",
         );
         return false;
     }
@@ -288,7 +288,7 @@ fn an_import_the_device_cannot_stage_is_refused_before_the_page_table_grows() {
     }
     let ledger = pool.ledger().clone();
     let Some(table) = allocated_as(&g.device, "kvgpu page table") else {
-        eprintln!("skipped here: {} gives no allocator report", g.describe());
+        common::shared::skipped(&format!("{} gives no allocator report", g.describe()));
         return;
     };
     assert!(table > 0, "no page table in the allocator report");
@@ -675,7 +675,7 @@ fn a_refused_copy_on_write_append_keeps_no_new_staging() {
     let child = pool.fork(parent, 1).unwrap();
     let ledger = pool.ledger().clone();
     let Some(before) = allocated_as(&g.device, "kvgpu page staging") else {
-        eprintln!("skipped here: {} gives no allocator report", g.describe());
+        common::shared::skipped(&format!("{} gives no allocator report", g.describe()));
         return;
     };
     assert_eq!(before, 0, "a staging buffer before the first copy");

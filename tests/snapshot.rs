@@ -29,12 +29,11 @@ fn snapshots_move_between_vulkan_and_opengl() {
     let (vulkan, gl) = match (open(Backends::VULKAN), open(Backends::GL)) {
         (Ok(v), Ok(g)) => (v, g),
         (v, g) => {
-            eprintln!(
-                "SKIPPED snapshots_move_between_vulkan_and_opengl: it needs both adapters \
-                 (Vulkan: {}; OpenGL: {})",
+            common::shared::skipped(&format!(
+                "the whole test: it needs both adapters (Vulkan: {}; OpenGL: {})",
                 v.map_or_else(|e| e.to_string(), |g| g.describe()),
                 g.map_or_else(|e| e.to_string(), |g| g.describe()),
-            );
+            ));
             return;
         }
     };

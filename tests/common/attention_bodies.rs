@@ -53,11 +53,11 @@ pub fn kernels(g: &Gpu) -> Vec<KernelChoice> {
     if subgroups {
         all.push(KernelChoice::StreamSubgroup);
     } else {
-        note!(
-            "skipped here: KernelChoice::StreamSubgroup ({:?} has no subgroups of one size); its \
-             refusal is tested instead",
+        super::skipped(&format!(
+            "KernelChoice::StreamSubgroup ({:?} has no subgroups of one size); its refusal is \
+             tested instead",
             info.backend
-        );
+        ));
     }
     all
 }
@@ -369,11 +369,11 @@ pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     if !g.device.features().contains(wgpu::Features::SHADER_INT64)
         || !kernels(g).contains(&KernelChoice::StreamSubgroup)
     {
-        note!(
-            "skipped here: {:?} has no 64-bit integers or no subgroups, so the kernels of this \
-             suite load 32-bit words already",
+        super::skipped(&format!(
+            "{:?} has no 64-bit integers or no subgroups, so the kernels of this suite load \
+             32-bit words already",
             info.backend
-        );
+        ));
         return;
     }
     let mut att = Attention::with_kernels(super::kernels_for(g));

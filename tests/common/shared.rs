@@ -44,6 +44,26 @@ macro_rules! note {
 #[allow(unused_imports)]
 pub(crate) use note;
 
+/// Says that part of a test was skipped here, and why: in the test's output (the browser suite's
+/// log; natively only a failing test's output is shown), and natively also as a line appended to
+/// the file `KVGPU_SKIPS` names, with the backend and the test, which `.ci/run` lists at its end.
+pub fn skipped(why: &str) {
+    note!("skipped here: {why}");
+    #[cfg(not(target_arch = "wasm32"))]
+    if let Some(path) = std::env::var_os("KVGPU_SKIPS") {
+        use std::io::Write;
+        let backend = std::env::var("WGPU_BACKEND").unwrap_or_default();
+        let thread = std::thread::current();
+        let test = thread.name().unwrap_or("a test");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path);
+        let written = file.and_then(|mut f| writeln!(f, "[{backend}] {test}: {why}"));
+        assert!(written.is_ok(), "KVGPU_SKIPS={path:?}: {written:?}");
+    }
+}
+
 // The scenario bodies, one file per subject (this file keeps the helpers and the defect checks).
 #[path = "attention_bodies.rs"]
 pub mod attention_bodies;
