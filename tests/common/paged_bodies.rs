@@ -1024,6 +1024,20 @@ fn assert_twins(
 /// partly filled pages, private copies made by both a fork and its parent (from the host and from
 /// GPU sources), decode and chunked queries, window and soft-cap. Refused calls name the cause.
 pub async fn paged_attention_matches_the_reference(g: &Gpu) {
+    // Rows of a forced streaming kernel must be whole 16-byte vectors: fp8 heads of 8 are refused
+    // up front, before anything is built (the pools below have whole vectors).
+    let odd = CacheSpec::new(vec![LayerSpec::kv(N_KV, 8, 8)], DType::F8E4M3, 16).unwrap();
+    let pool = PagedCache::with_kernels(super::kernels_for(g), odd.clone(), 4, 4).unwrap();
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    for choice in super::attention_bodies::kernels(g) {
+        att.set_kernel(choice);
+        let takes = super::attention_bodies::kernel_takes(choice, &odd, 0);
+        assert_eq!(takes, choice == KernelChoice::Tiled, "{choice:?}");
+        if !takes {
+            let e = att.prepare_paged(&pool, HEADS).unwrap_err();
+            assert!(matches!(e, Error::AttentionRequest { .. }), "{e}");
+        }
+    }
     for dtype in DType::STORAGE {
         let (spec, (d, r, rope)) = gqa_mla_spec(dtype, 64);
         let widths = widths_of(&spec);
@@ -1059,14 +1073,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
             let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
-            if !(takes(0) && takes(1)) {
-                // Rows of a forced streaming kernel must be whole 16-byte vectors: refused up front
-                // (every storage type's rows here are, so only an adapter without the kernel's
-                // needs comes here).
-                let e = att.prepare_paged(&c, HEADS).unwrap_err();
-                assert!(matches!(e, Error::AttentionRequest { .. }), "{e}");
-                continue;
-            }
+            assert!(takes(0) && takes(1), "{choice:?} {dtype}: whole vectors");
             // The paged pipelines, ahead of the calls: once, for every attention layer.
             let e = att.prepare_paged(&c, 3).unwrap_err();
             assert!(matches!(e, Error::HeadGroups { layer: 0, .. }), "{e}");
@@ -1106,9 +1113,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         for choice in super::attention_bodies::kernels(g) {
             att.set_kernel(choice);
             let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
-            if !(takes(0) && takes(1)) {
-                continue; // Refused, as checked above.
-            }
+            assert!(takes(0) && takes(1), "{choice:?} {dtype}: whole vectors");
             for (window, soft_cap) in [(None, None), (Some(6), Some(4.0))] {
                 let options = AttentionOptions {
                     window,
@@ -1251,9 +1256,7 @@ pub async fn long_paged_sequences_match_the_reference(g: &Gpu) {
         let mut att = Attention::with_kernels(super::kernels_for(g));
         for choice in super::attention_bodies::kernels(g) {
             let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
-            if !(takes(0) && takes(1)) {
-                continue; // Refused, as paged_attention_matches_the_reference checks.
-            }
+            assert!(takes(0) && takes(1), "{choice:?} {dtype}: whole vectors");
             att.set_kernel(choice);
             for (window, soft_cap) in [(None, None), (Some(37), Some(4.0))] {
                 let options = AttentionOptions {
