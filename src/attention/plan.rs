@@ -320,14 +320,19 @@ pub(crate) fn pass1_iterations_per_tile(
             // Four elements per step, then one per step.
             DType::F32 => d / 4 + d % 4,
             // An element alone where the slice starts inside a word, whole words two per step,
-            // then one, and an element alone where it ends inside a word: the more of the two
-            // starts, on a word or inside one. (Quantized rows take four elements per step: fewer.)
+            // then one, and an element alone where it ends inside a word. A slice starts at
+            // `kv * d`, inside a word only where d is odd: then the more of the two starts.
+            // (Quantized rows take four elements per step: fewer.)
             _ => {
                 let steps = |lead: usize| {
                     let words = (d - lead) / 2;
                     lead + words / 2 + words % 2 + (d - lead) % 2
                 };
-                steps(0).max(steps(1))
+                if d.is_multiple_of(2) {
+                    steps(0)
+                } else {
+                    steps(0).max(steps(1))
+                }
             }
         };
         // An fp8 head that does not start on a word (every head after the first where d is not a

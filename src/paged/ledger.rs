@@ -63,8 +63,8 @@ pub(crate) struct PagedPlan {
 /// one more holder, in a trie whose nodes are pages keyed by their parent page and their own
 /// tokens, so that a new sequence whose tokens start the same way starts from those pages
 /// ([`PagedCache::add_sequence_with_prefix`](crate::PagedCache::add_sequence_with_prefix)) after
-/// its sequence is gone. Pages only the trie holds go
-/// back to the pool when evicted, least recently used first.
+/// its sequence is gone. Pages only the trie holds go back to the pool when evicted, least recently
+/// used first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PageLedger {
     shapes: Vec<Vec<Vec<usize>>>,
@@ -81,7 +81,7 @@ pub struct PageLedger {
     prefixes: Prefixes,
 }
 
-/// Published pages: see the module docs.
+/// Published pages: see [`PageLedger`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Prefixes {
     /// Parent page (`None`: the first page of a prefix), then the page's tokens, to the page.

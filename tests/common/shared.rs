@@ -59,7 +59,9 @@ pub fn skipped(why: &str) {
             .create(true)
             .append(true)
             .open(&path);
-        let written = file.and_then(|mut f| writeln!(f, "[{backend}] {test}: {why}"));
+        // One write per line: tests running at once append whole lines.
+        let line = format!("[{backend}] {test}: {why}\n");
+        let written = file.and_then(|mut f| f.write_all(line.as_bytes()));
         assert!(written.is_ok(), "KVGPU_SKIPS={path:?}: {written:?}");
     }
 }
