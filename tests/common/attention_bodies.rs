@@ -677,17 +677,14 @@ async fn non_finite_beside(
     let layer = stored_as(LayerSpec::kv(case.n_kv, case.d_k, case.d_v), types);
     let mut c = cache_on(g, CacheSpec::new(vec![layer], types[0], rows).unwrap());
     for (from, to) in [(0, rows - n_q), (rows - n_q, rows)] {
-        let (ks, vs) = (k.chunks(case.d_k), v.chunks(case.d_v));
-        let (heads_from, heads) = (from * case.n_kv, (to - from) * case.n_kv);
-        let k_rows: Vec<f32> = ks.skip(heads_from).take(heads).flatten().copied().collect();
-        let v_rows: Vec<f32> = vs.skip(heads_from).take(heads).flatten().copied().collect();
         let shapes = [
             [to - from, case.n_kv, case.d_k],
             [to - from, case.n_kv, case.d_v],
         ];
+        let (k_row, v_row) = (case.n_kv * case.d_k, case.n_kv * case.d_v);
         let slabs = [
-            HostSlab::f32(&k_rows, &shapes[0]),
-            HostSlab::f32(&v_rows, &shapes[1]),
+            HostSlab::f32(&k[from * k_row..to * k_row], &shapes[0]),
+            HostSlab::f32(&v[from * v_row..to * v_row], &shapes[1]),
         ];
         c.append(0, &slabs).unwrap();
         if from == 0 {
