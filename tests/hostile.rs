@@ -1098,10 +1098,15 @@ fn read_f32s(b: &wgpu::Buffer, n: usize) -> Vec<f32> {
     bytemuck::pod_collect_to_vec(&bytes)
 }
 
-/// `None` when every element is within the tolerance of the twin (or the twin is not finite).
+/// `None` when every element is within the tolerance of the twin. A twin that is not finite is a
+/// mismatch too: every call compared here has finite inputs, so such a twin would be a defect of the
+/// twin or of the test, and comparing nothing must not pass.
 fn mismatch(got: &[f32], want: &[f32]) -> Option<String> {
-    if want.iter().any(|w| !w.is_finite()) {
-        return None;
+    if let Some(i) = want.iter().position(|w| !w.is_finite()) {
+        return Some(format!(
+            "the twin's output {i} is {}: nothing to compare",
+            want[i]
+        ));
     }
     if got.len() != want.len() {
         return Some(format!(
