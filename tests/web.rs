@@ -161,6 +161,7 @@ browser_tests!(attention_bodies:
     prepare_builds_the_pipelines_of_every_attention_layer_once,
     gqa_reads_fused_qkv_rows_and_writes_a_strided_output,
     mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output,
+    queries_shared_through_a_stride_of_0_are_read,
     views_out_of_range_overflowing_overlapping_or_aliased_are_refused,
 );
 

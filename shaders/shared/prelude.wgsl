@@ -82,9 +82,10 @@ fn view_at(v: vec4<u32>, i: u32, h: u32, e: u32) -> u32 {
     return v.x + i * v.y + h * v.z + e * v.w;
 }
 
-// (n - 1) * s < len, without overflow (n, len >= 1).
+// (n - 1) * s < len, without overflow (n, len >= 1). A stride of 0 never moves (queries shared by
+// every head, or one element for a whole head).
 fn steps_fit(n: u32, s: u32, len: u32) -> bool {
-    return n - 1u <= (len - 1u) / max(s, 1u);
+    return s == 0u || n - 1u <= (len - 1u) / s;
 }
 
 // Every element of view `v` over [n_q, n_heads, d] lies in a binding of `len` elements (an empty

@@ -1742,6 +1742,71 @@ pub async fn mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output
     }
 }
 
+/// Queries shared through a stride of 0: one query vector for every head, or one element for a
+/// whole head. The kernels' bounds check once took a stride of 0 for 1, so it found such a view
+/// longer than its binding, and the call skipped its work while it returned `Ok`. The shapes are
+/// those of the fused-QKV and per-head MLA tests (the same pipelines).
+pub async fn queries_shared_through_a_stride_of_0_are_read(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let options = AttentionOptions::default();
+    let gqa_cache = filled(g, LayerSpec::kv(2, 8, 8), DType::F32, 300, 1, 130);
+    let mla_cache = filled(g, LayerSpec::mla(32, 8), DType::F32, 300, 1, 131);
+    let q_data = values(132, 48);
+    let q = f32_buffer(&g.device, &q_data).await;
+    let (k, v) = (
+        gqa_cache.read_f32_async(0, 0).await.unwrap(),
+        gqa_cache.read_f32_async(0, 1).await.unwrap(),
+    );
+    let (c_kv, k_pe) = (
+        mla_cache.read_f32_async(0, 0).await.unwrap(),
+        mla_cache.read_f32_async(0, 1).await.unwrap(),
+    );
+    let mut checked = 0;
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        // Every head the same 8 elements; every element one value.
+        for strides in [[0, 0, 1], [0, 0, 0]] {
+            let shape = [1, 8, 8];
+            let out = output(&g.device, 64).await;
+            let queries = Queries::new(&q, 1, 8, 8).at(3).with_strides(strides);
+            let result = att.gqa(&gqa_cache, 0, queries, Output::new(&out), &options);
+            if !ran(g, result, &att, &gqa_cache, &out).await {
+                continue;
+            }
+            let shared = gather(&q_data, 3, shape, strides);
+            let want = reference::attention_gqa(&shared, shape, &k, &v, 2, 8, &options);
+            let what = format!("GQA queries of strides {strides:?}, {kernel:?}");
+            assert_close(&read_f32(g, &out).await, &want, &what);
+            checked += 1;
+        }
+        // 4 heads: the latent one vector for all, the rope one element.
+        let (latent, rope) = ([1, 4, 32], [1, 4, 8]);
+        let (latent_strides, rope_strides) = ([0, 0, 1], [0, 0, 0]);
+        let out = output(&g.device, 4 * 32).await;
+        let queries = MlaQueries {
+            latent: Queries::new(&q, 1, 4, 32).with_strides(latent_strides),
+            rope: Queries::new(&q, 1, 4, 8).at(40).with_strides(rope_strides),
+        };
+        let result = att.mla(&mla_cache, 0, queries, Output::new(&out), &options);
+        if !ran(g, result, &att, &mla_cache, &out).await {
+            continue;
+        }
+        let want = reference::attention_mla(
+            &gather(&q_data, 0, latent, latent_strides),
+            &gather(&q_data, 40, rope, rope_strides),
+            latent,
+            &c_kv,
+            &k_pe,
+            8,
+            &options,
+        );
+        let what = format!("MLA, latent shared by every head, rope one element, {kernel:?}");
+        assert_close(&read_f32(g, &out).await, &want, &what);
+        checked += 1;
+    }
+    assert!(checked >= 3, "only {checked} calls ran");
+}
+
 pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     let layers = vec![LayerSpec::kv(2, 8, 8), LayerSpec::mla(16, 4)];
