@@ -756,6 +756,81 @@ fn a_refused_copy_on_write_append_keeps_no_new_staging() {
     assert!(kept >= 32 << 20, "a staging buffer of {kept} bytes");
 }
 
+/// A scattered GPU append reserves the upload of its row map before it binds its sources: one whose
+/// source belongs to another device is refused, and keeps no new upload or parameter buffer.
+#[test]
+fn a_refused_scattered_append_keeps_no_new_upload_or_parameter_buffer() {
+    let _serial = serial();
+    let g = gpu();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 8, 8)], DType::F16, 64).unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 4, 8).unwrap();
+    pool.set_scatter(ScatterChoice::Always);
+    let (a, b) = (pool.add_sequence().unwrap(), pool.add_sequence().unwrap());
+    let ledger = pool.ledger().clone();
+    let rows = values(15, 2 * 16);
+    let (other, _) = pollster::block_on(g.adapter.request_device(&Default::default())).unwrap();
+    let foreign = pollster::block_on(f32_buffer(&other, &rows));
+    let own = pollster::block_on(f32_buffer(&g.device, &rows));
+    let slab = |buffer| GpuSlab {
+        buffer,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &[2, 2, 8],
+        strides: None,
+    };
+    let Some(uploads) = allocated_as(&g.device, "kvgpu upload") else {
+        common::shared::skipped(&format!("{} gives no allocator report", g.describe()));
+        return;
+    };
+    let params = allocated_as(&g.device, "kvgpu params").unwrap();
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    let e = pool
+        .record_append_gpu_batch(
+            &mut encoder,
+            0,
+            &[(a, 1), (b, 1)],
+            &[slab(&foreign), slab(&foreign)],
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::ForeignDevice { .. }), "{e}");
+    g.queue.submit([encoder.finish()]);
+    assert_eq!(
+        pool.ledger(),
+        &ledger,
+        "the refused append changed the pool"
+    );
+    assert_eq!(
+        allocated_as(&g.device, "kvgpu upload"),
+        Some(uploads),
+        "the refused append kept an upload buffer"
+    );
+    assert_eq!(
+        allocated_as(&g.device, "kvgpu params"),
+        Some(params),
+        "the refused append kept a parameter buffer"
+    );
+    // The same append from this device's buffer lands, and makes both (so the counts above see
+    // them).
+    pool.append_gpu_batch(0, &[(a, 1), (b, 1)], &[slab(&own), slab(&own)])
+        .unwrap();
+    pool.advance(a, 1).unwrap();
+    pool.advance(b, 1).unwrap();
+    assert!(allocated_as(&g.device, "kvgpu upload").unwrap() > uploads);
+    assert!(allocated_as(&g.device, "kvgpu params").unwrap() > params);
+    let f16 =
+        |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect() };
+    for (seq, row) in [(a, 0), (b, 1)] {
+        for slot in 0..2 {
+            let got = pollster::block_on(pool.read_f32_async(seq, 0, slot)).unwrap();
+            assert_eq!(
+                got,
+                f16(&rows[row * 16..(row + 1) * 16]),
+                "{seq:?} slot {slot}"
+            );
+        }
+    }
+}
+
 #[test]
 fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
     let _serial = serial();

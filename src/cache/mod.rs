@@ -18,7 +18,7 @@ use std::sync::{Arc, OnceLock};
 use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes, used_row_bytes};
 use crate::error::{BufferProblem, Error, Result};
 use crate::kernels::{
-    GroupCache, Held, Kernels, ParamRing, Upload, UploadRing, VECTOR_BYTES, allocated,
+    GroupCache, Held, Kernels, ParamRing, Upload, UploadMark, UploadRing, VECTOR_BYTES, allocated,
     binding_limit, check_staging, held,
 };
 use crate::ledger::{AppendPlan, Ledger};
@@ -439,6 +439,29 @@ impl KvCache {
         self.uploads.reserve(what, len)
     }
 
+    /// Where the upload ring stands, for [`KvCache::upload_rewind`].
+    pub(crate) fn upload_mark(&self) -> UploadMark {
+        self.uploads.mark()
+    }
+
+    /// Puts the upload ring back where `mark` found it: for a call refused after it reserved
+    /// uploads and before it wrote one or recorded a command that names one.
+    pub(crate) fn upload_rewind(&mut self, mark: UploadMark) {
+        self.uploads.rewind(mark);
+    }
+
+    /// Runs `f`, and puts the upload ring back where it stood when `f` is refused: `f` writes no
+    /// upload and records nothing before its last refusal, so a refused call keeps no upload bytes
+    /// or buffers.
+    pub(crate) fn rewinding<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let mark = self.upload_mark();
+        let made = f(self);
+        if made.is_err() {
+            self.upload_rewind(mark);
+        }
+        made
+    }
+
     pub fn queue(&self) -> &wgpu::Queue {
         &self.queue
     }
@@ -642,7 +665,8 @@ impl KvCache {
     /// into place by commands recorded into `encoder`, so that they land in the encoder's order.
     /// The uploads are reserved first (ring buffers made under the out-of-memory check), and
     /// natively the writes' staging is checked (above 4 MiB, [`check_staging`]) before and after:
-    /// a refusal ([`Error::OutOfMemory`]) writes and records nothing.
+    /// a refusal ([`Error::OutOfMemory`]) writes and records nothing, and leaves the upload ring as
+    /// it was.
     pub(crate) fn record_host_pieces(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -681,12 +705,15 @@ impl KvCache {
         }
         let total = pieces.iter().sum();
         check_staging(&self.device, HOST_ROWS, total)?;
-        let uploads = pieces
-            .iter()
-            .map(|&size| self.uploads.reserve(UPLOAD, size))
-            .collect::<Result<Vec<_>>>()?;
-        // The uploads hold their memory now: the writes' staging must fit beside them.
-        check_staging(&self.device, HOST_ROWS, total)?;
+        let uploads = self.rewinding(|c| {
+            let uploads = pieces
+                .iter()
+                .map(|&size| c.uploads.reserve(UPLOAD, size))
+                .collect::<Result<Vec<_>>>()?;
+            // The uploads hold their memory now: the writes' staging must fit beside them.
+            check_staging(&c.device, HOST_ROWS, total)?;
+            Ok(uploads)
+        })?;
         let mut blob = std::mem::take(&mut self.upload_bytes);
         blob.clear();
         let mut next = segments.iter().peekable();

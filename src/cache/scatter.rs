@@ -59,30 +59,34 @@ impl KvCache {
                 }
             }
         }
-        self.ring.reserve(jobs.len() as u64)?;
-        // Every source is checked (bound with the map's place) before the map is written.
+        // Every source is checked (bound with the map's place) before the map is written; a
+        // refusal leaves the upload ring as it was.
         let map_bytes: &[u8] = bytemuck::cast_slice(map);
-        let upload = self
-            .uploads
-            .reserve("a scattered append's row map", map_bytes.len() as u64)?;
-        let mut scatters = Vec::with_capacity(jobs.len());
-        for (slot, (.., job)) in jobs.into_iter().enumerate() {
-            let (group, kept) =
-                self.prepare_source(layer, slot, &slabs[slot], &job, Some(&upload.buffer))?;
-            if let (SourceJob::Kernel { params, vec4, .. }, Some(group)) = (job, group) {
-                scatters.push(Scatter {
-                    src_dtype: slabs[slot].dtype,
-                    dst_dtype: self.slots[layer][slot].dtype,
-                    params: WriteParams {
-                        map_word: (upload.offset / 4) as u32,
-                        ..params
-                    },
-                    vec4,
-                    group,
-                    kept,
-                });
+        let (upload, scatters) = self.rewinding(|c| {
+            let upload = c
+                .uploads
+                .reserve("a scattered append's row map", map_bytes.len() as u64)?;
+            let mut scatters = Vec::with_capacity(jobs.len());
+            for (slot, (.., job)) in jobs.into_iter().enumerate() {
+                let (group, kept) =
+                    c.prepare_source(layer, slot, &slabs[slot], &job, Some(&upload.buffer))?;
+                if let (SourceJob::Kernel { params, vec4, .. }, Some(group)) = (job, group) {
+                    scatters.push(Scatter {
+                        src_dtype: slabs[slot].dtype,
+                        dst_dtype: c.slots[layer][slot].dtype,
+                        params: WriteParams {
+                            map_word: (upload.offset / 4) as u32,
+                            ..params
+                        },
+                        vec4,
+                        group,
+                        kept,
+                    });
+                }
             }
-        }
+            c.ring.reserve(scatters.len() as u64)?;
+            Ok((upload, scatters))
+        })?;
         upload.write(&self.queue, map_bytes);
         Ok(Some(scatters))
     }
@@ -114,8 +118,11 @@ impl KvCache {
         }
         // Binding and recording below cannot fail once the parameters and the upload are made.
         self.ring.reserve(slabs.len() as u64)?;
-        let upload = self.uploads.reserve(UPLOAD, size)?;
-        check_staging(&self.device, UPLOAD, size)?;
+        let upload = self.rewinding(|c| {
+            let upload = c.uploads.reserve(UPLOAD, size)?;
+            check_staging(&c.device, UPLOAD, size)?;
+            Ok(upload)
+        })?;
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
         bytes.extend_from_slice(bytemuck::cast_slice(map));

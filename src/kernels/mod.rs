@@ -19,7 +19,7 @@ pub(crate) use groups::GroupCache;
 pub(crate) use params::{
     AttnParams, MAX_SOURCE_RANK, PARAMS_BINDING, ParamRing, RING_ENTRIES, WriteParams, ZeroParams,
 };
-pub(crate) use upload::{Upload, UploadRing, check_staging};
+pub(crate) use upload::{Upload, UploadMark, UploadRing, check_staging};
 
 pub(crate) mod wgsl {
     include!(concat!(env!("OUT_DIR"), "/shaders.rs"));

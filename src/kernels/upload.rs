@@ -25,6 +25,14 @@ pub(crate) struct Upload {
     pub offset: u64,
 }
 
+/// Where an [`UploadRing`] stood ([`UploadRing::mark`]), to put it back with
+/// [`UploadRing::rewind`].
+#[derive(Debug)]
+pub(crate) struct UploadMark {
+    buffer: Option<wgpu::Buffer>,
+    next: u64,
+}
+
 #[derive(Debug)]
 pub(crate) struct UploadRing {
     device: wgpu::Device,
@@ -64,6 +72,22 @@ impl UploadRing {
         check_staging(&self.device, what, bytes.len() as u64)?;
         upload.write(queue, bytes);
         Ok(upload)
+    }
+
+    /// Where the ring stands now.
+    pub(crate) fn mark(&self) -> UploadMark {
+        UploadMark {
+            buffer: self.buffer.clone(),
+            next: self.next,
+        }
+    }
+
+    /// Puts the ring back where `mark` found it, for a call refused after it reserved uploads and
+    /// before it wrote any of them or recorded a command that names them: their bytes are free
+    /// again, and a ring buffer made since is dropped (its memory released).
+    pub(crate) fn rewind(&mut self, mark: UploadMark) {
+        self.buffer = mark.buffer;
+        self.next = mark.next;
     }
 
     /// Bytes for an upload of `len` bytes that no other upload uses, written later with

@@ -770,17 +770,29 @@ impl PagedCache {
             ScatterChoice::Never => (false, false),
             ScatterChoice::Auto => (runs.len() > 1, runs.len() > copy_runs),
         };
-        let scatters = if scatter {
-            let map = row_map(rows, &runs);
-            self.store.prepare_gpu_scatter(layer, slabs, &map, copies)?
-        } else {
-            None
+        // The page tables' uploads are reserved first: a scattered move writes its map when it is
+        // bound, the last step that may refuse. A refusal leaves the upload ring as it was.
+        let mark = self.store.upload_mark();
+        let prepared = self.table_uploads(plans).and_then(|tables| {
+            let scatters = if scatter {
+                let map = row_map(rows, &runs);
+                self.store.prepare_gpu_scatter(layer, slabs, &map, copies)?
+            } else {
+                None
+            };
+            let moves = match scatters {
+                Some(_) => Vec::new(),
+                None => self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?,
+            };
+            Ok((tables, scatters, moves))
+        });
+        let (tables, scatters, moves) = match prepared {
+            Ok(prepared) => prepared,
+            Err(e) => {
+                self.store.upload_rewind(mark);
+                return Err(e);
+            }
         };
-        let moves = match scatters {
-            Some(_) => Vec::new(),
-            None => self.store.prepare_gpu_runs(layer, slabs, rows, &runs)?,
-        };
-        let tables = self.table_uploads(plans)?;
         if let Some(staging) = &staging {
             for plan in plans {
                 self.record_copies(encoder, staging, &plan.copies);
