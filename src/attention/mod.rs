@@ -165,6 +165,8 @@ type IoKey = (
 );
 /// Output binding of the reduce pass, with its bound (offset, size).
 type OutKey = (wgpu::Buffer, (u64, u64));
+/// The bind-group caches of an [`Attention`] whose scratch grew: they name the old scratch.
+type RetiredGroups = (GroupCache<IoKey>, GroupCache<OutKey>);
 
 /// Cached bind groups of queries and of outputs: at most this many of each, each keeping at most
 /// `PIN_BYTES` of the app's buffers alive (the slots' bind groups belong to their cache, so a

@@ -4,7 +4,7 @@
 use super::plan::{self, CallShape, DeviceFacts, Dispatch, Paging, Pass1};
 use super::request::{MAX_SOFT_CAP, contiguous};
 use super::view::{self, Bound, ViewError};
-use super::{Attention, AttentionOptions, Job, Kv, Scratch};
+use super::{Attention, AttentionOptions, Job, Kv, RetiredGroups, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::codec::DType;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
@@ -78,7 +78,7 @@ impl Attention {
         let pairs: Vec<_> = dispatch.pairs().collect();
         // Grown before the bind groups, which bind it. A refusal after this (a buffer wgpu will not
         // bind, no memory for the parameter entries or a batch's query table) puts the old scratch
-        // back, so a refused call keeps no new scratch.
+        // and the bind groups cached with it back, so a refused call keeps no new scratch.
         let before = self.scratch.clone();
         let grew = self.ensure_scratch(dispatch.stats_bytes + table_bytes, dispatch.part_bytes)?;
         let Some(scratch) = &self.scratch else {
@@ -183,11 +183,12 @@ impl Attention {
                 bound
             }
             Err(e) => {
-                if grew {
-                    // Groups made in this call bound the new scratch.
+                if let Some((io, out)) = grew {
+                    // Groups made in this call bound the new scratch; those cached before it, the
+                    // old one.
                     self.scratch = before;
-                    self.io_groups.clear();
-                    self.out_groups.clear();
+                    self.io_groups = io;
+                    self.out_groups = out;
                 }
                 return Err(e);
             }
@@ -432,15 +433,20 @@ impl Attention {
         ))
     }
 
-    /// Grows the scratch buffers when this call needs more than they hold (bind groups that named the
-    /// old ones are dropped), and says whether it did. A device that cannot allocate them refuses
-    /// with [`Error::OutOfMemory`], and the old ones stay.
-    pub(super) fn ensure_scratch(&mut self, stats_bytes: u64, part_bytes: u64) -> Result<bool> {
+    /// Grows the scratch buffers when this call needs more than they hold. When it did, the bind
+    /// groups cached so far (which name the old ones) move out and come back, for a refused call to
+    /// put back with the old scratch. A device that cannot allocate them refuses with
+    /// [`Error::OutOfMemory`], and the old ones stay.
+    pub(super) fn ensure_scratch(
+        &mut self,
+        stats_bytes: u64,
+        part_bytes: u64,
+    ) -> Result<Option<RetiredGroups>> {
         if let Some(s) = &self.scratch
             && s.stats.size() >= stats_bytes
             && s.part.size() >= part_bytes
         {
-            return Ok(false);
+            return Ok(None);
         }
         let old = self
             .scratch
@@ -467,9 +473,7 @@ impl Attention {
             },
         )?;
         self.scratch = Some(scratch);
-        self.io_groups.clear();
-        self.out_groups.clear();
-        Ok(true)
+        Ok(Some((self.io_groups.take(), self.out_groups.take())))
     }
 }
 

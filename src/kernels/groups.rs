@@ -62,6 +62,12 @@ impl<K: Hash + Eq, V: Clone> GroupCache<K, V> {
         self.entries.insert(key, group);
     }
 
+    /// Moves every cached group out into the cache returned, leaving this one empty (same bounds).
+    pub(crate) fn take(&mut self) -> Self {
+        let empty = Self::new(self.max_entries, self.max_bytes);
+        std::mem::replace(self, empty)
+    }
+
     /// Drops every cached group (and with them the references they hold).
     pub(crate) fn clear(&mut self) {
         self.entries.clear();
