@@ -376,9 +376,13 @@ impl PageLedger {
         }
         let p = self.page_size;
         let (first, last) = (start_row / p, (start_row + n_new - 1) / p);
-        let needed = (first..=last)
-            .filter(|&i| i >= s.pages.len() || self.refs[s.pages[i] as usize] > 1)
+        // Fresh pages past those held, then held pages shared with another sequence: counted over
+        // the pages held, so an append of far more rows than the pool holds is refused at once.
+        let held = s.pages.len();
+        let shared = (first..=last.min(held.saturating_sub(1)))
+            .filter(|&i| i < held && self.refs[s.pages[i] as usize] > 1)
             .count();
+        let needed = (last + 1).saturating_sub(held.max(first)) + shared;
         if needed > self.free.len() {
             return Err(Error::OutOfPages {
                 needed,
@@ -694,12 +698,13 @@ impl PageLedger {
                 .min()
                 .unwrap_or(s.len);
             let (first, end) = (low / self.page_size, self.pages_for(top + n));
-            needed += end.saturating_sub(s.pages.len());
+            // Saturating: a sequence may ask for more rows than any count of pages holds.
+            needed = needed.saturating_add(end.saturating_sub(s.pages.len()));
             for &page in s.pages.iter().take(end).skip(first) {
                 let r = refs.entry(page).or_insert(self.refs[page as usize]);
                 if *r > 1 {
                     *r -= 1;
-                    needed += 1;
+                    needed = needed.saturating_add(1);
                 }
             }
         }
@@ -771,6 +776,44 @@ mod tests {
             l.admits(&[(seq, 17)])
         );
         assert_eq!(l, before);
+    }
+
+    /// Appends and admissions of far more rows than the pool has pages for are refused at once,
+    /// counted without walking their pages and without overflow (2^46 pages, or a sum past
+    /// `usize::MAX`).
+    #[test]
+    fn growth_past_every_page_is_refused_at_once() {
+        let huge = 1usize << 50;
+        let mut l = PageLedger::new(&spec(huge), 16, 64);
+        let a = l.add().unwrap();
+        let before = l.clone();
+        let s: Vec<Vec<usize>> = l.shapes[0]
+            .iter()
+            .map(|t| [&[huge][..], t].concat())
+            .collect();
+        assert_eq!(
+            l.plan_append(a, 0, 2, |i| &s[i]).unwrap_err(),
+            Error::OutOfPages {
+                needed: huge / 16,
+                free: 64
+            }
+        );
+        // One scalar row each: 129 sequences of 2^57 rows in pages of one row ask for more pages
+        // than usize counts.
+        let scalar = LayerSpec::new(vec![crate::spec::SlotSpec::new("s", &[1])]);
+        let spec = CacheSpec::new(vec![scalar], DType::F32, 1 << 57).unwrap();
+        let mut l = PageLedger::new(&spec, 1, 16);
+        let seqs: Vec<_> = (0..129).map(|_| l.add().unwrap()).collect();
+        let growth: Vec<_> = seqs.iter().map(|&q| (q, 1 << 57)).collect();
+        assert_eq!(
+            l.admits(&growth).unwrap_err(),
+            Error::OutOfPages {
+                needed: usize::MAX,
+                free: 16
+            }
+        );
+        assert_eq!(l.admits(&[(seqs[0], 16)]), Ok(()));
+        assert_eq!(before.free_pages(), 64);
     }
 
     /// A refused admission of many sequences names the one that would not fit.
