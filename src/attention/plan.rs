@@ -300,7 +300,8 @@ fn scratch_binding(dev: &DeviceFacts) -> u64 {
 }
 
 /// Loop iterations of one pass-1 invocation per tile, counted from `attention_partial.wgsl` (every
-/// back-edge of every loop it may run, the worst invocation of the workgroup).
+/// back-edge of every loop it may run, the worst invocation of the workgroup); `usize::MAX` where
+/// they do not fit `usize` (wasm32: heads of 2^27 elements come to billions).
 pub(crate) fn pass1_iterations_per_tile(
     dtypes: [DType; 3],
     d_a: usize,
@@ -309,10 +310,25 @@ pub(crate) fn pass1_iterations_per_tile(
     hb: usize,
     rpl: usize,
 ) -> usize {
-    let span = TILE * rpl;
+    // Counted in u64: rows of at most u32::MAX elements and at most 16 heads and 8 rows per
+    // invocation keep every term below 2^48.
+    let [d_a, d_b, d_v, hb, rpl] = [d_a, d_b, d_v, hb, rpl].map(|x| x as u64);
+    let total = pass1_iterations_u64(dtypes, d_a, d_b, d_v, hb, rpl);
+    usize::try_from(total).unwrap_or(usize::MAX)
+}
+
+fn pass1_iterations_u64(
+    dtypes: [DType; 3],
+    d_a: u64,
+    d_b: u64,
+    d_v: u64,
+    hb: u64,
+    rpl: u64,
+) -> u64 {
+    let span = TILE as u64 * rpl;
     // One step of a dot product: the row loads (rpl), the heads (hb), the rows per head (hb * rpl).
     let step = 1 + rpl + hb * (1 + rpl);
-    let dot = |d: usize, dtype: DType| {
+    let dot = |d: u64, dtype: DType| {
         if d == 0 {
             return 0;
         }
@@ -324,7 +340,7 @@ pub(crate) fn pass1_iterations_per_tile(
             // `kv * d`, inside a word only where d is odd: then the more of the two starts.
             // (Quantized rows take four elements per step: fewer.)
             _ => {
-                let steps = |lead: usize| {
+                let steps = |lead: u64| {
                     let words = (d - lead) / 2;
                     lead + words / 2 + words % 2 + (d - lead) % 2
                 };
@@ -347,7 +363,7 @@ pub(crate) fn pass1_iterations_per_tile(
     };
     // The value phase: per 4 output dims, every row of the tile for every head (and the up-to-4
     // element fallback of a partial quad), then the stores.
-    let value = d_v.div_ceil(4 * TILE) * (1 + span * (1 + hb + 4) + hb * (1 + 4));
+    let value = d_v.div_ceil(4 * TILE as u64) * (1 + span * (1 + hb + 4) + hb * (1 + 4));
     let dots = dot(d_a, dtypes[0]) + dot(d_b, dtypes[1]);
     1 + rpl + dots + rpl * (1 + hb) + span + rpl * (1 + hb) + span + value
 }
