@@ -397,27 +397,38 @@ fn fork_cost(gpu: &Gpu, cfg: &Config, rows: &mut Vec<Row>) -> Result<()> {
     pool.publish_prefix(parent, &tokens)?;
     let reps = cfg.step_reps * 5;
     let pool = std::cell::RefCell::new(pool);
-    let (mut times, mut matched) = (Vec::new(), Vec::new());
-    for &at in &prefixes {
-        let mut fork = || -> Result<f64> {
+    let fork = |at: usize| {
+        let pool = &pool;
+        move || -> Result<f64> {
             let pool = &mut *pool.borrow_mut();
             let t = std::time::Instant::now();
             let child = pool.fork(parent, at)?;
             pool.remove(child)?;
             Ok(t.elapsed().as_secs_f64())
-        };
-        let mut prefixed = || -> Result<f64> {
+        }
+    };
+    let prefixed = |at: usize| {
+        let (pool, tokens) = (&pool, &tokens);
+        move || -> Result<f64> {
             let pool = &mut *pool.borrow_mut();
             let t = std::time::Instant::now();
             let (child, len) = pool.add_sequence_with_prefix(&tokens[..at])?;
             anyhow::ensure!(len == at, "{len} of {at} rows matched");
             pool.remove(child)?;
             Ok(t.elapsed().as_secs_f64())
-        };
-        let [t, p] = interleaved(cfg.warm, reps, [&mut fork, &mut prefixed])?;
-        times.push(t);
-        matched.push(p);
-    }
+        }
+    };
+    // Every length of both in one interleaved loop: each row's ratio is to the fork at the first
+    // length, timed beside it.
+    let [a, b, c] = prefixes;
+    let (mut f0, mut f1, mut f2) = (fork(a), fork(b), fork(c));
+    let (mut p0, mut p1, mut p2) = (prefixed(a), prefixed(b), prefixed(c));
+    let [t0, t1, t2, m0, m1, m2] = interleaved(
+        cfg.warm,
+        reps,
+        [&mut f0, &mut f1, &mut f2, &mut p0, &mut p1, &mut p2],
+    )?;
+    let (times, matched) = ([t0, t1, t2], [m0, m1, m2]);
     let base = format!(
         "fork + remove at {} rows ({:.2} us)",
         prefixes[0],
