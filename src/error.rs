@@ -321,7 +321,9 @@ pub enum Error {
     QueueMismatch,
 
     /// The device could not allocate the buffers of `what` (`bytes` in all): its memory is taken.
-    /// Nothing was changed; a smaller request, or one made after dropping caches, may succeed. Host
+    /// Nothing was changed (but for the rows an import wrote before wgpu failed to stage one, which
+    /// no call reads: [`crate::KvCache::import`]); a smaller request, or one made after dropping
+    /// caches, may succeed. Host
     /// rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes, a streamed
     /// import's piece) are checked first: kvgpu makes and drops buffers of the kind and size wgpu
     /// stages them in. Where wgpu itself cannot stage a smaller host write (`Queue::write_buffer`),

@@ -219,7 +219,9 @@ impl KvCache {
     /// next queue submission, like host appends (natively checked for memory above 4 MiB:
     /// [`KvCache::append`]), so an encoder holding a recorded reset or scrub of this cache must be
     /// submitted first, or its zeroing runs after the restored rows and wipes them. Returns the rows
-    /// restored.
+    /// restored. One exception to "changes nothing": where wgpu still cannot stage a write after
+    /// the check ([`Error::OutOfMemory`]; wgpu 30 then loses the device), the rows written before
+    /// it stay in the slots, past the cache's length, where no call reads them.
     pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;

@@ -48,6 +48,12 @@ use std::collections::BTreeMap;
 /// removing or truncating it. Otherwise the appends land in the pages of whichever sequence takes
 /// them next, and the attention reads that sequence's table entries and rows (within the pool: no
 /// access leaves it, but the rows are another sequence's).
+///
+/// An encoder holding recorded GPU appends must be submitted. The ledger counts a recorded append
+/// as made, and its rows, the copy of a shared page it writes into and the table entries of the
+/// pages it takes are commands of that encoder; no later call writes those entries again. If the
+/// encoder is dropped, [`PagedCache::remove`] the sequences it appended to (truncating them does not
+/// repair their table): attention over them would read pages of other sequences.
 pub struct PagedCache {
     /// The pool's buffers: a cache of `page_size · n_pages` rows whose ledger stays empty.
     store: KvCache,
@@ -834,7 +840,10 @@ impl PagedCache {
     }
 
     /// The visible rows of `seq` in a slot as stored words, gathered through its page table: one
-    /// readback of its pages' rows (not of the pool).
+    /// readback of its pages' rows (not of the pool). Submit any encoder holding recorded appends to
+    /// `seq` first (as for [`PagedCache::export_sequence_async`]): one that gave it a private copy
+    /// of a shared page moved it to the new page at once, and the copy fills that page, earlier rows
+    /// included, only when the encoder runs.
     pub async fn read_words_async(
         &self,
         seq: SeqId,

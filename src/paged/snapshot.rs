@@ -69,6 +69,9 @@ impl PagedCache {
     /// [`PagedCache::admits`]: [`Error::OutOfPages`](crate::Error::OutOfPages), [`Error::CapacityExceeded`](crate::Error::CapacityExceeded)) and the page
     /// table ([`Error::TooManySequences`](crate::Error::TooManySequences)) — and a refusal changes nothing. The rows reach the GPU
     /// at the next queue submission, like host appends (natively checked for memory above 4 MiB).
+    /// As for [`crate::KvCache::import`], a write wgpu still cannot stage after that check
+    /// ([`Error::OutOfMemory`](crate::Error::OutOfMemory)) leaves the rows written before it in
+    /// pages that stay free.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         let plan = self.plan_import(snap.header.len)?;
