@@ -454,7 +454,7 @@ fn block_row_words(dtype: DType, row_elems: usize) -> usize {
 }
 
 /// Words of one stored row as [`pack_rows`] writes it.
-fn packed_row_words(dtype: DType, row_elems: usize) -> usize {
+pub(crate) fn packed_row_words(dtype: DType, row_elems: usize) -> usize {
     match dtype {
         DType::F32 => row_elems,
         DType::F16 | DType::BF16 => row_elems.div_ceil(2),
@@ -518,10 +518,20 @@ fn block_elem(row: &[u32], dtype: DType, blocks: usize, i: usize) -> f32 {
     q as f32 * d
 }
 
+/// `n` default values, or `None` where this process cannot allocate them (a `Vec` past `isize::MAX`
+/// bytes panics instead, which wasm32 reaches at 2 GiB).
+pub(crate) fn zeroed<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).ok()?;
+    v.resize(n, T::default());
+    Some(v)
+}
+
 /// Packs row-major element bits (one element per entry) into stored words: whole rows of `row_elems`
 /// elements, 16-bit types two per word low half first, fp8 four per word, the block types quantized
 /// (see [`DType`]), each row padded to a whole word. f32 elements are their own words, a partial
-/// last row included; the other types drop a partial last row.
+/// last row included; the other types drop a partial last row. Empty where the words cannot be
+/// allocated.
 pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     if dtype == DType::F32 {
         return bits.to_vec();
@@ -531,10 +541,9 @@ pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     }
     let row_words = packed_row_words(dtype, row_elems);
     let rows = bits.len() / row_elems;
-    let Some(total) = rows.checked_mul(row_words) else {
+    let Some(mut out) = rows.checked_mul(row_words).and_then(zeroed) else {
         return Vec::new();
     };
-    let mut out = vec![0u32; total];
     for (row, out) in bits
         .chunks_exact(row_elems)
         .zip(out.chunks_exact_mut(row_words))
@@ -554,36 +563,44 @@ pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
 }
 
 /// Inverse of [`pack_rows`]: element bits of every whole row, padding dropped (the block types'
-/// elements dequantized to f32 bits).
+/// elements dequantized to f32 bits); empty where the result cannot be allocated.
 pub fn unpack_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     if dtype == DType::F32 {
         return words.to_vec();
     }
     let row_words = packed_row_words(dtype, row_elems).max(1);
     let blocks = row_elems.div_ceil(QUANT_BLOCK);
-    words
-        .chunks_exact(row_words)
-        .flat_map(|row| {
-            (0..row_elems).map(move |e| match dtype {
-                DType::Q8_0 | DType::Q4_0 => block_elem(row, dtype, blocks, e).to_bits(),
-                _ => {
-                    let per = 4 / dtype.size();
-                    let mask = if per == 2 { 0xffff } else { 0xff };
-                    (row[e / per] >> (32 / per * (e % per))) & mask
-                }
-            })
+    let mut out = Vec::new();
+    let rows = words.len() / row_words;
+    if rows
+        .checked_mul(row_elems)
+        .is_none_or(|n| out.try_reserve_exact(n).is_err())
+    {
+        return Vec::new();
+    }
+    out.extend(words.chunks_exact(row_words).flat_map(|row| {
+        (0..row_elems).map(move |e| match dtype {
+            DType::Q8_0 | DType::Q4_0 => block_elem(row, dtype, blocks, e).to_bits(),
+            _ => {
+                let per = 4 / dtype.size();
+                let mask = if per == 2 { 0xffff } else { 0xff };
+                (row[e / per] >> (32 / per * (e % per))) & mask
+            }
         })
-        .collect()
+    }));
+    out
 }
 
-/// Stored words to f32 values, `[rows, row_elems]` row-major.
+/// Stored words to f32 values, `[rows, row_elems]` row-major; empty where they cannot be allocated.
 pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
     if dtype == DType::F32 {
         return bytemuck::cast_slice(words).to_vec();
     }
     let row_words = packed_row_words(dtype, row_elems).max(1);
     let rows = words.len() / row_words;
-    let mut out = vec![0f32; rows * row_elems];
+    let Some(mut out) = rows.checked_mul(row_elems).and_then(zeroed) else {
+        return Vec::new();
+    };
     if row_elems == 0 {
         return out;
     }
@@ -946,6 +963,13 @@ mod tests {
         let mut out = Vec::new();
         encode_rows(HostData::F32(&[]), DType::F16, 3, None, &mut out);
         assert!(out.is_empty());
+    }
+
+    /// Results past what a `Vec` may hold (`isize::MAX` bytes) are refused, not a panic.
+    #[test]
+    fn results_that_cannot_be_allocated_are_none() {
+        assert_eq!(zeroed::<u64>(usize::MAX / 4), None);
+        assert_eq!(zeroed::<u32>(3), Some(vec![0; 3]));
     }
 
     #[test]

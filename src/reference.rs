@@ -285,8 +285,11 @@ fn attend(
     if out.is_empty() {
         return out;
     }
-    let mut weights = Vec::with_capacity(visible);
-    let mut acc: Vec<f64> = Vec::with_capacity(d_v);
+    let (Some(mut weights), Some(mut acc)) =
+        (with_room(Some(visible)), with_room::<f64>(Some(d_v)))
+    else {
+        return Vec::new();
+    };
     for qi in 0..n_q {
         let last = visible - n_q + qi;
         let first = options.window.map_or(0, |w| (last + 1).saturating_sub(w));

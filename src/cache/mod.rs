@@ -24,6 +24,7 @@ use crate::kernels::{
 use crate::ledger::{AppendPlan, Ledger};
 use crate::placement::{Placement, Run};
 use crate::spec::{CacheSpec, DeviceLimits, SlotSpec};
+pub(crate) use read::decoded;
 pub use slabs::{GpuSlab, HostSlab, SlotView};
 pub use snapshot::CacheImport;
 pub(crate) use snapshot::{SlotRows, pump, write_slots};

@@ -92,7 +92,7 @@ impl KvCache {
     pub async fn read_f32_async(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
         let words = self.read_words_async(layer, slot).await?;
         let sb = self.slot_buffer(layer, slot)?;
-        Ok(decode_scaled_rows(&words, sb.dtype, sb.row_elems, sb.scale))
+        decoded(&words, sb.dtype, sb.row_elems, sb.scale)
     }
 
     /// [`KvCache::read_words_async`], blocking.
@@ -112,4 +112,26 @@ impl KvCache {
     pub fn read_f32(&self, layer: usize, slot: usize) -> Result<Vec<f32>> {
         pollster::block_on(self.read_f32_async(layer, slot))
     }
+}
+
+/// The f32 values of whole stored rows read back ([`decode_scaled_rows`]), or
+/// [`Error::OutOfMemory`] where this process cannot allocate them (rows are never empty, so an
+/// empty result of words is that).
+pub(crate) fn decoded(
+    words: &[u32],
+    dtype: crate::codec::DType,
+    row_elems: usize,
+    scale: Option<f32>,
+) -> Result<Vec<f32>> {
+    let values = decode_scaled_rows(words, dtype, row_elems, scale);
+    if values.is_empty() && !words.is_empty() {
+        let row_words = crate::codec::packed_row_words(dtype, row_elems).max(1) as u64;
+        let bytes = (words.len() as u64 / row_words).saturating_mul(4 * row_elems as u64);
+        return Err(Error::OutOfMemory {
+            what: "the f32 values of the rows read back (host memory)".into(),
+            bytes,
+            reason: "this process could not allocate them".into(),
+        });
+    }
+    Ok(values)
 }

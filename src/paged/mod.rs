@@ -7,7 +7,6 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::cache::{GpuSlab, HOST_ROWS, HostRows, HostSlab, KvCache, Rows, SlotView};
-use crate::codec::decode_scaled_rows;
 use crate::error::{Error, Result};
 use crate::kernels::{Kernels, Upload, check_staging};
 use crate::ledger::slab_rows;
@@ -867,12 +866,12 @@ impl PagedCache {
     pub async fn read_f32_async(&self, seq: SeqId, layer: usize, slot: usize) -> Result<Vec<f32>> {
         let words = self.read_words_async(seq, layer, slot).await?;
         let row_elems = self.spec.slot(layer, slot)?.row_elems();
-        Ok(decode_scaled_rows(
+        crate::cache::decoded(
             &words,
             self.spec.slot_dtype(layer, slot)?,
             row_elems,
             self.spec.slot_scale(layer, slot)?,
-        ))
+        )
     }
 
     /// Records the private copies of shared pages: per layer the rows the writer sees there, through
