@@ -664,7 +664,8 @@ impl Attention {
             out: out.into(),
             n_kv: 1,
             d_v: r,
-            default_scale: 1.0 / ((r + p) as f32).sqrt(),
+            // Summed as floats: r + p may pass usize on wasm32.
+            default_scale: 1.0 / (r as f32 + p as f32).sqrt(),
         };
         self.record(encoder, rows, job, options)
     }

@@ -329,8 +329,13 @@ pub(crate) fn lane_floats(
         let u = per_vec(dtypes[i]);
         (dims[i] / u).div_ceil(lanes) * u
     });
-    let row = a + b + if v_from_a { 0 } else { v };
-    heads * (a + b + v) + rows * row
+    // Saturating: on wasm32 heads of 2^31 elements pass usize (no kernel takes them).
+    let row = a
+        .saturating_add(b)
+        .saturating_add(if v_from_a { 0 } else { v });
+    heads
+        .saturating_mul(a.saturating_add(b).saturating_add(v))
+        .saturating_add(rows.saturating_mul(row))
 }
 
 /// The WGSL of pass 1 for `key`, after `prelude` (dtype codes and `AttnParams`).
