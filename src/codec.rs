@@ -527,6 +527,16 @@ pub(crate) fn zeroed<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
     Some(v)
 }
 
+/// A copy of `x`, or an empty `Vec` where this process cannot allocate one.
+fn copied<T: Copy>(x: &[T]) -> Vec<T> {
+    let mut v = Vec::new();
+    if v.try_reserve_exact(x.len()).is_err() {
+        return Vec::new();
+    }
+    v.extend_from_slice(x);
+    v
+}
+
 /// Packs row-major element bits (one element per entry) into stored words: whole rows of `row_elems`
 /// elements, 16-bit types two per word low half first, fp8 four per word, the block types quantized
 /// (see [`DType`]), each row padded to a whole word. f32 elements are their own words, a partial
@@ -534,7 +544,7 @@ pub(crate) fn zeroed<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
 /// allocated.
 pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     if dtype == DType::F32 {
-        return bits.to_vec();
+        return copied(bits);
     }
     if row_elems == 0 {
         return Vec::new();
@@ -566,7 +576,7 @@ pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
 /// elements dequantized to f32 bits); empty where the result cannot be allocated.
 pub fn unpack_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     if dtype == DType::F32 {
-        return words.to_vec();
+        return copied(words);
     }
     let row_words = packed_row_words(dtype, row_elems).max(1);
     let blocks = row_elems.div_ceil(QUANT_BLOCK);
@@ -594,7 +604,7 @@ pub fn unpack_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
 /// Stored words to f32 values, `[rows, row_elems]` row-major; empty where they cannot be allocated.
 pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
     if dtype == DType::F32 {
-        return bytemuck::cast_slice(words).to_vec();
+        return copied(bytemuck::cast_slice(words));
     }
     let row_words = packed_row_words(dtype, row_elems).max(1);
     let rows = words.len() / row_words;

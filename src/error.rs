@@ -337,9 +337,9 @@ pub enum Error {
     /// browser WebGPU answers such a check only later, so the failure is left to WebGPU's own
     /// report, the device's uncaptured error. (A readback whose staging buffer cannot be made is
     /// refused with [`Error::Readback`] or [`Error::Device`], also in the browser.) A `read_f32`
-    /// whose f32 values this process cannot allocate is refused with this error too, `what` naming
-    /// host memory.
-    #[error("the device could not allocate {bytes} bytes for {what}: {reason}")]
+    /// whose f32 values this process cannot allocate is refused with this error too, `what` and
+    /// `reason` naming host memory.
+    #[error("out of memory: could not allocate {bytes} bytes for {what}: {reason}")]
     OutOfMemory {
         what: String,
         bytes: u64,

@@ -3,7 +3,8 @@
 //!
 //! Every function here takes any input without panicking: shapes that disagree with their slices give
 //! an empty result, elements outside a source read as 0, and writes outside a slot are dropped, as each
-//! function's doc says. Sizes that overflow `usize` or cannot be allocated also give an empty result.
+//! function's doc says. Sizes that overflow `usize` or cannot be allocated also give an empty result
+//! (the conversions of host data, whose results are no larger than their input, allocate as usual).
 
 use crate::codec::DType;
 pub use crate::codec::{
