@@ -150,7 +150,8 @@ pub fn run(
             // The faster of the two plain kernels, the 16-byte one on the adapters measured so far.
             tr.min(ts) / tk,
             format!(
-                "best plain copy kernel, pack2x16float ({:.2} GB/s)",
+                "best plain copy kernel, pack2x16float, {} loads ({:.2} GB/s)",
+                if ts < tr { "4-byte" } else { "16-byte" },
                 gbs(moved, tr.min(ts))
             ),
             Goal::AtLeast(0.8),

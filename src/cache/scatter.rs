@@ -117,10 +117,10 @@ impl KvCache {
             return Ok(false);
         }
         // Binding and recording below cannot fail once the parameters and the upload are made.
-        self.ring.reserve(slabs.len() as u64)?;
         let upload = self.rewinding(|c| {
             let upload = c.uploads.reserve(UPLOAD, size)?;
             check_staging(&c.device, UPLOAD, size)?;
+            c.ring.reserve(slabs.len() as u64)?;
             Ok(upload)
         })?;
         let mut bytes = std::mem::take(&mut self.upload_bytes);
