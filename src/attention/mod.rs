@@ -454,6 +454,17 @@ impl Attention {
                 pass.set_bind_group(1, &params.group, &[params.offset]);
                 pass.dispatch_workgroups(1, 1, 1);
             }
+            // On a CPU adapter a call whose chunks would take the 8-lane reduce past the loop
+            // budget takes the 64-lane one: built too, so that a long call compiles nothing.
+            if let (true, Some(params)) = (self.facts.cpu, params.first()) {
+                pass.set_pipeline(
+                    self.kernels
+                        .attention_reduce(crate::kernels::REDUCE_LANES[0]),
+                );
+                pass.set_bind_group(0, &reduce, &[]);
+                pass.set_bind_group(1, &params.group, &[params.offset]);
+                pass.dispatch_workgroups(1, 1, 1);
+            }
         }
         self.queue.submit([encoder.finish()]);
         #[cfg(not(target_arch = "wasm32"))]
