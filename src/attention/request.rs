@@ -122,6 +122,10 @@ pub(super) fn contiguous(shape: [usize; 3]) -> [usize; 3] {
 /// The rows attention reads: a cache's visible rows (`&cache` converts), one sequence of a paged
 /// pool, or a ragged batch of a pool's sequences: `(seq, n)` pairs, each sequence's last `n` visible
 /// rows being its queries, in order (decode and chunked-prefill rows mixed, one dispatch pair).
+/// Each pair takes `1 <= n <= visible` ([`crate::Error::QueryRows`] otherwise: unlike
+/// [`PagedCache::append_batch`], a pair of 0 rows is refused), and a sequence named twice takes its
+/// last `n` rows for each pair: after an `append_batch` that named a sequence twice, name it once
+/// with the sum of its rows.
 #[derive(Clone, Copy, Debug)]
 pub enum Kv<'k> {
     Cache(&'k KvCache),
