@@ -518,21 +518,31 @@ fn block_elem(row: &[u32], dtype: DType, blocks: usize, i: usize) -> f32 {
     q as f32 * d
 }
 
-/// `n` default values, or `None` where this process cannot allocate them (a `Vec` past `isize::MAX`
-/// bytes panics instead, which wasm32 reaches at 2 GiB).
-pub(crate) fn zeroed<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
+/// An empty `Vec` with room for `n` elements, or `None` when `n` is unknown (an overflowed size) or
+/// cannot be allocated (a `Vec` past `isize::MAX` bytes would panic instead, which wasm32 reaches at
+/// 2 GiB).
+pub(crate) fn with_room<T>(n: Option<usize>) -> Option<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n).ok()?;
-    v.resize(n, T::default());
+    v.try_reserve_exact(n?).ok()?;
     Some(v)
+}
+
+/// `n` zeros, or an empty `Vec` when `n` is unknown or cannot be allocated.
+pub(crate) fn zeros<T: Clone + Default>(n: Option<usize>) -> Vec<T> {
+    match (n, with_room(n)) {
+        (Some(n), Some(mut v)) => {
+            v.resize(n, T::default());
+            v
+        }
+        _ => Vec::new(),
+    }
 }
 
 /// A copy of `x`, or an empty `Vec` where this process cannot allocate one.
 fn copied<T: Copy>(x: &[T]) -> Vec<T> {
-    let mut v = Vec::new();
-    if v.try_reserve_exact(x.len()).is_err() {
+    let Some(mut v) = with_room(Some(x.len())) else {
         return Vec::new();
-    }
+    };
     v.extend_from_slice(x);
     v
 }
@@ -551,9 +561,7 @@ pub fn pack_rows(bits: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     }
     let row_words = packed_row_words(dtype, row_elems);
     let rows = bits.len() / row_elems;
-    let Some(mut out) = rows.checked_mul(row_words).and_then(zeroed) else {
-        return Vec::new();
-    };
+    let mut out = zeros(rows.checked_mul(row_words));
     for (row, out) in bits
         .chunks_exact(row_elems)
         .zip(out.chunks_exact_mut(row_words))
@@ -580,14 +588,10 @@ pub fn unpack_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<u32> {
     }
     let row_words = packed_row_words(dtype, row_elems).max(1);
     let blocks = row_elems.div_ceil(QUANT_BLOCK);
-    let mut out = Vec::new();
     let rows = words.len() / row_words;
-    if rows
-        .checked_mul(row_elems)
-        .is_none_or(|n| out.try_reserve_exact(n).is_err())
-    {
+    let Some(mut out) = with_room(rows.checked_mul(row_elems)) else {
         return Vec::new();
-    }
+    };
     out.extend(words.chunks_exact(row_words).flat_map(|row| {
         (0..row_elems).map(move |e| match dtype {
             DType::Q8_0 | DType::Q4_0 => block_elem(row, dtype, blocks, e).to_bits(),
@@ -608,9 +612,7 @@ pub fn decode_rows(words: &[u32], dtype: DType, row_elems: usize) -> Vec<f32> {
     }
     let row_words = packed_row_words(dtype, row_elems).max(1);
     let rows = words.len() / row_words;
-    let Some(mut out) = rows.checked_mul(row_elems).and_then(zeroed) else {
-        return Vec::new();
-    };
+    let mut out = zeros(rows.checked_mul(row_elems));
     if row_elems == 0 {
         return out;
     }
@@ -975,11 +977,12 @@ mod tests {
         assert!(out.is_empty());
     }
 
-    /// Results past what a `Vec` may hold (`isize::MAX` bytes) are refused, not a panic.
+    /// Results past what a `Vec` may hold (`isize::MAX` bytes) are empty, not a panic.
     #[test]
-    fn results_that_cannot_be_allocated_are_none() {
-        assert_eq!(zeroed::<u64>(usize::MAX / 4), None);
-        assert_eq!(zeroed::<u32>(3), Some(vec![0; 3]));
+    fn results_that_cannot_be_allocated_are_empty() {
+        assert_eq!(zeros::<u64>(Some(usize::MAX / 4)), Vec::<u64>::new());
+        assert_eq!(with_room::<u64>(Some(usize::MAX / 4)), None);
+        assert_eq!(zeros::<u32>(Some(3)), vec![0; 3]);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! function's doc says. Sizes that overflow `usize` or cannot be allocated also give an empty result
 //! (the conversions of host data, whose results are no larger than their input, allocate as usual).
 
-use crate::codec::DType;
+use crate::codec::{DType, with_room, zeros};
 pub use crate::codec::{
     bits_to_f32, convert_bits, decode_rows, decode_scaled_rows, f32_to_bits, host_bits,
     inverse_scale, pack_rows, prescaled, round_trip, round_trip_rows, scaled_host_bits,
@@ -21,25 +21,6 @@ fn product(dims: &[usize]) -> Option<usize> {
 /// Whether a slice of `len` elements holds the tensor `dims`.
 fn holds(len: usize, dims: &[usize]) -> bool {
     product(dims).is_some_and(|n| n <= len)
-}
-
-/// An empty `Vec` with room for `n` elements, or `None` when `n` is unknown (an overflowed size) or
-/// cannot be allocated.
-fn with_room<T>(n: Option<usize>) -> Option<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n?).ok()?;
-    Some(v)
-}
-
-/// `n` zeros, or an empty `Vec` when `n` is unknown or cannot be allocated.
-fn zeros<T: Clone + Default>(n: Option<usize>) -> Vec<T> {
-    match (n, with_room(n)) {
-        (Some(n), Some(mut v)) => {
-            v.resize(n, T::default());
-            v
-        }
-        _ => Vec::new(),
-    }
 }
 
 /// A xorshift generator of indices, for reproducible pseudo-random operation sequences in tests.

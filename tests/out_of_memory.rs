@@ -817,16 +817,11 @@ fn a_refused_scattered_append_keeps_no_new_upload_or_parameter_buffer() {
     pool.advance(b, 1).unwrap();
     assert!(allocated_as(&g.device, "kvgpu upload").unwrap() > uploads);
     assert!(allocated_as(&g.device, "kvgpu params").unwrap() > params);
-    let f16 =
-        |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect() };
+    let stored = reference::round_trip_rows(&rows, DType::F16, 16);
     for (seq, row) in [(a, 0), (b, 1)] {
         for slot in 0..2 {
             let got = pollster::block_on(pool.read_f32_async(seq, 0, slot)).unwrap();
-            assert_eq!(
-                got,
-                f16(&rows[row * 16..(row + 1) * 16]),
-                "{seq:?} slot {slot}"
-            );
+            assert_eq!(got, stored[row * 16..(row + 1) * 16], "{seq:?} slot {slot}");
         }
     }
 }

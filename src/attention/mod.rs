@@ -490,9 +490,9 @@ impl Attention {
     /// streaming kernels and 16 for the tiled kernel. More chunks give a long context more
     /// parallelism and the reduce pass more partial results to merge. The rows are split into no
     /// more chunks than they make pieces of 16 rows (64 for a team of one invocation), the last
-    /// piece counted even if shorter: 17 rows make two chunks of 9. No chunk gets more rows than the loop budget allows, and the chunks stay within
-    /// the device's workgroup and binding limits, so any target plans a valid call (a target above
-    /// 2^24 counts as 2^24).
+    /// piece counted even if shorter: 17 rows make two chunks of 9. No chunk gets more rows than
+    /// the loop budget allows, and the chunks stay within the device's workgroup and binding limits,
+    /// so any target plans a valid call (a target above 2^24 counts as 2^24).
     pub fn set_target_workgroups(&mut self, target: Option<NonZeroUsize>) {
         self.facts.target = target.map(NonZeroUsize::get);
     }

@@ -379,8 +379,8 @@ impl PageLedger {
         // Fresh pages past those held, then held pages shared with another sequence: counted over
         // the pages held, so an append of far more rows than the pool holds is refused at once.
         let held = s.pages.len();
-        let shared = (first..=last.min(held.saturating_sub(1)))
-            .filter(|&i| i < held && self.refs[s.pages[i] as usize] > 1)
+        let shared = (first..(last + 1).min(held))
+            .filter(|&i| self.refs[s.pages[i] as usize] > 1)
             .count();
         let needed = (last + 1).saturating_sub(held.max(first)) + shared;
         if needed > self.free.len() {
