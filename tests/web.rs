@@ -173,6 +173,7 @@ browser_tests!(paged_bodies:
     paged_pool_matches_the_model,
     paged_attention_matches_the_reference,
     long_paged_sequences_match_the_reference,
+    ragged_batches_read_strided_views_windows_and_split_pairs,
     paged_pool_sizes_are_checked,
     paged_sources_of_another_device_are_refused,
     batched_appends_match_one_by_one,

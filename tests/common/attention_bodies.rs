@@ -1487,12 +1487,12 @@ async fn one_gqa_query(
 }
 
 /// Element `(i, h, e)` of a view at `offset` along `strides`.
-fn view_at(offset: usize, strides: [usize; 3], i: usize, h: usize, e: usize) -> usize {
+pub fn view_at(offset: usize, strides: [usize; 3], i: usize, h: usize, e: usize) -> usize {
     offset + i * strides[0] + h * strides[1] + e * strides[2]
 }
 
 /// The elements of `[n_q, n_heads, d]` at `offset` along `strides`, row-major.
-fn gather(data: &[f32], offset: usize, shape: [usize; 3], strides: [usize; 3]) -> Vec<f32> {
+pub fn gather(data: &[f32], offset: usize, shape: [usize; 3], strides: [usize; 3]) -> Vec<f32> {
     let bits: Vec<u32> = data.iter().map(|x| x.to_bits()).collect();
     reference::gather_strided(&bits, offset, &shape, &strides)
         .into_iter()
@@ -1503,13 +1503,13 @@ fn gather(data: &[f32], offset: usize, shape: [usize; 3], strides: [usize; 3]) -
 /// A strided output of `shape` in a buffer of sentinels: where it starts, its strides and the
 /// buffer's length (a few sentinels past the last element).
 #[derive(Clone, Copy, Debug)]
-struct OutView {
-    offset: usize,
-    strides: [usize; 3],
+pub struct OutView {
+    pub offset: usize,
+    pub strides: [usize; 3],
 }
 
 impl OutView {
-    fn len(&self, shape: [usize; 3]) -> usize {
+    pub fn len(&self, shape: [usize; 3]) -> usize {
         view_at(
             self.offset,
             self.strides,
@@ -1522,7 +1522,7 @@ impl OutView {
 
 /// Holds the strided output `got` (the whole buffer) to the row-major `want`, and every element
 /// the view does not name to the sentinel.
-fn assert_view_close(got: &[f32], view: OutView, shape: [usize; 3], want: &[f32], what: &str) {
+pub fn assert_view_close(got: &[f32], view: OutView, shape: [usize; 3], want: &[f32], what: &str) {
     let mut named = vec![false; got.len()];
     let mut picked = Vec::with_capacity(want.len());
     for i in 0..shape[0] {

@@ -1276,6 +1276,166 @@ pub async fn long_paged_sequences_match_the_reference(g: &Gpu) {
     }
 }
 
+/// Ragged batches in the cases the other paged tests leave out, each segment against the twin of
+/// its own sequence, on every pass-1 kernel of the adapter, for f32 and f16 storage:
+/// - a window longer than the shortest sequence and shorter than the others (12 rows, over
+///   sequences of 7, 18 and 100);
+/// - queries read through strided views of a fused buffer, and the output written through a
+///   strided view into a buffer of sentinels (elements outside the view stay as they were);
+/// - GQA, MHA (one KV head per query head) and MLA layers;
+/// - natively, batches split over several dispatch pairs. The device has 16 KiB bindings; at the
+///   highest workgroup target the 100 rows make at least 2 chunks on every kernel (pieces of 64
+///   rows for teams of one invocation, of 16 for the others), and the 65 queries' partial results
+///   take 8,320 bytes per chunk for GQA (4 heads of 8) and MLA (2 heads of 16), with 520 bytes of
+///   query table beside them. So each pair takes a part of the batch and reads its own part of the
+///   query table. A browser's device has WebGPU's 128 MiB bindings at least: there each batch is
+///   one pair.
+pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) {
+    // The features of `g`'s device: subgroups where it has them, for every kernel.
+    let small = super::gpu_with(
+        g,
+        wgpu::Limits {
+            max_storage_buffer_binding_size: 16 << 10,
+            ..wgpu::Limits::default()
+        },
+        g.device.features(),
+    )
+    .await;
+    // (KV heads, query heads) of the GQA and MHA layers; MLA's query heads.
+    let (gqa, mha, mla_heads) = ((2, 4), (2, 2), 2);
+    let (d, r, rope) = (8, 16, 8);
+    for dtype in [DType::F32, DType::F16] {
+        let layers = vec![
+            LayerSpec::kv(gqa.0, d, d),
+            LayerSpec::kv(mha.0, d, d),
+            LayerSpec::mla(r, rope),
+        ];
+        let spec = CacheSpec::new(layers, dtype, 100).unwrap();
+        let mut c =
+            PagedCache::with_kernels(super::kernels_for(&small), spec.clone(), 5, 28).unwrap();
+        let (a, b, s) = (
+            c.add_sequence().unwrap(),
+            c.add_sequence().unwrap(),
+            c.add_sequence().unwrap(),
+        );
+        // The three take pages in turn.
+        let mut ra = step(&small, &mut c, a, 10, 21, false).await;
+        let rb = step(&small, &mut c, b, 7, 22, true).await;
+        let mut rs = step(&small, &mut c, s, 60, 23, false).await;
+        ra = grown(&ra, &step(&small, &mut c, a, 8, 24, true).await);
+        rs = grown(&rs, &step(&small, &mut c, s, 40, 25, false).await);
+        let seqs = [(a, &ra), (b, &rb), (s, &rs)];
+        // Every row of a and b a query, and s's last 40 (a chunked prefill of all three).
+        let batch: Vec<(SeqId, usize)> = vec![(b, 7), (a, 18), (s, 40)];
+        let total: usize = batch.iter().map(|x| x.1).sum();
+        let mut att = Attention::with_kernels(super::kernels_for(&small));
+        att.set_target_workgroups(std::num::NonZeroUsize::new(1 << 24));
+        for choice in super::attention_bodies::kernels(&small) {
+            att.set_kernel(choice);
+            let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
+            assert!(
+                takes(0) && takes(1) && takes(2),
+                "{choice:?} {dtype}: whole vectors"
+            );
+            for (window, soft_cap) in [(None, None), (Some(12), Some(4.0))] {
+                let options = AttentionOptions {
+                    window,
+                    soft_cap,
+                    scale: None,
+                };
+                for (layer, heads) in [(0, gqa.1), (1, mha.1), (2, mla_heads)] {
+                    let what = format!("{dtype} {choice:?} layer {layer} window {window:?}");
+                    check_strided_batch(
+                        &small,
+                        &c,
+                        &mut att,
+                        (&batch, total),
+                        &seqs,
+                        (layer, heads),
+                        (d, r, rope),
+                        &options,
+                        &what,
+                    )
+                    .await;
+                }
+            }
+        }
+    }
+}
+
+/// One call of `layer` (GQA or MHA of heads of `d`, or MLA of latent `r` and rope `rope`) over the
+/// ragged `batch` (`total` queries), its queries in a fused buffer (per query a row of each head's
+/// `[q]` or `[latent | rope]`, then 5 more elements, after 3), its output through a strided view;
+/// each segment against the twin of its own sequence.
+#[allow(clippy::too_many_arguments)]
+async fn check_strided_batch(
+    g: &Gpu,
+    c: &PagedCache,
+    att: &mut Attention,
+    (batch, total): (&[(SeqId, usize)], usize),
+    seqs: &[(SeqId, &SeqRows)],
+    (layer, heads): (usize, usize),
+    (d, r, rope): (usize, usize, usize),
+    options: &AttentionOptions,
+    what: &str,
+) {
+    use super::attention_bodies::{OutView, assert_view_close, gather};
+    let mla = layer == 2;
+    let (head, width) = if mla { (r + rope, r) } else { (d, d) };
+    let (pad, row) = (3, heads * head + 5);
+    let fused = values(40 + layer as u64, pad + total * row);
+    let q = super::f32_buffer(&g.device, &fused).await;
+    let strides = [row, head, 1];
+    let view = OutView {
+        offset: 2,
+        strides: [heads * width + 3, width, 1],
+    };
+    let shape = [total, heads, width];
+    let out = super::output(&g.device, view.len(shape)).await;
+    let output = Output::new(&out).at(view.offset).with_strides(view.strides);
+    let queries = |at: usize, dim: usize| {
+        Queries::new(&q, total, heads, dim)
+            .at(at)
+            .with_strides(strides)
+    };
+    let result = if mla {
+        let mla_q = MlaQueries {
+            latent: queries(pad, r),
+            rope: queries(pad + r, rope),
+        };
+        att.mla(Kv::Batch(c, batch), layer, mla_q, output, options)
+    } else {
+        att.gqa(Kv::Batch(c, batch), layer, queries(pad, d), output, options)
+    };
+    result.unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut want = Vec::with_capacity(total * heads * width);
+    let mut at = pad;
+    for &(seq, n) in batch {
+        let rows = &seqs.iter().find(|x| x.0 == seq).unwrap().1[layer];
+        let segment = if mla {
+            let latent = gather(&fused, at, [n, heads, r], strides);
+            let rope_q = gather(&fused, at + r, [n, heads, rope], strides);
+            reference::attention_mla(
+                &latent,
+                &rope_q,
+                [n, heads, r],
+                &rows[0],
+                &rows[1],
+                rope,
+                options,
+            )
+        } else {
+            let n_kv = rows[0].len() / (c.len(seq).unwrap() * d);
+            let qs = gather(&fused, at, [n, heads, d], strides);
+            reference::attention_gqa(&qs, [n, heads, d], &rows[0], &rows[1], n_kv, d, options)
+        };
+        want.extend(segment);
+        at += n * row;
+    }
+    let got = super::read_f32(g, &out).await;
+    assert_view_close(&got, view, shape, &want, what);
+}
+
 /// A pool is sized before anything is allocated: no page or an empty page is `EmptyPool`; a pool of a
 /// slot larger than one storage binding (or whose row count overflows) is `PoolTooLarge`, naming the
 /// most pages that fit, which is exactly the largest count under the limit.

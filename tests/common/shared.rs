@@ -160,6 +160,11 @@ pub async fn default_limits_gpu(g: &Gpu) -> Gpu {
 
 /// A second device with `limits` (lower ones make size limits cheap to reach).
 pub async fn gpu_with_limits(g: &Gpu, limits: wgpu::Limits) -> Gpu {
+    gpu_with(g, limits, wgpu::Features::empty()).await
+}
+
+/// A second device with `limits` and `features` (which the adapter must offer).
+pub async fn gpu_with(g: &Gpu, limits: wgpu::Limits, features: wgpu::Features) -> Gpu {
     #[cfg(target_arch = "wasm32")]
     let adapter = {
         let _ = g;
@@ -176,6 +181,7 @@ pub async fn gpu_with_limits(g: &Gpu, limits: wgpu::Limits) -> Gpu {
     let (device, queue) = adapter
         .request_device(&wgpu::DeviceDescriptor {
             required_limits: limits,
+            required_features: features,
             ..Default::default()
         })
         .await
