@@ -220,6 +220,10 @@ fn attentions_preparing_on_many_threads_at_once_build_each_pipeline_once() {
                         );
                         let got = read(&out);
                         assert_close(&got[..4 * d], &want, &format!("thread {t}, layer {layer}"));
+                        assert!(
+                            got[4 * d..].iter().all(|&x| x == -7.0),
+                            "thread {t}, layer {layer}: written past the output"
+                        );
                     }
                     built
                 })

@@ -2677,8 +2677,13 @@ fn zeroing_stays_within_the_devices_workgroups() {
     let scope = few.device.push_error_scope(wgpu::ErrorFilter::Validation);
     c.reset().unwrap();
     assert!(pollster::block_on(scope.pop()).is_none());
-    let words = pollster::block_on(shared::read_f32(&few, c.view(0, 1).unwrap().buffer));
-    assert!(words.iter().all(|&w| w == 0.0), "a word was not zeroed");
+    for slot in 0..2 {
+        let words = pollster::block_on(shared::read_f32(&few, c.view(0, slot).unwrap().buffer));
+        assert!(
+            words.iter().all(|&w| w.to_bits() == 0),
+            "slot {slot}: a word was not zeroed"
+        );
+    }
 }
 
 /// A pool on a device of 16 KiB bindings binds the row map of a scattered GPU append from its
