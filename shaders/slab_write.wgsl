@@ -395,6 +395,29 @@ fn quantize_block(row: u32, b: u32, base: u32, len: u32) -> u32 {
     return d_bits;
 }
 
+// f32 bits `x` times a scaled fp8 slot's inverse scale (bits `inv`, positive and normal), as
+// src/codec.rs's `prescaled` computes it: NaN and the infinities as they are; a magnitude above
+// 2^(17 - e) for `inv` in [2^e, 2^(e+1)) taken as that (its product is past every fp8 code, and
+// finite); a subnormal through its integer mantissa, or zero where `inv` is below 2^23; the
+// product of the magnitude, with the sign put back. So no operand or result of the product is
+// subnormal or infinite where the code depends on it, and an adapter that flushes subnormals or
+// does not keep infinities stores the host's codes.
+fn prescaled(x: u32, inv: u32) -> u32 {
+    let mag = x & 0x7fffffffu;
+    if mag >= 0x7f800000u {
+        return x;
+    }
+    let e = inv >> 23u;
+    var product = 0.0;
+    if mag >= 0x00800000u {
+        let limit = select((271u - e) << 23u, 0x7f7fffffu, e <= 16u);
+        product = bitcast<f32>(min(mag, limit)) * bitcast<f32>(inv);
+    } else if e > 149u {
+        product = f32(mag) * bitcast<f32>(inv - (149u << 23u));
+    }
+    return (x & 0x80000000u) | bitcast<u32>(product);
+}
+
 // Quantized storage from a source of element type: one invocation writes one unit of a row: for
 // q8_0 and q4_0 a pair of blocks (their values and the scale word they share), for fp8 one word of
 // four elements.
@@ -417,8 +440,8 @@ fn main_quant(@builtin(global_invocation_id) gid: vec3<u32>) {
                 let e = 4u * k + j;
                 if e < p.row_elems {
                     var x = src_f32_bits(row, e);
-                    if p.inv_scale != 0u && (x & 0x7fffffffu) <= 0x7f800000u {
-                        x = bitcast<u32>(bitcast<f32>(x) * bitcast<f32>(p.inv_scale));
+                    if p.inv_scale != 0u {
+                        x = prescaled(x, p.inv_scale);
                     }
                     out |= f32_to_dst_fp8(x) << (8u * j);
                 }

@@ -655,12 +655,46 @@ pub fn inverse_scale(scale: f32) -> f32 {
     1.0 / scale
 }
 
-/// `x` as a scaled fp8 slot stores it before rounding: `x * inv` (one rounded f32 product, the
-/// slab-write kernel's too), NaN kept as it is (its sign included). An adapter that flushes f32
-/// subnormals in arithmetic (SwiftShader) reads a subnormal `x` of a GPU source as zero; only a
-/// scale below 2^-116 (e4m3; 2^-109 for e5m2) makes such an `x` an fp8 code other than zero.
+/// `x` as a scaled fp8 slot stores it before rounding: `x * inv` rounded once, where `inv` is
+/// the slot's [`inverse_scale`] (positive and normal); NaN and the infinities kept as they are
+/// (the fp8 encoder saturates an infinity). The slab-write kernel computes the same from the same
+/// bits, so that its codes match on every adapter, although WGSL lets an adapter flush subnormal
+/// operands and results (SwiftShader does) and leaves an overflow to infinity indeterminate:
+/// - a magnitude above [`scaled_limit`] is taken as that limit, whose product is already past
+///   every fp8 format's largest code (so the code is the same), and stays finite;
+/// - a subnormal `x` is scaled through its integer mantissa (`m · 2^-149 · inv` as
+///   `m · (inv · 2^-149)`, the same real number rounded once), or taken as zero where `inv` is
+///   below 2^23, so that the product is below 2^-103, zero in every fp8 format;
+/// - the product is of the magnitude, and `x`'s sign is put back after it (a flushed result keeps
+///   its sign).
 pub fn prescaled(x: f32, inv: f32) -> f32 {
-    if x.is_nan() { x } else { x * inv }
+    let bits = x.to_bits();
+    let (sign, mag) = (bits & 0x8000_0000, bits & 0x7fff_ffff);
+    if mag >= 0x7f80_0000 {
+        return x;
+    }
+    let inv_bits = inv.to_bits();
+    let product = if mag >= 0x0080_0000 {
+        f32::from_bits(mag.min(scaled_limit(inv_bits))) * inv
+    } else if inv_bits >> 23 > 149 {
+        mag as f32 * f32::from_bits(inv_bits - (149 << 23))
+    } else {
+        0.0
+    };
+    f32::from_bits(sign | product.to_bits())
+}
+
+/// The f32 bits of the largest magnitude [`prescaled`] multiplies by `inv` (bits of a positive
+/// normal f32): 2^(17 - e) for `inv` in [2^e, 2^(e+1)), whose product lies in [2^17, 2^18): past
+/// e4m3's 448 and e5m2's 57,344, and finite. Where that power is not an f32 (`inv` below 2^-110),
+/// f32::MAX, whose product is below 2^18.
+pub fn scaled_limit(inv_bits: u32) -> u32 {
+    let e = inv_bits >> 23;
+    if e <= 16 {
+        0x7f7f_ffff
+    } else {
+        (271 - e) << 23
+    }
 }
 
 /// Element bits of host data stored in a slot of `storage` whose values are scaled by `scale`
@@ -1215,6 +1249,60 @@ mod tests {
             };
             assert_eq!(back, want, "{b:#x}");
         }
+    }
+
+    /// The product `prescaled` computes without subnormal operands, overflow or infinities gives
+    /// the fp8 code of the plain IEEE product, for finite inputs of every kind (subnormals, and
+    /// magnitudes whose product overflows), at scales from 2^-125 to 2^125; it is never infinite,
+    /// and where both operands of the subnormal path are exact it is the plain product itself.
+    #[test]
+    fn prescaled_gives_the_codes_of_the_plain_product() {
+        let mut xs = any_floats(20_000, 12);
+        let mut rng = crate::reference::Xorshift::new(13);
+        // Subnormals of every size, both signs; the extremes.
+        for _ in 0..5_000 {
+            let m = rng.below(1 << 23) as u32;
+            xs.extend([f32::from_bits(m), f32::from_bits(0x8000_0000 | m)]);
+        }
+        xs.extend([
+            f32::MAX,
+            -f32::MAX,
+            f32::MIN_POSITIVE,
+            0.0,
+            -0.0,
+            1.0,
+            -448.0,
+            65504.0,
+        ]);
+        let invs = [
+            (2f32).powi(125),
+            (2f32).powi(110),
+            (2f32).powi(23),
+            250.0,
+            1.0,
+            0.7,
+            (2f32).powi(-110),
+            (2f32).powi(-111),
+            (2f32).powi(-125),
+            f32::from_bits(0x5ef0_1234),
+            f32::from_bits(0x0123_4567),
+        ];
+        for inv in invs {
+            assert!(inv.is_normal() && inv > 0.0);
+            for &x in &xs {
+                let (got, plain) = (prescaled(x, inv), x * inv);
+                assert!(got.is_finite(), "{x:e} x {inv:e}: {got}");
+                for encode in [f32_to_e4m3, f32_to_e5m2] {
+                    assert_eq!(encode(got), encode(plain), "{x:e} x {inv:e}: {got:e}");
+                }
+                if plain.is_finite() && plain.abs() < 65536.0 && got != 0.0 {
+                    assert_eq!(got.to_bits(), plain.to_bits(), "{x:e} x {inv:e}");
+                }
+            }
+        }
+        assert!(prescaled(f32::NAN, 250.0).is_nan());
+        assert_eq!(prescaled(f32::INFINITY, 1e-30), f32::INFINITY);
+        assert_eq!(prescaled(f32::NEG_INFINITY, 1e30), f32::NEG_INFINITY);
     }
 
     #[test]

@@ -206,6 +206,7 @@ browser_tests!(quant_bodies:
     quantized_specs_and_sources_are_checked,
     quantized_caches_take_the_bytes_they_promise,
     mixed_storage_takes_every_append_path,
+    scaled_fp8_gpu_sources_store_the_host_codes_at_any_scale,
 );
 
 // tests/memory.rs: buffers followed through their GPUBuffer objects and a full garbage collection.

@@ -10,9 +10,9 @@ use kvgpu::reference::{self, CpuCache};
 use kvgpu::wgpu;
 use kvgpu::*;
 
-/// Inputs that stress a quantizer, two blocks of 32: the first is q8_0's ties (its largest value
-/// 127 makes the scale exactly 1, so `k + 0.5` lies halfway) and q4_0's (its first largest value -8
-/// gives the scale 1), the second the special values.
+/// Inputs that stress a quantizer, two blocks of 32: the first is q8_0's ties at the scale 1 (its
+/// largest value 127 makes the scale exactly 1, so `k + 0.5` lies halfway), the second the special
+/// values. (For q4_0 the first block's scale is 127 / -8: [`tie_blocks`] has its ties.)
 fn edge_rows() -> Vec<f32> {
     let mut ties = vec![
         127.0, -8.0, 0.5, 1.5, 2.5, -2.5, -0.5, 126.5, -126.5, 125.5, 3.5, 6.5, -7.5, 7.5, 0.0,
@@ -54,6 +54,22 @@ fn edge_rows() -> Vec<f32> {
         1e30,
     ];
     [ties, specials.to_vec()].concat()
+}
+
+/// Two blocks of 32 of ties at the scale 3, whose reciprocal is inexact, so a quantizer that divides
+/// (the slab-write kernel, whose division WGSL lets be 2.5 ULP off) must correct its estimate on
+/// them: q8_0's (its largest value 381 makes the scale 381 / 127, 3 in f16) and q4_0's (its first
+/// largest value -24 makes the scale -24 / -8 = 3); each tie `3k + 1.5` lies halfway between codes.
+fn tie_blocks() -> Vec<f32> {
+    let mut q8 = vec![
+        381.0, 1.5, 4.5, 7.5, -1.5, -4.5, 376.5, -379.5, 10.5, -10.5, 190.5, -190.5, 0.0, -0.0,
+        3.0, -3.0,
+    ];
+    q8.extend((0..16).map(|i| (3 * i) as f32 + 1.5 - 24.0));
+    let mut q4 = vec![-24.0];
+    q4.extend((-8..=6).map(|k| (3 * k) as f32 + 1.5));
+    q4.extend((0..16).map(|i| i as f32 * 2.75 - 22.0));
+    [q8, q4].concat()
 }
 
 /// A layer of K `[2, 32]` and V `[1, 64]`: rows of 64 elements, whole blocks, two blocks per row.
@@ -111,6 +127,7 @@ pub async fn host_rows_are_stored_as_the_twin_quantizes_them(g: &Gpu) {
                     let mut x = values(7 + (step * 2 + l) as u64, n * 64);
                     if step == 0 {
                         x.splice(..64, edge_rows());
+                        x.splice(64..128, tie_blocks());
                     }
                     let owned = Owned::of(&x, from);
                     let shapes = [[n, 2, 32], [n, 1, 64]];
@@ -180,6 +197,7 @@ pub async fn gpu_sources_are_quantized_as_the_twin_does(g: &Gpu) {
             let mut x = values(21, n * width);
             x.splice(32..96, edge_rows());
             x.splice(width + 96..width + 160, edge_rows());
+            x.splice(2 * width + 32..2 * width + 96, tie_blocks());
             let bits: Vec<u32> = x.iter().map(|&v| reference::f32_to_bits(v, from)).collect();
             let words = if from == DType::F32 {
                 bits.clone()
@@ -324,6 +342,108 @@ pub async fn quantized_caches_take_the_bytes_they_promise(_g: &Gpu) {
                 (ratio - want).abs() < 1e-9,
                 "{preset} {dtype}: {ratio} of f16, want {want}"
             );
+        }
+    }
+}
+
+/// Scaled fp8 slots store from a GPU source the codes the host stores, at scales from 2^-125 to
+/// 2^120 (inverse scales 2^125 to 2^-120), for inputs whose product with the inverse scale an
+/// adapter may get wrong where WGSL lets it: subnormals (at the scale 2^-125 most scale to codes
+/// other than zero; SwiftShader flushes a subnormal operand to zero), the largest finite values and
+/// the infinities (whose products overflow; WGSL leaves infinities indeterminate), NaN, zeros of
+/// both signs, values about each format's largest code and its smallest, among random ones. The
+/// kernel computes the product from bits as `reference::prescaled` does.
+pub async fn scaled_fp8_gpu_sources_store_the_host_codes_at_any_scale(g: &Gpu) {
+    let w = 16;
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        for (i, scale) in [(2f32).powi(-125), 0.004, 3.0, (2f32).powi(120)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut x = vec![
+                f32::MAX,
+                -f32::MAX,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -f32::NAN,
+                0.0,
+                -0.0,
+                f32::MIN_POSITIVE,
+                -f32::MIN_POSITIVE,
+                1e30,
+                -3e38,
+            ];
+            // Subnormals from the largest down, both signs.
+            for k in 0..23 {
+                let m = 0x007f_ffffu32 >> k;
+                x.extend([f32::from_bits(m), f32::from_bits(0x8000_0000 | m)]);
+            }
+            // About the largest codes (448, and e5m2's 57,344 with the midpoint 61,440 above it)
+            // and the smallest (e4m3's 2^-9, e5m2's 2^-16).
+            for v in [
+                448.0,
+                464.0,
+                465.0,
+                57344.0,
+                61440.0,
+                61441.0,
+                1e5,
+                0.001953125,
+                1.5258789e-5,
+                7.6e-6,
+                0.5,
+            ] {
+                x.extend([v * scale, -v * scale]);
+            }
+            let random = values(60 + i as u64, 4 * w);
+            x.extend(random.iter().map(|&v| v * scale));
+            x.extend_from_slice(&random);
+            let n = x.len().div_ceil(w);
+            x.resize(n * w, 1.0);
+            let spec = CacheSpec::new(vec![LayerSpec::kv(1, w, w)], dtype, n)
+                .and_then(|s| s.with_slot_scale(0, 0, scale))
+                .and_then(|s| s.with_slot_scale(0, 1, scale))
+                .unwrap();
+            let bits = reference::scaled_host_bits(HostData::F32(&x), dtype, Some(scale));
+            let want = reference::pack_rows(&bits, dtype, w);
+            let words: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+            let source = buffer_with(&g.device, &words, super::USAGE).await;
+            let shape = [n, 1, w];
+            let slab = GpuSlab {
+                buffer: &source,
+                dtype: DType::F32,
+                offset: 0,
+                shape: &shape,
+                strides: None,
+            };
+            let mut c = cache_on(g, spec.clone());
+            c.append_gpu(0, &[slab, slab]).unwrap();
+            c.advance(n).unwrap();
+            let mut host = cache_on(g, spec);
+            host.append(0, &[HostSlab::f32(&x, &shape); 2]).unwrap();
+            host.advance(n).unwrap();
+            for s in 0..2 {
+                let what = format!("{dtype} scale {scale:e} slot {s}");
+                let got = c.read_words_async(0, s).await.unwrap();
+                if got != want {
+                    let at = got.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0);
+                    panic!(
+                        "{what}: word {at}: gpu {:#010x}, host {:#010x}, inputs {:?}",
+                        got[at],
+                        want[at],
+                        &words[4 * at..4 * at + 4]
+                            .iter()
+                            .map(|b| format!("{b:#010x}"))
+                            .collect::<Vec<_>>()
+                    );
+                }
+                assert_eq!(
+                    host.read_words_async(0, s).await.unwrap(),
+                    want,
+                    "{what}: host"
+                );
+            }
         }
     }
 }
