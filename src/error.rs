@@ -34,8 +34,11 @@ pub enum Error {
 
     /// A slab's trailing shape differs from its slot's.
     #[error(
-        "layer {layer} slot {slot}: slab shape {got:?} does not match [n_new, ...{expected:?}] \
-         (the slot's trailing shape is {expected:?})"
+        "layer {layer} slot {slot}: slab shape {} does not match [n_new, ...{}] (the slot's \
+         trailing shape is {})",
+        shape(.got),
+        shape(.expected),
+        shape(.expected)
     )]
     SlabShape {
         layer: usize,
@@ -493,8 +496,10 @@ pub enum SnapshotProblem {
     },
     /// A slot with another trailing shape than the destination's.
     #[error(
-        "layer {layer} slot {slot} has trailing shape {snapshot:?} in the snapshot and {cache:?} in \
-         the destination"
+        "layer {layer} slot {slot} has trailing shape {} in the snapshot and {} in the \
+         destination",
+        shape(.snapshot),
+        shape(.cache)
     )]
     SlotShape {
         layer: usize,
@@ -595,7 +600,10 @@ pub enum SpecProblem {
     ZeroCapacity,
     #[error("none of the {n_layers} layers has a slot; nothing to cache")]
     NoSlots { n_layers: usize },
-    #[error("layer {layer} slot {slot} ({name}): trailing shape {trailing:?} has a zero dimension")]
+    #[error(
+        "layer {layer} slot {slot} ({name}): trailing shape {} has a zero dimension",
+        shape(.trailing)
+    )]
     ZeroDimension {
         layer: usize,
         slot: usize,
@@ -603,7 +611,8 @@ pub enum SpecProblem {
         trailing: Vec<usize>,
     },
     #[error(
-        "layer {layer} slot {slot} ({name}): trailing shape {trailing:?} x {max_seq_len} rows is too large"
+        "layer {layer} slot {slot} ({name}): trailing shape {} x {max_seq_len} rows is too large",
+        shape(.trailing)
     )]
     TooLarge {
         layer: usize,
@@ -734,3 +743,21 @@ pub enum AttentionProblem {
 
 /// Shorthand used throughout kvgpu.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A shape as errors show it: `[2, 64]`, or its first 8 dimensions and how many more (a shape
+/// parsed from a hostile snapshot header may have millions).
+fn shape(dims: &[usize]) -> impl std::fmt::Display + '_ {
+    const SHOWN: usize = 8;
+    struct Shape<'a>(&'a [usize]);
+    impl std::fmt::Display for Shape<'_> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            let dims = self.0;
+            write!(f, "{:?}", &dims[..dims.len().min(SHOWN)])?;
+            if dims.len() > SHOWN {
+                write!(f, " and {} more dimensions", dims.len() - SHOWN)?;
+            }
+            Ok(())
+        }
+    }
+    Shape(dims)
+}

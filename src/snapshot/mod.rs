@@ -269,6 +269,34 @@ fn problem<T>(problem: SnapshotProblem) -> Result<T> {
     Err(Error::Snapshot { problem })
 }
 
+/// `e`'s text cut at 1,024 bytes, its formatting stopped there: a spec parsed from a hostile header
+/// may name a slot with megabytes, which the error would otherwise copy whole (and a stream would
+/// return again from every later call).
+fn bounded(e: &impl std::fmt::Display) -> String {
+    const MAX: usize = 1024;
+    struct Capped(String);
+    impl std::fmt::Write for Capped {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let room = MAX - self.0.len();
+            if s.len() <= room {
+                self.0.push_str(s);
+                return Ok(());
+            }
+            let mut cut = room;
+            while !s.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            self.0.push_str(&s[..cut]);
+            Err(std::fmt::Error)
+        }
+    }
+    let mut out = Capped(String::new());
+    if std::fmt::write(&mut out, format_args!("{e}")).is_err() {
+        out.0.push_str("...");
+    }
+    out.0
+}
+
 fn malformed(detail: String) -> Error {
     Error::Snapshot {
         problem: SnapshotProblem::MalformedHeader { detail },
@@ -428,7 +456,7 @@ fn parse_body(body: &[u8]) -> Result<SnapshotHeader> {
         )));
     }
     let spec = CacheSpec::new(layers, dtype, max_seq_len)
-        .map_err(|e| malformed(format!("its spec is invalid: {e}")))?;
+        .map_err(|e| malformed(format!("its spec is invalid: {}", bounded(&e))))?;
     if len > max_seq_len {
         return Err(malformed(format!(
             "{len} rows exceed its max_seq_len of {max_seq_len}"
@@ -752,6 +780,45 @@ mod tests {
             };
             assert!(matches!(p, SnapshotProblem::MalformedHeader { .. }), "{p}");
         }
+    }
+
+    /// A header whose spec names a slot with a megabyte and gives it 100,000 dimensions, one of
+    /// them 0, is refused with a message of about a kilobyte: the spec's error would name the slot
+    /// and its shape whole.
+    #[test]
+    fn a_hostile_spec_in_a_header_gets_a_short_message() {
+        let name = "x".repeat(1 << 20);
+        let layer = LayerSpec::new(vec![SlotSpec::new(name, &vec![1; 100_000])]);
+        let spec = CacheSpec::new(vec![layer], DType::F32, 2).unwrap();
+        let mut bytes = encode_header(&spec, 0, 0);
+        // The last dimension, before the slot's type and scale, becomes 0.
+        let last = bytes.len() - 16;
+        assert_eq!(bytes[last..last + 8], 1u64.to_le_bytes());
+        bytes[last..last + 8].copy_from_slice(&0u64.to_le_bytes());
+        let crc = crc32(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        let p = match SnapshotHeader::parse(&bytes) {
+            Err(Error::Snapshot { problem }) => problem,
+            r => panic!("{r:?}"),
+        };
+        let text = p.to_string();
+        assert!(
+            matches!(&p, SnapshotProblem::MalformedHeader { detail } if detail.len() < 1100)
+                && text.len() < 1200
+                && text.contains("xxxx"),
+            "{} bytes: {}",
+            text.len(),
+            &text[..text.len().min(300)]
+        );
+        // The shape alone, under a short name: its first dimensions and how many more.
+        let layer = LayerSpec::new(vec![SlotSpec::new("k", &vec![0; 100_000])]);
+        let e = CacheSpec::new(vec![layer], DType::F32, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("[0, 0, 0, 0, 0, 0, 0, 0] and 99992 more dimensions") && e.len() < 200,
+            "{e}"
+        );
     }
 
     #[test]
