@@ -16,6 +16,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 common::shared_tests!(memory_bodies, serial: serial;
     one_attention_serving_many_dropped_caches_keeps_none_of_them,
     a_cache_appending_from_many_dropped_sources_keeps_few_of_them,
+    release_memory_lets_go_of_the_scratch_and_the_app_buffers,
 );
 
 /// A refused attention call keeps none of the buffers it bound: natively the queries' bind group

@@ -213,6 +213,7 @@ browser_tests!(quant_bodies:
 browser_tests!(memory_bodies:
     one_attention_serving_many_dropped_caches_keeps_none_of_them,
     a_cache_appending_from_many_dropped_sources_keeps_few_of_them,
+    release_memory_lets_go_of_the_scratch_and_the_app_buffers,
 );
 
 // The defects of tests/safety.rs and tests/attention.rs.

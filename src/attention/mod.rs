@@ -194,13 +194,7 @@ impl std::fmt::Debug for Attention {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Attention")
             .field("kernels", &self.kernels)
-            .field(
-                "scratch_bytes",
-                &self
-                    .scratch
-                    .as_ref()
-                    .map(|s| s.stats.size() + s.part.size()),
-            )
+            .field("scratch_bytes", &self.scratch_bytes())
             .finish_non_exhaustive()
     }
 }
@@ -469,6 +463,31 @@ impl Attention {
         self.queue.submit([encoder.finish()]);
         #[cfg(not(target_arch = "wasm32"))]
         let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
+    }
+
+    /// Bytes of the pass-1 scratch buffers this `Attention` holds: sized by the largest call so far
+    /// (partial results and statistics of every query, head and chunk of one dispatch pair, each
+    /// buffer the next power of two, at most one storage binding) and kept for the calls that
+    /// follow. 0 before the first call and after [`Attention::release_memory`].
+    pub fn scratch_bytes(&self) -> u64 {
+        self.scratch
+            .as_ref()
+            .map_or(0, |s| s.stats.size() + s.part.size())
+    }
+
+    /// Lets go of the memory this `Attention` keeps between calls to save time: the scratch buffers
+    /// ([`Attention::scratch_bytes`]: after one long prefill, up to a storage binding each); the
+    /// cached bind groups of queries and outputs, which keep the app's buffers alive (up to 32 MiB
+    /// of each, however long ago they were used); and its rings of parameter and query-table
+    /// uploads. The pipelines stay (they belong to the kernel registry). Calls recorded earlier
+    /// still run: wgpu keeps what they use until they have. The next call allocates what it needs
+    /// again, so call this after a call much larger than those to come, or before a long idle spell.
+    pub fn release_memory(&mut self) {
+        self.scratch = None;
+        self.io_groups = GroupCache::new(GROUPS, PIN_BYTES);
+        self.out_groups = GroupCache::new(GROUPS, PIN_BYTES);
+        self.ring = ParamRing::new(&self.kernels);
+        self.uploads = UploadRing::new(&self.device);
     }
 
     /// Picks the pass-1 kernel of later calls (see [`KernelChoice`]; the default is

@@ -3,6 +3,7 @@
 //! browser by `tests/web.rs`, each counting live buffers its own way (see [`Residency`]).
 
 use super::{append_random, values};
+use kvgpu::reference;
 use kvgpu::wgpu::{self, util::DeviceExt};
 use kvgpu::*;
 
@@ -246,4 +247,104 @@ pub async fn a_cache_appending_from_many_dropped_sources_keeps_few_of_them(g: &G
         residency.live().await < before,
         "dropping the cache freed its buffers"
     );
+}
+
+/// `Attention::release_memory` lets go of what an `Attention` keeps between calls. After a call of
+/// 64 queries, whose scratch the calls that follow keep, and the app dropping its query and output
+/// buffers, the attention's cached bind groups still hold those two, beside its scratch; after the
+/// release neither is held and `scratch_bytes` is 0 (natively the device's live buffers fall by
+/// those four at least, and where wgpu counts buffer memory, its bytes by the scratch's). The next
+/// call, of one query, allocates less scratch again and matches the twin.
+pub async fn release_memory_lets_go_of_the_scratch_and_the_app_buffers(g: &Gpu) {
+    let mut residency = Residency::new(g);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 64, 64)], DType::F32, 256).unwrap();
+    let mut c = KvCache::new(&g.device, &g.queue, spec).unwrap();
+    let rows = append_random(&mut c, 0, 200, 3);
+    c.advance(200).unwrap();
+    let mut attention = Attention::for_cache(&c);
+    assert_eq!(attention.scratch_bytes(), 0, "before the first call");
+    let buffer = |data: &[f32]| {
+        g.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("app"),
+                contents: bytemuck::cast_slice(data),
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            })
+    };
+    let n_q = 64;
+    let (q, out) = (
+        buffer(&values(4, n_q * 4 * 64)),
+        buffer(&vec![0.0; n_q * 4 * 64]),
+    );
+    for b in [&q, &out] {
+        verify_buffer(&g.device, b).await.unwrap();
+        residency.follow(b);
+    }
+    let options = AttentionOptions::default();
+    attention
+        .gqa(&c, 0, Queries::new(&q, n_q, 4, 64), &out, &options)
+        .unwrap();
+    let big = attention.scratch_bytes();
+    // The partial results of one chunk at least.
+    assert!(big >= (n_q * 4 * 64 * 4) as u64, "{big} bytes of scratch");
+    drop((q, out));
+    #[cfg(not(target_arch = "wasm32"))]
+    let (live, bytes) = residency.live_now();
+    #[cfg(target_arch = "wasm32")]
+    assert_eq!(
+        residency.live().await,
+        2,
+        "the app's buffers, kept by the attention"
+    );
+    attention.release_memory();
+    assert_eq!(attention.scratch_bytes(), 0, "after the release");
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let (after, after_bytes) = residency.live_now();
+        assert!(
+            after <= live - 4,
+            "{after} live buffers after the release, {live} before"
+        );
+        // wgpu counts buffer memory where its backend allocates it (Vulkan), not on OpenGL.
+        if bytes >= big as isize {
+            assert!(
+                after_bytes <= bytes - big as isize,
+                "{after_bytes} live bytes after the release, {bytes} before"
+            );
+        } else {
+            super::skipped(&format!(
+                "live bytes not checked: {} counts {bytes} bytes with {big} of scratch alive",
+                g.describe()
+            ));
+        }
+    }
+    #[cfg(target_arch = "wasm32")]
+    assert_eq!(
+        residency.live().await,
+        0,
+        "the app's buffers after the release"
+    );
+    // The next call allocates again, as much as it needs.
+    let (q, out) = (buffer(&values(5, 4 * 64)), buffer(&vec![0.0; 4 * 64]));
+    for b in [&q, &out] {
+        verify_buffer(&g.device, b).await.unwrap();
+    }
+    attention
+        .gqa(&c, 0, Queries::new(&q, 1, 4, 64), &out, &options)
+        .unwrap();
+    let small = attention.scratch_bytes();
+    assert!(
+        small > 0 && small < big,
+        "{small} bytes of scratch, {big} before"
+    );
+    let want = reference::attention_gqa(
+        &values(5, 4 * 64),
+        [1, 4, 64],
+        &rows[0],
+        &rows[1],
+        1,
+        64,
+        &options,
+    );
+    super::assert_close(&super::read_f32(g, &out).await, &want, "after the release");
 }
