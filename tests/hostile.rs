@@ -2264,34 +2264,13 @@ fn attention_with_a_mapped_output() {
     );
 }
 
-/// One GQA call over two rows whose scores are -4 and -2 before scaling, against the twin.
+/// One GQA call over two rows whose scores are -4 and -2 before scaling, against the twin (the
+/// browser suite runs the same through `scales_and_soft_caps_at_the_edge_of_f32_match_the_twin`).
 fn gqa_against_twin(options: AttentionOptions) -> (Vec<f32>, Vec<f32>) {
-    let mut c = cache(CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap());
-    let (k, v) = ([-1.0f32; 4], values(5, 4));
-    let (k2, v2) = ([-0.5f32; 4], values(6, 4));
-    for (k, v) in [(&k, &v), (&k2, &v2)] {
-        c.append(
-            0,
-            &[HostSlab::f32(k, &[1, 1, 4]), HostSlab::f32(v, &[1, 1, 4])],
-        )
-        .unwrap();
-    }
-    let q_data = [1.0f32; 4];
-    let q = f32_buffer(&q_data, USAGE);
-    let out = f32_buffer(&[-7.0; 4], USAGE);
-    let mut att = Attention::for_cache(&c);
-    att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &options)
-        .unwrap();
-    let want = reference::attention_gqa(
-        &q_data,
-        [1, 1, 4],
-        &c.read_f32(0, 0).unwrap(),
-        &c.read_f32(0, 1).unwrap(),
-        1,
-        4,
-        &options,
-    );
-    (read_f32s(&out, 4), want)
+    pollster::block_on(shared::attention_bodies::gqa_of_two_scored_rows(
+        gpu(),
+        options,
+    ))
 }
 
 /// A finite scale large enough that every scaled score of a query is below -1e30 is accepted, and the

@@ -7,9 +7,10 @@
 //!
 //! Native only, and why:
 //! - `hostile.rs`: each case checks that a native call refuses or works without a wgpu panic (the
-//!   browser's refusals are the shared bodies'). Some of its cases check kernels against the twins
-//!   too: a scale or soft-cap at the edge of f32, zeroing on a device allowing 8 workgroups per
-//!   dimension.
+//!   browser's refusals are the shared bodies'). Its checks of kernels against the twins run here
+//!   too: a scale or soft-cap at the edge of f32 (`scales_and_soft_caps_at_the_edge_of_f32_...`);
+//!   zeroing on a device allowing 8 workgroups per dimension is native only (a browser device has
+//!   WebGPU's 65,535 at least).
 //! - `device.rs`, `attention.rs`'s foreign-device test and `snapshot.rs`'s move between Vulkan and
 //!   OpenGL: several devices, instances or backends in one process (the browser's own foreign
 //!   buffer and queue tests are below).
@@ -163,6 +164,7 @@ browser_tests!(attention_bodies:
     mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output,
     queries_shared_through_a_stride_of_0_are_read,
     views_out_of_range_overflowing_overlapping_or_aliased_are_refused,
+    scales_and_soft_caps_at_the_edge_of_f32_match_the_twin,
 );
 
 // tests/model.rs: fixed pseudo-random operation sequences instead of proptest's.

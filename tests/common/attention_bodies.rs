@@ -1352,6 +1352,57 @@ pub async fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups
     assert!(untouched, "a refused call wrote");
 }
 
+/// One GQA call (the default kernel) over two rows whose scores are -4 and -2 before scaling, and
+/// what the twin gives: the GPU's output, the twin's.
+pub async fn gqa_of_two_scored_rows(g: &Gpu, options: AttentionOptions) -> (Vec<f32>, Vec<f32>) {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap();
+    let mut c = cache_on(g, spec);
+    let (k, v) = ([-1.0f32; 4], values(5, 4));
+    let (k2, v2) = ([-0.5f32; 4], values(6, 4));
+    for (k, v) in [(&k, &v), (&k2, &v2)] {
+        c.append(
+            0,
+            &[HostSlab::f32(k, &[1, 1, 4]), HostSlab::f32(v, &[1, 1, 4])],
+        )
+        .unwrap();
+    }
+    let q_data = [1.0f32; 4];
+    let q = f32_buffer(&g.device, &q_data).await;
+    let out = output(&g.device, 4).await;
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &options)
+        .unwrap();
+    let want = reference::attention_gqa(
+        &q_data,
+        [1, 1, 4],
+        &c.read_f32_async(0, 0).await.unwrap(),
+        &c.read_f32_async(0, 1).await.unwrap(),
+        1,
+        4,
+        &options,
+    );
+    (read_f32(g, &out).await, want)
+}
+
+/// A scale and a soft-cap at the edge of f32 (1e30 each) match the twin: the scaled scores lie
+/// far below the kernels' first running max, and a cap so large that `tanh`'s argument underflows
+/// (see `tests/hostile.rs`, which found both; this runs them in the browser too).
+pub async fn scales_and_soft_caps_at_the_edge_of_f32_match_the_twin(g: &Gpu) {
+    for options in [
+        AttentionOptions {
+            scale: Some(1e30),
+            ..Default::default()
+        },
+        AttentionOptions {
+            soft_cap: Some(1e30),
+            ..Default::default()
+        },
+    ] {
+        let (got, want) = gqa_of_two_scored_rows(g, options).await;
+        assert_close(&got, &want, &format!("{options:?}"));
+    }
+}
+
 /// `Attention::prepare` builds every pipeline the cache's attention layers need, once: a second call
 /// builds none, the calls that follow on every attention layer run and match the twins and (on a
 /// registry of its own) add no pipeline, and a head count that does not divide into a layer's KV
