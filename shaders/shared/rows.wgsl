@@ -2,13 +2,14 @@
 // attention_partial.wgsl, and src/attention/stream.rs to every kernel it generates. The kernel
 // declares ROWS (0: the visible rows of one cache, its queries the last n_q; 1: the same through one
 // sequence's page table, from entry p.table_base; 2: a ragged batch of sequences, each query's own
-// row and first table entry in the query table at p.table_base of `stats`), and the bindings `table`
+// row and first table entry in the query table at p.table_base of `stats`, each word plus 2^23 so
+// that as an f32 it is normal: src/attention/plan.rs, QUERY_TABLE_BIAS), and the bindings `table`
 // (the page table), `stats` and `p`.
 
 // Query qi's own row: the last row it sees.
 fn query_last(qi: u32) -> u32 {
     if ROWS == 2u {
-        return bitcast<u32>(stats[p.table_base + 2u * qi]);
+        return bitcast<u32>(stats[p.table_base + 2u * qi]) - 0x00800000u;
     }
     return p.visible - p.n_q + qi;
 }
@@ -16,7 +17,7 @@ fn query_last(qi: u32) -> u32 {
 // Query qi's first page-table entry.
 fn query_table(qi: u32) -> u32 {
     if ROWS == 2u {
-        return bitcast<u32>(stats[p.table_base + 2u * qi + 1u]);
+        return bitcast<u32>(stats[p.table_base + 2u * qi + 1u]) - 0x00800000u;
     }
     return p.table_base;
 }

@@ -211,6 +211,15 @@ pub(crate) struct CallShape {
 /// entry, two 32-bit words.
 pub(crate) const QUERY_TABLE_BYTES: u64 = 8;
 
+/// What the recorder adds to each word of a query table: the table lies in the statistics binding,
+/// an `array<f32>`, and a row number below 2^23 would be the bit pattern of a subnormal f32, which
+/// an adapter that flushes subnormals could read as 0. Biased by 2^23, every word is a normal
+/// positive f32 (the kernels subtract the bias after `bitcast<u32>`; shaders/shared/rows.wgsl).
+pub(crate) const QUERY_TABLE_BIAS: u32 = 1 << 23;
+
+/// The largest value a query table holds: biased, it stays below f32's infinity (0x7f800000).
+pub(crate) const QUERY_TABLE_MAX: u32 = 0x7f7f_ffff - QUERY_TABLE_BIAS;
+
 /// What the planner knows of a ragged batch's queries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Ragged {

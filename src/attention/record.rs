@@ -39,11 +39,12 @@ impl Attention {
         dispatch.params.direct =
             u32::from(writes_directly(&dispatch, views.out.view, out, [q_a, q_b]));
         // A batch's query table lies in the stats scratch after the partial results: per query its
-        // own row and first page-table entry.
+        // own row and first page-table entry, each biased to a normal f32's bits.
         let (table_words, table_bytes): (Vec<u32>, u64) = match rows.ragged {
             Some(q) => {
                 dispatch.params.table_base = (dispatch.stats_bytes / 4) as u32;
-                (q.concat(), plan::QUERY_TABLE_BYTES * q.len() as u64)
+                let words = q.iter().flatten().map(|&w| w + plan::QUERY_TABLE_BIAS);
+                (words.collect(), plan::QUERY_TABLE_BYTES * q.len() as u64)
             }
             None => (Vec::new(), 0),
         };
@@ -619,7 +620,28 @@ impl<'a> Rows<'a> {
                 });
             }
             let p = pool.paging(seq)?;
-            runs.push((visible - n..visible, p.table_base as u32));
+            // Row numbers and table entries within a binding of 4-byte words: below 2^30, far
+            // under what a query table holds (checked all the same).
+            let word = |x: usize| {
+                u32::try_from(x)
+                    .ok()
+                    .filter(|&w| w <= plan::QUERY_TABLE_MAX)
+            };
+            let (Some(_), Some(base)) = (word(visible - 1), word(p.table_base)) else {
+                return Err(Error::AttentionRequest {
+                    layer,
+                    problem: AttentionProblem::DeviceLimit {
+                        detail: format!(
+                            "sequence {seq}: row {} or page-table entry {} is past what a query \
+                             table holds ({})",
+                            visible - 1,
+                            p.table_base,
+                            plan::QUERY_TABLE_MAX
+                        ),
+                    },
+                });
+            };
+            runs.push((visible - n..visible, base));
             longest = longest.max(visible);
             paging = Some(p);
         }
