@@ -8,6 +8,8 @@
 
 mod common;
 
+use kvgpu::{CacheSpec, DType, LayerSpec};
+
 // Attention over quantized storage, and over K and V of different types (their bodies are with the
 // other attention bodies).
 common::shared_tests!(attention_bodies:
@@ -26,3 +28,33 @@ common::shared_tests!(quant_bodies:
     mixed_storage_takes_every_append_path,
     scaled_fp8_gpu_sources_store_the_host_codes_at_any_scale,
 );
+
+/// The longest-context test of `tests/attention.rs` over quantized storage: 16 queries over as many
+/// rows as the larger slot of one binding holds (on llvmpipe and lavapipe 1,973,790 rows of q8_0
+/// K, and 2,097,152 of fp8), so that the kernels' chunks are cut by the loop budget for these
+/// types too, every row's V its row index's bits (see the shared body). V is q4_0 and e4m3, which
+/// store 0 and 1 exactly (q8_0 stores 1 as 16383/16384, whose sums over a million rows round in
+/// f32 past the tolerance).
+#[test]
+fn quantized_attention_over_the_longest_context_a_slot_holds_sees_every_row() {
+    let g = common::gpu();
+    for types in [[DType::Q8_0, DType::Q4_0], [DType::F8E5M2, DType::F8E4M3]] {
+        let spec = CacheSpec::new(
+            vec![common::shared::attention_bodies::stored_as(
+                LayerSpec::kv(1, 64, 64),
+                types,
+            )],
+            types[0],
+            1,
+        )
+        .unwrap();
+        let row = spec
+            .row_bytes(0, 0)
+            .unwrap()
+            .max(spec.row_bytes(0, 1).unwrap());
+        let visible = (g.limits().max_slot_bytes() / row) as usize;
+        pollster::block_on(
+            common::shared::many_queries_over_a_long_context_see_every_row(g, types, visible),
+        );
+    }
+}

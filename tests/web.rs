@@ -265,6 +265,7 @@ async fn many_queries_over_2048_rows_of_deepseek_v2_lite_mla() {
 /// rows (the last tile partial, about 5 s). SwiftShader is a CPU adapter, where 16 queries on one KV
 /// head already make the 16 workgroups kvgpu aims for, so only the loop-budget cut splits the
 /// context: without it one workgroup would walk all 524,288 (or 131,071) rows, far beyond 16,384.
+/// The quantized pairs of `tests/quant.rs`'s long-context test run over 131,071 rows too.
 #[wasm_bindgen_test]
 async fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
     let g = gpu().await;
@@ -274,6 +275,8 @@ async fn many_queries_over_the_longest_context_a_slot_holds_see_every_row() {
     for (types, visible) in [
         ([DType::F32; 2], full_slot),
         ([DType::F16, DType::BF16], 131_071),
+        ([DType::Q8_0, DType::Q4_0], 131_071),
+        ([DType::F8E5M2, DType::F8E4M3], 131_071),
     ] {
         let clock = Stopwatch::start();
         shared::many_queries_over_a_long_context_see_every_row(&d, types, visible).await;

@@ -810,13 +810,18 @@ pub fn ones_below(n: usize, e: usize) -> usize {
 /// dropped or repeated run of rows moves the count of each bit set throughout the run by about half
 /// the run's length or more, so runs of a few rows show; the relative tolerance alone let a run of
 /// over a dozen rows go at 2^19 rows. K and V are stored as `types`; on the run's shared kernel registry
-/// (`gqa_matches` runs the same shape).
+/// (`gqa_matches` runs the same shape); V's type must store 0 and 1 exactly.
 pub async fn many_queries_over_a_long_context_see_every_row(
     g: &Gpu,
     types: [DType; 2],
     visible: usize,
 ) {
     let (n_kv, group, d, n_q) = (1, 4, 64, 16);
+    let ones = reference::round_trip_rows(&[1.0; 64], types[1], 64);
+    assert!(
+        ones.iter().all(|&x| x == 1.0),
+        "{types:?}: V must store 1 exactly"
+    );
     let layer = attention_bodies::stored_as(LayerSpec::kv(n_kv, d, d), types);
     let spec = CacheSpec::new(vec![layer], types[0], visible).unwrap();
     let mut c = cache_on(g, spec);
