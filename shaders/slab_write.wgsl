@@ -395,10 +395,11 @@ fn quantize_block(row: u32, b: u32, base: u32, len: u32) -> u32 {
     return d_bits;
 }
 
-// f32 bits `x` times a scaled fp8 slot's inverse scale (bits `inv`, positive and normal), as
-// src/codec.rs's `prescaled` computes it: NaN and the infinities as they are; a magnitude above
-// 2^(17 - e) for `inv` in [2^e, 2^(e+1)) taken as that (its product is past every fp8 code, and
-// finite); a subnormal through its integer mantissa, or zero where `inv` is below 2^23; the
+// f32 bits `x` times a scaled fp8 slot's inverse scale (bits `inv`, positive and normal, of biased
+// exponent e), as src/codec.rs's `prescaled` computes it: NaN and the infinities as they are; a
+// magnitude above 2^(17 - k) for `inv` in [2^k, 2^(k+1)) (k = e - 127; biased exponent 271 - e)
+// taken as that (its product is past every fp8 code, and finite); a subnormal through its integer
+// mantissa, or zero where `inv` is below 2^23 (e <= 149); the
 // product of the magnitude, with the sign put back. So no operand or result of the product is
 // subnormal or infinite where the code depends on it, and an adapter that flushes subnormals or
 // does not keep infinities stores the host's codes.

@@ -656,18 +656,23 @@ pub fn inverse_scale(scale: f32) -> f32 {
 }
 
 /// `x` as a scaled fp8 slot stores it before rounding: `x * inv` rounded once, where `inv` is
-/// the slot's [`inverse_scale`] (positive and normal); NaN and the infinities kept as they are
-/// (the fp8 encoder saturates an infinity). The slab-write kernel computes the same from the same
-/// bits, so that its codes match on every adapter, although WGSL lets an adapter flush subnormal
-/// operands and results (SwiftShader does) and leaves an overflow to infinity indeterminate:
-/// - a magnitude above [`scaled_limit`] is taken as that limit, whose product is already past
-///   every fp8 format's largest code (so the code is the same), and stays finite;
+/// the slot's [`inverse_scale`] (positive and normal; any other `inv` gets the plain product);
+/// NaN and the infinities kept as they are (the fp8 encoder saturates an infinity). The
+/// slab-write kernel computes the same from the same bits, so that its codes match on every
+/// adapter, although WGSL lets an adapter flush subnormal operands and results (SwiftShader does)
+/// and leaves an overflow to infinity indeterminate:
+/// - a magnitude above 2^(17 - k) for `inv` in [2^k, 2^(k+1)) is taken as that limit, whose product
+///   lies in [2^17, 2^18): past every fp8 format's largest code (so the code is the same), and
+///   finite;
 /// - a subnormal `x` is scaled through its integer mantissa (`m · 2^-149 · inv` as
 ///   `m · (inv · 2^-149)`, the same real number rounded once), or taken as zero where `inv` is
 ///   below 2^23, so that the product is below 2^-103, zero in every fp8 format;
 /// - the product is of the magnitude, and `x`'s sign is put back after it (a flushed result keeps
 ///   its sign).
 pub fn prescaled(x: f32, inv: f32) -> f32 {
+    if !(inv.is_normal() && inv > 0.0) {
+        return if x.is_nan() { x } else { x * inv };
+    }
     let bits = x.to_bits();
     let (sign, mag) = (bits & 0x8000_0000, bits & 0x7fff_ffff);
     if mag >= 0x7f80_0000 {
@@ -685,15 +690,16 @@ pub fn prescaled(x: f32, inv: f32) -> f32 {
 }
 
 /// The f32 bits of the largest magnitude [`prescaled`] multiplies by `inv` (bits of a positive
-/// normal f32): 2^(17 - e) for `inv` in [2^e, 2^(e+1)), whose product lies in [2^17, 2^18): past
-/// e4m3's 448 and e5m2's 57,344, and finite. Where that power is not an f32 (`inv` below 2^-110),
-/// f32::MAX, whose product is below 2^18.
-pub fn scaled_limit(inv_bits: u32) -> u32 {
-    let e = inv_bits >> 23;
-    if e <= 16 {
+/// normal f32, whose biased exponent `b` is 1..=254): 2^(17 - k) for `inv` in [2^k, 2^(k+1)),
+/// k = b - 127, whose product lies in [2^17, 2^18): past e4m3's 448 and e5m2's 57,344, and
+/// finite. Its biased exponent is 144 - k = 271 - b. Where that power is not an f32 (b <= 16:
+/// `inv` below 2^-110), f32::MAX, whose product is below 2^18.
+fn scaled_limit(inv_bits: u32) -> u32 {
+    let b = inv_bits >> 23;
+    if b <= 16 {
         0x7f7f_ffff
     } else {
-        (271 - e) << 23
+        (271 - b) << 23
     }
 }
 
@@ -1303,6 +1309,24 @@ mod tests {
         assert!(prescaled(f32::NAN, 250.0).is_nan());
         assert_eq!(prescaled(f32::INFINITY, 1e-30), f32::INFINITY);
         assert_eq!(prescaled(f32::NEG_INFINITY, 1e30), f32::NEG_INFINITY);
+        // An inverse scale no slot has (not positive and normal): the plain product, no panic.
+        for inv in [
+            -0.5,
+            -2f32.powi(120),
+            0.0,
+            -0.0,
+            1e-40,
+            f32::INFINITY,
+            f32::NAN,
+        ] {
+            for x in [1.0f32, -3.0, 1e-40, f32::MAX] {
+                let (got, plain) = (prescaled(x, inv), x * inv);
+                assert!(
+                    got.to_bits() == plain.to_bits() || (got.is_nan() && plain.is_nan()),
+                    "{x:e} x {inv:e}: {got}"
+                );
+            }
+        }
     }
 
     #[test]

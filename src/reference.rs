@@ -10,7 +10,7 @@ use crate::codec::{DType, with_room, zeros};
 pub use crate::codec::{
     bits_to_f32, convert_bits, decode_rows, decode_scaled_rows, f32_to_bits, host_bits,
     inverse_scale, pack_rows, prescaled, round_trip, round_trip_rows, scaled_host_bits,
-    scaled_limit, unpack_rows,
+    unpack_rows,
 };
 
 /// The product of `dims`, or `None` when it overflows `usize`.

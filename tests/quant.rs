@@ -10,9 +10,16 @@ mod common;
 
 use kvgpu::{CacheSpec, DType, LayerSpec};
 
+/// The tests of this file run one at a time: on OpenGL a test waiting over 6 s for wgpu's one EGL
+/// context panics, and the long-context test holds it longer (CI runs OpenGL with one thread anyway).
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 // Attention over quantized storage, and over K and V of different types (their bodies are with the
 // other attention bodies).
-common::shared_tests!(attention_bodies:
+common::shared_tests!(attention_bodies, serial: serial;
     quantized_storage_matches_the_reference,
     mixed_storage_matches_the_reference,
     quantized_attention_over_4096_rows_splits_the_sequence,
@@ -20,7 +27,7 @@ common::shared_tests!(attention_bodies:
     wide_unaligned_fp8_heads_stay_within_the_loop_budget,
 );
 
-common::shared_tests!(quant_bodies:
+common::shared_tests!(quant_bodies, serial: serial;
     host_rows_are_stored_as_the_twin_quantizes_them,
     gpu_sources_are_quantized_as_the_twin_does,
     quantized_specs_and_sources_are_checked,
@@ -37,6 +44,7 @@ common::shared_tests!(quant_bodies:
 /// f32 past the tolerance).
 #[test]
 fn quantized_attention_over_the_longest_context_a_slot_holds_sees_every_row() {
+    let _serial = serial();
     let g = common::gpu();
     for types in [[DType::Q8_0, DType::Q4_0], [DType::F8E5M2, DType::F8E4M3]] {
         let spec = CacheSpec::new(

@@ -468,7 +468,8 @@ impl Attention {
     /// Bytes of the pass-1 scratch buffers this `Attention` holds: sized by the largest call so far
     /// (partial results and statistics of every query, head and chunk of one dispatch pair, each
     /// buffer the next power of two, at most one storage binding) and kept for the calls that
-    /// follow. 0 before the first call and after [`Attention::release_memory`].
+    /// follow. 0 before the first call or [`Attention::prepare`] (whose warm-up dispatches take a
+    /// few bytes), and after [`Attention::release_memory`].
     pub fn scratch_bytes(&self) -> u64 {
         self.scratch
             .as_ref()
@@ -482,6 +483,9 @@ impl Attention {
     /// uploads. The pipelines stay (they belong to the kernel registry). Calls recorded earlier
     /// still run: wgpu keeps what they use until they have. The next call allocates what it needs
     /// again, so call this after a call much larger than those to come, or before a long idle spell.
+    /// In the browser a buffer's memory goes when its `GPUBuffer` object is garbage-collected
+    /// (wgpu 30 does not destroy a dropped one, and kvgpu may not: a recorded call may still use
+    /// it), so there the release makes the memory collectable rather than freeing it at once.
     pub fn release_memory(&mut self) {
         self.scratch = None;
         self.io_groups = GroupCache::new(GROUPS, PIN_BYTES);

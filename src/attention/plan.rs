@@ -882,6 +882,17 @@ fn finish(
 mod tests {
     use super::*;
 
+    /// The kernels subtract the query table's bias where they read it (shaders/shared/rows.wgsl,
+    /// which every pass-1 kernel includes): both words, with the value the recorder adds.
+    #[test]
+    fn the_kernels_subtract_the_query_tables_bias() {
+        let rows = crate::kernels::wgsl::ROWS;
+        let subtracted = format!("]) - {QUERY_TABLE_BIAS:#010x}u;");
+        assert_eq!(rows.matches(&subtracted).count(), 2, "{subtracted}");
+        assert_eq!(rows.matches("bitcast<u32>(stats[").count(), 2);
+        assert_eq!(QUERY_TABLE_MAX + QUERY_TABLE_BIAS, 0x7f7f_ffff);
+    }
+
     const LAVAPIPE: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
         max_binding: 128 << 20,

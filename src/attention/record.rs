@@ -453,7 +453,7 @@ impl Attention {
             .scratch
             .as_ref()
             .map_or((0, 0), |s| (s.stats.size(), s.part.size()));
-        let grow = |old: u64, needed: u64| scratch_bytes(old, needed, self.facts.max_binding);
+        let grow = |old: u64, needed: u64| grown_scratch(old, needed, self.facts.max_binding);
         let buffer = |label: &str, size: u64| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some(label),
@@ -481,7 +481,7 @@ impl Attention {
 /// Bytes of a scratch buffer that holds `needed` (at most `max_binding`, the planner's bound) and
 /// had `old`: the next power of two, within the binding limit rounded down to whole 16-byte vectors
 /// (Vulkan and DX12 report 2<sup>31</sup> - 1 bytes, which no storage binding may be).
-fn scratch_bytes(old: u64, needed: u64, max_binding: u64) -> u64 {
+fn grown_scratch(old: u64, needed: u64, max_binding: u64) -> u64 {
     needed
         .max(old)
         .next_power_of_two()
@@ -719,19 +719,19 @@ pub(super) fn slot_rows(
 
 #[cfg(test)]
 mod tests {
-    use super::scratch_bytes;
+    use super::grown_scratch;
 
     /// Scratch buffers grow by powers of two, stay whole 16-byte vectors within the binding limit,
     /// and are never smaller than a call needs.
     #[test]
     fn scratch_stays_within_a_limit_that_is_not_whole_vectors() {
         let odd = (1 << 31) - 1;
-        assert_eq!(scratch_bytes(0, 1_610_612_736, odd), (1 << 31) - 16);
-        assert_eq!(scratch_bytes(0, 100, odd), 128);
-        assert_eq!(scratch_bytes(256, 100, odd), 256);
-        assert_eq!(scratch_bytes(0, 4, odd), 16);
+        assert_eq!(grown_scratch(0, 1_610_612_736, odd), (1 << 31) - 16);
+        assert_eq!(grown_scratch(0, 100, odd), 128);
+        assert_eq!(grown_scratch(256, 100, odd), 256);
+        assert_eq!(grown_scratch(0, 4, odd), 16);
         // A need within the limit's last 15 bytes is met exactly (the planner keeps it within).
-        assert_eq!(scratch_bytes(0, odd - 3, odd), odd - 3);
-        assert_eq!(scratch_bytes(0, 96 << 20, 128 << 20), 128 << 20);
+        assert_eq!(grown_scratch(0, odd - 3, odd), odd - 3);
+        assert_eq!(grown_scratch(0, 96 << 20, 128 << 20), 128 << 20);
     }
 }
