@@ -72,6 +72,29 @@ fn tie_blocks() -> Vec<f32> {
     [q8, q4].concat()
 }
 
+/// Two blocks of 32 of tiny values: the first's largest magnitude 1e-5 makes q8_0's scale an f16
+/// subnormal (1e-5 / 127 rounds to 2^-24) and q4_0's another (1e-5 / 8); the second's, 2^-120,
+/// makes both scales 0 from non-zero inputs, its products with the reciprocal subnormal f32; both
+/// hold f32 subnormals beside normal values.
+fn small_blocks() -> Vec<f32> {
+    let tiny = |k: i32| 2f32.powi(k);
+    let mut a = vec![
+        1e-5, -7e-6, 3e-6, -1e-6, 1e-7, -1e-8, 0.0, -0.0, 1e-39, -1e-40, 1e-45,
+    ];
+    a.extend((0..21).map(|i| (i as f32 - 10.0) * 9.1e-7));
+    let mut b = vec![
+        tiny(-120),
+        -tiny(-121),
+        tiny(-126),
+        -tiny(-125),
+        1e-39,
+        -1e-40,
+        1e-45,
+    ];
+    b.extend((0..25).map(|i| (i as f32 - 12.0) * tiny(-125)));
+    [a, b].concat()
+}
+
 /// A layer of K `[2, 32]` and V `[1, 64]`: rows of 64 elements, whole blocks, two blocks per row.
 fn layer() -> LayerSpec {
     LayerSpec::new(vec![
@@ -128,6 +151,8 @@ pub async fn host_rows_are_stored_as_the_twin_quantizes_them(g: &Gpu) {
                     if step == 0 {
                         x.splice(..64, edge_rows());
                         x.splice(64..128, tie_blocks());
+                    } else if step == 1 {
+                        x.splice(..64, small_blocks());
                     }
                     let owned = Owned::of(&x, from);
                     let shapes = [[n, 2, 32], [n, 1, 64]];
@@ -198,6 +223,7 @@ pub async fn gpu_sources_are_quantized_as_the_twin_does(g: &Gpu) {
             x.splice(32..96, edge_rows());
             x.splice(width + 96..width + 160, edge_rows());
             x.splice(2 * width + 32..2 * width + 96, tie_blocks());
+            x.splice(2 * width + 96..2 * width + 160, small_blocks());
             let bits: Vec<u32> = x.iter().map(|&v| reference::f32_to_bits(v, from)).collect();
             let words = if from == DType::F32 {
                 bits.clone()
