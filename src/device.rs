@@ -32,7 +32,8 @@ pub struct Gpu {
 
 impl Gpu {
     /// Opens the adapter chosen by `WGPU_BACKEND` and `WGPU_ADAPTER_NAME` (a case-insensitive substring
-    /// of the adapter name; an unmatched name is an error listing the adapters found).
+    /// of the adapter name; an unmatched name is an error listing the adapters found). In the browser,
+    /// which has no environment, the page's default WebGPU adapter.
     pub async fn from_env() -> Result<Gpu> {
         let backends = backends_from(std::env::var("WGPU_BACKEND").ok().as_deref())?;
         let name = std::env::var("WGPU_ADAPTER_NAME")
@@ -348,6 +349,15 @@ impl Readback {
         let size = ranges_bytes(ranges);
         if size == 0 {
             return Ok(None);
+        }
+        // The bytes come back in one host allocation: past isize::MAX (2 GiB on wasm32, where a
+        // device may allow 4 GiB buffers) none holds them, and `Vec` would panic.
+        if size > isize::MAX as u64 {
+            return Err(format!(
+                "a readback of {size} bytes is more than one allocation of this target holds \
+                 ({} bytes)",
+                isize::MAX
+            ));
         }
         // A buffer of another device may be larger than any of this one.
         let largest = device.limits().max_buffer_size;

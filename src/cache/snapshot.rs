@@ -193,10 +193,12 @@ impl KvCache {
     }
 
     /// A snapshot of the committed rows (see [`KvCache::export_async`]) in one `Vec`.
+    /// A snapshot the host cannot hold in one allocation (on wasm32, past 2 GiB) is refused with
+    /// [`Error::OutOfMemory`]; [`KvCache::export_async`] streams to any writer instead.
     pub async fn snapshot_async(&self) -> Result<Vec<u8>> {
-        let mut bytes = Vec::new();
-        self.export_async(&mut bytes).await?;
-        Ok(bytes)
+        let mut bytes = crate::snapshot::SnapshotBytes::default();
+        let exported = self.export_async(&mut bytes).await;
+        bytes.finish(exported)
     }
 
     /// [`KvCache::export_async`], blocking.

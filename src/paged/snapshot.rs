@@ -45,10 +45,12 @@ impl PagedCache {
     }
 
     /// A snapshot of `seq` (see [`PagedCache::export_sequence_async`]) in one `Vec`.
+    /// A snapshot the host cannot hold in one allocation (on wasm32, past 2 GiB) is refused with
+    /// [`Error::OutOfMemory`]; [`PagedCache::export_sequence_async`] streams to any writer instead.
     pub async fn snapshot_sequence_async(&self, seq: SeqId) -> Result<Vec<u8>> {
-        let mut bytes = Vec::new();
-        self.export_sequence_async(seq, &mut bytes).await?;
-        Ok(bytes)
+        let mut bytes = crate::snapshot::SnapshotBytes::default();
+        let exported = self.export_sequence_async(seq, &mut bytes).await;
+        bytes.finish(exported)
     }
 
     /// [`PagedCache::export_sequence_async`], blocking.

@@ -257,6 +257,55 @@ impl<'w, W: Write + ?Sized> SnapshotWriter<'w, W> {
     }
 }
 
+/// The `Vec` that `snapshot_async` and `snapshot_sequence_async` write a snapshot into, grown
+/// fallibly: a snapshot the host cannot hold in one allocation (past `isize::MAX` bytes, 2 GiB on
+/// wasm32, where `Vec`'s own growth would panic; or past what the process can allocate, where it
+/// would abort) stops the export, and [`SnapshotBytes::finish`] names it as out of memory.
+#[derive(Default)]
+pub(crate) struct SnapshotBytes {
+    bytes: Vec<u8>,
+    /// The length the `Vec` could not grow to.
+    refused: Option<u64>,
+}
+
+impl SnapshotBytes {
+    /// The snapshot, or the export's refusal: [`Error::OutOfMemory`] where the bytes did not fit.
+    pub(crate) fn finish(self, exported: Result<u64>) -> Result<Vec<u8>> {
+        match (exported, self.refused) {
+            (Ok(_), _) => Ok(self.bytes),
+            (Err(_), Some(bytes)) => Err(Error::OutOfMemory {
+                what: "a snapshot in one Vec (host memory)".into(),
+                bytes,
+                reason: "this process could not allocate it; export_async writes to any \
+                         std::io::Write instead"
+                    .into(),
+            }),
+            (Err(e), None) => Err(e),
+        }
+    }
+}
+
+impl Write for SnapshotBytes {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // Amortized growth first; where doubling is past what one allocation holds, exactly.
+        if self.bytes.try_reserve(buf.len()).is_err()
+            && self.bytes.try_reserve_exact(buf.len()).is_err()
+        {
+            self.refused = Some(self.bytes.len() as u64 + buf.len() as u64);
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                "the snapshot does not fit in host memory",
+            ));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn write_error(e: std::io::Error) -> Error {
     Error::Snapshot {
         problem: SnapshotProblem::Write {
@@ -780,6 +829,30 @@ mod tests {
             };
             assert!(matches!(p, SnapshotProblem::MalformedHeader { .. }), "{p}");
         }
+    }
+
+    /// A snapshot that did not fit in host memory is refused as out of memory, naming its length;
+    /// any other refusal of the export is passed on, and a finished export gives its bytes.
+    #[test]
+    fn a_snapshot_past_host_memory_is_out_of_memory() {
+        let mut out = SnapshotBytes::default();
+        out.write_all(b"kvgpu").unwrap();
+        let e = Error::Snapshot {
+            problem: SnapshotProblem::Write {
+                reason: "the snapshot does not fit in host memory".into(),
+            },
+        };
+        let full = SnapshotBytes {
+            refused: Some(3 << 30),
+            ..SnapshotBytes::default()
+        };
+        assert!(matches!(
+            full.finish(Err(e.clone())),
+            Err(Error::OutOfMemory { bytes, .. }) if bytes == 3 << 30
+        ));
+        let other = SnapshotBytes::default().finish(Err(e.clone()));
+        assert_eq!(other, Err(e));
+        assert_eq!(out.finish(Ok(5)).unwrap(), b"kvgpu");
     }
 
     /// A header whose spec names a slot with a megabyte and gives it 100,000 dimensions, one of
