@@ -1,6 +1,7 @@
 //! Slots against the device's storage-binding limit (128 MiB on llvmpipe, lavapipe and WebGPU's
 //! defaults): refused with the largest capacity that fits, never a wgpu panic; a slot of exactly the
 //! limit works end to end, including a reset whose one dispatch must stride past the workgroup cap.
+//! A streaming attention kernel the device refuses: the default choice takes the tiled kernel.
 #![cfg(not(target_arch = "wasm32"))]
 
 mod common;
@@ -10,6 +11,9 @@ use common::*;
 use kvgpu::*;
 
 common::shared_tests!(cache_bodies: slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits);
+
+// A generated kernel the device refuses: Auto falls back to the tiled kernel.
+common::shared_tests!(attention_bodies: auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused);
 
 #[test]
 fn slot_of_exactly_the_limit_works() {

@@ -165,6 +165,7 @@ browser_tests!(attention_bodies:
     queries_shared_through_a_stride_of_0_are_read,
     views_out_of_range_overflowing_overlapping_or_aliased_are_refused,
     scales_and_soft_caps_at_the_edge_of_f32_match_the_twin,
+    auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused,
 );
 
 // tests/model.rs: fixed pseudo-random operation sequences instead of proptest's.

@@ -188,6 +188,8 @@ pub struct Attention {
     io_groups: GroupCache<IoKey>,
     out_groups: GroupCache<OutKey>,
     facts: DeviceFacts,
+    /// Every streaming kernel asked for counts as refused ([`Attention::refuse_streaming_kernels`]).
+    refuse_streams: bool,
 }
 
 impl std::fmt::Debug for Attention {
@@ -237,6 +239,7 @@ impl Attention {
                 choice: KernelChoice::Auto,
                 target: None,
             },
+            refuse_streams: false,
             device,
             kernels,
         }
@@ -360,11 +363,46 @@ impl Attention {
                         runs.push((layer, kind, params, fetched.pipeline, dispatch.reduce_lanes));
                     }
                 }
-                plan::Pass1::Stream(key) => {
-                    let fetched = self.kernels.attention_stream(&key).map_err(limit(layer))?;
-                    built += usize::from(fetched.made);
-                    runs.push((layer, kind, params, fetched.pipeline, dispatch.reduce_lanes));
-                }
+                plan::Pass1::Stream(key) => match self.stream_pipeline(&key) {
+                    Ok(fetched) => {
+                        built += usize::from(fetched.made);
+                        runs.push((layer, kind, params, fetched.pipeline, dispatch.reduce_lanes));
+                    }
+                    // Auto's calls take the tiled kernel where the device refused the streaming
+                    // one: its pipelines, as for a forced tiled kernel.
+                    Err(detail) if self.facts.choice != KernelChoice::Auto => {
+                        return Err(limit(layer)(detail));
+                    }
+                    Err(_) => {
+                        let facts = DeviceFacts {
+                            choice: KernelChoice::Tiled,
+                            ..self.facts
+                        };
+                        let tiled = plan::plan(&shape, &facts).map_err(limit(layer))?;
+                        if let plan::Pass1::Tiled {
+                            dtypes,
+                            slot_b,
+                            batch,
+                            rows,
+                            ..
+                        } = tiled.kernel
+                        {
+                            for rpl in plan::tiled_rows(&shape, batch) {
+                                let fetched = self
+                                    .kernels
+                                    .attention_partial(dtypes, slot_b, batch, rpl, rows);
+                                built += usize::from(fetched.made);
+                                runs.push((
+                                    layer,
+                                    kind,
+                                    tiled.params,
+                                    fetched.pipeline,
+                                    tiled.reduce_lanes,
+                                ));
+                            }
+                        }
+                    }
+                },
             }
         }
         self.warm_up(cache, &runs);
@@ -532,6 +570,28 @@ impl Attention {
     #[doc(hidden)]
     pub fn plan_as_for_a_gpu(&mut self, yes: bool) {
         self.facts.cpu = !yes && self.kernels.is_cpu();
+    }
+
+    /// Makes every streaming kernel that later calls and `prepare` ask for count as refused by the
+    /// device (`true`), as a device refuses a generated kernel it cannot compile, so that the tests
+    /// can check on software adapters (which compile every kernel) that [`KernelChoice::Auto`]
+    /// falls back to the tiled kernel. Not for apps.
+    #[doc(hidden)]
+    pub fn refuse_streaming_kernels(&mut self, yes: bool) {
+        self.refuse_streams = yes;
+    }
+
+    /// The pipeline of the streaming kernel `key`, or why the device refused it.
+    fn stream_pipeline(
+        &self,
+        key: &StreamKey,
+    ) -> std::result::Result<crate::kernels::Fetched, String> {
+        if self.refuse_streams {
+            return Err(format!(
+                "the streaming attention kernel for {key:?} was refused (for a test)"
+            ));
+        }
+        self.kernels.attention_stream(key)
     }
 
     /// Plans later calls as for a device without `wgpu::Features::SHADER_INT64` (`true`), or as the

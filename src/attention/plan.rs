@@ -140,8 +140,10 @@ pub(crate) const ATTENTION_STORAGE_BUFFERS: u32 = 8;
 /// Which pass-1 kernel attention uses. [`KernelChoice::Auto`] (the default) picks the streaming
 /// kernel wherever the shape allows it (every dimension a multiple of four f32 or eight 16-bit
 /// elements, rows of whole 16-byte vectors), with `subgroupAdd` when the device has subgroups of one
-/// fixed size, and the tiled kernel otherwise. The others force one kernel, for comparisons and
-/// tests; a call the forced kernel cannot run is refused with
+/// fixed size, and the tiled kernel otherwise, and where the device refuses the streaming kernel
+/// (a generated kernel it cannot compile: the refusal is kept, so later calls fall back at once).
+/// The others force one kernel, for comparisons and tests; a call the forced kernel cannot run, or
+/// whose kernel the device refuses, is refused with
 /// [`AttentionProblem::DeviceLimit`](crate::AttentionProblem::DeviceLimit).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]

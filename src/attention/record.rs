@@ -4,7 +4,7 @@
 use super::plan::{self, CallShape, DeviceFacts, Dispatch, Paging, Pass1};
 use super::request::{MAX_SOFT_CAP, contiguous};
 use super::view::{self, Bound, ViewError};
-use super::{Attention, AttentionOptions, Job, Kv, RetiredGroups, Scratch};
+use super::{Attention, AttentionOptions, Job, KernelChoice, Kv, RetiredGroups, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::codec::DType;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
@@ -29,7 +29,24 @@ impl Attention {
     ) -> Result<()> {
         let layer = job.layer;
         let cache = rows.store;
-        let (mut dispatch, views) = self.plan(rows, &job, options)?;
+        let (dispatch, views) = self.plan(rows, &job, options)?;
+        // The pipeline first: it does not need the scratch. Auto takes the tiled kernel where the
+        // device refused the streaming one (a generated kernel it could not compile: kept refused
+        // in the registry, so later calls plan it and fall back at once).
+        let stream = match dispatch.kernel {
+            Pass1::Stream(key) => Some(self.stream_pipeline(&key)),
+            Pass1::Tiled { .. } => None,
+        };
+        let (mut dispatch, views, stream) = match stream {
+            Some(Err(_)) if self.facts.choice == KernelChoice::Auto => {
+                let choice = std::mem::replace(&mut self.facts.choice, KernelChoice::Tiled);
+                let tiled = self.plan(rows, &job, options);
+                self.facts.choice = choice;
+                let (dispatch, views) = tiled?;
+                (dispatch, views, None)
+            }
+            stream => (dispatch, views, stream),
+        };
         dispatch.params.view_a = views.q_a.view;
         dispatch.params.view_b = views.q_b.view;
         dispatch.params.view_out = views.out.view;
@@ -53,7 +70,6 @@ impl Attention {
                 format!("{which} buffer")
             })?;
         }
-        // The pipeline first: it does not need the scratch.
         let partial = match dispatch.kernel {
             Pass1::Tiled {
                 dtypes,
@@ -67,8 +83,12 @@ impl Attention {
                     .pipeline
             }
             Pass1::Stream(key) => {
-                self.kernels
-                    .attention_stream(&key)
+                // (Fetched above; a tiled plan in its place fetched nothing.)
+                let fetched = match stream {
+                    Some(fetched) => fetched,
+                    None => self.stream_pipeline(&key),
+                };
+                fetched
                     .map_err(|detail| Error::AttentionRequest {
                         layer,
                         problem: AttentionProblem::DeviceLimit { detail },

@@ -1524,6 +1524,65 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
         }
     }
 }
+/// `KernelChoice::Auto` takes the tiled kernel where the device refuses the streaming kernel it
+/// plans (a generated kernel a device cannot compile; simulated, since software adapters compile
+/// every one): `prepare` succeeds and builds the tiled pipelines, the call that follows matches
+/// the twin and builds nothing more. A forced streaming kernel is refused by name, by the call and
+/// by `prepare`.
+pub async fn auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused(g: &Gpu) {
+    let c = filled(g, LayerSpec::kv(2, 8, 8), DType::F32, 300, 1, 140);
+    let registry = super::kernels_for(g);
+    let mut att = Attention::with_kernels(registry.clone());
+    att.refuse_streaming_kernels(true);
+    att.prepare(&c, 4).unwrap();
+    let held = registry.attention_pipelines();
+    one_gqa_query(
+        g,
+        &mut att,
+        &c,
+        0,
+        [8, 8],
+        141,
+        "Auto, streaming kernel refused",
+    )
+    .await;
+    assert_eq!(
+        registry.attention_pipelines(),
+        held,
+        "the call built pipelines prepare did not"
+    );
+    let refused = |e: &Error| {
+        matches!(
+            e,
+            Error::AttentionRequest {
+                layer: 0,
+                problem: AttentionProblem::DeviceLimit { detail },
+            } if detail.contains("was refused")
+        )
+    };
+    let q = f32_buffer(&g.device, &values(142, 4 * 8)).await;
+    let out = output(&g.device, 4 * 8).await;
+    for kernel in kernels(g).into_iter().filter(|&k| k != KernelChoice::Tiled) {
+        att.set_kernel(kernel);
+        let e = att.prepare(&c, 4).unwrap_err();
+        assert!(refused(&e), "{kernel:?}: {e}");
+        let e = att
+            .gqa(
+                &c,
+                0,
+                Queries::new(&q, 1, 4, 8),
+                &out,
+                &AttentionOptions::default(),
+            )
+            .unwrap_err();
+        assert!(refused(&e), "{kernel:?}: {e}");
+    }
+    assert!(
+        read_f32(g, &out).await.iter().all(|&x| x == -7.0),
+        "a refused call wrote"
+    );
+}
+
 /// One query of 4 heads over GQA layer `layer` of `c` (2 KV heads of `d_k` / `d_v` elements),
 /// against the twin over its read-back.
 async fn one_gqa_query(
