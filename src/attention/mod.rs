@@ -343,66 +343,50 @@ impl Attention {
         }
         let mut built = 0;
         let mut runs = Vec::new();
-        for &(layer, kind, shape, dispatch) in &planned {
-            let params = dispatch.params;
-            match dispatch.kernel {
-                // Shorter contexts may take fewer rows per invocation: every variant the plan may
-                // choose for the batch.
-                plan::Pass1::Tiled {
-                    dtypes,
-                    slot_b,
-                    batch,
-                    rows,
-                    ..
-                } => {
-                    for rpl in plan::tiled_rows(&shape, batch) {
-                        let fetched = self
-                            .kernels
-                            .attention_partial(dtypes, slot_b, batch, rpl, rows);
-                        built += usize::from(fetched.made);
-                        runs.push((layer, kind, params, fetched.pipeline, dispatch.reduce_lanes));
-                    }
-                }
-                plan::Pass1::Stream(key) => match self.stream_pipeline(&key) {
+        for &(layer, kind, shape, mut dispatch) in &planned {
+            if let plan::Pass1::Stream(key) = dispatch.kernel {
+                match self.stream_pipeline(&key) {
                     Ok(fetched) => {
                         built += usize::from(fetched.made);
-                        runs.push((layer, kind, params, fetched.pipeline, dispatch.reduce_lanes));
+                        let (params, lanes) = (dispatch.params, dispatch.reduce_lanes);
+                        runs.push((layer, kind, params, fetched.pipeline, lanes));
+                        continue;
                     }
                     // Auto's calls take the tiled kernel where the device refused the streaming
                     // one: its pipelines, as for a forced tiled kernel.
-                    Err(detail) if self.facts.choice != KernelChoice::Auto => {
-                        return Err(limit(layer)(detail));
-                    }
-                    Err(_) => {
+                    Err(_) if self.facts.choice == KernelChoice::Auto => {
                         let facts = DeviceFacts {
                             choice: KernelChoice::Tiled,
                             ..self.facts
                         };
-                        let tiled = plan::plan(&shape, &facts).map_err(limit(layer))?;
-                        if let plan::Pass1::Tiled {
-                            dtypes,
-                            slot_b,
-                            batch,
-                            rows,
-                            ..
-                        } = tiled.kernel
-                        {
-                            for rpl in plan::tiled_rows(&shape, batch) {
-                                let fetched = self
-                                    .kernels
-                                    .attention_partial(dtypes, slot_b, batch, rpl, rows);
-                                built += usize::from(fetched.made);
-                                runs.push((
-                                    layer,
-                                    kind,
-                                    tiled.params,
-                                    fetched.pipeline,
-                                    tiled.reduce_lanes,
-                                ));
-                            }
-                        }
+                        dispatch = plan::plan(&shape, &facts).map_err(limit(layer))?;
                     }
-                },
+                    Err(detail) => return Err(limit(layer)(detail)),
+                }
+            }
+            // Shorter contexts may take fewer rows per invocation: every variant the plan may
+            // choose for the batch.
+            if let plan::Pass1::Tiled {
+                dtypes,
+                slot_b,
+                batch,
+                rows,
+                ..
+            } = dispatch.kernel
+            {
+                for rpl in plan::tiled_rows(&shape, batch) {
+                    let fetched = self
+                        .kernels
+                        .attention_partial(dtypes, slot_b, batch, rpl, rows);
+                    built += usize::from(fetched.made);
+                    runs.push((
+                        layer,
+                        kind,
+                        dispatch.params,
+                        fetched.pipeline,
+                        dispatch.reduce_lanes,
+                    ));
+                }
             }
         }
         self.warm_up(cache, &runs);

@@ -32,20 +32,18 @@ impl Attention {
         let (dispatch, views) = self.plan(rows, &job, options)?;
         // The pipeline first: it does not need the scratch. Auto takes the tiled kernel where the
         // device refused the streaming one (a generated kernel it could not compile: kept refused
-        // in the registry, so later calls plan it and fall back at once).
-        let stream = match dispatch.kernel {
-            Pass1::Stream(key) => Some(self.stream_pipeline(&key)),
-            Pass1::Tiled { .. } => None,
-        };
-        let (mut dispatch, views, stream) = match stream {
-            Some(Err(_)) if self.facts.choice == KernelChoice::Auto => {
+        // in the registry, so later calls plan it and fall back at once). A forced kernel's
+        // refusal is returned after the buffers' checks.
+        let (mut dispatch, views, partial) = match self.pass1_pipeline(dispatch.kernel) {
+            Err(_) if self.facts.choice == KernelChoice::Auto => {
                 let choice = std::mem::replace(&mut self.facts.choice, KernelChoice::Tiled);
                 let tiled = self.plan(rows, &job, options);
                 self.facts.choice = choice;
                 let (dispatch, views) = tiled?;
-                (dispatch, views, None)
+                let partial = self.pass1_pipeline(dispatch.kernel);
+                (dispatch, views, partial)
             }
-            stream => (dispatch, views, stream),
+            partial => (dispatch, views, partial),
         };
         dispatch.params.view_a = views.q_a.view;
         dispatch.params.view_b = views.q_b.view;
@@ -70,32 +68,10 @@ impl Attention {
                 format!("{which} buffer")
             })?;
         }
-        let partial = match dispatch.kernel {
-            Pass1::Tiled {
-                dtypes,
-                slot_b,
-                batch,
-                rpl,
-                rows,
-            } => {
-                self.kernels
-                    .attention_partial(dtypes, slot_b, batch, rpl, rows)
-                    .pipeline
-            }
-            Pass1::Stream(key) => {
-                // (Fetched above; a tiled plan in its place fetched nothing.)
-                let fetched = match stream {
-                    Some(fetched) => fetched,
-                    None => self.stream_pipeline(&key),
-                };
-                fetched
-                    .map_err(|detail| Error::AttentionRequest {
-                        layer,
-                        problem: AttentionProblem::DeviceLimit { detail },
-                    })?
-                    .pipeline
-            }
-        };
+        let partial = partial.map_err(|detail| Error::AttentionRequest {
+            layer,
+            problem: AttentionProblem::DeviceLimit { detail },
+        })?;
         let pairs: Vec<_> = dispatch.pairs().collect();
         // Grown before the bind groups, which bind it. A refusal after this (a buffer wgpu will not
         // bind, no memory for the parameter entries or a batch's query table) puts the old scratch
@@ -247,6 +223,24 @@ impl Attention {
 
     /// Checks everything about one call and works out its dispatch and the bindings of its views;
     /// records nothing.
+    /// The pass-1 pipeline of a planned kernel, or why the device refused it (only a generated
+    /// streaming kernel may be refused).
+    fn pass1_pipeline(&self, kernel: Pass1) -> std::result::Result<wgpu::ComputePipeline, String> {
+        match kernel {
+            Pass1::Tiled {
+                dtypes,
+                slot_b,
+                batch,
+                rpl,
+                rows,
+            } => Ok(self
+                .kernels
+                .attention_partial(dtypes, slot_b, batch, rpl, rows)
+                .pipeline),
+            Pass1::Stream(key) => self.stream_pipeline(&key).map(|f| f.pipeline),
+        }
+    }
+
     fn plan(
         &self,
         rows: Rows<'_>,
