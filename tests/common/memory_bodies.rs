@@ -263,21 +263,12 @@ pub async fn release_memory_lets_go_of_the_scratch_and_the_app_buffers(g: &Gpu) 
     c.advance(200).unwrap();
     let mut attention = Attention::for_cache(&c);
     assert_eq!(attention.scratch_bytes(), 0, "before the first call");
-    let buffer = |data: &[f32]| {
-        g.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("app"),
-                contents: bytemuck::cast_slice(data),
-                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            })
-    };
     let n_q = 64;
     let (q, out) = (
-        buffer(&values(4, n_q * 4 * 64)),
-        buffer(&vec![0.0; n_q * 4 * 64]),
+        super::f32_buffer(&g.device, &values(4, n_q * 4 * 64)).await,
+        super::output(&g.device, n_q * 4 * 64).await,
     );
     for b in [&q, &out] {
-        verify_buffer(&g.device, b).await.unwrap();
         residency.follow(b);
     }
     let options = AttentionOptions::default();
@@ -325,10 +316,10 @@ pub async fn release_memory_lets_go_of_the_scratch_and_the_app_buffers(g: &Gpu) 
         "the app's buffers after the release"
     );
     // The next call allocates again, as much as it needs.
-    let (q, out) = (buffer(&values(5, 4 * 64)), buffer(&vec![0.0; 4 * 64]));
-    for b in [&q, &out] {
-        verify_buffer(&g.device, b).await.unwrap();
-    }
+    let (q, out) = (
+        super::f32_buffer(&g.device, &values(5, 4 * 64)).await,
+        super::output(&g.device, 4 * 64).await,
+    );
     attention
         .gqa(&c, 0, Queries::new(&q, 1, 4, 64), &out, &options)
         .unwrap();

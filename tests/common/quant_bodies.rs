@@ -386,20 +386,10 @@ pub async fn scaled_fp8_gpu_sources_store_the_host_codes_at_any_scale(g: &Gpu) {
             .into_iter()
             .enumerate()
         {
-            let mut x = vec![
-                f32::MAX,
-                -f32::MAX,
-                f32::INFINITY,
-                f32::NEG_INFINITY,
-                f32::NAN,
-                -f32::NAN,
-                0.0,
-                -0.0,
-                f32::MIN_POSITIVE,
-                -f32::MIN_POSITIVE,
-                1e30,
-                -3e38,
-            ];
+            // Edge values (the infinities, NaN, zeros of both signs, the largest finite ones) and
+            // the smallest normal ones.
+            let mut x = edge_rows()[32..].to_vec();
+            x.extend([f32::MIN_POSITIVE, -f32::MIN_POSITIVE, -3e38]);
             // Subnormals from the largest down, both signs.
             for k in 0..23 {
                 let m = 0x007f_ffffu32 >> k;
