@@ -76,6 +76,8 @@ mod request;
 mod stream;
 mod view;
 
+pub(crate) use plan::LOOP_BUDGET;
+
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 

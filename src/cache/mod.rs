@@ -843,7 +843,7 @@ impl KvCache {
         encoder: &mut wgpu::CommandEncoder,
         ranges: &[ZeroRange],
     ) -> Result<()> {
-        let dispatches = zero::zero_dispatches(ranges, self.zero_workgroups);
+        let dispatches = zero::zero_dispatches(ranges, self.zero_workgroups, self.max_workgroups);
         if dispatches.is_empty() {
             return Ok(());
         }
