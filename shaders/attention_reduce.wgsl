@@ -1,13 +1,20 @@
 // Attention, pass 2 of 2: merges the per-chunk partials of attention_partial.wgsl into the output.
 // Workgroups per query: on GPUs one per head and 32 output elements (`split`); on CPU adapters a
 // few, each merging every few heads (head h by workgroup h mod the grid's width), so that
-// per-workgroup costs stay small. Chunks that saw no row of the query (sum 0) are skipped. Two
+// per-workgroup costs stay small. Chunks that saw no row of the query (sum 0) are skipped (`seen`). Two
 // entry points: `main`, whose every invocation walks all of a head's chunks for its own output
 // elements (CPU adapters, where a barrier costs more than a loop), and `split` (GPUs), whose
 // invocations split the chunks between them and merge through workgroup memory.
 
 // The lowest finite f32, as in attention_partial.wgsl.
 const NEG: f32 = -3.4028234e38;
+
+// Whether a chunk's (or a merge's) sum of weights is not the +0 of one that saw no row of the query,
+// whose partial output is stale. Tested on the bits: a NaN sum (from a NaN score) is seen, so that
+// the NaN reaches the output, as in the twin (a test of `sum > 0` took that chunk for an empty one).
+fn seen(sum: f32) -> bool {
+    return bitcast<u32>(sum) != 0u;
+}
 
 // Invocations per workgroup: 64 on GPUs; 8 on CPU adapters, one SIMD vector, so that a workgroup
 // works out each head's max and sum once instead of once per vector.
@@ -80,7 +87,7 @@ fn main(
         for (var c = 0u; c < p.n_chunks; c++) {
             let s = (c * p.q_count + local) * p.n_heads + h;
             let st = stats[s];
-            if st.y > 0.0 {
+            if seen(st.y) {
                 m = max(m, st.x);
             }
         }
@@ -88,11 +95,11 @@ fn main(
         for (var c = 0u; c < p.n_chunks; c++) {
             let s = (c * p.q_count + local) * p.n_heads + h;
             let st = stats[s];
-            if st.y > 0.0 {
+            if seen(st.y) {
                 l += st.y * exp(st.x - m);
             }
         }
-        let inv = select(0.0, 1.0 / l, l > 0.0);
+        let inv = select(0.0, 1.0 / l, seen(l));
         // This invocation's vectors of a pass from d0 start at d0 + 4 lid + 4 LANES k, k < 4.
         for (var d0 = 4u * lid; d0 < p.d_v; d0 += 16u * LANES) {
             let d = array<u32, 4>(d0, d0 + 4u * LANES, d0 + 8u * LANES, d0 + 12u * LANES);
@@ -104,7 +111,7 @@ fn main(
                 let s = (c * p.q_count + local) * p.n_heads + h;
                 // A chunk's weight; chunks that saw no row of the query are skipped.
                 let st = stats[s];
-                if st.y > 0.0 {
+                if seen(st.y) {
                     let w = exp(st.x - m);
                     add4(&o0, s, d[0], whole, w);
                     add4(&o1, s, d[1], whole, w);
@@ -167,7 +174,7 @@ fn split(
         var st = vec2<f32>(NEG, 0.0);
         for (var c = lid; c < p.n_chunks; c += SPLIT) {
             let s = stats[(c * p.q_count + local) * p.n_heads + h];
-            if s.y > 0.0 {
+            if seen(s.y) {
                 st = merge_stats(st, s);
             }
         }
@@ -184,7 +191,7 @@ fn split(
         for (var c = stride; c < p.n_chunks; c += SPLIT_STRIDES) {
             let s = (c * p.q_count + local) * p.n_heads + h;
             let w = stats[s];
-            if w.y > 0.0 {
+            if seen(w.y) {
                 add4(&o, s, d, whole, exp(w.x - total.x));
             }
         }
@@ -197,7 +204,7 @@ fn split(
             workgroupBarrier();
         }
         if stride == 0u {
-            store4(qi, h, d, split_out[lid] * select(0.0, 1.0 / total.y, total.y > 0.0));
+            store4(qi, h, d, split_out[lid] * select(0.0, 1.0 / total.y, seen(total.y)));
         }
         // Every invocation has read `total` and its sums before the next block writes them.
         workgroupBarrier();

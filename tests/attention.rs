@@ -40,6 +40,7 @@ common::shared_tests!(attention_bodies, serial: serial;
     attention_over_4096_rows_splits_the_sequence,
     large_soft_caps_keep_their_precision,
     a_non_finite_element_stays_in_its_head,
+    a_nan_a_head_reads_makes_its_output_nan,
     mla_matches_the_reference_for_every_dtype,
     attention_sees_the_rows_left_by_truncate_and_reset,
     many_calls_with_different_parameters_share_one_encoder,

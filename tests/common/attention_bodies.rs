@@ -735,6 +735,76 @@ async fn non_finite_beside(
     true
 }
 
+/// A NaN that a query head reads, in its query or in a key row it sees, makes every element of that
+/// head's output NaN, as in the twin; the other heads match the twin. On every kernel, over chunks
+/// of the fewest rows (the merge pass) and over one chunk (the streaming kernels write it directly).
+/// The merge pass took a chunk whose sum was NaN for one that saw no rows and skipped it: a head's
+/// output was then the softmax over its other chunks (finite and plausible), or 0 without any.
+pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    // `gpu_plans_match`'s first call and plans (its pipelines).
+    att.plan_as_for_a_gpu(true);
+    let case = PLAN_CASES[0];
+    let n_heads = case.n_kv * case.group;
+    let (rows, d_k, d_v) = (case.visible, case.d_k, case.d_v);
+    let mut k = values(61, rows * case.n_kv * d_k);
+    let v = values(62, rows * case.n_kv * d_v);
+    let mut q = values(63, n_heads * d_k);
+    // Row 500 of KV head 1 (query heads 4 to 7 read it), and query head 2 (of KV head 0).
+    k[(500 * case.n_kv + 1) * d_k + 5] = f32::NAN;
+    q[2 * d_k + 7] = f32::NAN;
+    let nan_head = |h: usize| h == 2 || h / case.group == 1;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(case.n_kv, d_k, d_v)], DType::F32, rows).unwrap();
+    let mut c = cache_on(g, spec);
+    let shapes = [[rows, case.n_kv, d_k], [rows, case.n_kv, d_v]];
+    let slabs = [HostSlab::f32(&k, &shapes[0]), HostSlab::f32(&v, &shapes[1])];
+    c.append(0, &slabs).unwrap();
+    c.advance(rows).unwrap();
+    let qb = f32_buffer(&g.device, &q).await;
+    let options = AttentionOptions::default();
+    let want = reference::attention_gqa(&q, [1, n_heads, d_k], &k, &v, case.n_kv, d_v, &options);
+    for (h, head) in want.chunks(d_v).enumerate() {
+        assert_eq!(
+            head.iter().all(|x| x.is_nan()),
+            nan_head(h),
+            "the twin's head {h}"
+        );
+    }
+    let all = kernels(g);
+    let streaming: Vec<_> = all
+        .iter()
+        .copied()
+        .filter(|&k| k != KernelChoice::Tiled)
+        .collect();
+    let mut checks = 0;
+    for (target, kernels) in [(usize::MAX, &all), (1, &streaming)] {
+        att.set_target_workgroups(std::num::NonZeroUsize::new(target));
+        for &kernel in kernels {
+            att.set_kernel(kernel);
+            let out = output(&g.device, n_heads * d_v).await;
+            let result = att.gqa(&c, 0, Queries::new(&qb, 1, n_heads, d_k), &out, &options);
+            if !ran(g, result, &att, &c, &out).await {
+                continue;
+            }
+            let got = read_f32(g, &out).await;
+            let what = format!("{kernel:?}, aiming for {target} workgroups");
+            for (h, (got, want)) in got.chunks(d_v).zip(want.chunks(d_v)).enumerate() {
+                if nan_head(h) {
+                    let finite = got.iter().filter(|x| !x.is_nan()).count();
+                    assert_eq!(
+                        finite, 0,
+                        "{what}: head {h} has {finite} elements not NaN: {got:?}"
+                    );
+                } else {
+                    assert_close(got, want, &format!("{what}: head {h}"));
+                }
+            }
+            checks += 1;
+        }
+    }
+    assert!(checks >= 2, "{checks} checks ran");
+}
+
 /// fp8 keys whose heads do not start on a word (d_k not a multiple of 4) take the tiled kernel's
 /// element-by-element loads, four loop iterations per row per step more than whole words: with
 /// heads of 9,990 over 512 rows, a tile planned as if every load were whole ran past the 65,535
