@@ -196,9 +196,16 @@ impl CacheSpec {
                             dtype,
                         });
                     }
-                    // Positive and normal, with a normal reciprocal: 2^-126 < scale < 2^126.
+                    // Positive and normal, with a normal reciprocal: 2^-126 < scale < 2^126;
+                    // and the type's largest value times it finite, so that no stored code reads
+                    // back as an infinity (an append of f32::MAX at 2^120 stored e4m3's 256).
                     let usable = |x: f32| x.is_normal() && x > 0.0;
-                    if !usable(scale) || !usable(1.0 / scale) {
+                    let largest = if dtype == DType::F8E4M3 {
+                        448.0
+                    } else {
+                        57344.0
+                    };
+                    if !usable(scale) || !usable(1.0 / scale) || !(largest * scale).is_finite() {
                         return invalid(SpecProblem::BadScale {
                             layer: l,
                             slot: s,
@@ -351,7 +358,8 @@ impl CacheSpec {
 
     /// This spec with the fp8 values of one slot scaled by `scale` (per layer and slot, as a
     /// calibrated model's `k_scale` / `v_scale`). Refused for a slot that is not fp8, a scale that is
-    /// not a positive normal number with a normal reciprocal, or as [`CacheSpec::slot`] refuses.
+    /// not a positive normal number with a normal reciprocal or whose product with the type's largest
+    /// value (448 or 57,344) is not finite, or as [`CacheSpec::slot`] refuses.
     pub fn with_slot_scale(&self, layer: usize, slot: usize, scale: f32) -> Result<Self> {
         self.slot(layer, slot)?;
         let mut layers = self.layers.clone();
@@ -692,7 +700,16 @@ mod tests {
         assert_eq!(scaled, scaled.clone());
         // The bytes do not change: the scale is one number of the spec.
         assert_eq!(scaled.bytes_per_token(), spec.bytes_per_token());
-        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY, 1e-39, 1e38] {
+        // The largest scales whose largest code reads back finite: e4m3's 448 and e5m2's 57,344
+        // times them.
+        let e4m3_top = f32::MAX / 448.0;
+        let e5m2 = CacheSpec::llama3_8b(DType::F8E5M2, 16).unwrap();
+        assert!(spec.with_slot_scale(0, 0, e4m3_top).is_ok());
+        assert!(e5m2.with_slot_scale(0, 0, e4m3_top).is_err());
+        assert!(e5m2.with_slot_scale(0, 0, f32::MAX / 57344.0).is_ok());
+        let past = f32::from_bits(e4m3_top.to_bits() + 1);
+        assert!((448.0 * past).is_infinite(), "{past}");
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY, 1e-39, 1e38, past] {
             let e = spec.with_slot_scale(0, 0, bad).unwrap_err();
             assert!(
                 matches!(
