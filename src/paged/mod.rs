@@ -65,6 +65,11 @@ pub struct PagedCache {
     /// holding the sequence's page `i`. Entries change only where a sequence's pages changed: with
     /// `Queue::write_buffer` for host calls, by a recorded copy for recorded GPU appends.
     table: wgpu::Buffer,
+    /// The tables this one replaced as it grew, with their rows: commands recorded before a growth
+    /// read them, so host-side entries of the rows they hold are written into them too and land
+    /// ahead of the next submission there as well. Kept for the pool's life: together they hold
+    /// fewer rows than the table (each half of the next).
+    retired: Vec<(wgpu::Buffer, usize)>,
     table_width: usize,
     /// The table row of each sequence, and the rows free for reuse.
     table_rows: BTreeMap<SeqId, usize>,
@@ -232,6 +237,7 @@ impl PagedCache {
             ledger,
             staging: None,
             table,
+            retired: Vec::new(),
             table_width,
             table_rows: BTreeMap::new(),
             free_rows: Vec::new(),
@@ -273,7 +279,9 @@ impl PagedCache {
     /// A table row for a new sequence, growing the table when every row is taken. The grown table
     /// is written whole from the ledger with `Queue::write_buffer`, not copied from the old one on
     /// the GPU: a recorded GPU append not yet submitted writes its entries into the old table, and
-    /// the new one must hold them too.
+    /// the new one must hold them too. The old table is retired, not dropped: commands recorded
+    /// before the growth read it, and later host-side entries go into it too
+    /// ([`PagedCache::write_table`]).
     fn take_table_row(&mut self) -> Result<usize> {
         self.check_table_row()?;
         if let Some(row) = self.free_rows.pop() {
@@ -293,14 +301,19 @@ impl PagedCache {
             self.queue()
                 .write_buffer(&table, 0, bytemuck::cast_slice(&entries));
             self.store.set_page_table(table.clone());
-            self.table = table;
+            let old = std::mem::replace(&mut self.table, table);
+            self.retired.push((old, self.row_capacity));
             self.row_capacity = rows;
         }
         Ok(row)
     }
 
     /// Writes the table entries of `seq` from page index `from` to its end: with
-    /// `Queue::write_buffer` (landing at the next submission, ahead of its commands), or, for a
+    /// `Queue::write_buffer` (landing at the next submission, ahead of its commands), into the
+    /// table and every retired one that holds the sequence's row (commands recorded before the
+    /// table grew read those: without it, one recorded over a sequence before a growth read its
+    /// page from before a later host append copied it, and the rows that page's other holder wrote
+    /// there next), or, for a
     /// recorded GPU append, through an upload reserved for them ([`PagedCache::table_uploads`]) and
     /// a copy recorded into its encoder, so that the commands recorded before the append still read
     /// the entries they were recorded against.
@@ -323,7 +336,14 @@ impl PagedCache {
                         size,
                     );
                 }
-                None => self.queue().write_buffer(&self.table, at, bytes),
+                None => {
+                    self.queue().write_buffer(&self.table, at, bytes);
+                    for (table, rows) in &self.retired {
+                        if row < *rows {
+                            self.store.queue().write_buffer(table, at, bytes);
+                        }
+                    }
+                }
             }
         }
     }
@@ -416,6 +436,7 @@ impl PagedCache {
             } else {
                 self.store.set_page_table(table.clone());
                 self.table = table;
+                self.retired.pop();
                 self.row_capacity = capacity;
             }
         })
