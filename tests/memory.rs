@@ -99,6 +99,69 @@ fn a_refused_gpu_append_keeps_no_source_buffer() {
     }
 }
 
+/// A streamed import refused midway lets go of the rows it staged at once, while the app still
+/// holds the import (whose later calls repeat the refusal): the staging buffers were kept until the
+/// import was dropped, as large as the snapshot's rows. A cache's import and a pool's, refused by a
+/// byte past the snapshot's end. (wgpu holds the buffers that `Queue::write_buffer` wrote into
+/// until the queue's next submission: an empty one here.)
+#[test]
+fn a_refused_streamed_import_lets_go_of_its_staging() {
+    use common::shared::memory_bodies::Residency;
+    use kvgpu::{CacheSpec, DType, Error, LayerSpec, PagedCache, SnapshotProblem};
+    let _serial = serial();
+    let g = common::gpu();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 64, 64)], DType::F32, 2048).unwrap();
+    let mut src = common::cache(spec.clone());
+    common::shared::append_random(&mut src, 0, 2048, 7);
+    src.advance(2048).unwrap();
+    let bytes = src.snapshot().unwrap();
+    let mut extra = bytes[bytes.len() / 2..].to_vec();
+    extra.push(0);
+    let trailing = |e: Error| {
+        assert!(
+            matches!(
+                e,
+                Error::Snapshot {
+                    problem: SnapshotProblem::TrailingBytes { .. }
+                }
+            ),
+            "{e}"
+        );
+    };
+    let residency = Residency::new(g);
+    let mut cache = common::cache(spec.clone());
+    let before = residency.live_now().0;
+    let mut import = cache.import_stream().unwrap();
+    import.push(&bytes[..bytes.len() / 2]).unwrap();
+    let staging = residency.live_now().0;
+    assert!(
+        staging > before,
+        "{staging} live buffers while staging, {before} before"
+    );
+    trailing(import.push(&extra).unwrap_err());
+    g.queue.submit([]);
+    assert_eq!(
+        residency.live_now().0,
+        before,
+        "the cache's import, refused"
+    );
+    trailing(import.finish().unwrap_err());
+    let mut pool = PagedCache::with_kernels(common::shared::kernels_for(g), spec, 16, 256).unwrap();
+    let before = residency.live_now().0;
+    let mut import = pool.import_sequence_stream();
+    import.push(&bytes[..bytes.len() / 2]).unwrap();
+    let staging = residency.live_now().0;
+    assert!(
+        staging > before,
+        "{staging} live buffers while staging, {before} before"
+    );
+    trailing(import.push(&extra).unwrap_err());
+    g.queue.submit([]);
+    assert_eq!(residency.live_now().0, before, "the pool's import, refused");
+    trailing(import.finish().unwrap_err());
+    assert_eq!(pool.pages_in_use(), 0);
+}
+
 /// A `STORAGE | COPY_SRC` buffer of `size` bytes on `device`.
 fn storage(device: &wgpu::Device, size: u64) -> wgpu::Buffer {
     device.create_buffer(&wgpu::BufferDescriptor {

@@ -391,14 +391,16 @@ impl std::fmt::Debug for CacheImport<'_> {
 }
 
 impl CacheImport<'_> {
-    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, and
-    /// the cache is unchanged.
+    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, the
+    /// cache is unchanged, and the rows staged so far are let go at once.
     pub fn push(&mut self, piece: &[u8]) -> Result<()> {
         let mut sink = CacheSink {
             cache: self.cache,
             staged: &mut self.staged,
         };
-        self.stream.push(piece, &mut sink)
+        self.stream
+            .push(piece, &mut sink)
+            .inspect_err(|_| self.staged = None)
     }
 
     /// Checks the length and the checksum of the whole, then copies the staged rows into the cache

@@ -186,15 +186,19 @@ impl std::fmt::Debug for SequenceImport<'_> {
 }
 
 impl SequenceImport<'_> {
-    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, and
-    /// the pool is unchanged.
+    /// Takes the next piece of the snapshot. A refusal is final: every later call repeats it, the
+    /// pool is unchanged, and the rows staged so far (and the plan made for them) are let go at
+    /// once.
     pub fn push(&mut self, piece: &[u8]) -> Result<()> {
         let mut sink = PoolSink {
             pool: self.pool,
             staged: &mut self.staged,
             plan: &mut self.plan,
         };
-        self.stream.push(piece, &mut sink)
+        self.stream.push(piece, &mut sink).inspect_err(|_| {
+            self.staged = None;
+            self.plan = None;
+        })
     }
 
     /// Checks the length and the checksum of the whole, then copies the staged rows into fresh
