@@ -90,7 +90,11 @@
 //! Ordering: host appends take effect at the next queue submission, before the commands submitted with
 //! it. Submit a recorded `record_reset` / `record_truncate_and_scrub` before appending from the host
 //! rows that must survive it. Any number of operations may be recorded between two submissions: every
-//! kernel dispatch reads its parameters from an entry of its own, never reused.
+//! kernel dispatch reads its parameters from an entry of its own, never reused. A recorded append
+//! ([`KvCache::record_append_gpu`], [`KvCache::record_append_layers`]) counts as made when it is
+//! recorded: submit its encoder. If the encoder is dropped (or fails), `truncate` the cache back to
+//! its length before the append, or the pending rows it counts hold whatever the slots held
+//! before (an earlier sequence's rows after `truncate` or `reset_fast`).
 
 // In the browser wgpu objects are not Send/Sync and everything runs on one thread; caches still share
 // their pipelines through an `Arc` so native and wasm have one code path.

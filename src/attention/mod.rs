@@ -594,7 +594,8 @@ impl Attention {
     /// `q [n_q, n_heads, d_k]` are the queries of the layer's last `n_q` visible rows (in a batch, each
     /// sequence's in turn), `out [n_q, n_heads, d_v]` (f32; an [`Output`] view, or a buffer written
     /// row-major from byte 0) receives the result. Query `i` of `n_q` sees rows
-    /// `[0, visible - n_q + i]` of its own sequence, limited by the window.
+    /// `[0, visible - n_q + i]` of its own sequence, limited by the window. Query head `h` reads KV
+    /// head `h / (n_heads / n_kv_heads)`: the query heads of one KV head are consecutive.
     pub fn record_gqa<'a, 'k>(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,

@@ -223,7 +223,8 @@ impl KvCache {
     /// submitted first, or its zeroing runs after the restored rows and wipes them. Returns the rows
     /// restored. One exception to "changes nothing": where wgpu still cannot stage a write after
     /// the check ([`Error::OutOfMemory`]; wgpu 30 then loses the device), the rows written before
-    /// it stay in the slots, past the cache's length, where no call reads them.
+    /// it stay in the slots, past the cache's length, where attention and reads of rows do not
+    /// reach them (views and [`KvCache::full_view`] do).
     pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;
