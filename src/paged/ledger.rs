@@ -655,7 +655,9 @@ impl PageLedger {
     }
 
     /// Whether appending `n` more rows to every layer of each `(seq, n)` fits at once, pages and
-    /// lengths both; a sequence named twice takes the sum of its counts. Changes nothing.
+    /// lengths both; a sequence named twice takes the sum of its counts. Refuses with the first
+    /// length past `max_seq_len` in id order, else with the pages the whole growth lacks. Changes
+    /// nothing.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         let mut per_seq: BTreeMap<SeqId, usize> = BTreeMap::new();
         for &(seq, n) in growth {

@@ -545,8 +545,10 @@ impl PagedCache {
     }
 
     /// `Ok` when `n` more rows in every layer of each `(seq, n)` fit at once (pages, private copies
-    /// of shared pages, and the longest sequence), else the error the appends would meet. Changes
-    /// nothing.
+    /// of shared pages, and the longest sequence), else why not: [`Error::CapacityExceeded`] for
+    /// the first sequence (by id) that would pass `max_seq_len`, or else [`Error::OutOfPages`] for
+    /// the whole growth. The appends would be refused too, but where both problems exist they may
+    /// name the other one first (they meet them in their own order). Changes nothing.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         self.ledger.admits(growth)
     }
