@@ -186,7 +186,7 @@ browser_tests!(paged_bodies:
     published_prefixes_start_sequences_from_their_pages,
     sequences_of_another_pool_are_refused,
     recorded_appends_change_the_table_in_encoder_order,
-    attention_recorded_before_the_table_grows_sees_later_host_entries,
+    attention_recorded_before_the_table_grows_sees_later_entries,
     many_runs_of_host_rows_land_alike_whichever_way_they_move,
 );
 

@@ -66,9 +66,10 @@ pub struct PagedCache {
     /// `Queue::write_buffer` for host calls, by a recorded copy for recorded GPU appends.
     table: wgpu::Buffer,
     /// The tables this one replaced as it grew, with their rows: commands recorded before a growth
-    /// read them, so host-side entries of the rows they hold are written into them too and land
-    /// ahead of the next submission there as well. Kept for the pool's life: together they hold
-    /// fewer rows than the table (each half of the next).
+    /// read them, so the entries of the rows they hold are written into them too, by host calls
+    /// (landing ahead of the next submission there as well) and by recorded GPU appends (a copy
+    /// into each, recorded with the one into the table). Kept for the pool's life: each holds half
+    /// the rows of the next, so together fewer than twice the table's.
     retired: Vec<(wgpu::Buffer, usize)>,
     table_width: usize,
     /// The table row of each sequence, and the rows free for reuse.
@@ -315,8 +316,9 @@ impl PagedCache {
     /// page from before a later host append copied it, and the rows that page's other holder wrote
     /// there next), or, for a
     /// recorded GPU append, through an upload reserved for them ([`PagedCache::table_uploads`]) and
-    /// a copy recorded into its encoder, so that the commands recorded before the append still read
-    /// the entries they were recorded against.
+    /// a copy recorded into its encoder (into the table and each retired one that holds the row), so
+    /// that the commands recorded before the append still read the entries they were recorded
+    /// against.
     fn write_table(&mut self, seq: SeqId, from: usize, recorded: Option<Recorded<'_>>) {
         let (Some(&row), Ok(pages)) = (self.table_rows.get(&seq), self.ledger.pages(seq)) else {
             return;
@@ -328,13 +330,16 @@ impl PagedCache {
                 Some((encoder, upload)) => {
                     upload.write(self.store.queue(), bytes);
                     let size = bytes.len() as u64;
-                    encoder.copy_buffer_to_buffer(
-                        &upload.buffer,
-                        upload.offset,
-                        &self.table,
-                        at,
-                        size,
-                    );
+                    let retired = self.retired.iter().filter(|(_, rows)| row < *rows);
+                    for table in std::iter::once(&self.table).chain(retired.map(|(t, _)| t)) {
+                        encoder.copy_buffer_to_buffer(
+                            &upload.buffer,
+                            upload.offset,
+                            table,
+                            at,
+                            size,
+                        );
+                    }
                 }
                 None => {
                     self.queue().write_buffer(&self.table, at, bytes);
@@ -545,7 +550,8 @@ impl PagedCache {
     }
 
     /// `Ok` when `n` more rows in every layer of each `(seq, n)` fit at once (pages, private copies
-    /// of shared pages, and the longest sequence), else why not: [`Error::CapacityExceeded`] for
+    /// of shared pages, and the longest sequence), else why not: a sequence that is not the pool's
+    /// (as every call refuses it), [`Error::CapacityExceeded`] for
     /// the first sequence (by id) that would pass `max_seq_len`, or else [`Error::OutOfPages`] for
     /// the whole growth. The appends would be refused too, but where both problems exist they may
     /// name the other one first (they meet them in their own order). Changes nothing.

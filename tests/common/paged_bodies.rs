@@ -2428,89 +2428,107 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
 }
 
 /// An attention recorded over a sequence before the page table grows reads, once submitted, the
-/// table entries host calls wrote after the growth, as without one. Here a fork shares its parent's
-/// first page; the table grows; the parent's host append takes a private copy of that page (its
-/// entry changes), and the fork's host append then writes its own rows into the page, now the
-/// fork's alone. The recorded attention must read the parent's copy: the entry once went into the
-/// grown table only, and the attention read the fork's rows as the parent's.
-pub async fn attention_recorded_before_the_table_grows_sees_later_host_entries(g: &Gpu) {
+/// table entries written after the growth, as without one. Here a fork shares its parent's first
+/// page; the table grows; the parent's append takes a private copy of that page (its entry
+/// changes), a host append or a GPU append recorded into an encoder submitted first; and the
+/// fork's host append then writes its own rows into the page, now the fork's alone. The recorded
+/// attention must read the parent's copy: the entry once went into the grown table only, and the
+/// attention read the fork's rows as the parent's.
+pub async fn attention_recorded_before_the_table_grows_sees_later_entries(g: &Gpu) {
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 16).unwrap();
-    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 4, 64).unwrap();
-    let mut att = Attention::with_kernels(super::kernels_for(g));
     let opts = AttentionOptions::default();
     let (k, v) = (values(21, 3 * 4), values(22, 3 * 4));
-    let shape = [3, 1, 4];
-    let parent = c.add_sequence().unwrap();
-    c.append(
-        parent,
-        0,
-        &[HostSlab::f32(&k, &shape), HostSlab::f32(&v, &shape)],
-    )
-    .unwrap();
-    c.advance(parent, 3).unwrap();
-    let fork = c.fork(parent, 1).unwrap();
-    let first = c.ledger().pages(parent).unwrap()[0];
-    assert_eq!(c.ledger().pages(fork).unwrap(), [first]);
-    // Every row of the first table (8) taken.
-    for _ in 0..6 {
-        c.add_sequence().unwrap();
-    }
+    let (k3, v3) = (values(24, 4), values(25, 4));
+    let (kf, vf) = (values(26, 2 * 4), values(27, 2 * 4));
+    let row3 = [
+        super::f32_buffer(&g.device, &k3).await,
+        super::f32_buffer(&g.device, &v3).await,
+    ];
     let q = values(23, 2 * 4);
     let qb = super::f32_buffer(&g.device, &q).await;
-    let out = super::output(&g.device, 8).await;
-    let mut encoder = g.device.create_command_encoder(&Default::default());
-    att.record_gqa(
-        &mut encoder,
-        Kv::Sequence(&c, parent),
-        0,
-        Queries::new(&qb, 1, 2, 4),
-        &out,
-        &opts,
-    )
-    .unwrap();
-    let before = format!("{c:?}");
-    c.add_sequence().unwrap();
-    assert_ne!(format!("{c:?}"), before);
-    assert!(format!("{c:?}").contains("table_capacity: 16"), "{c:?}");
-    // The parent's row 3 goes into a private copy of the shared page; the fork's rows 1 and 2 then
-    // into the first page, the fork's alone.
-    let (k3, v3) = (values(24, 4), values(25, 4));
-    c.append(
-        parent,
-        0,
-        &[
-            HostSlab::f32(&k3, &[1, 1, 4]),
-            HostSlab::f32(&v3, &[1, 1, 4]),
-        ],
-    )
-    .unwrap();
-    assert_ne!(
-        c.ledger().pages(parent).unwrap()[0],
-        first,
-        "a private copy"
-    );
-    let (kf, vf) = (values(26, 2 * 4), values(27, 2 * 4));
-    c.append(
-        fork,
-        0,
-        &[
-            HostSlab::f32(&kf, &[2, 1, 4]),
-            HostSlab::f32(&vf, &[2, 1, 4]),
-        ],
-    )
-    .unwrap();
-    assert_eq!(c.ledger().pages(fork).unwrap(), [first]);
-    g.queue.submit([encoder.finish()]);
-    let want = reference::attention_gqa(&q, [1, 2, 4], &k, &v, 1, 4, &opts);
-    let got = super::read_f32(g, &out).await;
-    super::assert_close(&got, &want, "attention recorded before the table grew");
-    // The pool holds what each sequence was given.
-    c.advance(parent, 1).unwrap();
-    c.advance(fork, 2).unwrap();
-    let parent_k = [&k[..], &k3[..]].concat();
-    assert_eq!(c.read_f32_async(parent, 0, 0).await.unwrap(), parent_k);
-    let fork_k = [&k[..4], &kf[..]].concat();
-    assert_eq!(c.read_f32_async(fork, 0, 0).await.unwrap(), fork_k);
+    for gpu_append in [false, true] {
+        let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 4, 64).unwrap();
+        let mut att = Attention::with_kernels(super::kernels_for(g));
+        let shape = [3, 1, 4];
+        let parent = c.add_sequence().unwrap();
+        c.append(
+            parent,
+            0,
+            &[HostSlab::f32(&k, &shape), HostSlab::f32(&v, &shape)],
+        )
+        .unwrap();
+        c.advance(parent, 3).unwrap();
+        let fork = c.fork(parent, 1).unwrap();
+        let first = c.ledger().pages(parent).unwrap()[0];
+        assert_eq!(c.ledger().pages(fork).unwrap(), [first]);
+        // Every row of the first table (8) taken.
+        for _ in 0..6 {
+            c.add_sequence().unwrap();
+        }
+        let out = super::output(&g.device, 8).await;
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        att.record_gqa(
+            &mut encoder,
+            Kv::Sequence(&c, parent),
+            0,
+            Queries::new(&qb, 1, 2, 4),
+            &out,
+            &opts,
+        )
+        .unwrap();
+        let before = format!("{c:?}");
+        c.add_sequence().unwrap();
+        assert_ne!(format!("{c:?}"), before);
+        assert!(format!("{c:?}").contains("table_capacity: 16"), "{c:?}");
+        // The parent's row 3 goes into a private copy of the shared page; the fork's rows 1 and 2
+        // then into the first page, the fork's alone.
+        if gpu_append {
+            let slabs = row3.each_ref().map(|buffer| GpuSlab {
+                buffer,
+                dtype: DType::F32,
+                offset: 0,
+                shape: &[1, 1, 4],
+                strides: None,
+            });
+            let mut first_encoder = g.device.create_command_encoder(&Default::default());
+            c.record_append_gpu(&mut first_encoder, parent, 0, &slabs)
+                .unwrap();
+            g.queue.submit([first_encoder.finish()]);
+        } else {
+            let slabs = [
+                HostSlab::f32(&k3, &[1, 1, 4]),
+                HostSlab::f32(&v3, &[1, 1, 4]),
+            ];
+            c.append(parent, 0, &slabs).unwrap();
+        }
+        assert_ne!(
+            c.ledger().pages(parent).unwrap()[0],
+            first,
+            "a private copy"
+        );
+        c.append(
+            fork,
+            0,
+            &[
+                HostSlab::f32(&kf, &[2, 1, 4]),
+                HostSlab::f32(&vf, &[2, 1, 4]),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.ledger().pages(fork).unwrap(), [first]);
+        g.queue.submit([encoder.finish()]);
+        let want = reference::attention_gqa(&q, [1, 2, 4], &k, &v, 1, 4, &opts);
+        let got = super::read_f32(g, &out).await;
+        let what = format!("attention recorded before the table grew, GPU append {gpu_append}");
+        super::assert_close(&got, &want, &what);
+        // The pool holds what each sequence was given.
+        c.advance(parent, 1).unwrap();
+        c.advance(fork, 2).unwrap();
+        let parent_k = [&k[..], &k3[..]].concat();
+        assert_eq!(c.read_f32_async(parent, 0, 0).await.unwrap(), parent_k);
+        let fork_k = [&k[..4], &kf[..]].concat();
+        assert_eq!(c.read_f32_async(fork, 0, 0).await.unwrap(), fork_k);
+    }
 }
 
 /// A recorded GPU append changes page-table entries where it stands among the encoder's commands:
