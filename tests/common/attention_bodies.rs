@@ -736,40 +736,30 @@ async fn non_finite_beside(
 }
 
 /// A NaN that a query head reads, in its query or in a key row it sees, makes every element of that
-/// head's output NaN, as in the twin; the other heads match the twin. On every kernel, over chunks
-/// of the fewest rows (the merge pass) and over one chunk (the streaming kernels write it directly).
-/// The merge pass took a chunk whose sum was NaN for one that saw no rows and skipped it: a head's
-/// output was then the softmax over its other chunks (finite and plausible), or 0 without any.
+/// head's output NaN, as in the twin; the other heads match the twin. On every kernel: under the
+/// adapter's own plan (on CPU adapters their merge pass, `main`), and under a GPU's over chunks of
+/// the fewest rows (its merge pass, `split`) and over one chunk (the streaming kernels write it
+/// directly). The merge pass took a chunk whose sum was NaN for one that saw no rows and skipped it:
+/// a head's output was then the softmax over its other chunks (finite and plausible), or 0 without
+/// any.
 pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    // `gpu_plans_match`'s first call and plans (its pipelines).
-    att.plan_as_for_a_gpu(true);
+    // `gqa_matches`' case 5 (7 queries) under the adapter's plan, and `gpu_plans_match`' first
+    // call (1 query) under a GPU's: their pipelines.
     let case = PLAN_CASES[0];
     let n_heads = case.n_kv * case.group;
     let (rows, d_k, d_v) = (case.visible, case.d_k, case.d_v);
     let mut k = values(61, rows * case.n_kv * d_k);
     let v = values(62, rows * case.n_kv * d_v);
-    let mut q = values(63, n_heads * d_k);
-    // Row 500 of KV head 1 (query heads 4 to 7 read it), and query head 2 (of KV head 0).
+    // Row 500 of KV head 1: query heads 4 to 7 of every query read it.
     k[(500 * case.n_kv + 1) * d_k + 5] = f32::NAN;
-    q[2 * d_k + 7] = f32::NAN;
-    let nan_head = |h: usize| h == 2 || h / case.group == 1;
     let spec = CacheSpec::new(vec![LayerSpec::kv(case.n_kv, d_k, d_v)], DType::F32, rows).unwrap();
     let mut c = cache_on(g, spec);
     let shapes = [[rows, case.n_kv, d_k], [rows, case.n_kv, d_v]];
     let slabs = [HostSlab::f32(&k, &shapes[0]), HostSlab::f32(&v, &shapes[1])];
     c.append(0, &slabs).unwrap();
     c.advance(rows).unwrap();
-    let qb = f32_buffer(&g.device, &q).await;
     let options = AttentionOptions::default();
-    let want = reference::attention_gqa(&q, [1, n_heads, d_k], &k, &v, case.n_kv, d_v, &options);
-    for (h, head) in want.chunks(d_v).enumerate() {
-        assert_eq!(
-            head.iter().all(|x| x.is_nan()),
-            nan_head(h),
-            "the twin's head {h}"
-        );
-    }
     let all = kernels(g);
     let streaming: Vec<_> = all
         .iter()
@@ -777,32 +767,53 @@ pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
         .filter(|&k| k != KernelChoice::Tiled)
         .collect();
     let mut checks = 0;
-    for (target, kernels) in [(usize::MAX, &all), (1, &streaming)] {
-        att.set_target_workgroups(std::num::NonZeroUsize::new(target));
+    for (gpu_plan, target, n_q, kernels) in [
+        (false, None, 7, &all),
+        (true, Some(usize::MAX), 1, &all),
+        (true, Some(1), 1, &streaming),
+    ] {
+        att.plan_as_for_a_gpu(gpu_plan);
+        att.set_target_workgroups(target.and_then(std::num::NonZeroUsize::new));
+        // And query head 2 (of KV head 0) of the last query.
+        let mut q = values(63, n_q * n_heads * d_k);
+        q[((n_q - 1) * n_heads + 2) * d_k + 7] = f32::NAN;
+        let nan_head = |i: usize| {
+            let (qi, h) = (i / n_heads, i % n_heads);
+            (qi == n_q - 1 && h == 2) || h / case.group == 1
+        };
+        let qb = f32_buffer(&g.device, &q).await;
+        let want =
+            reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, case.n_kv, d_v, &options);
+        for (i, head) in want.chunks(d_v).enumerate() {
+            let all_nan = head.iter().all(|x| x.is_nan());
+            assert_eq!(all_nan, nan_head(i), "the twin's head {i}");
+        }
         for &kernel in kernels {
             att.set_kernel(kernel);
-            let out = output(&g.device, n_heads * d_v).await;
-            let result = att.gqa(&c, 0, Queries::new(&qb, 1, n_heads, d_k), &out, &options);
+            let out = output(&g.device, n_q * n_heads * d_v).await;
+            let queries = Queries::new(&qb, n_q, n_heads, d_k);
+            let result = att.gqa(&c, 0, queries, &out, &options);
             if !ran(g, result, &att, &c, &out).await {
                 continue;
             }
             let got = read_f32(g, &out).await;
-            let what = format!("{kernel:?}, aiming for {target} workgroups");
-            for (h, (got, want)) in got.chunks(d_v).zip(want.chunks(d_v)).enumerate() {
-                if nan_head(h) {
+            let what = format!("{kernel:?}, as for a GPU {gpu_plan}, aiming for {target:?}");
+            for (i, (got, want)) in got.chunks(d_v).zip(want.chunks(d_v)).enumerate() {
+                let (qi, h) = (i / n_heads, i % n_heads);
+                if nan_head(i) {
                     let finite = got.iter().filter(|x| !x.is_nan()).count();
                     assert_eq!(
                         finite, 0,
-                        "{what}: head {h} has {finite} elements not NaN: {got:?}"
+                        "{what}: query {qi} head {h} has {finite} elements not NaN: {got:?}"
                     );
                 } else {
-                    assert_close(got, want, &format!("{what}: head {h}"));
+                    assert_close(got, want, &format!("{what}: query {qi} head {h}"));
                 }
             }
             checks += 1;
         }
     }
-    assert!(checks >= 2, "{checks} checks ran");
+    assert!(checks >= 3, "{checks} checks ran");
 }
 
 /// fp8 keys whose heads do not start on a word (d_k not a multiple of 4) take the tiled kernel's
