@@ -324,8 +324,8 @@ pub enum Error {
     QueueMismatch,
 
     /// The device could not allocate the buffers of `what` (`bytes` in all): its memory is taken.
-    /// Nothing was changed (but for the rows an import wrote before wgpu failed to stage one, which
-    /// no call reads: [`crate::KvCache::import`]); a smaller request, or one made after dropping
+    /// Nothing was changed (but for the rows an import wrote before wgpu failed to stage one, past
+    /// every length: [`crate::KvCache::import`]); a smaller request, or one made after dropping
     /// caches, may succeed. Host
     /// rows of more than 4 MiB in one call (appends, imports of a snapshot's bytes, a streamed
     /// import's piece) are checked first: kvgpu makes and drops buffers of the kind and size wgpu
@@ -655,7 +655,7 @@ pub enum SpecProblem {
     },
     #[error(
         "layer {layer} slot {slot} ({name:?}) has the scale {scale}; a scale is a positive normal \
-         number whose reciprocal is normal too (2^-126 < scale < 2^126), and the slot's largest fp8 \
+         number whose reciprocal is normal too (2^-126 <= scale <= 2^126), and the slot's largest fp8 \
          value times it is finite (a scale of at most about 7.6e35 for e4m3, 5.9e33 for e5m2)"
     )]
     BadScale {

@@ -196,7 +196,7 @@ impl CacheSpec {
                             dtype,
                         });
                     }
-                    // Positive and normal, with a normal reciprocal: 2^-126 < scale < 2^126;
+                    // Positive and normal, with a normal reciprocal: 2^-126 <= scale <= 2^126;
                     // and the type's largest value times it finite, so that no stored code reads
                     // back as an infinity (an append of f32::MAX at 2^120 stored e4m3's 256).
                     let usable = |x: f32| x.is_normal() && x > 0.0;

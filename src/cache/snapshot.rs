@@ -224,7 +224,7 @@ impl KvCache {
     /// restored. One exception to "changes nothing": where wgpu still cannot stage a write after
     /// the check ([`Error::OutOfMemory`]; wgpu 30 then loses the device), the rows written before
     /// it stay in the slots, past the cache's length, where attention and reads of rows do not
-    /// reach them (views and [`KvCache::full_view`] do).
+    /// reach them (the buffer a view binds, and [`KvCache::full_view`]'s range, hold them).
     pub fn import(&mut self, bytes: &[u8]) -> Result<usize> {
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         self.check_empty()?;

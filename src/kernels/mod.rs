@@ -55,7 +55,7 @@ pub(crate) const ROWS_PER_INVOCATION: [usize; 4] = [1, 2, 4, 8];
 /// (total invocations) the kernel must use to cover the rest.
 ///
 /// The slab writes take the device's limit, at least 65,535 on every WebGPU and OpenGL device, so
-/// an invocation of theirs strides at most 64 times over a binding of 2<sup>30</sup> words, and
+/// an invocation of theirs strides at most 65 times over a binding of 2<sup>30</sup> words, and
 /// runs at most about 3,000 loop iterations (four steps of a quantizing write, each two blocks of 32
 /// elements loaded through a source of rank 8): within Mesa's limit of 65,535. Zeroing takes fewer
 /// workgroups on CPU adapters and counts its own ([`crate::cache`]'s `zero_dispatches`).
