@@ -29,22 +29,43 @@ fn address_space() -> u64 {
     kib << 10
 }
 
+/// The process's address-space limits.
+fn limits() -> libc::rlimit {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write only the struct given.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) }, 0);
+    limit
+}
+
 /// Puts the soft address-space limit back when dropped (also when the test fails).
 struct Cap(libc::rlimit);
 
 impl Cap {
     /// Caps this process's address space at what it uses now plus `room` bytes.
     fn room(room: u64) -> Self {
-        let mut old = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit and setrlimit read and write only the struct given.
-        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut old) }, 0);
+        // A panic under the cap prints its backtrace with memory the cap may not leave, and then
+        // hangs instead of failing (the allocation-error hook waits for the backtrace lock the
+        // panic holds): the panic hook lifts the cap first.
+        static HOOK: std::sync::Once = std::sync::Once::new();
+        HOOK.call_once(|| {
+            let default = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                let mut limit = limits();
+                limit.rlim_cur = limit.rlim_max;
+                // SAFETY: as below.
+                unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) };
+                default(info);
+            }));
+        });
+        let old = limits();
         let capped = libc::rlimit {
             rlim_cur: (address_space() + room).min(old.rlim_max),
             rlim_max: old.rlim_max,
         };
+        // SAFETY: setrlimit reads only the struct given.
         assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &capped) }, 0);
         Cap(old)
     }
@@ -856,11 +877,11 @@ fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
     sequence.push(&bytes[..rows_at]).unwrap();
     {
         let _cap = Cap::room(24 << 20);
-        let filler = fill_device(g, 1 << 20);
-        for e in [
-            import.push(&bytes[rows_at..]).unwrap_err(),
-            sequence.push(&bytes[rows_at..]).unwrap_err(),
-        ] {
+        let mut filler = fill_device(g, 1 << 20);
+        let refused = import.push(&bytes[rows_at..]).unwrap_err();
+        // The refused import let go of its staging: that room is filled too.
+        filler.extend(fill_device(g, 1 << 20));
+        for e in [refused, sequence.push(&bytes[rows_at..]).unwrap_err()] {
             assert!(
                 matches!(&e, Error::OutOfMemory { what, bytes, .. }
                     if what == "the snapshot's rows" && *bytes >= 8 << 20),
