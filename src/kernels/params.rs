@@ -164,11 +164,14 @@ impl ParamRing {
     }
 
     /// Makes buffers until the next `n` pushes need none. A buffer the device cannot make is
-    /// refused with [`crate::Error::OutOfMemory`] naming [`RING`]; the entries already there stay.
+    /// refused with [`crate::Error::OutOfMemory`] naming [`RING`]; the entries already there stay,
+    /// and the buffers this call made go (a refusal keeps no new memory).
     pub(crate) fn reserve(&mut self, n: u64) -> crate::Result<()> {
+        let before = self.buffers.len();
         while self.free() < n {
             let size = self.stride * self.entries;
-            let buffer = crate::kernels::allocated(&self.device, RING, size, || self.buffer(size))?;
+            let made = crate::kernels::allocated(&self.device, RING, size, || self.buffer(size));
+            let buffer = made.inspect_err(|_| self.buffers.truncate(before))?;
             self.buffers.push_back(self.bound(buffer));
         }
         Ok(())
