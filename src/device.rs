@@ -181,24 +181,42 @@ async fn pick_by_name(
 }
 
 /// A one-shot channel for map callbacks: works on native and in the browser without an executor.
+/// A sender dropped without sending (a callback wgpu let go of unfired) ends the receiver's wait
+/// with `None`, so a readback fails instead of waiting forever.
 pub(crate) fn oneshot<T>() -> (Sender<T>, Receiver<T>) {
-    let shared = Arc::new(Mutex::new((None, None)));
+    let shared = Arc::new(Mutex::new(Slot {
+        value: None,
+        waker: None,
+        closed: false,
+    }));
     (Sender(shared.clone()), Receiver(shared))
 }
 
-type Slot<T> = Arc<Mutex<(Option<T>, Option<Waker>)>>;
+struct Slot<T> {
+    value: Option<T>,
+    waker: Option<Waker>,
+    /// The sender is gone: no value comes after this one.
+    closed: bool,
+}
 
-pub(crate) struct Sender<T>(Slot<T>);
-pub(crate) struct Receiver<T>(Slot<T>);
+pub(crate) struct Sender<T>(Arc<Mutex<Slot<T>>>);
+pub(crate) struct Receiver<T>(Arc<Mutex<Slot<T>>>);
 
 impl<T> Sender<T> {
-    /// Hands over `value` and wakes the receiver's task, after letting go of the lock (an executor
-    /// that polls the task at once locks it again).
+    /// Hands over `value` and wakes the receiver's task (when the sender drops, just after).
     pub(crate) fn send(self, value: T) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).value = Some(value);
+    }
+}
+
+impl<T> Drop for Sender<T> {
+    /// Closes the channel and wakes the receiver's task, after letting go of the lock (an executor
+    /// that polls the task at once locks it again).
+    fn drop(&mut self) {
         let waker = {
             let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-            slot.0 = Some(value);
-            slot.1.take()
+            slot.closed = true;
+            slot.waker.take()
         };
         if let Some(w) = waker {
             w.wake();
@@ -207,13 +225,15 @@ impl<T> Sender<T> {
 }
 
 impl<T> Future for Receiver<T> {
-    type Output = T;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+    /// The value sent, or `None` where the sender was dropped without one.
+    type Output = Option<T>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
         let mut slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        match slot.0.take() {
-            Some(v) => Poll::Ready(v),
+        match slot.value.take() {
+            Some(v) => Poll::Ready(Some(v)),
+            None if slot.closed => Poll::Ready(None),
             None => {
-                slot.1 = Some(cx.waker().clone());
+                slot.waker = Some(cx.waker().clone());
                 Poll::Pending
             }
         }
@@ -439,7 +459,10 @@ impl Readback {
             .map_err(|e| e.to_string())?;
         #[cfg(target_arch = "wasm32")]
         let _ = (device, self.index);
-        self.mapped.await.map_err(|e| e.to_string())?;
+        self.mapped
+            .await
+            .ok_or("wgpu dropped the mapping's callback without calling it (a lost device?)")?
+            .map_err(|e| e.to_string())?;
         Ok(Mapped {
             staging: self.staging,
             size: self.size,
@@ -474,6 +497,23 @@ impl Mapped {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_receiver_gets_the_value_sent_or_none_when_the_sender_is_dropped() {
+        let (tx, rx) = oneshot();
+        tx.send(7);
+        assert_eq!(pollster::block_on(rx), Some(7));
+        // Dropped unsent while the receiver waits on another thread: the wait ends.
+        let (tx, rx) = oneshot::<u32>();
+        let waiter = std::thread::spawn(move || pollster::block_on(rx));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(tx);
+        assert_eq!(waiter.join().unwrap(), None);
+        // Dropped before the receiver is polled.
+        let (tx, rx) = oneshot::<u32>();
+        drop(tx);
+        assert_eq!(pollster::block_on(rx), None);
+    }
 
     #[test]
     fn wgpu_backend_values_are_parsed_or_named_in_the_error() {
