@@ -10,13 +10,26 @@ use common::shared::cache_bodies::one_k_slot;
 use common::*;
 use kvgpu::*;
 
-common::shared_tests!(cache_bodies: slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits);
+/// Runs the tests of this file one at a time: the fall-back test counts the pipelines of the
+/// registry the suite shares, which another test running beside it could add to.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+common::shared_tests!(cache_bodies, serial: serial;
+    slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits,
+);
 
 // A generated kernel the device refuses: Auto falls back to the tiled kernel.
-common::shared_tests!(attention_bodies: auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused);
+common::shared_tests!(attention_bodies, serial: serial;
+    auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused,
+);
 
 #[test]
 fn slot_of_exactly_the_limit_works() {
+    let _serial = serial();
     let g = gpu();
     let fits = (g.limits().max_slot_bytes() / 4096).min(32_768) as usize;
     let scope = g.device.push_error_scope(wgpu::ErrorFilter::Validation);
