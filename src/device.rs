@@ -499,6 +499,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(not(target_arch = "wasm32"))]
     fn a_receiver_gets_the_value_sent_or_none_when_the_sender_is_dropped() {
         let (tx, rx) = oneshot();
         tx.send(7);
