@@ -325,7 +325,7 @@ pub(crate) async fn read_ranges(
 /// being mapped. Starting the next one before finishing this lets the device copy while the host
 /// works on these bytes (an export checksums and writes one slot while the next is read back).
 pub(crate) struct Readback {
-    staging: wgpu::Buffer,
+    staging: Staging,
     size: u64,
     index: wgpu::SubmissionIndex,
     mapped: Receiver<std::result::Result<(), wgpu::BufferAsyncError>>,
@@ -336,12 +336,30 @@ pub(crate) fn ranges_bytes(ranges: &[(u64, u64)]) -> u64 {
     ranges.iter().map(|r| r.1).sum()
 }
 
+/// A staging buffer of a readback, destroyed when dropped, so that its memory goes then: nothing
+/// but kvgpu's readback holds it. (In the browser wgpu 30 does not destroy a dropped buffer, and its
+/// memory waited for the page's garbage collection, after every read and export.)
+pub(crate) struct Staging(wgpu::Buffer);
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        self.0.destroy();
+    }
+}
+
+impl std::ops::Deref for Staging {
+    type Target = wgpu::Buffer;
+    fn deref(&self) -> &wgpu::Buffer {
+        &self.0
+    }
+}
+
 /// A staging buffer of `size` bytes for readbacks, or why the device could not allocate it (the
 /// error scope is awaited, so the browser answers too).
 pub(crate) async fn staging_buffer(
     device: &wgpu::Device,
     size: u64,
-) -> std::result::Result<wgpu::Buffer, String> {
+) -> std::result::Result<Staging, String> {
     let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
     let staging = device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("kvgpu readback"),
@@ -350,7 +368,7 @@ pub(crate) async fn staging_buffer(
         mapped_at_creation: false,
     });
     match scope.pop().await {
-        None => Ok(staging),
+        None => Ok(Staging(staging)),
         Some(e) => Err(format!(
             "the device could not allocate a staging buffer of {size} bytes for the readback: {e}"
         )),
@@ -400,7 +418,7 @@ impl Readback {
         queue: &wgpu::Queue,
         buffer: &wgpu::Buffer,
         ranges: &[(u64, u64)],
-        staging: wgpu::Buffer,
+        staging: Staging,
     ) -> std::result::Result<Self, String> {
         let size = ranges_bytes(ranges);
         // Recorded in an error scope, so a buffer of another device is an error here, not a wgpu
@@ -473,7 +491,7 @@ impl Readback {
 /// The bytes of a finished [`Readback`], mapped on the host until [`Mapped::release`] (or a drop,
 /// which frees the staging buffer with them).
 pub(crate) struct Mapped {
-    staging: wgpu::Buffer,
+    staging: Staging,
     size: u64,
 }
 
@@ -488,7 +506,7 @@ impl Mapped {
     }
 
     /// Unmaps the bytes and gives the staging buffer back for another readback.
-    pub(crate) fn release(self) -> wgpu::Buffer {
+    pub(crate) fn release(self) -> Staging {
         self.staging.unmap();
         self.staging
     }

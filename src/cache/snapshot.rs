@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 
 use super::staged::StagedRows;
 use super::{HostRows, KvCache, Rows, SNAPSHOT_ROWS};
-use crate::device::{Mapped, Readback, ranges_bytes, staging_buffer};
+use crate::device::{Mapped, Readback, Staging, ranges_bytes, staging_buffer};
 use crate::error::{Error, Result, SnapshotProblem};
 use crate::kernels::{allocated, check_staging};
 use crate::ledger::AppendPlan;
@@ -36,7 +36,7 @@ async fn start_slot(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
     s: &SlotRows<'_>,
-    staging: Option<wgpu::Buffer>,
+    staging: Option<Staging>,
     size: u64,
 ) -> Result<Option<Readback>> {
     if ranges_bytes(&s.ranges) == 0 {
