@@ -160,3 +160,33 @@ const _: () = {
     send_sync::<CacheImport<'static>>();
     send_sync::<SequenceImport<'static>>();
 };
+
+// And the futures of the async forms are `Send` natively (an app spawns them on a multi-threaded
+// executor): checked when the crate compiles. Never called.
+#[cfg(not(target_arch = "wasm32"))]
+#[allow(dead_code)]
+fn async_forms_are_send(
+    cache: &KvCache,
+    pool: &PagedCache,
+    seq: SeqId,
+    device: &wgpu::Device,
+    queue: &wgpu::Queue,
+    buffer: &wgpu::Buffer,
+    out: &mut Vec<u8>,
+) {
+    fn send<T: Send>(_: T) {}
+    send(cache.read_words_async(0, 0));
+    send(cache.read_full_words_async(0, 0));
+    send(cache.read_f32_async(0, 0));
+    send(cache.snapshot_async());
+    send(pool.read_pool_words_async(0, 0));
+    send(pool.read_words_async(seq, 0, 0));
+    send(pool.read_f32_async(seq, 0, 0));
+    send(pool.snapshot_sequence_async(seq));
+    send(verify_buffer(device, buffer));
+    send(read_buffer_async(device, queue, buffer, 0, 4));
+    send(Gpu::from_env());
+    send(Gpu::open(wgpu::Backends::all(), None));
+    send(cache.export_async(out));
+    send(pool.export_sequence_async(seq, out));
+}
