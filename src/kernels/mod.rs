@@ -720,16 +720,18 @@ pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bo
     let flag = done.clone();
     queue.on_submitted_work_done(move || flag.store(true, Ordering::Release));
     // Another thread polling the same device may have taken the callback and not yet run it when our
-    // poll returns: look again for up to a second before refusing (only a mismatched pair waits it
-    // out; a loaded machine can keep that thread off a core for more than the 0.2 s this waited
-    // before). A poll that fails (a lost device) leaves the flag unset: the pair is refused.
-    let start = std::time::Instant::now();
+    // poll returns: look again, at least 50 times and for a second after the first poll returned,
+    // before refusing (only a mismatched pair waits it out; a loaded machine can keep that thread
+    // off a core for longer than the 0.2 s of 50 looks). A poll that fails (a lost device) leaves
+    // the flag unset: the pair is refused.
+    let mut since = None;
     for attempt in 0u64.. {
         let _ = device.poll(wgpu::PollType::wait_indefinitely());
         if done.load(Ordering::Acquire) {
             return true;
         }
-        if start.elapsed() > std::time::Duration::from_secs(1) {
+        let first = *since.get_or_insert_with(std::time::Instant::now);
+        if attempt >= 50 && first.elapsed() > std::time::Duration::from_secs(1) {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(attempt.min(4)));
