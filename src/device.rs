@@ -336,13 +336,16 @@ pub(crate) fn ranges_bytes(ranges: &[(u64, u64)]) -> u64 {
     ranges.iter().map(|r| r.1).sum()
 }
 
-/// A staging buffer of a readback, destroyed when dropped, so that its memory goes then: nothing
-/// but kvgpu's readback holds it. (In the browser wgpu 30 does not destroy a dropped buffer, and its
-/// memory waited for the page's garbage collection, after every read and export.)
+/// A staging buffer of a readback. In the browser it is destroyed when dropped, so that its memory
+/// goes then (nothing but kvgpu's readback holds it): wgpu 30 does not destroy a dropped WebGPU
+/// buffer, and its memory waited for the page's garbage collection after every read and export.
+/// Natively a drop frees it already, and `destroy` would wait for every other thread's poll of the
+/// device (wgpu-core takes its resource lock for writing).
 pub(crate) struct Staging(wgpu::Buffer);
 
 impl Drop for Staging {
     fn drop(&mut self) {
+        #[cfg(target_arch = "wasm32")]
         self.0.destroy();
     }
 }
