@@ -129,35 +129,27 @@ fn a_refused_streamed_import_lets_go_of_its_staging() {
         );
     };
     let residency = Residency::new(g);
+    // Half the snapshot stages rows; the rest and a byte more are refused, and the live buffers
+    // are back to their count before the import.
+    let refused_midway = |what: &str, push: &mut dyn FnMut(&[u8]) -> kvgpu::Result<()>| {
+        let before = residency.live_now().0;
+        push(&bytes[..bytes.len() / 2]).unwrap();
+        let staging = residency.live_now().0;
+        assert!(
+            staging > before,
+            "{what}: {staging} live buffers while staging, {before} before"
+        );
+        trailing(push(&extra).unwrap_err());
+        g.queue.submit([]);
+        assert_eq!(residency.live_now().0, before, "{what}, refused");
+    };
     let mut cache = common::cache(spec.clone());
-    let before = residency.live_now().0;
     let mut import = cache.import_stream().unwrap();
-    import.push(&bytes[..bytes.len() / 2]).unwrap();
-    let staging = residency.live_now().0;
-    assert!(
-        staging > before,
-        "{staging} live buffers while staging, {before} before"
-    );
-    trailing(import.push(&extra).unwrap_err());
-    g.queue.submit([]);
-    assert_eq!(
-        residency.live_now().0,
-        before,
-        "the cache's import, refused"
-    );
+    refused_midway("the cache's import", &mut |piece| import.push(piece));
     trailing(import.finish().unwrap_err());
     let mut pool = PagedCache::with_kernels(common::shared::kernels_for(g), spec, 16, 256).unwrap();
-    let before = residency.live_now().0;
     let mut import = pool.import_sequence_stream();
-    import.push(&bytes[..bytes.len() / 2]).unwrap();
-    let staging = residency.live_now().0;
-    assert!(
-        staging > before,
-        "{staging} live buffers while staging, {before} before"
-    );
-    trailing(import.push(&extra).unwrap_err());
-    g.queue.submit([]);
-    assert_eq!(residency.live_now().0, before, "the pool's import, refused");
+    refused_midway("the pool's import", &mut |piece| import.push(piece));
     trailing(import.finish().unwrap_err());
     assert_eq!(pool.pages_in_use(), 0);
 }

@@ -62,6 +62,15 @@ pub fn kernels(g: &Gpu) -> Vec<KernelChoice> {
     all
 }
 
+/// The streaming kernels among `kernels` (all but the tiled one).
+fn streaming_of(kernels: &[KernelChoice]) -> Vec<KernelChoice> {
+    kernels
+        .iter()
+        .copied()
+        .filter(|&k| k != KernelChoice::Tiled)
+        .collect()
+}
+
 /// Whether the streaming kernels take `layer` of `spec`: every slot's innermost dimension whole
 /// vectors of its storage (4 f32, 8 16-bit, 16 q8_0, q4_0 or fp8 elements) and rows of whole vectors
 /// (q8_0 and q4_0 rows, whose scales may end inside one, are read as words then).
@@ -300,11 +309,7 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     // that would be variants no other test here compiles, seconds each on a cold OpenGL. MLA's
     // chunks are planned by the same code, checked for every target by the unit tests.)
     let all = kernels(g);
-    let streaming: Vec<_> = all
-        .iter()
-        .copied()
-        .filter(|&k| k != KernelChoice::Tiled)
-        .collect();
+    let streaming = streaming_of(&all);
     // At the largest target a longer call too, whose 16-row chunks outnumber the GPU reduce's 256
     // invocations, so that each takes several for the (max, sum).
     let mut long_cases = PLAN_CASES.to_vec();
@@ -761,11 +766,7 @@ pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
     c.advance(rows).unwrap();
     let options = AttentionOptions::default();
     let all = kernels(g);
-    let streaming: Vec<_> = all
-        .iter()
-        .copied()
-        .filter(|&k| k != KernelChoice::Tiled)
-        .collect();
+    let streaming = streaming_of(&all);
     let mut checks = 0;
     for (gpu_plan, target, n_q, kernels) in [
         (false, None, 7, &all),
