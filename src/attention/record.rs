@@ -221,8 +221,6 @@ impl Attention {
         Ok(())
     }
 
-    /// Checks everything about one call and works out its dispatch and the bindings of its views;
-    /// records nothing.
     /// The pass-1 pipeline of a planned kernel, or why the device refused it (only a generated
     /// streaming kernel may be refused).
     fn pass1_pipeline(&self, kernel: Pass1) -> std::result::Result<wgpu::ComputePipeline, String> {
@@ -241,6 +239,8 @@ impl Attention {
         }
     }
 
+    /// Checks everything about one call and works out its dispatch and the bindings of its views;
+    /// records nothing.
     fn plan(
         &self,
         rows: Rows<'_>,
