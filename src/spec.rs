@@ -2,7 +2,7 @@
 //! (the cache's, or the slot's own: K and V may differ); presets for real models, and byte accounting
 //! checked against the device's limits.
 
-use crate::codec::{DType, padded_row_bytes, row_elems};
+use crate::codec::{DType, bits_to_f32, f32_to_bits, padded_row_bytes, row_elems};
 use crate::error::{Error, Result, SpecProblem};
 
 /// One named slot of a layer: its rows are `trailing`-shaped tensors.
@@ -197,14 +197,11 @@ impl CacheSpec {
                         });
                     }
                     // Positive and normal, with a normal reciprocal: 2^-126 <= scale <= 2^126;
-                    // and the type's largest value times it finite, so that no stored code reads
-                    // back as an infinity (an append of f32::MAX at 2^120 stored e4m3's 256).
+                    // and the type's largest value (its code of f32::MAX) times it finite, so that
+                    // no code reads back as an infinity (an append of f32::MAX at 2^120 stored
+                    // e4m3's 256).
                     let usable = |x: f32| x.is_normal() && x > 0.0;
-                    let largest = if dtype == DType::F8E4M3 {
-                        448.0
-                    } else {
-                        57344.0
-                    };
+                    let largest = bits_to_f32(f32_to_bits(f32::MAX, dtype), dtype);
                     if !usable(scale) || !usable(1.0 / scale) || !(largest * scale).is_finite() {
                         return invalid(SpecProblem::BadScale {
                             layer: l,
