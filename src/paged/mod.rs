@@ -309,6 +309,12 @@ impl PagedCache {
         Ok(row)
     }
 
+    /// The table and every retired one that holds table row `row`.
+    fn tables_holding(&self, row: usize) -> impl Iterator<Item = &wgpu::Buffer> {
+        let retired = self.retired.iter().filter(move |(_, rows)| row < *rows);
+        std::iter::once(&self.table).chain(retired.map(|(table, _)| table))
+    }
+
     /// Writes the table entries of `seq` from page index `from` to its end: with
     /// `Queue::write_buffer` (landing at the next submission, ahead of its commands), into the
     /// table and every retired one that holds the sequence's row (commands recorded before the
@@ -330,8 +336,7 @@ impl PagedCache {
                 Some((encoder, upload)) => {
                     upload.write(self.store.queue(), bytes);
                     let size = bytes.len() as u64;
-                    let retired = self.retired.iter().filter(|(_, rows)| row < *rows);
-                    for table in std::iter::once(&self.table).chain(retired.map(|(t, _)| t)) {
+                    for table in self.tables_holding(row) {
                         encoder.copy_buffer_to_buffer(
                             &upload.buffer,
                             upload.offset,
@@ -342,11 +347,8 @@ impl PagedCache {
                     }
                 }
                 None => {
-                    self.queue().write_buffer(&self.table, at, bytes);
-                    for (table, rows) in &self.retired {
-                        if row < *rows {
-                            self.store.queue().write_buffer(table, at, bytes);
-                        }
+                    for table in self.tables_holding(row) {
+                        self.queue().write_buffer(table, at, bytes);
                     }
                 }
             }
