@@ -11,13 +11,8 @@ use kvgpu::reference;
 use kvgpu::*;
 use wgpu::util::DeviceExt;
 
-/// Runs the tests of this file one at a time: on OpenGL every thread shares one context lock, which
-/// wgpu gives up on after 6 s, and a loaded software adapter can hold it that long for another thread.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+// The tests of this file take `serial()`: on OpenGL every thread shares one context lock, which
+// wgpu gives up on after 6 s, and a loaded software adapter can hold it that long for another thread.
 
 fn storage(data: &[f32]) -> wgpu::Buffer {
     pollster::block_on(shared::f32_buffer(&gpu().device, data))

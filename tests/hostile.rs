@@ -29,12 +29,7 @@ const MAX: usize = usize::MAX;
 
 const USAGE: U = U::STORAGE.union(U::COPY_SRC).union(U::COPY_DST);
 
-/// One test at a time: on OpenGL every thread shares one context lock (see tests/attention.rs).
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+// GPU tests take `serial()`: on OpenGL every thread shares one context lock (see tests/attention.rs).
 
 /// A second device of the same adapter and instance, where wgpu can tell buffers apart by device.
 fn other_device() -> &'static (wgpu::Device, wgpu::Queue) {

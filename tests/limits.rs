@@ -10,13 +10,8 @@ use common::shared::cache_bodies::one_k_slot;
 use common::*;
 use kvgpu::*;
 
-/// Runs the tests of this file one at a time: the fall-back test counts the pipelines of the
-/// registry the suite shares, which another test running beside it could add to.
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+// The tests of this file take `serial()`: the fall-back test counts the pipelines of the registry
+// the suite shares, which another test running beside it could add to.
 
 common::shared_tests!(cache_bodies, serial: serial;
     slot_over_the_binding_limit_is_refused_with_the_capacity_that_fits,

@@ -7,11 +7,7 @@
 
 mod common;
 
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use common::serial;
 
 common::shared_tests!(memory_bodies, serial: serial;
     one_attention_serving_many_dropped_caches_keeps_none_of_them,

@@ -35,7 +35,7 @@ fn limits() -> libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
-    // SAFETY: getrlimit and setrlimit read and write only the struct given.
+    // SAFETY: getrlimit writes only the struct given.
     assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut limit) }, 0);
     limit
 }
@@ -55,7 +55,7 @@ impl Cap {
             std::panic::set_hook(Box::new(move |info| {
                 let mut limit = limits();
                 limit.rlim_cur = limit.rlim_max;
-                // SAFETY: as below.
+                // SAFETY: setrlimit reads only the struct given.
                 unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) };
                 default(info);
             }));
@@ -76,12 +76,6 @@ impl Drop for Cap {
         // SAFETY: as above; the soft limit goes back to at most the unchanged hard limit.
         unsafe { libc::setrlimit(libc::RLIMIT_AS, &self.0) };
     }
-}
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Counts the losses of the devices it watches.

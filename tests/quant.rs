@@ -10,12 +10,9 @@ mod common;
 
 use kvgpu::{CacheSpec, DType, LayerSpec};
 
-/// The tests of this file run one at a time: on OpenGL a test waiting over 6 s for wgpu's one EGL
-/// context panics, and the long-context test holds it longer (CI runs OpenGL with one thread anyway).
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+// The tests of this file take `serial()`: on OpenGL a test waiting over 6 s for wgpu's one EGL
+// context panics, and the long-context test holds it longer (CI runs OpenGL with one thread anyway).
+use common::serial;
 
 // Attention over quantized storage, and over K and V of different types (their bodies are with the
 // other attention bodies).

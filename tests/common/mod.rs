@@ -9,6 +9,15 @@ pub mod shared;
 
 use kvgpu::{CacheSpec, DType, Gpu, KvCache};
 
+/// Runs a test binary's tests one at a time, where it takes this lock: on OpenGL every thread
+/// shares one context lock, which wgpu gives up on after 6 s, and some files count what the device
+/// or the shared registry holds (each file says why it takes it). One lock per test binary.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 pub fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
     GPU.get_or_init(|| {

@@ -374,13 +374,12 @@ pub async fn quantized_caches_take_the_bytes_they_promise(_g: &Gpu) {
 
 /// Scaled fp8 slots store from a GPU source the codes the host stores, at scales from 2^-125 to
 /// the largest a type takes (2^119 for e4m3, 2^112 for e5m2: inverse scales from 2^125 to 2^-119
-/// or 2^-112), for
-/// inputs whose product with the inverse scale an
-/// adapter may get wrong where WGSL lets it: subnormals (at the scale 2^-125 most scale to codes
-/// other than zero; SwiftShader flushes a subnormal operand to zero), the largest finite values and
-/// the infinities (whose products overflow; WGSL leaves infinities indeterminate), NaN, zeros of
-/// both signs, values about each format's largest code and its smallest, among random ones. The
-/// kernel computes the product from bits as `reference::prescaled` does.
+/// or 2^-112), for inputs whose product with the inverse scale an adapter may get wrong where WGSL
+/// lets it: subnormals (at the scale 2^-125 most scale to codes other than zero; SwiftShader
+/// flushes a subnormal operand to zero), the largest finite values and the infinities (whose
+/// products overflow; WGSL leaves infinities indeterminate), NaN, zeros of both signs, values about
+/// each format's largest code and its smallest, among random ones. The kernel computes the product
+/// from bits as `reference::prescaled` does.
 pub async fn scaled_fp8_gpu_sources_store_the_host_codes_at_any_scale(g: &Gpu) {
     let w = 16;
     for dtype in [DType::F8E4M3, DType::F8E5M2] {
