@@ -725,7 +725,7 @@ pub enum BufferProblem {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum AttentionProblem {
-    #[error("scale {scale} is not finite")]
+    #[error("scale {scale} must be finite and not subnormal")]
     Scale { scale: f32 },
     #[error("soft-cap {cap} must be positive, not subnormal and at most 2^100")]
     SoftCap { cap: f32 },

@@ -283,7 +283,9 @@ impl Attention {
             _ => {}
         }
         let scale = options.scale.unwrap_or(job.default_scale);
-        if !scale.is_finite() {
+        // Zero or normal: a device that flushes subnormals to zero would read a subnormal scale as
+        // 0 (every score 0) where the twin scales each score.
+        if !(scale.is_normal() || scale == 0.0) {
             return request(AttentionProblem::Scale { scale });
         }
         let soft_cap = match options.soft_cap {

@@ -11,7 +11,8 @@ pub struct AttentionOptions {
     /// Multiplies `q·k`. `None`: `1/sqrt(d_k)` for GQA; `1/sqrt(r + p)` for MLA, where models usually
     /// pass their own (DeepSeek-V2 uses `1/sqrt(qk_nope_head_dim + qk_rope_head_dim)`). Scores are
     /// computed in f32: a scale that takes them past f32's range gives unspecified outputs (see the
-    /// README's note on precision).
+    /// README's note on precision). A scale that is not finite, or subnormal (not 0), is refused: a
+    /// device that flushes subnormals to zero would read it as 0.
     pub scale: Option<f32>,
     /// Sliding window: each query sees its own row and at most `w - 1` rows before it.
     pub window: Option<usize>,

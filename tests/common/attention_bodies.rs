@@ -1341,6 +1341,11 @@ pub async fn bad_requests_are_refused_and_change_nothing(g: &Gpu) {
             scale: Some(f32::INFINITY),
             ..dflt
         },
+        // Subnormal: a device that flushes it to zero would zero every score.
+        AttentionOptions {
+            scale: Some(-f32::MIN_POSITIVE / 4.0),
+            ..dflt
+        },
     ] {
         let e = gqa(0, Queries::new(&q, 1, 2, 8), &out, &bad);
         // Each is refused for the option that is wrong in it (the others are the defaults).
