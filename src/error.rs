@@ -498,13 +498,18 @@ pub enum SnapshotProblem {
     #[error(
         "layer {layer} slot {slot} has trailing shape {} in the snapshot and {} in the \
          destination",
-        shape(.snapshot),
+        shape_of(.snapshot, *.snapshot_rank),
         shape(.cache)
     )]
     SlotShape {
         layer: usize,
         slot: usize,
+        /// The snapshot's trailing shape, its first 8 dimensions where it has more: a
+        /// hostile header may declare millions, which the error would otherwise copy whole (and a
+        /// stream would return again from every later call).
         snapshot: Vec<usize>,
+        /// How many dimensions the snapshot's trailing shape has.
+        snapshot_rank: usize,
         cache: Vec<usize>,
     },
     /// A single-sequence cache restores only into an empty cache (`reset_fast` it first).
@@ -748,17 +753,25 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// A shape as errors show it: `[2, 64]`, or its first 8 dimensions and how many more (a shape
 /// parsed from a hostile snapshot header may have millions).
 fn shape(dims: &[usize]) -> impl std::fmt::Display + '_ {
-    const SHOWN: usize = 8;
-    struct Shape<'a>(&'a [usize]);
+    shape_of(dims, dims.len())
+}
+
+/// The dimensions of [`SnapshotProblem::SlotShape`]'s snapshot shape that the error keeps.
+pub(crate) const SHAPE_KEPT: usize = 8;
+
+/// A shape of `rank` dimensions of which `dims` holds the first ones (all, or at least
+/// [`SHAPE_KEPT`]): at most `SHAPE_KEPT` shown, then a count of the rest.
+fn shape_of(dims: &[usize], rank: usize) -> impl std::fmt::Display + '_ {
+    struct Shape<'a>(&'a [usize], usize);
     impl std::fmt::Display for Shape<'_> {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            let dims = self.0;
-            write!(f, "{:?}", &dims[..dims.len().min(SHOWN)])?;
-            if dims.len() > SHOWN {
-                write!(f, " and {} more dimensions", dims.len() - SHOWN)?;
+            let (dims, rank) = (self.0, self.1);
+            write!(f, "{:?}", &dims[..dims.len().min(SHAPE_KEPT)])?;
+            if rank > SHAPE_KEPT {
+                write!(f, " and {} more dimensions", rank - SHAPE_KEPT)?;
             }
             Ok(())
         }
     }
-    Shape(dims)
+    Shape(dims, rank)
 }

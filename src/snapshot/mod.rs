@@ -13,7 +13,7 @@ use std::io::Write;
 pub(crate) use stream::{RowSink, SnapshotStream};
 
 use crate::codec::DType;
-use crate::error::{Error, Result, SnapshotProblem};
+use crate::error::{Error, Result, SHAPE_KEPT, SnapshotProblem};
 use crate::spec::{CacheSpec, LayerSpec, SlotSpec};
 
 /// The first 8 bytes of every snapshot.
@@ -134,7 +134,8 @@ impl SnapshotHeader {
                     return refuse(SnapshotProblem::SlotShape {
                         layer,
                         slot,
-                        snapshot: x.trailing.clone(),
+                        snapshot: x.trailing[..x.trailing.len().min(SHAPE_KEPT)].to_vec(),
+                        snapshot_rank: x.trailing.len(),
                         cache: y.trailing.clone(),
                     });
                 }
@@ -891,6 +892,38 @@ mod tests {
         assert!(
             e.contains("[0, 0, 0, 0, 0, 0, 0, 0] and 99992 more dimensions") && e.len() < 200,
             "{e}"
+        );
+    }
+
+    /// A valid header whose slot has 100,000 dimensions of 1 is refused by a destination of another
+    /// shape with an error that keeps 8 of them, and says how many there were.
+    #[test]
+    fn a_slot_shape_refusal_keeps_a_few_dimensions_of_a_hostile_shape() {
+        let layer = LayerSpec::new(vec![SlotSpec::new("k", &vec![1; 100_000])]);
+        let spec = CacheSpec::new(vec![layer], DType::F32, 2).unwrap();
+        let (bytes, _) = fabricated(&spec, 1, 1);
+        let dest = CacheSpec::new(
+            vec![LayerSpec::new(vec![SlotSpec::new("k", &[1, 1])])],
+            DType::F32,
+            2,
+        )
+        .unwrap();
+        let p = problem_of(Snapshot::parse_for(&bytes, &dest));
+        let text = p.to_string();
+        match &p {
+            SnapshotProblem::SlotShape {
+                layer: 0,
+                slot: 0,
+                snapshot,
+                snapshot_rank: 100_000,
+                cache,
+            } => assert!(snapshot == &[1; 8] && cache == &[1, 1], "{p:?}"),
+            _ => panic!("{text}"),
+        }
+        assert!(
+            text.contains("[1, 1, 1, 1, 1, 1, 1, 1] and 99992 more dimensions in the snapshot")
+                && text.len() < 200,
+            "{text}"
         );
     }
 
