@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 
 use super::ledger::PagedPlan;
 use super::{PageLedger, PagedCache, page_ranges};
-use crate::cache::{HostRows, Rows, SlotRows, StagedRows, pump, write_slots};
+use crate::cache::{HostRows, Rows, SlotRows, StagedRows, check_slots, pump, write_slots};
 use crate::error::{Error, Result};
 use crate::seq::SeqId;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
@@ -26,7 +26,6 @@ impl PagedCache {
         let len = self.ledger.len(seq)?;
         let pages = self.ledger.pages(seq)?;
         self.store.check_usable()?;
-        let mut writer = SnapshotWriter::new(out, &self.spec, len, self.page_size())?;
         // Each slot's rows through the sequence's pages.
         let mut slots = Vec::new();
         for layer in 0..self.spec.n_layers() {
@@ -40,6 +39,8 @@ impl PagedCache {
                 });
             }
         }
+        check_slots(&slots)?;
+        let mut writer = SnapshotWriter::new(out, &self.spec, len, self.page_size())?;
         write_slots(self.device(), self.queue(), &mut writer, &slots).await?;
         writer.finish()
     }
