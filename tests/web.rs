@@ -202,6 +202,7 @@ browser_tests!(snapshot_bodies:
     streamed_imports_match_whole_ones,
     a_failing_writer_stops_the_export,
     a_failing_reader_stops_the_import,
+    a_longest_sequence_past_32_bits_restores_everywhere,
 );
 
 // tests/quant.rs.

@@ -67,7 +67,8 @@ pub(crate) const MAX_HEADER: u64 = 16 << 20;
 /// header over 16 MiB ([`SnapshotProblem::MalformedHeader`], refused before it is read).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SnapshotHeader {
-    /// Layers, slot names and trailing shapes, storage type and `max_seq_len` of the source.
+    /// Layers, slot names and trailing shapes, storage type and `max_seq_len` of the source (read as
+    /// `usize::MAX` where it exceeds that, as a pool's may on a 32-bit machine).
     pub spec: CacheSpec,
     /// Committed rows of the sequence.
     pub len: usize,
@@ -461,10 +462,16 @@ impl Fields<'_> {
             .ok_or_else(|| malformed(format!("{what}: unknown code {code}")))
     }
 
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        let b = self.take(8, what)?;
+        Ok(u64::from_le_bytes([
+            b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7],
+        ]))
+    }
+
     /// A `u64` that must fit `usize` on this machine.
     fn size(&mut self, what: &str) -> Result<usize> {
-        let b = self.take(8, what)?;
-        let n = u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+        let n = self.u64(what)?;
         usize::try_from(n).map_err(|_| malformed(format!("{what} {n} does not fit this machine")))
     }
 }
@@ -472,7 +479,10 @@ impl Fields<'_> {
 fn parse_body(body: &[u8]) -> Result<SnapshotHeader> {
     let mut f = Fields(body);
     let dtype = f.dtype("the storage type")?;
-    let max_seq_len = f.size("max_seq_len")?;
+    // A pool made natively may declare more rows than a 32-bit machine counts; none of them holds
+    // that many, and `len` (checked below against this) must fit anyway.
+    let max_seq_len = f.u64("max_seq_len")?;
+    let max_seq_len = usize::try_from(max_seq_len).unwrap_or(usize::MAX);
     let len = f.size("the length")?;
     let page_size = f.size("the page size")?;
     let n_layers = f.u32("the layer count")?;

@@ -1009,3 +1009,47 @@ pub async fn streamed_imports_match_whole_ones(g: &Gpu) {
     let e = problem_of(cache.import_stream().map(drop), "pending");
     assert_eq!(e, SnapshotProblem::NotEmpty { len: 0, pending: 1 });
 }
+
+/// A snapshot whose header declares a longest sequence of 2^40 rows (a pool made natively may) and
+/// holds 5: it restores on every target, whole and streamed, into a cache and into a pool. A 32-bit
+/// machine reads that `max_seq_len` as `usize::MAX`.
+pub async fn a_longest_sequence_past_32_bits_restores_everywhere(g: &Gpu) {
+    let mut rng = Xorshift::new(40);
+    let spec = CacheSpec::new(
+        vec![LayerSpec::kv(2, 4, 4), LayerSpec::mla(6, 2)],
+        DType::F16,
+        8,
+    )
+    .unwrap();
+    let mut c = cache_on(g, spec.clone());
+    fill(&mut c, 5, &mut rng);
+    let mut bytes = c.snapshot_async().await.unwrap();
+    let want = words(&c, 5).await;
+    // After the magic, the version, the header's length and its storage type; then both checksums.
+    bytes[20..28].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let header_end = 16 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    let crc = crc32fast::hash(&bytes[..header_end]);
+    bytes[header_end..header_end + 4].copy_from_slice(&crc.to_le_bytes());
+    let end = bytes.len() - 4;
+    let crc = crc32fast::hash(&bytes[..end]);
+    bytes[end..].copy_from_slice(&crc.to_le_bytes());
+
+    let header = SnapshotHeader::parse(&bytes).unwrap();
+    let declared = usize::try_from(1u64 << 40).unwrap_or(usize::MAX);
+    assert_eq!(
+        (header.spec.max_seq_len(), header.len),
+        (declared, 5),
+        "{header:?}"
+    );
+    let mut restored = cache_on(g, spec.clone());
+    assert_eq!(restored.import(&bytes).unwrap(), 5);
+    assert_eq!(words(&restored, 5).await, want, "restored cache");
+    let mut streamed = cache_on(g, spec.clone());
+    assert_eq!(push_cache(&mut streamed, &bytes, 3).unwrap(), 5);
+    assert_eq!(words(&streamed, 5).await, want, "streamed into a cache");
+    let mut p = pool(g, spec, 2, 6);
+    let seq = p.import_sequence(&bytes).unwrap();
+    assert_eq!(seq_words(&p, seq).await, want, "pool sequence");
+    let seq = push_pool(&mut p, &bytes, 4).unwrap();
+    assert_eq!(seq_words(&p, seq).await, want, "streamed into a pool");
+}
