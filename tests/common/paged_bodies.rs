@@ -1288,8 +1288,9 @@ pub async fn long_paged_sequences_match_the_reference(g: &Gpu) {
 ///   rows for teams of one invocation, of 16 for the others), and the 65 queries' partial results
 ///   take 8,320 bytes per chunk for GQA (4 heads of 8) and MLA (2 heads of 16), with 520 bytes of
 ///   query table beside them. So each pair takes a part of the batch and reads its own part of the
-///   query table. A browser's device has WebGPU's 128 MiB bindings at least: there each batch is
-///   one pair.
+///   query table. The same holds for the last 70 rows of the longest sequence as queries of
+///   `Kv::Sequence` (no query table: each pair counts its queries from its first). A browser's
+///   device has WebGPU's 128 MiB bindings at least: there each call is one pair.
 pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) {
     // The features of `g`'s device: subgroups where it has them, for every kernel.
     let small = super::gpu_with(
@@ -1327,7 +1328,6 @@ pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) 
         let seqs = [(a, &ra), (b, &rb), (s, &rs)];
         // Every row of a and b a query, and s's last 40 (a chunked prefill of all three).
         let batch: Vec<(SeqId, usize)> = vec![(b, 7), (a, 18), (s, 40)];
-        let total: usize = batch.iter().map(|x| x.1).sum();
         let mut att = Attention::with_kernels(super::kernels_for(&small));
         att.set_target_workgroups(std::num::NonZeroUsize::new(1 << 24));
         for choice in super::attention_bodies::kernels(&small) {
@@ -1349,12 +1349,27 @@ pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) 
                         &small,
                         &c,
                         &mut att,
-                        (&batch, total),
+                        (&batch, false),
                         &seqs,
                         (layer, heads),
                         (d, r, rope),
                         &options,
                         &what,
+                    )
+                    .await;
+                    // s's last 70 rows as queries of one sequence (no query table): two chunks
+                    // of their partial results (8,960 bytes each for GQA) do not fit one 16 KiB
+                    // binding, so pairs after the first count their queries from a later one.
+                    check_strided_batch(
+                        &small,
+                        &c,
+                        &mut att,
+                        (&[(s, 70)], true),
+                        &seqs,
+                        (layer, heads),
+                        (d, r, rope),
+                        &options,
+                        &format!("{what}, sequence s"),
                     )
                     .await;
                 }
@@ -1363,16 +1378,16 @@ pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) 
     }
 }
 
-/// One call of `layer` (GQA or MHA of heads of `d`, or MLA of latent `r` and rope `rope`) over the
-/// ragged `batch` (`total` queries), its queries in a fused buffer (per query a row of each head's
-/// `[q]` or `[latent | rope]`, then 5 more elements, after 3), its output through a strided view;
-/// each segment against the twin of its own sequence.
+/// One call of `layer` (GQA or MHA of heads of `d`, or MLA of latent `r` and rope `rope`) over a
+/// ragged `batch` (or, `as_sequence`, over its one sequence as `Kv::Sequence`), its queries in a fused buffer (per
+/// query a row of each head's `[q]` or `[latent | rope]`, then 5 more elements, after 3), its output
+/// through a strided view; each segment against the twin of its own sequence.
 #[allow(clippy::too_many_arguments)]
 async fn check_strided_batch(
     g: &Gpu,
     c: &PagedCache,
     att: &mut Attention,
-    (batch, total): (&[(SeqId, usize)], usize),
+    (batch, as_sequence): (&[(SeqId, usize)], bool),
     seqs: &[(SeqId, &SeqRows)],
     (layer, heads): (usize, usize),
     (d, r, rope): (usize, usize, usize),
@@ -1380,6 +1395,11 @@ async fn check_strided_batch(
     what: &str,
 ) {
     use super::attention_bodies::{OutView, assert_view_close, gather};
+    let kv = match (batch, as_sequence) {
+        ([(seq, _)], true) => Kv::Sequence(c, *seq),
+        _ => Kv::Batch(c, batch),
+    };
+    let total: usize = batch.iter().map(|x| x.1).sum();
     let mla = layer == 2;
     let (head, width) = if mla { (r + rope, r) } else { (d, d) };
     let (pad, row) = (3, heads * head + 5);
@@ -1403,9 +1423,9 @@ async fn check_strided_batch(
             latent: queries(pad, r),
             rope: queries(pad + r, rope),
         };
-        att.mla(Kv::Batch(c, batch), layer, mla_q, output, options)
+        att.mla(kv, layer, mla_q, output, options)
     } else {
-        att.gqa(Kv::Batch(c, batch), layer, queries(pad, d), output, options)
+        att.gqa(kv, layer, queries(pad, d), output, options)
     };
     result.unwrap_or_else(|e| panic!("{what}: {e}"));
     let mut want = Vec::with_capacity(total * heads * width);
