@@ -182,7 +182,7 @@ fn report(name: &str, cache: &KvCache, model: &CpuCache) -> kvgpu::Result<bool> 
         }
     }
     println!(
-        "{name}: {} layers, {} rows, {} bytes/token, {:.1} MiB allocated, {} slots mismatched",
+        "{name}: {} layers, {} rows, {} bytes/token, {:.1} MiB of rows, {} slots mismatched",
         spec.n_layers(),
         cache.len(),
         spec.bytes_per_token(),

@@ -34,8 +34,11 @@ use half::{bf16, f16};
 /// (infinities included, though e5m2 has them) and keeps NaN as NaN (`0x7f` with the sign).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit IEEE float.
     F32,
+    /// 16-bit IEEE float (half precision); stored two to a word.
     F16,
+    /// bfloat16, the top 16 bits of an f32; stored two to a word.
     BF16,
     /// Blocks of 32 elements: one f16 scale and 32 signed bytes (1.0625 bytes per element).
     Q8_0,
@@ -192,12 +195,16 @@ pub(crate) fn used_row_bytes(elems: usize, dtype: DType) -> u64 {
 /// a quantized slot (q8_0, q4_0, fp8) takes any of the three and converts it.
 #[derive(Clone, Copy, Debug)]
 pub enum HostData<'a> {
+    /// f32 elements.
     F32(&'a [f32]),
+    /// f16 elements.
     F16(&'a [f16]),
+    /// bf16 elements.
     BF16(&'a [bf16]),
 }
 
 impl HostData<'_> {
+    /// The element type of the data.
     pub fn dtype(&self) -> DType {
         match self {
             HostData::F32(_) => DType::F32,
@@ -206,6 +213,7 @@ impl HostData<'_> {
         }
     }
 
+    /// Elements in the data.
     pub fn len(&self) -> usize {
         match self {
             HostData::F32(d) => d.len(),
@@ -214,6 +222,7 @@ impl HostData<'_> {
         }
     }
 
+    /// The data holds no element.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -1,9 +1,20 @@
-//! The one error type of kvgpu. Every refused operation returns one of these and changes nothing.
+//! The one error type of kvgpu. Every refused operation returns one of these and changes nothing,
+//! but for the three cases [`Error`] lists.
 
 use crate::codec::DType;
 use crate::seq::SeqId;
 
 /// Everything kvgpu can refuse, with the layer, slot, shapes, positions and capacity involved.
+///
+/// A refused operation changes nothing, but for three cases:
+/// - a refused export ([`crate::KvCache::export_async`],
+///   [`crate::PagedCache::export_sequence_async`] and their blocking forms) may already have
+///   written the header and earlier slots of the snapshot to its writer;
+/// - an import whose write wgpu still cannot stage after kvgpu's checks ([`Error::OutOfMemory`];
+///   [`crate::KvCache::import`], [`crate::PagedCache::import_sequence`]) leaves the rows written
+///   before it in the slots: past the cache's length, or in pages that stay free;
+/// - [`crate::Attention::prepare`] and [`crate::Attention::prepare_paged`] keep the pipelines they
+///   built before a kernel the device refused.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -233,7 +244,8 @@ pub enum Error {
     },
 
     /// A buffer or cache of another device than the one it is used with (wgpu would refuse it and
-    /// spoil the caller's encoder).
+    /// spoil the caller's encoder). `layer` is the call's layer; [`crate::Attention::prepare`] and
+    /// [`crate::Attention::prepare_paged`], which refuse the whole cache, name layer 0.
     #[error("layer {layer}: the {what} belongs to another device")]
     ForeignDevice { layer: usize, what: String },
 
@@ -599,12 +611,16 @@ pub enum CopyBlocker {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SpecProblem {
+    /// The spec has no layer.
     #[error("the cache has no layers")]
     NoLayers,
+    /// `max_seq_len` is 0.
     #[error("max_seq_len is 0; the cache must hold at least one row")]
     ZeroCapacity,
+    /// No layer has a slot.
     #[error("none of the {n_layers} layers has a slot; nothing to cache")]
     NoSlots { n_layers: usize },
+    /// A slot's trailing shape has a dimension of 0.
     #[error(
         "layer {layer} slot {slot} ({name}): trailing shape {} has a zero dimension",
         shape(.trailing)
@@ -615,6 +631,8 @@ pub enum SpecProblem {
         name: String,
         trailing: Vec<usize>,
     },
+    /// A slot's rows have more than `u32::MAX` elements, or its `max_seq_len` rows come to more
+    /// than `u64::MAX / 4` bytes.
     #[error(
         "layer {layer} slot {slot} ({name}): trailing shape {} x {max_seq_len} rows is too large",
         shape(.trailing)
@@ -640,17 +658,23 @@ pub enum SpecProblem {
         dtype: DType,
         block: usize,
     },
+    /// The rows of every slot at full capacity come to more than `u64::MAX / 4` bytes.
     #[error("the {n_layers} layers x {max_seq_len} rows come to more bytes than kvgpu can count")]
     TotalTooLarge { n_layers: usize, max_seq_len: usize },
+    /// [`CacheSpec::uniform`](crate::CacheSpec::uniform) was asked for more than
+    /// [`MAX_LAYERS`](crate::MAX_LAYERS) layers.
     #[error("{n_layers} layers; at most {max} are supported")]
     TooManyLayers { n_layers: usize, max: usize },
+    /// [`CacheSpec::preset`](crate::CacheSpec::preset) was given a name it does not know.
     #[error("unknown preset {name:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid")]
     UnknownPreset { name: String },
+    /// [`CacheSpec::with_slot_dtype`](crate::CacheSpec::with_slot_dtype) named no slot of the spec.
     #[error(
         "no slot is named {name:?} (the slots: {}), so none can take its own storage type",
         .names.join(", ")
     )]
     UnknownSlotName { name: String, names: Vec<String> },
+    /// A slot not stored as fp8 has a scale.
     #[error("layer {layer} slot {slot} ({name:?}) is {dtype}: only fp8 slots take a scale")]
     ScaleNotFp8 {
         layer: usize,
@@ -658,6 +682,8 @@ pub enum SpecProblem {
         name: String,
         dtype: DType,
     },
+    /// An fp8 slot's scale is not a positive normal number with a normal reciprocal, or its product
+    /// with the slot's largest fp8 value is not finite.
     #[error(
         "layer {layer} slot {slot} ({name:?}) has the scale {scale}; a scale is a positive normal \
          number whose reciprocal is normal too (2^-126 <= scale <= 2^126), and the slot's largest fp8 \
@@ -675,8 +701,11 @@ pub enum SpecProblem {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BufferProblem {
+    /// Its usage lacks `STORAGE`.
     #[error("its usage {usage:?} lacks STORAGE")]
     NoStorage { usage: wgpu::BufferUsages },
+    /// The binding its view needs (from the device's offset alignment below its first element to
+    /// the end of its last) is larger than one storage binding of the device.
     #[error(
         "shape {shape:?} takes {bytes} bytes, more than one storage binding of this device holds \
          ({limit}); split the queries"
@@ -686,6 +715,7 @@ pub enum BufferProblem {
         bytes: u64,
         limit: u64,
     },
+    /// The output is one of the cache's own slot buffers.
     #[error("it is one of the cache's own slot buffers")]
     IsSlot,
     /// It is mapped for the host, whole or in part (as [`SourceProblem::Mapped`]).
@@ -730,15 +760,24 @@ pub enum BufferProblem {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum AttentionProblem {
+    /// The scale ([`AttentionOptions::scale`](crate::AttentionOptions::scale), or its default) is
+    /// infinite, NaN or subnormal (0 is taken).
     #[error("scale {scale} must be finite and not subnormal")]
     Scale { scale: f32 },
+    /// The soft-cap is not a positive normal number of at most
+    /// [`MAX_SOFT_CAP`](crate::MAX_SOFT_CAP) (2^100).
     #[error("soft-cap {cap} must be positive, not subnormal and at most 2^100")]
     SoftCap { cap: f32 },
+    /// A sliding window of 0 rows.
     #[error("a sliding window of 0 rows sees nothing")]
     EmptyWindow,
     /// A batch of sequences whose query counts do not add up to the queries given.
     #[error("the batch's sequences take {batch} queries but {queries} were given")]
-    BatchRows { batch: usize, queries: usize },
+    BatchRows {
+        /// The queries the sequences' counts add up to: `usize::MAX` where their sum overflows.
+        batch: usize,
+        queries: usize,
+    },
     /// A batch that names no sequence.
     #[error("the batch names no sequence")]
     EmptyBatch,

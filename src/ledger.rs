@@ -119,6 +119,7 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// An empty ledger for `spec`: no committed or pending rows, capacity `spec.max_seq_len()`.
     pub fn new(spec: &CacheSpec) -> Self {
         let shapes = slot_shapes_of(spec);
         let pending = vec![0; shapes.len()];
@@ -135,10 +136,12 @@ impl Ledger {
         self.len
     }
 
+    /// No row is committed (pending rows do not count).
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// The most rows the cache holds.
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -153,6 +156,7 @@ impl Ledger {
         self.capacity - self.len
     }
 
+    /// The number of layers, those without slots included.
     pub fn n_layers(&self) -> usize {
         self.shapes.len()
     }

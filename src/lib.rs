@@ -1,7 +1,8 @@
 //! kvgpu keeps the KV / latent cache of LLM inference on the GPU: one wgpu storage buffer per
 //! (layer, slot), WGSL kernels for strided slab writes and zeroing, narrowed views for attention and the
 //! app's own kernels, and a host [`Ledger`] that checks every operation completely before any command is
-//! recorded — a refused operation returns an [`Error`] and changes nothing.
+//! recorded — a refused operation returns an [`Error`] and changes nothing (but for the three cases
+//! [`Error`] lists).
 //!
 //! ```
 //! use kvgpu::{CacheSpec, DType, Gpu, HostSlab, KvCache};
@@ -136,7 +137,7 @@ pub use ledger::{AppendPlan, Ledger, SeqId};
 pub use paged::{PageLedger, PagedCache, ScatterChoice, SequenceImport};
 pub use placement::Run;
 pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
-pub use spec::{CacheSpec, DeviceLimits, LayerSpec, SlotSpec};
+pub use spec::{CacheSpec, DeviceLimits, LayerSpec, MAX_LAYERS, SlotSpec};
 pub use verify::verify_buffer;
 
 // Stored words are little-endian, and kvgpu views host slices and stored rows in place (f16 halves,

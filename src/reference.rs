@@ -28,6 +28,7 @@ fn holds(len: usize, dims: &[usize]) -> bool {
 pub struct Xorshift(u64);
 
 impl Xorshift {
+    /// A generator seeded with `seed`; the same seed gives the same values.
     pub fn new(seed: u64) -> Self {
         Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }

@@ -33,6 +33,7 @@ impl PartialEq for SlotSpec {
 impl Eq for SlotSpec {}
 
 impl SlotSpec {
+    /// A slot named `name` whose rows are `trailing`-shaped, stored as the cache's type, unscaled.
     pub fn new(name: impl Into<String>, trailing: &[usize]) -> Self {
         Self {
             name: name.into(),
@@ -67,6 +68,7 @@ pub struct LayerSpec {
 }
 
 impl LayerSpec {
+    /// A layer of these slots, in this order.
     pub fn new(slots: Vec<SlotSpec>) -> Self {
         Self { slots }
     }
@@ -107,6 +109,7 @@ impl DeviceLimits {
         max_buffer_size: 256 << 20,
     };
 
+    /// The storage binding and buffer size limits of a device's `wgpu::Limits`.
     pub fn from_wgpu(limits: &wgpu::Limits) -> Self {
         Self {
             max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
@@ -155,9 +158,25 @@ pub struct CacheSpec {
 pub const MAX_LAYERS: usize = 1 << 16;
 
 impl CacheSpec {
-    /// Checks the description and builds it: at least one layer, one slot somewhere, non-zero capacity,
-    /// no zero-sized trailing dimension, block types' widths in whole blocks, and byte sizes that fit
-    /// in `u64`. `dtype` is the storage type of every slot that does not name its own.
+    /// Checks the description and builds it; `dtype` is the storage type of every slot that does
+    /// not name its own. A description that fails a check is refused with [`Error::InvalidSpec`],
+    /// which names the first failure. The checks:
+    /// - there is at least one layer ([`SpecProblem::NoLayers`]), `max_seq_len` is not 0
+    ///   ([`SpecProblem::ZeroCapacity`]) and some layer has a slot ([`SpecProblem::NoSlots`]);
+    /// - no slot's trailing shape has a dimension of 0 ([`SpecProblem::ZeroDimension`]);
+    /// - only fp8 slots have a scale ([`SpecProblem::ScaleNotFp8`]), and each scale is a positive
+    ///   normal number with a normal reciprocal whose product with the slot's largest fp8 value is
+    ///   finite ([`SpecProblem::BadScale`]);
+    /// - the innermost trailing dimension of a q8_0 or q4_0 slot is whole blocks of 32 elements
+    ///   ([`SpecProblem::BlockWidth`]);
+    /// - every slot's rows have at most `u32::MAX` elements, and its `max_seq_len` rows at most
+    ///   `u64::MAX / 4` bytes ([`SpecProblem::TooLarge`]);
+    /// - the rows of all slots at full capacity come to at most `u64::MAX / 4` bytes
+    ///   ([`SpecProblem::TotalTooLarge`]).
+    ///
+    /// A slot's own type equal to `dtype`, and a scale of 1, are kept as `None`
+    /// ([`SlotSpec::dtype`], [`SlotSpec::scale`]). The device's limits are checked later
+    /// ([`CacheSpec::check_limits`], which [`crate::KvCache::new`] calls).
     pub fn new(mut layers: Vec<LayerSpec>, dtype: DType, max_seq_len: usize) -> Result<Self> {
         let invalid = |problem: SpecProblem| Err(Error::InvalidSpec { problem });
         if layers.is_empty() {
@@ -330,10 +349,12 @@ impl CacheSpec {
         }
     }
 
+    /// The layers, in order.
     pub fn layers(&self) -> &[LayerSpec] {
         &self.layers
     }
 
+    /// The number of layers, those without slots included.
     pub fn n_layers(&self) -> usize {
         self.layers.len()
     }
@@ -438,7 +459,10 @@ impl CacheSpec {
         Ok(padded_row_bytes(s.row_elems(), self.dtype_of(s)))
     }
 
-    /// Bytes of a whole slot buffer: row bytes times capacity.
+    /// Bytes of a slot's rows at full capacity: row bytes times `max_seq_len`. The buffer
+    /// [`crate::KvCache`] allocates for the slot is this rounded up to whole 16-byte vectors
+    /// (32-byte ones on devices that zero with 64-bit words, where that stays within the device's
+    /// limits), so it may be up to 28 bytes larger.
     pub fn slot_bytes(&self, layer: usize, slot: usize) -> Result<u64> {
         Ok(self.row_bytes(layer, slot)? * self.max_seq_len as u64)
     }
@@ -462,7 +486,11 @@ impl CacheSpec {
             .sum()
     }
 
-    /// Bytes of the whole cache at full capacity.
+    /// Bytes of every slot's rows at full capacity: [`CacheSpec::bytes_per_token`] times
+    /// `max_seq_len`. It is the sum of [`CacheSpec::slot_bytes`], so the buffers [`crate::KvCache`]
+    /// allocates, each rounded up to whole vectors, may take a little more. (A
+    /// [`crate::PagedCache`]'s spec bounds one sequence: its pool holds `n_pages * page_size`
+    /// rows.)
     pub fn total_bytes(&self) -> u64 {
         self.bytes_per_token() * self.max_seq_len as u64
     }

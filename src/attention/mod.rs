@@ -6,13 +6,16 @@
 //!
 //! Pass 1 has two kernels ([`KernelChoice`]). The *streaming* kernel (`stream.rs`, WGSL generated and
 //! compiled once per shape) gives each KV head and chunk a team of lanes that split every row in
-//! 16-byte loads and keep their share of the queries and outputs in registers; it sums a row's dot
+//! vector loads and keep their share of the queries and outputs in registers; it sums a row's dot
 //! products with `subgroupAdd` where the device has subgroups of one size (request
 //! `wgpu::Features::SUBGROUP` when the adapter offers it: [`crate::Gpu`] does), else through
 //! workgroup memory. On CPU adapters with subgroups a team takes several KV heads whole, so that its
 //! lanes read a run of each row; on CPU adapters without them a team is one invocation reading whole
-//! rows (`KernelChoice::StreamAlone`). The *tiled* kernel (`shaders/attention_partial.wgsl`) takes every other shape
-//! (head dimensions that are not whole 16-byte vectors).
+//! rows (`KernelChoice::StreamAlone`). It takes the shapes whose every head dimension is a whole
+//! number of its slot's vectors (4 f32, 8 f16 or bf16, 16 q8_0, q4_0 or fp8 elements), whose rows
+//! are whole 16-byte vectors (q8_0 and q4_0 rows may end inside one, after their scales), and whose
+//! lanes need few enough floats. The *tiled* kernel (`shaders/attention_partial.wgsl`) takes every
+//! other shape.
 //!
 //! Work is proportional to the visible rows (or the window), never to the capacity. Pipelines are
 //! compiled once per kernel registry ([`crate::Kernels`], shared by the caches and `Attention`s made
@@ -262,8 +265,11 @@ impl Attention {
     /// skipped; a head count that does not divide into a GQA layer's KV heads
     /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
     /// [`Error::AttentionRequest`], both before anything is built. A generated kernel the device
-    /// refuses is [`Error::AttentionRequest`] too, found as it is built (natively: in the browser the
-    /// refusal is the device's uncaptured error, and the refused pipeline is kept as built).
+    /// refuses is [`Error::AttentionRequest`] too under a forced kernel ([`KernelChoice::Auto`]
+    /// builds the tiled kernel instead), found as it is built, and the pipelines built before it
+    /// stay built (natively: in the browser the refusal is the device's uncaptured error, and the
+    /// refused pipeline is kept as built). A cache of another device is refused with
+    /// [`Error::ForeignDevice`] naming layer 0, since the refusal is of the whole cache.
     pub fn prepare(&mut self, cache: &KvCache, n_heads: usize) -> Result<usize> {
         self.prepare_rows(cache, None, n_heads)
     }

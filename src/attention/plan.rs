@@ -138,16 +138,22 @@ pub(crate) struct DeviceFacts {
 pub(crate) const ATTENTION_STORAGE_BUFFERS: u32 = 8;
 
 /// Which pass-1 kernel attention uses. [`KernelChoice::Auto`] (the default) picks the streaming
-/// kernel wherever the shape allows it (every dimension a multiple of four f32 or eight 16-bit
-/// elements, rows of whole 16-byte vectors), with `subgroupAdd` when the device has subgroups of one
-/// fixed size, and the tiled kernel otherwise, and where the device refuses the streaming kernel
-/// (a generated kernel it cannot compile: the refusal is kept, so later calls fall back at once).
+/// kernel wherever the shape allows it: every head dimension (GQA's `d_k` and `d_v`, MLA's
+/// `compressed_kv` and `k_pe` widths) a whole number of vectors of its slot's storage (4 f32, 8 f16
+/// or bf16, 16 q8_0, q4_0 or fp8 elements), rows of whole 16-byte vectors (q8_0 and q4_0 rows,
+/// whose scales follow the values, may end inside one), and few enough floats per lane for a team
+/// of one query head. It sums with `subgroupAdd` when the device has subgroups of one fixed size.
+/// The tiled kernel takes every other shape, and the calls whose streaming kernel the device
+/// refuses (a generated kernel it cannot compile: the refusal is kept, so later calls fall back at
+/// once).
 /// The others force one kernel, for comparisons and tests; a call the forced kernel cannot run, or
 /// whose kernel the device refuses, is refused with
 /// [`AttentionProblem::DeviceLimit`](crate::AttentionProblem::DeviceLimit).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum KernelChoice {
+    /// The streaming kernel where the shape and the device allow it, else the tiled one (see
+    /// above).
     #[default]
     Auto,
     /// One workgroup per KV head and chunk, tiles of rows scored one row per invocation
@@ -514,8 +520,10 @@ const STREAM_SHAPES: &str = "needs every head dimension a multiple of one vector
                              16 q4_0 elements), rows of whole vectors (q8_0 and q4_0 rows may end \
                              inside one), and few enough elements per lane";
 
-/// The streaming kernel for this call, when its shape allows one: every slice a whole number of
-/// 16-byte vectors, and the lane's registers within [`LANE_FLOATS`] for at least one head per team.
+/// The streaming kernel for this call, when its shape allows one: every head dimension a whole
+/// number of its slot's vectors ([`stream::per_vec`]), rows of whole 16-byte vectors but for the
+/// block types', and the lane's registers within the budget of `sum` ([`LANE_FLOATS`] and the
+/// others) for at least one head per team.
 pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Option<StreamKey> {
     let dims = [s.d_a, s.d_b, s.d_v];
     if s.d_a == 0 || (0..3).any(|i| !dims[i].is_multiple_of(stream::per_vec(s.dtypes[i]))) {

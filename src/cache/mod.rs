@@ -365,6 +365,7 @@ impl KvCache {
         })
     }
 
+    /// The spec the cache was made for: layers, storage types, capacity.
     pub fn spec(&self) -> &CacheSpec {
         &self.spec
     }
@@ -374,6 +375,7 @@ impl KvCache {
         &self.ledger
     }
 
+    /// The device that holds the cache's buffers.
     pub fn device(&self) -> &wgpu::Device {
         &self.device
     }
@@ -463,6 +465,7 @@ impl KvCache {
         made
     }
 
+    /// The queue the cache writes host rows and submits its own commands through.
     pub fn queue(&self) -> &wgpu::Queue {
         &self.queue
     }
@@ -472,18 +475,22 @@ impl KvCache {
         self.ledger.len()
     }
 
+    /// No row is committed (pending rows of the current step do not count).
     pub fn is_empty(&self) -> bool {
         self.ledger.is_empty()
     }
 
+    /// The most rows the cache holds: the spec's `max_seq_len`.
     pub fn capacity(&self) -> usize {
         self.ledger.capacity()
     }
 
+    /// Rows that can still be committed: the capacity less the committed rows.
     pub fn remaining(&self) -> usize {
         self.ledger.remaining()
     }
 
+    /// The committed rows fill the capacity: no row can be appended.
     pub fn is_full(&self) -> bool {
         self.ledger.is_full()
     }

@@ -12,18 +12,21 @@ pub struct HostSlab<'a> {
 }
 
 impl<'a> HostSlab<'a> {
+    /// A slab of f32 elements shaped `shape`.
     pub fn f32(data: &'a [f32], shape: &'a [usize]) -> Self {
         Self {
             shape,
             data: HostData::F32(data),
         }
     }
+    /// A slab of f16 elements shaped `shape`.
     pub fn f16(data: &'a [f16], shape: &'a [usize]) -> Self {
         Self {
             shape,
             data: HostData::F16(data),
         }
     }
+    /// A slab of bf16 elements shaped `shape`.
     pub fn bf16(data: &'a [bf16], shape: &'a [usize]) -> Self {
         Self {
             shape,

@@ -123,18 +123,23 @@ impl PageLedger {
         }
     }
 
+    /// Rows per page.
     pub fn page_size(&self) -> usize {
         self.page_size
     }
 
+    /// Pages in the pool, free or not.
     pub fn n_pages(&self) -> usize {
         self.refs.len()
     }
 
+    /// Pages that neither a sequence nor a published prefix holds, which appends and imports take.
     pub fn free_pages(&self) -> usize {
         self.free.len()
     }
 
+    /// Pages that are not free: held by a sequence or a published prefix, the published pages no
+    /// sequence holds ([`PageLedger::cached_pages`]) included.
     pub fn pages_in_use(&self) -> usize {
         self.n_pages() - self.free_pages()
     }
@@ -144,6 +149,7 @@ impl PageLedger {
         self.max_seq_len
     }
 
+    /// The number of layers, those without slots included.
     pub fn n_layers(&self) -> usize {
         self.shapes.len()
     }
@@ -202,6 +208,7 @@ impl PageLedger {
         Ok(s.pending[layer])
     }
 
+    /// The trailing shapes of `layer`'s slots.
     pub fn slot_shapes(&self, layer: usize) -> Result<&[Vec<usize>]> {
         self.check_layer(layer)?;
         Ok(&self.shapes[layer])

@@ -395,10 +395,12 @@ impl PagedCache {
         &self.ledger
     }
 
+    /// The device that holds the pool's buffers.
     pub fn device(&self) -> &wgpu::Device {
         self.store.device()
     }
 
+    /// The queue the pool writes host rows and submits its own commands through.
     pub fn queue(&self) -> &wgpu::Queue {
         self.store.queue()
     }
@@ -408,18 +410,23 @@ impl PagedCache {
         self.store.kernels()
     }
 
+    /// Rows per page.
     pub fn page_size(&self) -> usize {
         self.ledger.page_size()
     }
 
+    /// Pages in the pool, free or not.
     pub fn n_pages(&self) -> usize {
         self.ledger.n_pages()
     }
 
+    /// Pages that neither a sequence nor a published prefix holds, which appends and imports take.
     pub fn free_pages(&self) -> usize {
         self.ledger.free_pages()
     }
 
+    /// Pages that are not free: held by a sequence or a published prefix, the published pages no
+    /// sequence holds ([`PagedCache::cached_pages`]) included.
     pub fn pages_in_use(&self) -> usize {
         self.ledger.pages_in_use()
     }
