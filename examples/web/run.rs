@@ -291,7 +291,7 @@ pub async fn run(
     .map_err(e)?;
     let cache = KvCache::with_kernels(kernels.clone(), spec.clone()).map_err(e)?;
     log(&format!(
-        "cache: {}, {} storage, {context} tokens x {} bytes/token = {:.1} KiB allocated",
+        "cache: {}, {} storage, {context} tokens x {} bytes/token = {:.1} KiB of rows",
         preset.title,
         choice.dtype,
         spec.bytes_per_token(),

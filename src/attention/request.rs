@@ -122,15 +122,18 @@ pub(super) fn contiguous(shape: [usize; 3]) -> [usize; 3] {
 
 /// The rows attention reads: a cache's visible rows (`&cache` converts), one sequence of a paged
 /// pool, or a ragged batch of a pool's sequences: `(seq, n)` pairs, each sequence's last `n` visible
-/// rows being its queries, in order (decode and chunked-prefill rows mixed, one dispatch pair).
+/// rows being its queries, in order (decode and chunked-prefill rows mixed in one call).
 /// Each pair takes `1 <= n <= visible` ([`crate::Error::QueryRows`] otherwise: unlike
 /// [`PagedCache::append_batch`], a pair of 0 rows is refused), and a sequence named twice takes its
 /// last `n` rows for each pair: after an `append_batch` that named a sequence twice, name it once
 /// with the sum of its rows.
 #[derive(Clone, Copy, Debug)]
 pub enum Kv<'k> {
+    /// A single-sequence cache's committed rows.
     Cache(&'k KvCache),
+    /// One sequence of a pool: its committed rows.
     Sequence(&'k PagedCache, SeqId),
+    /// Several sequences of a pool, each with its count of queries.
     Batch(&'k PagedCache, &'k [(SeqId, usize)]),
 }
 
