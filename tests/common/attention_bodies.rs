@@ -303,6 +303,26 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
         "as for a GPU",
     )
     .await;
+    // Heads of 80 (as Phi-2's): the GPU merge's last block of 32 output elements is a partial one.
+    // On the tiled kernel alone, whose pipelines are PLAN_CASES[0]'s (a streaming kernel compiles
+    // one per shape: seconds on a cold OpenGL).
+    let heads_of_80 = Gqa {
+        d_k: 80,
+        d_v: 80,
+        ..PLAN_CASES[0]
+    };
+    check_kernels(
+        g,
+        &mut att,
+        &[KernelChoice::Tiled],
+        &[heads_of_80],
+        &[DType::F32],
+        PLAN_MLA,
+        &[],
+        75,
+        "as for a GPU, heads of 80",
+    )
+    .await;
     // An app's workgroup targets, GQA in f32: more than any call can take (chunks of the fewest
     // rows) on every kernel, and one workgroup per team (chunks as long as the loop budget allows)
     // on the streaming kernels. (The tiled kernel takes more rows per invocation for longer chunks:
