@@ -2218,6 +2218,19 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
         kept.extend_from_slice(&got[80..]);
         was.extend_from_slice(&before[80..]);
         assert_eq!(kept, was, "{kernel:?}: written outside the output");
+        // In a buffer of its own, at a binding boundary and one element past it: a call of one
+        // chunk may write such an output in place (its binding starting at the boundary, its view
+        // at element 0 of it) or through the merge pass.
+        for at in [64, 1] {
+            let out = output(&g.device, 128).await;
+            att.gqa(&c, 0, q, Output::new(&out).at(at), &dflt).unwrap();
+            let view = OutView {
+                offset: at,
+                strides: [16, 8, 1],
+            };
+            let what = format!("{kernel:?}, output at element {at} of its own buffer");
+            assert_view_close(&read_f32(g, &out).await, view, [1, 2, 8], &want, &what);
+        }
     }
 }
 
