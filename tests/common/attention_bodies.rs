@@ -560,6 +560,14 @@ pub async fn mixed_storage_matches_the_reference(g: &Gpu) {
             let layer = scaled(LayerSpec::mla(512, 64), [0.02, 3.0]);
             worst = worst.max(check_mla_in(g, &mut att, case, layer, 270 + i as u64).await);
         }
+        // Heads of 33 and 17 fp8 elements, which the tiled kernel reads element by element where a
+        // head starts inside a word: scaled there too (the streaming kernels refuse the shape).
+        if kernel == KernelChoice::Tiled {
+            #[rustfmt::skip]
+            let odd = Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 70, n_q: 3, window: Some(9), soft_cap: None };
+            let layer = scaled(LayerSpec::kv(3, 33, 17), [0.004, 0.05]);
+            worst = worst.max(check_gqa_in(g, &mut att, odd, layer, 280).await);
+        }
         note!("mixed storage {kernel:?}: worst scaled error {worst:e}");
     }
     gqa_prefill_and_decode(g, [Q8_0, Q4_0], [4, 2, 32, 64], 240).await;
