@@ -146,3 +146,22 @@ impl StagedRows {
         }
     }
 }
+
+/// In the browser the staging buffers are destroyed with the rows, so that their memory (as large
+/// as the snapshot's rows) goes at a refusal or after `finish`, not at the page's garbage
+/// collection: wgpu 30 does not destroy a dropped WebGPU buffer. Every copy out of them was
+/// submitted by then (`finish` submits its own encoder), and a destroyed buffer outlives the work
+/// submitted before. Natively a drop frees them already (see `device::Staging`).
+impl Drop for StagedRows {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "wasm32")]
+        for buffer in self
+            .buffers
+            .iter()
+            .flatten()
+            .filter_map(|(b, _, _)| b.as_ref())
+        {
+            buffer.destroy();
+        }
+    }
+}
