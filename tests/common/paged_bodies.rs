@@ -2060,7 +2060,8 @@ pub async fn many_sequences_grow_the_page_table(g: &Gpu) {
 
 /// A step of many sequences lands scattered (one dispatch per slot), run by run, or as the pool
 /// chooses, from every kind of source: host rows of the storage type and of f32, GPU rows of the storage type (bound, or
-/// copy-only, which moves run by run instead) and converted f32 rows. Each sequence's rows, read
+/// copy-only, which moves run by run instead) and converted f32 rows, then host f32 rows again after
+/// the GPU appends' uploads. Each sequence's rows, read
 /// through its page table, equal the values rounded to the storage type.
 pub async fn scattered_appends_take_every_source(g: &Gpu) {
     let choices = [
@@ -2093,6 +2094,10 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
             "gpu storage",
             "gpu copy-only",
             "gpu f32",
+            // Again after GPU appends, whose row maps and table entries (multiples of 4 bytes) went
+            // into the upload ring before these rows: rows of whole 16-byte vectors (f32 V) are
+            // scattered from an offset that must still be a whole vector.
+            "host f32 after gpu",
         ];
         for (round, kind) in kinds.iter().enumerate() {
             // GPU sources hold elements: quantized storage takes its "storage" rows as f16 (converted
@@ -2210,8 +2215,8 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                 );
             }
         }
-        // Five steps of 3, 1, 4, 2 rows (four for quantized storage, without copy-only sources).
-        let rounds = if dtype.is_quantized() { 4 } else { 5 };
+        // Six steps of 3, 1, 4, 2 rows (five for quantized storage, without copy-only sources).
+        let rounds = if dtype.is_quantized() { 5 } else { 6 };
         let pages: usize = [3usize, 1, 4, 2]
             .iter()
             .map(|r| (r * rounds).div_ceil(2))
