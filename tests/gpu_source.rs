@@ -13,4 +13,5 @@ common::shared_tests!(source_bodies:
     contiguous_same_type_and_odd_offsets,
     refused_sources_change_nothing,
     many_recorded_appends_in_one_encoder,
+    sources_of_spread_elements_are_gathered,
 );

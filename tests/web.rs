@@ -140,6 +140,7 @@ browser_tests!(source_bodies:
     contiguous_same_type_and_odd_offsets,
     refused_sources_change_nothing,
     many_recorded_appends_in_one_encoder,
+    sources_of_spread_elements_are_gathered,
 );
 
 // tests/attention.rs.

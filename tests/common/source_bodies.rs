@@ -246,6 +246,60 @@ pub async fn conversion_matches_half_bit_for_bit(g: &Gpu) {
     }
 }
 
+/// Sources whose elements are not adjacent, from every element type into every storage type,
+/// against the twin bit for bit: interleaved rows (every second element, as K and V interleaved in
+/// one buffer) from an even element offset (16-bit elements of a same-typed source then start
+/// words: the one-load path of adjacent pairs must not take them), and rows of five axes whose
+/// strides merge with none of their neighbours and whose sizes differ, from an odd one. Quantized
+/// storage takes rows of one block, every second element of the source.
+pub async fn sources_of_spread_elements_are_gathered(g: &Gpu) {
+    let n = 5;
+    for src_dtype in DType::ALL {
+        let src_bits = bits_of(90, 8000, src_dtype);
+        let buf = source(g, &src_bits, src_dtype, STORAGE).await;
+        for dtype in DType::STORAGE {
+            // (trailing shape, strides, element offset)
+            let cases: Vec<(Vec<usize>, Vec<usize>, u64)> = match dtype.block() {
+                Some(b) => vec![(vec![b], vec![2 * b + 6, 2], 3)],
+                None => vec![
+                    (vec![7], vec![16, 2], 2),
+                    (vec![3, 2, 2, 2, 5], vec![1600, 500, 162, 54, 18, 2], 3),
+                ],
+            };
+            for (trailing, strides, offset) in cases {
+                let what =
+                    format!("{dtype} from {src_dtype}, rows {trailing:?} strides {strides:?}");
+                let spec = CacheSpec::new(
+                    vec![LayerSpec::new(vec![SlotSpec::new("x", &trailing)])],
+                    dtype,
+                    n,
+                )
+                .unwrap();
+                let mut c = cache_on(g, spec);
+                let shape = [&[n][..], &trailing].concat();
+                let slab = GpuSlab {
+                    buffer: &buf,
+                    dtype: src_dtype,
+                    offset,
+                    shape: &shape,
+                    strides: Some(&strides),
+                };
+                c.append_gpu(0, &[slab])
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let at = offset as usize;
+                let want = reference::slab_write(&src_bits, src_dtype, at, &shape, &strides, dtype);
+                let got = c.read_words_async(0, 0).await.unwrap();
+                let bad = got.iter().zip(&want).position(|(g, w)| g != w);
+                assert_eq!(
+                    (got.len(), bad),
+                    (want.len(), None),
+                    "{what}: first mismatch"
+                );
+            }
+        }
+    }
+}
+
 /// A GPU source of the storage type, contiguous, copied as it is. Only the element types: a GPU source
 /// holds elements, so quantized storage has no same-typed source (one declared quantized is refused,
 /// in `quant_bodies.rs`).
