@@ -2666,6 +2666,68 @@ fn zeroing_stays_within_the_devices_workgroups() {
     }
 }
 
+/// On a device of 8 workgroups per dimension (2,048 invocations of the slab-write kernels), GPU
+/// appends of 1,024 rows and a pool's scattered host append of as many loop over every output:
+/// 65,536 16-byte vectors of f32 rows (the vector path), 128,000 words of f16 rows of 125 words
+/// (the word path) and 8,192 q8_0 blocks, each read back against the twin (the scatter against its
+/// rows).
+#[test]
+fn slab_writes_stay_within_the_devices_workgroups() {
+    let _serial = serial();
+    let g = gpu();
+    let few = device_with(
+        g,
+        wgpu::Limits {
+            max_compute_workgroups_per_dimension: 8,
+            ..wgpu::Limits::default()
+        },
+    );
+    let (rows, width) = (1024, 256);
+    let layer = LayerSpec::new(vec![
+        SlotSpec::new("f32", &[width]),
+        SlotSpec::new("f16", &[width - 6]).stored_as(DType::F16),
+        SlotSpec::new("q8_0", &[width]).stored_as(DType::Q8_0),
+    ]);
+    let spec = CacheSpec::new(vec![layer], DType::F32, rows).unwrap();
+    let mut c = KvCache::new(&few.device, &few.queue, spec).unwrap();
+    let x = values(5, rows * width);
+    let bits: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
+    // STORAGE alone: no slot takes a plain copy.
+    let source = buffer_on(&few.device, &bits, U::STORAGE);
+    let (whole, short) = ([rows, width], [rows, width - 6]);
+    let strides = [width, 1];
+    let slab = |shape| GpuSlab {
+        buffer: &source,
+        dtype: DType::F32,
+        offset: 0,
+        shape,
+        strides: Some(&strides),
+    };
+    c.append_gpu(0, &[slab(&whole), slab(&short), slab(&whole)])
+        .unwrap();
+    c.advance(rows).unwrap();
+    for (slot, shape, dtype) in [
+        (0, &whole, DType::F32),
+        (1, &short, DType::F16),
+        (2, &whole, DType::Q8_0),
+    ] {
+        let want = reference::slab_write(&bits, DType::F32, 0, shape, &strides, dtype);
+        let got = pollster::block_on(c.read_words_async(0, slot)).unwrap();
+        assert!(got == want, "{dtype}: the rows read back differ");
+    }
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, width, width)], DType::F32, rows).unwrap();
+    let mut pool = PagedCache::new(&few.device, &few.queue, spec, 16, 2 * rows / 16).unwrap();
+    pool.set_scatter(ScatterChoice::Always);
+    let s = pool.add_sequence().unwrap();
+    let shape = [rows, 1, width];
+    pool.append(s, 0, &[HostSlab::f32(&x, &shape); 2]).unwrap();
+    pool.advance(s, rows).unwrap();
+    for slot in 0..2 {
+        let got = pollster::block_on(pool.read_f32_async(s, 0, slot)).unwrap();
+        assert!(got == x, "pool slot {slot}: the rows read back differ");
+    }
+}
+
 /// A pool on a device of 16 KiB bindings binds the row map of a scattered GPU append from its
 /// upload ring, which it bound whole: 4 MiB, past the binding limit, so the append was refused as
 /// a source "of another device". The ring is now one binding at most, and the append lands.
