@@ -20,6 +20,7 @@ common::shared_tests!(snapshot_bodies:
     a_failing_writer_stops_the_export,
     a_failing_reader_stops_the_import,
     a_longest_sequence_past_32_bits_restores_everywhere,
+    imported_rows_get_zero_padding,
 );
 
 /// A snapshot taken on Vulkan restores bit for bit on OpenGL, and one taken there on Vulkan, whatever

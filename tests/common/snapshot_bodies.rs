@@ -1053,3 +1053,53 @@ pub async fn a_longest_sequence_past_32_bits_restores_everywhere(g: &Gpu) {
     let seq = push_pool(&mut p, &bytes, 4).unwrap();
     assert_eq!(seq_words(&p, seq).await, want, "streamed into a pool");
 }
+
+/// A snapshot whose rows carry set bits in their padding (another writer may leave them; the
+/// checksums cover them): every import, whole and streamed in pieces of 7 bytes (rows cut
+/// anywhere), into a cache and into a pool, stores the rows with zero padding as appends do, and the
+/// values as they were.
+pub async fn imported_rows_get_zero_padding(g: &Gpu) {
+    let layer = LayerSpec::new(vec![
+        SlotSpec::new("x", &[3]),
+        SlotSpec::new("y", &[5]).stored_as(DType::F8E4M3),
+    ]);
+    let spec = CacheSpec::new(vec![layer], DType::F16, 9).unwrap();
+    let mut rng = Xorshift::new(77);
+    let mut c = cache_on(g, spec.clone());
+    fill(&mut c, 9, &mut rng);
+    let want = words(&c, 9).await;
+    let mut bytes = c.snapshot_async().await.unwrap();
+    // Rows of 8 bytes: f16 [3] uses 6 of them, fp8 [5] 5.
+    let rows_at = 20 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    for (slot, used) in [(0, 6), (1, 5)] {
+        for row in 0..9 {
+            let at = rows_at + slot * 9 * 8 + row * 8;
+            bytes[at + used..at + 8].fill(0xff);
+        }
+    }
+    let end = bytes.len() - 4;
+    let crc = crc32fast::hash(&bytes[..end]);
+    bytes[end..].copy_from_slice(&crc.to_le_bytes());
+    let whole = |words: &[Vec<u32>], what: &str| {
+        assert_eq!(words, want, "{what}: the rows or their padding");
+    };
+    let mut restored = cache_on(g, spec.clone());
+    restored.import(&bytes).unwrap();
+    whole(&words(&restored, 9).await, "cache");
+    let mut streamed = cache_on(g, spec.clone());
+    let mut import = streamed.import_stream().unwrap();
+    for piece in bytes.chunks(7) {
+        import.push(piece).unwrap();
+    }
+    import.finish().unwrap();
+    whole(&words(&streamed, 9).await, "cache, streamed");
+    let mut p = pool(g, spec, 4, 6);
+    let seq = p.import_sequence(&bytes).unwrap();
+    whole(&seq_words(&p, seq).await, "pool");
+    let mut import = p.import_sequence_stream();
+    for piece in bytes.chunks(7) {
+        import.push(piece).unwrap();
+    }
+    let seq = import.finish().unwrap();
+    whole(&seq_words(&p, seq).await, "pool, streamed");
+}
