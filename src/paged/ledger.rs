@@ -1482,4 +1482,93 @@ mod tests {
         l.remove(b).unwrap();
         assert_eq!(l.free_pages(), 8);
     }
+
+    /// A parent and its fork that share a partly filled page: admitting a row for each needs one
+    /// page, since after the first writer's copy the second holds the shared page alone.
+    #[test]
+    fn admission_counts_one_copy_of_a_page_two_writers_share() {
+        let mut l = PageLedger::new(&spec(64), 4, 4);
+        let a = l.add().unwrap();
+        grow(&mut l, a, 6);
+        let b = l.fork(a, 5).unwrap();
+        let c = l.add().unwrap();
+        grow(&mut l, c, 4);
+        assert_eq!(l.free_pages(), 1);
+        assert_eq!(l.admits(&[(a, 1), (b, 1)]), Ok(()));
+        assert_eq!(l.admits(&[(b, 1), (a, 1)]), Ok(()));
+        // A row for c as well, whose only page is full: two pages.
+        assert_eq!(
+            l.admits(&[(a, 1), (b, 1), (c, 1)]),
+            Err(Error::OutOfPages { needed: 2, free: 1 })
+        );
+    }
+
+    /// A sequence named twice in an admission takes the sum of its counts.
+    #[test]
+    fn admission_adds_the_counts_of_a_sequence_named_twice() {
+        let mut l = PageLedger::new(&spec(8), 4, 8);
+        let a = l.add().unwrap();
+        assert_eq!(l.admits(&[(a, 4), (a, 4)]), Ok(()));
+        assert_eq!(
+            l.admits(&[(a, 5), (a, 5)]),
+            Err(Error::CapacityExceeded {
+                seq: Some(a),
+                layer: 0,
+                position: 0,
+                n_new: 10,
+                capacity: 8,
+                remaining: 8,
+            })
+        );
+    }
+
+    /// Publishing counts as a use: of two published pages no sequence holds, the one published
+    /// again last goes last.
+    #[test]
+    fn publishing_again_keeps_a_prefix_longest() {
+        let mut l = PageLedger::new(&spec(64), 4, 4);
+        let (a, b) = (l.add().unwrap(), l.add().unwrap());
+        grow(&mut l, a, 4);
+        grow(&mut l, b, 4);
+        assert_eq!(
+            (l.pages(a).unwrap(), l.pages(b).unwrap()),
+            (&[0][..], &[1][..])
+        );
+        let (ta, tb) = ([1, 2, 3, 4], [5, 6, 7, 8]);
+        assert_eq!(l.publish(a, &ta), Ok(4));
+        assert_eq!(l.publish(b, &tb), Ok(4));
+        assert_eq!(l.publish(a, &ta), Ok(4));
+        l.remove(a).unwrap();
+        l.remove(b).unwrap();
+        assert_eq!(l.evict_prefixes(1), 1);
+        assert_eq!((l.page_refs(0), l.page_refs(1)), (Some(1), Some(0)));
+    }
+
+    /// A pool's refused append names the position after the rows already pending, and the room left
+    /// there.
+    #[test]
+    fn a_refused_append_counts_the_pending_rows() {
+        let mut l = PageLedger::new(&spec(8), 4, 8);
+        let a = l.add().unwrap();
+        grow(&mut l, a, 5);
+        let rows = |n: usize| -> Vec<Vec<usize>> {
+            l.shapes[0].iter().map(|t| [&[n][..], t].concat()).collect()
+        };
+        let two = rows(2);
+        let plan = l.plan_append(a, 0, 2, |i| &two[i]).unwrap();
+        l.commit_append(&plan);
+        let before = l.clone();
+        assert_eq!(
+            l.plan_append(a, 0, 2, |i| &two[i]).unwrap_err(),
+            Error::CapacityExceeded {
+                seq: Some(a),
+                layer: 0,
+                position: 7,
+                n_new: 2,
+                capacity: 8,
+                remaining: 1,
+            }
+        );
+        assert_eq!(l, before);
+    }
 }
