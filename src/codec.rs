@@ -1191,6 +1191,12 @@ mod tests {
                 assert_eq!(q as f64, want, "{v} with scale {d}");
             }
         }
+        // An infinity is f32::MAX: after -f32::MAX of the same magnitude it is not the first
+        // largest, and the scale stays positive (-f32::MAX / -8, saturated).
+        let mut x = [0f32; 32];
+        x[0] = -f32::MAX;
+        x[1] = f32::INFINITY;
+        assert_eq!(quantize_q4(&x).0, 0x7bff);
     }
 
     /// An fp8 encoder against a search over its `finite` codes (`decode`d): the nearest, ties to
