@@ -25,9 +25,11 @@ fn edge_rows() -> Vec<f32> {
         1e-45,
         -1e-40,
         1e-39,
-        f32::MAX,
+        // -f32::MAX first: +inf, read as f32::MAX, is then not the first largest (q4_0's scale
+        // keeps the sign of -f32::MAX).
         -f32::MAX,
         f32::INFINITY,
+        f32::MAX,
         f32::NEG_INFINITY,
         f32::NAN,
         -f32::NAN,
