@@ -1158,6 +1158,29 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             ),
             "{dtype}: {e}"
         );
+        // One sequence of 2 rows, 3 queries: a batch of one entry is counted as well.
+        let e = att
+            .gqa(
+                Kv::Batch(&c, &[(b, 2)]),
+                0,
+                Queries::new(&q, 3, HEADS, d),
+                &out,
+                &dflt,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::AttentionRequest {
+                    problem: AttentionProblem::BatchRows {
+                        batch: 2,
+                        queries: 3
+                    },
+                    ..
+                }
+            ),
+            "{dtype}: {e}"
+        );
         let e = att
             .gqa(
                 Kv::Batch(&c, &[]),
