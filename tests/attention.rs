@@ -46,6 +46,7 @@ common::shared_tests!(attention_bodies, serial: serial;
     mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output,
     queries_shared_through_a_stride_of_0_are_read,
     views_out_of_range_overflowing_overlapping_or_aliased_are_refused,
+    views_bound_before_the_scratch_grew_are_bound_again,
 );
 
 #[test]

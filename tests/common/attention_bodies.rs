@@ -368,6 +368,40 @@ pub async fn quantized_gpu_plans_match_the_reference(g: &Gpu) {
     .await;
 }
 
+/// One query buffer and one output view over two calls, on every kernel of a fresh `Attention`: a
+/// window of one row (one chunk), then the whole context in as many chunks as it takes, whose
+/// partial results need a larger scratch. The second call's bind groups, cached for the same views
+/// by the first, must bind the grown scratch (an output at element 1 is never written in place).
+pub async fn views_bound_before_the_scratch_grew_are_bound_again(g: &Gpu) {
+    let (n_kv, group, d) = (2, 4, 128);
+    let n_heads = n_kv * group;
+    let c = filled(g, LayerSpec::kv(n_kv, d, d), DType::F32, 1000, 1, 21);
+    let (k, v) = (
+        c.read_f32_async(0, 0).await.unwrap(),
+        c.read_f32_async(0, 1).await.unwrap(),
+    );
+    let q = values(22, n_heads * d);
+    let qb = f32_buffer(&g.device, &q).await;
+    let out = output(&g.device, 1 + n_heads * d).await;
+    for kernel in kernels(g) {
+        let mut att = Attention::with_kernels(super::kernels_for(g));
+        att.set_kernel(kernel);
+        att.set_target_workgroups(std::num::NonZeroUsize::new(usize::MAX));
+        for window in [Some(1), None] {
+            let options = AttentionOptions {
+                window,
+                ..AttentionOptions::default()
+            };
+            let queries = Queries::new(&qb, 1, n_heads, d);
+            att.gqa(&c, 0, queries, Output::new(&out).at(1), &options)
+                .unwrap();
+            let want = reference::attention_gqa(&q, [1, n_heads, d], &k, &v, n_kv, d, &options);
+            let got = read_f32(g, &out).await;
+            assert_close(&got[1..], &want, &format!("{kernel:?}, window {window:?}"));
+        }
+    }
+}
+
 /// The GQA calls of the tests of other plans than the adapter's own: over several chunks, one with
 /// window and soft-cap.
 #[rustfmt::skip]
