@@ -2055,6 +2055,8 @@ pub async fn queries_shared_through_a_stride_of_0_are_read(g: &Gpu) {
     let mla_cache = filled(g, LayerSpec::mla(32, 8), DType::F32, 300, 1, 131);
     let q_data = values(132, 48);
     let q = f32_buffer(&g.device, &q_data).await;
+    let rope_data = values(133, 200);
+    let rope_q = f32_buffer(&g.device, &rope_data).await;
     let (k, v) = (
         gqa_cache.read_f32_async(0, 0).await.unwrap(),
         gqa_cache.read_f32_async(0, 1).await.unwrap(),
@@ -2105,6 +2107,29 @@ pub async fn queries_shared_through_a_stride_of_0_are_read(g: &Gpu) {
         let what = format!("MLA, latent shared by every head, rope one element, {kernel:?}");
         assert_close(&read_f32(g, &out).await, &want, &what);
         checked += 1;
+        // The same latent view with the rope from another buffer, then from another binding of it
+        // (element 130 lies past its first 256 bytes): each call reads its own rope.
+        for at in [2, 130] {
+            let queries = MlaQueries {
+                rope: Queries::new(&rope_q, 1, 4, 8)
+                    .at(at)
+                    .with_strides(rope_strides),
+                ..queries
+            };
+            att.mla(&mla_cache, 0, queries, Output::new(&out), &options)
+                .unwrap();
+            let want = reference::attention_mla(
+                &gather(&q_data, 0, latent, latent_strides),
+                &gather(&rope_data, at, rope, rope_strides),
+                latent,
+                &c_kv,
+                &k_pe,
+                8,
+                &options,
+            );
+            let what = format!("MLA, rope at element {at} of another buffer, {kernel:?}");
+            assert_close(&read_f32(g, &out).await, &want, &what);
+        }
     }
     assert!(checked >= 3, "only {checked} calls ran");
 }
