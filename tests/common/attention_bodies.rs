@@ -1985,6 +1985,12 @@ pub async fn mla_reads_per_head_latent_and_rope_rows_and_writes_a_strided_output
             out: OutView { offset: 1, strides: [0, 33, 1] } },
         FusedMla { n_heads: 2, visible: 5, n_q: 5, pad: 0,
             out: OutView { offset: 0, strides: [32, 5 * 32, 1] } },
+        // The last case's heads, outputs at element 0 (a call of one chunk could write them in
+        // place) with a gap between heads, then between queries: written through the view.
+        FusedMla { n_heads: 2, visible: 5, n_q: 1, pad: 0,
+            out: OutView { offset: 0, strides: [0, 33, 1] } },
+        FusedMla { n_heads: 2, visible: 5, n_q: 5, pad: 0,
+            out: OutView { offset: 0, strides: [67, 32, 1] } },
     ];
     for kernel in kernels(g) {
         att.set_kernel(kernel);
