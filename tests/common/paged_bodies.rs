@@ -876,6 +876,86 @@ fn gqa_mla_spec(dtype: DType, max_seq_len: usize) -> (CacheSpec, (usize, usize, 
     (spec, (d, r, rope))
 }
 
+/// [`check_batch`]'s calls for several ragged batches recorded into one encoder and submitted at
+/// once: each batch's query table must reach the kernels of its own call (the tables are copied in
+/// by the encoder, in order, not written ahead of it by the queue).
+#[allow(clippy::too_many_arguments)]
+async fn check_batches_in_one_encoder(
+    g: &Gpu,
+    c: &PagedCache,
+    att: &mut Attention,
+    batches: &[&[(SeqId, usize)]],
+    seqs: &[(SeqId, &SeqRows)],
+    (d, r, rope): (usize, usize, usize),
+    options: &AttentionOptions,
+    what: &str,
+) {
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    let mut calls = Vec::new();
+    for (i, &batch) in batches.iter().enumerate() {
+        let total: usize = batch.iter().map(|b| b.1).sum();
+        let seed = 800 + 10 * i as u64;
+        let (q, ql, qr) = (
+            values(seed, total * HEADS * d),
+            values(seed + 1, total * HEADS * r),
+            values(seed + 2, total * HEADS * rope),
+        );
+        let buffers = [
+            super::f32_buffer(&g.device, &q).await,
+            super::f32_buffer(&g.device, &ql).await,
+            super::f32_buffer(&g.device, &qr).await,
+            super::output(&g.device, total * HEADS * d).await,
+            super::output(&g.device, total * HEADS * r).await,
+        ];
+        let [qb, lb, rb_, out, out_mla] = &buffers;
+        att.record_gqa(
+            &mut encoder,
+            Kv::Batch(c, batch),
+            0,
+            Queries::new(qb, total, HEADS, d),
+            out,
+            options,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let queries = MlaQueries {
+            latent: Queries::new(lb, total, HEADS, r),
+            rope: Queries::new(rb_, total, HEADS, rope),
+        };
+        att.record_mla(
+            &mut encoder,
+            Kv::Batch(c, batch),
+            1,
+            queries,
+            out_mla,
+            options,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        calls.push((batch, [q, ql, qr], buffers));
+    }
+    g.queue.submit([encoder.finish()]);
+    for (i, (batch, [q, ql, qr], buffers)) in calls.iter().enumerate() {
+        let got = super::read_f32(g, &buffers[3]).await;
+        let got_mla = super::read_f32(g, &buffers[4]).await;
+        let mut at = 0;
+        for &(seq, n_q) in batch.iter() {
+            let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
+            let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
+            let (xl, yl) = (at * HEADS * r, (at + n_q) * HEADS * r);
+            let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
+            assert_twins(
+                (&got[x..y], &got_mla[xl..yl]),
+                (&q[x..y], &ql[xl..yl], &qr[xr..yr]),
+                n_q,
+                rows,
+                (d, r, rope),
+                options,
+                &format!("{what}, batch {i} of one encoder: {seq}"),
+            );
+            at += n_q;
+        }
+    }
+}
+
 /// GQA (layer 0) and MLA (layer 1) attention of a ragged `batch` over a pool of [`gqa_mla_spec`]'s
 /// layers, one dispatch pair per layer, each segment against the twins over its sequence's rows.
 #[allow(clippy::too_many_arguments)]
@@ -1114,6 +1194,21 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             att.set_kernel(choice);
             let takes = |l| super::attention_bodies::kernel_takes(choice, &spec, l);
             assert!(takes(0) && takes(1), "{choice:?} {dtype}: whole vectors");
+            // And with a shorter batch recorded after it into the same encoder.
+            let what = format!("{dtype} {choice:?}");
+            let batches: [&[(SeqId, usize)]; 2] = [&batch, &[(b, 1), (c1, 1)]];
+            let dflt = AttentionOptions::default();
+            check_batches_in_one_encoder(
+                g,
+                &c,
+                &mut att,
+                &batches,
+                &seqs,
+                (d, r, rope),
+                &dflt,
+                &what,
+            )
+            .await;
             for (window, soft_cap) in [(None, None), (Some(6), Some(4.0))] {
                 let options = AttentionOptions {
                     window,
