@@ -316,7 +316,7 @@ pub(crate) async fn read_ranges(
     ranges: &[(u64, u64)],
 ) -> std::result::Result<Vec<u8>, String> {
     match Readback::start(device, queue, buffer, ranges).await? {
-        Some(readback) => readback.finish(device, <[u8]>::to_vec).await,
+        Some(readback) => readback.finish(device).await,
         None => Ok(Vec::new()),
     }
 }
@@ -465,13 +465,12 @@ impl Readback {
         })
     }
 
-    /// Waits for this readback alone (not for work submitted after it) and hands its bytes to `f`.
-    pub(crate) async fn finish<T>(
+    /// Waits for this readback alone (not for work submitted after it) and copies its bytes out.
+    pub(crate) async fn finish(
         self,
         device: &wgpu::Device,
-        f: impl FnOnce(&[u8]) -> T,
-    ) -> std::result::Result<T, String> {
-        self.mapped(device).await?.read(f)
+    ) -> std::result::Result<Vec<u8>, String> {
+        self.mapped(device).await?.to_vec()
     }
 
     /// Waits for this readback alone (not for work submitted after it) until its bytes are mapped.
@@ -503,14 +502,68 @@ pub(crate) struct Mapped {
     size: u64,
 }
 
+/// Bytes of the mapped range a browser copies at a time into wasm memory ([`Mapped::pieces`]).
+#[cfg(target_arch = "wasm32")]
+const PIECE: usize = 1 << 20;
+
 impl Mapped {
-    /// Hands the bytes to `f`.
-    pub(crate) fn read<T>(&self, f: impl FnOnce(&[u8]) -> T) -> std::result::Result<T, String> {
-        let view = self
-            .staging
+    fn view(&self) -> std::result::Result<wgpu::BufferView, String> {
+        self.staging
             .get_mapped_range(..self.size)
-            .map_err(|e| e.to_string())?;
-        Ok(f(&view))
+            .map_err(|e| e.to_string())
+    }
+
+    /// The bytes, copied into memory of their own: refused, not aborted, where the host has no
+    /// room for them. In the browser they come straight from the mapped `ArrayBuffer` (wgpu's
+    /// WebGPU view would first copy the whole range into wasm memory, infallibly).
+    pub(crate) fn to_vec(&self) -> std::result::Result<Vec<u8>, String> {
+        let view = self.view()?;
+        let mut bytes = Vec::new();
+        bytes
+            .try_reserve_exact(self.size as usize)
+            .map_err(|_| format!("the host has no room for the {} bytes read back", self.size))?;
+        #[cfg(not(target_arch = "wasm32"))]
+        bytes.extend_from_slice(&view);
+        #[cfg(target_arch = "wasm32")]
+        {
+            bytes.resize(self.size as usize, 0);
+            view.as_uint8array().copy_to(&mut bytes);
+        }
+        Ok(bytes)
+    }
+
+    /// Hands the bytes to `f` in order, in pieces: natively all at once, in the browser a
+    /// megabyte at a time copied out of the mapped `ArrayBuffer` (see [`Mapped::to_vec`]). Stops
+    /// at `f`'s first error.
+    pub(crate) fn pieces<E>(
+        &self,
+        mut f: impl FnMut(&[u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<std::result::Result<(), E>, String> {
+        let view = self.view()?;
+        #[cfg(not(target_arch = "wasm32"))]
+        return Ok(f(&view));
+        #[cfg(target_arch = "wasm32")]
+        {
+            let array = view.as_uint8array();
+            let size = self.size as usize;
+            let mut piece = Vec::new();
+            piece.try_reserve_exact(PIECE.min(size)).map_err(|_| {
+                "the host has no room for a piece of the bytes read back".to_string()
+            })?;
+            piece.resize(PIECE.min(size), 0);
+            let mut at = 0;
+            while at < size {
+                let n = PIECE.min(size - at);
+                array
+                    .subarray(at as u32, (at + n) as u32)
+                    .copy_to(&mut piece[..n]);
+                if let Err(e) = f(&piece[..n]) {
+                    return Ok(Err(e));
+                }
+                at += n;
+            }
+            Ok(Ok(()))
+        }
     }
 
     /// Unmaps the bytes and gives the staging buffer back for another readback.

@@ -76,7 +76,7 @@ fn write_slot<W: Write + ?Sized>(
 ) -> Result<()> {
     match rows {
         Some(rows) => rows
-            .read(|rows| writer.rows(rows))
+            .pieces(|rows| writer.rows(rows))
             .map_err(|reason| s.refused(reason))?,
         None => Ok(()),
     }
