@@ -378,19 +378,6 @@ pub(crate) async fn staging_buffer(
     }
 }
 
-/// Refuses a readback of `size` bytes that no host allocation holds: the bytes come back in one,
-/// and past isize::MAX (2 GiB on wasm32, where a device may allow 4 GiB buffers) `Vec` would panic.
-pub(crate) fn one_allocation_holds(size: u64) -> std::result::Result<(), String> {
-    if size > isize::MAX as u64 {
-        return Err(format!(
-            "a readback of {size} bytes is more than one allocation of this target holds \
-             ({} bytes)",
-            isize::MAX
-        ));
-    }
-    Ok(())
-}
-
 impl Readback {
     /// Submits the copy of checked ranges `(offset, size)` of `buffer`, one after the other, into a
     /// staging buffer and asks for its mapping; `None` when they hold no byte.
@@ -404,7 +391,15 @@ impl Readback {
         if size == 0 {
             return Ok(None);
         }
-        one_allocation_holds(size)?;
+        // The bytes come back in one host allocation: past isize::MAX (2 GiB on wasm32, where a
+        // device may allow 4 GiB buffers) none holds them.
+        if size > isize::MAX as u64 {
+            return Err(format!(
+                "a readback of {size} bytes is more than one allocation of this target holds \
+                 ({} bytes)",
+                isize::MAX
+            ));
+        }
         // A buffer of another device may be larger than any of this one.
         let largest = device.limits().max_buffer_size;
         if size > largest {

@@ -27,7 +27,7 @@ use crate::spec::{CacheSpec, DeviceLimits, SlotSpec};
 pub(crate) use read::decoded;
 pub use slabs::{GpuSlab, HostSlab, SlotView};
 pub use snapshot::CacheImport;
-pub(crate) use snapshot::{SlotRows, check_slots, pump, write_slots};
+pub(crate) use snapshot::{SlotRows, pump, write_slots};
 pub(crate) use staged::StagedRows;
 use zero::{ZeroRange, zero_vector_bytes};
 

@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 
 use super::ledger::PagedPlan;
 use super::{PageLedger, PagedCache, page_ranges};
-use crate::cache::{HostRows, Rows, SlotRows, StagedRows, check_slots, pump, write_slots};
+use crate::cache::{HostRows, Rows, SlotRows, StagedRows, pump, write_slots};
 use crate::error::{Error, Result};
 use crate::seq::SeqId;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
@@ -39,7 +39,6 @@ impl PagedCache {
                 });
             }
         }
-        check_slots(&slots)?;
         let mut writer = SnapshotWriter::new(out, &self.spec, len, self.page_size())?;
         write_slots(self.device(), self.queue(), &mut writer, &slots).await?;
         writer.finish()
