@@ -631,7 +631,7 @@ pub enum SpecProblem {
         name: String,
         trailing: Vec<usize>,
     },
-    /// A slot's rows have more than `u32::MAX` elements, or its `max_seq_len` rows come to more
+    /// A slot's row has more than `u32::MAX` elements, or its `max_seq_len` rows come to more
     /// than `u64::MAX / 4` bytes.
     #[error(
         "layer {layer} slot {slot} ({name}): trailing shape {} x {max_seq_len} rows is too large",

@@ -169,8 +169,8 @@ impl CacheSpec {
     ///   finite ([`SpecProblem::BadScale`]);
     /// - the innermost trailing dimension of a q8_0 or q4_0 slot is whole blocks of 32 elements
     ///   ([`SpecProblem::BlockWidth`]);
-    /// - every slot's rows have at most `u32::MAX` elements, and its `max_seq_len` rows at most
-    ///   `u64::MAX / 4` bytes ([`SpecProblem::TooLarge`]);
+    /// - every slot's row has at most `u32::MAX` elements, and its `max_seq_len` rows come to at
+    ///   most `u64::MAX / 4` bytes ([`SpecProblem::TooLarge`]);
     /// - the rows of all slots at full capacity come to at most `u64::MAX / 4` bytes
     ///   ([`SpecProblem::TotalTooLarge`]).
     ///

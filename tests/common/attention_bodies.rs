@@ -387,6 +387,7 @@ pub async fn views_bound_before_the_scratch_grew_are_bound_again(g: &Gpu) {
         let mut att = Attention::with_kernels(super::kernels_for(g));
         att.set_kernel(kernel);
         att.set_target_workgroups(std::num::NonZeroUsize::new(usize::MAX));
+        let mut scratch = 0;
         for window in [Some(1), None] {
             let options = AttentionOptions {
                 window,
@@ -395,6 +396,11 @@ pub async fn views_bound_before_the_scratch_grew_are_bound_again(g: &Gpu) {
             let queries = Queries::new(&qb, 1, n_heads, d);
             att.gqa(&c, 0, queries, Output::new(&out).at(1), &options)
                 .unwrap();
+            assert!(
+                att.scratch_bytes() > scratch,
+                "{kernel:?}: the scratch did not grow"
+            );
+            scratch = att.scratch_bytes();
             let want = reference::attention_gqa(&q, [1, n_heads, d], &k, &v, n_kv, d, &options);
             let got = read_f32(g, &out).await;
             assert_close(&got[1..], &want, &format!("{kernel:?}, window {window:?}"));

@@ -1253,7 +1253,7 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
             ),
             "{dtype}: {e}"
         );
-        // One sequence of 2 rows, 3 queries: a batch of one entry is counted as well.
+        // (b, 2) with 3 queries given: a batch of one entry is counted as well.
         let e = att
             .gqa(
                 Kv::Batch(&c, &[(b, 2)]),

@@ -263,7 +263,7 @@ pub async fn sources_of_spread_elements_are_gathered(g: &Gpu) {
                 Some(b) => vec![(vec![b], vec![2 * b + 6, 2], 3)],
                 None => vec![
                     (vec![7], vec![16, 2], 2),
-                    (vec![3, 2, 2, 2, 5], vec![1600, 500, 162, 54, 18, 2], 3),
+                    (vec![3, 2, 4, 3, 5], vec![850, 283, 141, 35, 11, 2], 3),
                 ],
             };
             for (trailing, strides, offset) in cases {
