@@ -1102,4 +1102,44 @@ pub async fn imported_rows_get_zero_padding(g: &Gpu) {
     }
     let seq = import.finish().unwrap();
     whole(&seq_words(&p, seq).await, "pool, streamed");
+
+    // Rows of 12 bytes (f16 [5], 10 used) over 1.2 MB: a streamed import writes its staging a
+    // megabyte at a time, so writes start inside a row (1 MiB is 4 bytes into row 87,381).
+    let rows = 100_000;
+    let layer = LayerSpec::new(vec![SlotSpec::new("z", &[5])]);
+    let spec = CacheSpec::new(vec![layer], DType::F16, rows).unwrap();
+    let mut c = cache_on(g, spec.clone());
+    let x = values(78, rows * 5);
+    c.append(0, &[HostSlab::f32(&x, &[rows, 5])]).unwrap();
+    c.advance(rows).unwrap();
+    let want = words(&c, rows).await;
+    let mut bytes = c.snapshot_async().await.unwrap();
+    let rows_at = 20 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    for row in 0..rows {
+        let at = rows_at + row * 12;
+        bytes[at + 10..at + 12].fill(0xff);
+    }
+    let end = bytes.len() - 4;
+    let crc = crc32fast::hash(&bytes[..end]);
+    bytes[end..].copy_from_slice(&crc.to_le_bytes());
+    let mut streamed = cache_on(g, spec.clone());
+    let mut import = streamed.import_stream().unwrap();
+    for piece in bytes.chunks(64 << 10) {
+        import.push(piece).unwrap();
+    }
+    import.finish().unwrap();
+    assert!(
+        words(&streamed, rows).await == want,
+        "rows of 12 bytes, streamed: the rows or their padding"
+    );
+    let mut p = pool(g, spec, 1000, 100);
+    let mut import = p.import_sequence_stream();
+    for piece in bytes.chunks(64 << 10) {
+        import.push(piece).unwrap();
+    }
+    let seq = import.finish().unwrap();
+    assert!(
+        seq_words(&p, seq).await == want,
+        "rows of 12 bytes, streamed into a pool: the rows or their padding"
+    );
 }
