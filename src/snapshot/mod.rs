@@ -287,18 +287,24 @@ impl SnapshotBytes {
     }
 }
 
-impl Write for SnapshotBytes {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        // Amortized growth first; where doubling is past what one allocation holds, exactly.
-        if self.bytes.try_reserve(buf.len()).is_err()
-            && self.bytes.try_reserve_exact(buf.len()).is_err()
-        {
-            self.refused = Some(self.bytes.len() as u64 + buf.len() as u64);
+impl SnapshotBytes {
+    /// Room for `n` more bytes: amortized growth first; where doubling is past what one allocation
+    /// holds, exactly. Where neither fits, the length asked for is kept for `finish`.
+    fn grow(&mut self, n: usize) -> std::io::Result<()> {
+        if self.bytes.try_reserve(n).is_err() && self.bytes.try_reserve_exact(n).is_err() {
+            self.refused = Some(self.bytes.len() as u64 + n as u64);
             return Err(std::io::Error::new(
                 std::io::ErrorKind::OutOfMemory,
                 "the snapshot does not fit in host memory",
             ));
         }
+        Ok(())
+    }
+}
+
+impl Write for SnapshotBytes {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.grow(buf.len())?;
         self.bytes.extend_from_slice(buf);
         Ok(buf.len())
     }
@@ -864,6 +870,18 @@ mod tests {
         let other = SnapshotBytes::default().finish(Err(e.clone()));
         assert_eq!(other, Err(e));
         assert_eq!(out.finish(Ok(5)).unwrap(), b"kvgpu");
+        // Growth past what one allocation holds is refused (no allocation is tried), counted, and
+        // named out of memory.
+        let mut out = SnapshotBytes::default();
+        out.write_all(b"kvgpu").unwrap();
+        let refused = out.grow(isize::MAX as usize).unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::OutOfMemory);
+        let wanted = 5 + isize::MAX as u64;
+        assert_eq!(out.refused, Some(wanted));
+        assert!(matches!(
+            out.finish(Err(write_error(refused))),
+            Err(Error::OutOfMemory { bytes, .. }) if bytes == wanted
+        ));
     }
 
     /// A header whose spec names a slot with a megabyte and gives it 100,000 dimensions, one of
