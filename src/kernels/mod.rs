@@ -887,6 +887,26 @@ mod tests {
     use super::wgsl::WGSL_LAYOUTS;
     use super::*;
 
+    /// A value is made once per key and shared; a forgotten one (a refusal for want of memory) is
+    /// made again by the next call; `count` counts the values made that pass its test.
+    #[test]
+    fn pipelines_are_made_once_until_forgotten() {
+        let p: Pipelines<u32, std::result::Result<u32, String>> = Pipelines::new();
+        let mut makes = 0;
+        let mut make = |v: std::result::Result<u32, String>| {
+            makes += 1;
+            v
+        };
+        assert_eq!(p.get(1, || make(Ok(10))), (Ok(10), true));
+        assert_eq!(p.get(1, || make(Ok(11))), (Ok(10), false));
+        assert_eq!(p.get(2, || make(Err("refused".into()))).1, true);
+        assert_eq!(p.count(|v| v.is_ok()), 1);
+        assert_eq!(p.get(2, || make(Ok(20))), (Err("refused".into()), false));
+        p.forget(&2);
+        assert_eq!(p.get(2, || make(Ok(20))), (Ok(20), true));
+        assert_eq!((p.count(|v| v.is_ok()), makes), (2, 3));
+    }
+
     /// The registry's maps make values outside their lock: two threads making values of different
     /// keys are inside `make` at the same time (each waits there for the other, which a map holding
     /// its lock while making would never let happen), and threads wanting one key get the one value
