@@ -1,6 +1,8 @@
 //! The device helper: an unmatched adapter name is an error listing what exists, not a panic.
 #![cfg(not(target_arch = "wasm32"))]
 
+mod common;
+
 use kvgpu::{Error, Gpu};
 
 #[test]
@@ -27,8 +29,14 @@ fn a_matching_name_opens_that_adapter() {
     assert_eq!(again.adapter.get_info().name, name);
     // A part of the name, in another case, finds it too (llvmpipe's name goes on "(LLVM ...)").
     let word = name.split_whitespace().next().unwrap().to_uppercase();
-    let part = pollster::block_on(Gpu::open(backend.into(), Some(&word))).unwrap();
-    assert_eq!(part.adapter.get_info().name, name, "{word}");
+    if word.len() < name.len() {
+        let part = pollster::block_on(Gpu::open(backend.into(), Some(&word))).unwrap();
+        assert_eq!(part.adapter.get_info().name, name, "{word}");
+    } else {
+        common::shared::skipped(&format!(
+            "opening by a part of {name:?}, a name of one word"
+        ));
+    }
     assert!(any.limits().max_storage_buffer_binding_size >= 128 << 20);
 }
 

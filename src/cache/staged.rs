@@ -124,18 +124,7 @@ impl StagedRows {
         if n == 0 {
             return;
         }
-        let (row_bytes, used) = (*row_bytes as u64, *used as u64);
-        if used < row_bytes {
-            let end = at + n as u64;
-            let mut row = at - at % row_bytes;
-            while row < end {
-                let (lo, hi) = ((row + used).max(at), (row + row_bytes).min(end));
-                if lo < hi {
-                    self.pending[(lo - at) as usize..(hi - at) as usize].fill(0);
-                }
-                row += row_bytes;
-            }
-        }
+        zero_padding(&mut self.pending[..n], at, *row_bytes as u64, *used as u64);
         self.queue.write_buffer(buffer, at, &self.pending[..n]);
         self.pending.drain(..n);
         self.at.2 += n as u64;
@@ -144,6 +133,23 @@ impl StagedRows {
             self.queue.submit(std::iter::empty());
             self.unsubmitted = 0;
         }
+    }
+}
+
+/// Zeroes the padding (bytes `used..row_bytes` of each row) in `bytes`, the slot's bytes from byte
+/// `at`, which may start and end inside a row.
+fn zero_padding(bytes: &mut [u8], at: u64, row_bytes: u64, used: u64) {
+    if used >= row_bytes {
+        return;
+    }
+    let end = at + bytes.len() as u64;
+    let mut row = at - at % row_bytes;
+    while row < end {
+        let (lo, hi) = ((row + used).max(at), (row + row_bytes).min(end));
+        if lo < hi {
+            bytes[(lo - at) as usize..(hi - at) as usize].fill(0);
+        }
+        row += row_bytes;
     }
 }
 
@@ -163,5 +169,31 @@ impl Drop for StagedRows {
         {
             buffer.destroy();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::zero_padding;
+
+    /// Rows of 12 bytes, 10 used, seen through every window of the slot's bytes (starting and
+    /// ending anywhere, inside a row or on one): exactly the padding bytes are zeroed.
+    #[test]
+    fn padding_is_zeroed_in_any_window_of_the_rows() {
+        let (row_bytes, used) = (12u64, 10u64);
+        let total = 5 * row_bytes;
+        for at in 0..total {
+            for end in at..=total {
+                let mut bytes = vec![0xffu8; (end - at) as usize];
+                zero_padding(&mut bytes, at, row_bytes, used);
+                for (i, &b) in bytes.iter().enumerate() {
+                    let padding = (at + i as u64) % row_bytes >= used;
+                    assert_eq!(b == 0, padding, "bytes {at}..{end}, byte {}", at + i as u64);
+                }
+            }
+        }
+        let mut whole = vec![0xffu8; 8];
+        zero_padding(&mut whole, 4, 8, 8);
+        assert_eq!(whole, [0xff; 8], "rows without padding");
     }
 }

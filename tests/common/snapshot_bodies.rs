@@ -1057,7 +1057,8 @@ pub async fn a_longest_sequence_past_32_bits_restores_everywhere(g: &Gpu) {
 /// A snapshot whose rows carry set bits in their padding (another writer may leave them; the
 /// checksums cover them): every import, whole and streamed in pieces of 7 bytes (rows cut
 /// anywhere), into a cache and into a pool, stores the rows with zero padding as appends do, and the
-/// values as they were.
+/// values as they were. Then a slot of 1.2 MB streamed in pieces of 64 KiB, whose staging is
+/// written in more than one part.
 pub async fn imported_rows_get_zero_padding(g: &Gpu) {
     let layer = LayerSpec::new(vec![
         SlotSpec::new("x", &[3]),
@@ -1103,8 +1104,9 @@ pub async fn imported_rows_get_zero_padding(g: &Gpu) {
     let seq = import.finish().unwrap();
     whole(&seq_words(&p, seq).await, "pool, streamed");
 
-    // Rows of 12 bytes (f16 [5], 10 used) over 1.2 MB: a streamed import writes its staging a
-    // megabyte at a time, so writes start inside a row (1 MiB is 4 bytes into row 87,381).
+    // Rows of 12 bytes (f16 [5], 10 used) over 1.2 MB: a streamed import writes what it holds once
+    // it holds a megabyte, then the rest, which starts inside a row here (byte 1,114,028, 8 bytes
+    // into row 92,835; the unit test of `zero_padding` checks every start).
     let rows = 100_000;
     let layer = LayerSpec::new(vec![SlotSpec::new("z", &[5])]);
     let spec = CacheSpec::new(vec![layer], DType::F16, rows).unwrap();

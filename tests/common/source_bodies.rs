@@ -255,7 +255,7 @@ pub async fn conversion_matches_half_bit_for_bit(g: &Gpu) {
 pub async fn sources_of_spread_elements_are_gathered(g: &Gpu) {
     let n = 5;
     for src_dtype in DType::ALL {
-        let src_bits = bits_of(90, 8000, src_dtype);
+        let src_bits = bits_of(90, 10_000, src_dtype);
         let buf = source(g, &src_bits, src_dtype, STORAGE).await;
         for dtype in DType::STORAGE {
             // (trailing shape, strides, element offset)
@@ -263,7 +263,7 @@ pub async fn sources_of_spread_elements_are_gathered(g: &Gpu) {
                 Some(b) => vec![(vec![b], vec![2 * b + 6, 2], 3)],
                 None => vec![
                     (vec![7], vec![16, 2], 2),
-                    (vec![3, 2, 4, 3, 5], vec![850, 283, 141, 35, 11, 2], 3),
+                    (vec![3, 2, 4, 6, 7], vec![1892, 631, 315, 79, 13, 2], 3),
                 ],
             };
             for (trailing, strides, offset) in cases {
