@@ -540,6 +540,9 @@ impl Mapped {
         #[cfg(target_arch = "wasm32")]
         {
             let array = view.as_uint8array();
+            // Slot and pool buffers are under 4 GiB (`DeviceLimits::max_slot_bytes`), so the
+            // offsets below fit 32 bits.
+            debug_assert!(self.size <= u64::from(u32::MAX));
             let size = self.size as usize;
             let mut piece = Vec::new();
             piece.try_reserve_exact(PIECE.min(size)).map_err(|_| {
