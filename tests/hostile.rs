@@ -2507,6 +2507,17 @@ fn a_device_binding_more_than_its_largest_buffer_holds() {
     assert!(back == v, "the values read back differ");
 }
 
+/// A device of the adapter with 8 workgroups per dimension (2,048 invocations of 256).
+fn device_of_8_workgroups(g: &Gpu) -> Gpu {
+    device_with(
+        g,
+        wgpu::Limits {
+            max_compute_workgroups_per_dimension: 8,
+            ..wgpu::Limits::default()
+        },
+    )
+}
+
 /// A device of the adapter with `limits`.
 fn device_with(g: &Gpu, limits: wgpu::Limits) -> Gpu {
     let (device, queue) = pollster::block_on(g.adapter.request_device(&wgpu::DeviceDescriptor {
@@ -2639,13 +2650,7 @@ fn devices_below_each_needed_limit_are_refused_by_name() {
 fn zeroing_stays_within_the_devices_workgroups() {
     let _serial = serial();
     let g = gpu();
-    let few = device_with(
-        g,
-        wgpu::Limits {
-            max_compute_workgroups_per_dimension: 8,
-            ..wgpu::Limits::default()
-        },
-    );
+    let few = device_of_8_workgroups(g);
     // 4 MiB per slot.
     let rows = 1024;
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 1024, 1024)], DType::F32, rows).unwrap();
@@ -2675,13 +2680,7 @@ fn zeroing_stays_within_the_devices_workgroups() {
 fn slab_writes_stay_within_the_devices_workgroups() {
     let _serial = serial();
     let g = gpu();
-    let few = device_with(
-        g,
-        wgpu::Limits {
-            max_compute_workgroups_per_dimension: 8,
-            ..wgpu::Limits::default()
-        },
-    );
+    let few = device_of_8_workgroups(g);
     let (rows, width) = (1024, 256);
     let layer = LayerSpec::new(vec![
         SlotSpec::new("f32", &[width]),

@@ -933,26 +933,51 @@ async fn check_batches_in_one_encoder(
         calls.push((batch, [q, ql, qr], buffers));
     }
     g.queue.submit([encoder.finish()]);
-    for (i, (batch, [q, ql, qr], buffers)) in calls.iter().enumerate() {
+    for (i, (batch, q, buffers)) in calls.iter().enumerate() {
         let got = super::read_f32(g, &buffers[3]).await;
         let got_mla = super::read_f32(g, &buffers[4]).await;
-        let mut at = 0;
-        for &(seq, n_q) in batch.iter() {
-            let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
-            let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
-            let (xl, yl) = (at * HEADS * r, (at + n_q) * HEADS * r);
-            let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
-            assert_twins(
-                (&got[x..y], &got_mla[xl..yl]),
-                (&q[x..y], &ql[xl..yl], &qr[xr..yr]),
-                n_q,
-                rows,
-                (d, r, rope),
-                options,
-                &format!("{what}, batch {i} of one encoder: {seq}"),
-            );
-            at += n_q;
-        }
+        let what = format!("{what}, batch {i} of one encoder");
+        let q = (&q[0][..], &q[1][..], &q[2][..]);
+        assert_batch_twins(
+            (&got, &got_mla),
+            q,
+            batch,
+            seqs,
+            (d, r, rope),
+            options,
+            &what,
+        );
+    }
+}
+
+/// Each segment of a ragged `batch`'s GQA output `got.0` and MLA output `got.1` (queries `q`, in
+/// the batch's order) against the twins over its sequence's rows.
+#[allow(clippy::too_many_arguments)]
+fn assert_batch_twins(
+    got: (&[f32], &[f32]),
+    q: (&[f32], &[f32], &[f32]),
+    batch: &[(SeqId, usize)],
+    seqs: &[(SeqId, &SeqRows)],
+    (d, r, rope): (usize, usize, usize),
+    options: &AttentionOptions,
+    what: &str,
+) {
+    let mut at = 0;
+    for &(seq, n_q) in batch {
+        let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
+        let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
+        let (xl, yl) = (at * HEADS * r, (at + n_q) * HEADS * r);
+        let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
+        assert_twins(
+            (&got.0[x..y], &got.1[xl..yl]),
+            (&q.0[x..y], &q.1[xl..yl], &q.2[xr..yr]),
+            n_q,
+            rows,
+            (d, r, rope),
+            options,
+            &format!("{what}: {seq}"),
+        );
+        at += n_q;
     }
 }
 
@@ -996,23 +1021,16 @@ async fn check_batch(
     att.mla(Kv::Batch(c, batch), 1, queries, &out_mla, options)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     let got_mla = super::read_f32(g, &out_mla).await;
-    let mut at = 0;
-    for &(seq, n_q) in batch {
-        let rows = seqs.iter().find(|s| s.0 == seq).unwrap().1;
-        let (x, y) = (at * HEADS * d, (at + n_q) * HEADS * d);
-        let (xl, yl) = (at * HEADS * r, (at + n_q) * HEADS * r);
-        let (xr, yr) = (at * HEADS * rope, (at + n_q) * HEADS * rope);
-        assert_twins(
-            (&got[x..y], &got_mla[xl..yl]),
-            (&q[x..y], &ql[xl..yl], &qr[xr..yr]),
-            n_q,
-            rows,
-            (d, r, rope),
-            options,
-            &format!("{what}: {seq}"),
-        );
-        at += n_q;
-    }
+    let q = (&q[..], &ql[..], &qr[..]);
+    assert_batch_twins(
+        (&got, &got_mla),
+        q,
+        batch,
+        seqs,
+        (d, r, rope),
+        options,
+        what,
+    );
 }
 
 /// GQA (layer 0) and MLA (layer 1) attention of the last `n_q` rows of `seq` over a pool of
@@ -1234,77 +1252,43 @@ pub async fn paged_attention_matches_the_reference(g: &Gpu) {
         let q = super::f32_buffer(&g.device, &values(1, 64 * HEADS * d)).await;
         let out = super::output(&g.device, 64 * HEADS * d).await;
         let dflt = AttentionOptions::default();
-        let e = att
-            .gqa(
-                Kv::Batch(&c, &batch),
+        let mut refused = |batch: &[(SeqId, usize)], n_q: usize| {
+            att.gqa(
+                Kv::Batch(&c, batch),
                 0,
-                Queries::new(&q, total + 1, HEADS, d),
+                Queries::new(&q, n_q, HEADS, d),
                 &out,
                 &dflt,
             )
-            .unwrap_err();
+            .unwrap_err()
+        };
+        let request = |e: &Error| match e {
+            Error::AttentionRequest { problem, .. } => Some(problem.clone()),
+            _ => None,
+        };
+        let e = refused(&batch, total + 1);
         assert!(
-            matches!(
-                e,
-                Error::AttentionRequest {
-                    problem: AttentionProblem::BatchRows { .. },
-                    ..
-                }
-            ),
+            matches!(request(&e), Some(AttentionProblem::BatchRows { .. })),
             "{dtype}: {e}"
         );
         // (b, 2) with 3 queries given: a batch of one entry is counted as well.
-        let e = att
-            .gqa(
-                Kv::Batch(&c, &[(b, 2)]),
-                0,
-                Queries::new(&q, 3, HEADS, d),
-                &out,
-                &dflt,
-            )
-            .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::AttentionRequest {
-                    problem: AttentionProblem::BatchRows {
-                        batch: 2,
-                        queries: 3
-                    },
-                    ..
-                }
-            ),
+        let e = refused(&[(b, 2)], 3);
+        assert_eq!(
+            request(&e),
+            Some(AttentionProblem::BatchRows {
+                batch: 2,
+                queries: 3
+            }),
             "{dtype}: {e}"
         );
-        let e = att
-            .gqa(
-                Kv::Batch(&c, &[]),
-                0,
-                Queries::new(&q, 1, HEADS, d),
-                &out,
-                &dflt,
-            )
-            .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::AttentionRequest {
-                    problem: AttentionProblem::EmptyBatch,
-                    ..
-                }
-            ),
+        let e = refused(&[], 1);
+        assert_eq!(
+            request(&e),
+            Some(AttentionProblem::EmptyBatch),
             "{dtype}: {e}"
         );
         let too_many = [(a, 1), (b, c.len(b).unwrap() + 1)];
-        let e = att
-            .gqa(
-                Kv::Batch(&c, &too_many),
-                0,
-                Queries::new(&q, 2 + c.len(b).unwrap(), HEADS, d),
-                &out,
-                &dflt,
-            )
-            .unwrap_err();
+        let e = refused(&too_many, 2 + c.len(b).unwrap());
         // The entry whose count is wrong is named.
         let visible_b = c.len(b).unwrap();
         let want_b = |n_q| Error::QueryRows {
