@@ -1010,6 +1010,22 @@ pub async fn streamed_imports_match_whole_ones(g: &Gpu) {
     assert_eq!(e, SnapshotProblem::NotEmpty { len: 0, pending: 1 });
 }
 
+/// Where a snapshot's header checksum sits (after the magic, the version, the header's length and
+/// the header); its rows start 4 bytes later.
+fn header_end(bytes: &[u8]) -> usize {
+    16 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize
+}
+
+/// Writes both checksums of a snapshot whose bytes a test changed: the header's and the whole's.
+fn reseal(bytes: &mut [u8]) {
+    let at = header_end(bytes);
+    let crc = crc32fast::hash(&bytes[..at]);
+    bytes[at..at + 4].copy_from_slice(&crc.to_le_bytes());
+    let end = bytes.len() - 4;
+    let crc = crc32fast::hash(&bytes[..end]);
+    bytes[end..].copy_from_slice(&crc.to_le_bytes());
+}
+
 /// A snapshot whose header declares a longest sequence of 2^40 rows (a pool made natively may) and
 /// holds 5: it restores on every target, whole and streamed, into a cache and into a pool. A 32-bit
 /// machine reads that `max_seq_len` as `usize::MAX`.
@@ -1025,14 +1041,9 @@ pub async fn a_longest_sequence_past_32_bits_restores_everywhere(g: &Gpu) {
     fill(&mut c, 5, &mut rng);
     let mut bytes = c.snapshot_async().await.unwrap();
     let want = words(&c, 5).await;
-    // After the magic, the version, the header's length and its storage type; then both checksums.
+    // After the magic, the version, the header's length and its storage type.
     bytes[20..28].copy_from_slice(&(1u64 << 40).to_le_bytes());
-    let header_end = 16 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
-    let crc = crc32fast::hash(&bytes[..header_end]);
-    bytes[header_end..header_end + 4].copy_from_slice(&crc.to_le_bytes());
-    let end = bytes.len() - 4;
-    let crc = crc32fast::hash(&bytes[..end]);
-    bytes[end..].copy_from_slice(&crc.to_le_bytes());
+    reseal(&mut bytes);
 
     let header = SnapshotHeader::parse(&bytes).unwrap();
     let declared = usize::try_from(1u64 << 40).unwrap_or(usize::MAX);
@@ -1071,16 +1082,14 @@ pub async fn imported_rows_get_zero_padding(g: &Gpu) {
     let want = words(&c, 9).await;
     let mut bytes = c.snapshot_async().await.unwrap();
     // Rows of 8 bytes: f16 [3] uses 6 of them, fp8 [5] 5.
-    let rows_at = 20 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    let rows_at = header_end(&bytes) + 4;
     for (slot, used) in [(0, 6), (1, 5)] {
         for row in 0..9 {
             let at = rows_at + slot * 9 * 8 + row * 8;
             bytes[at + used..at + 8].fill(0xff);
         }
     }
-    let end = bytes.len() - 4;
-    let crc = crc32fast::hash(&bytes[..end]);
-    bytes[end..].copy_from_slice(&crc.to_le_bytes());
+    reseal(&mut bytes);
     let whole = |words: &[Vec<u32>], what: &str| {
         assert_eq!(words, want, "{what}: the rows or their padding");
     };
@@ -1116,14 +1125,12 @@ pub async fn imported_rows_get_zero_padding(g: &Gpu) {
     c.advance(rows).unwrap();
     let want = words(&c, rows).await;
     let mut bytes = c.snapshot_async().await.unwrap();
-    let rows_at = 20 + u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    let rows_at = header_end(&bytes) + 4;
     for row in 0..rows {
         let at = rows_at + row * 12;
         bytes[at + 10..at + 12].fill(0xff);
     }
-    let end = bytes.len() - 4;
-    let crc = crc32fast::hash(&bytes[..end]);
-    bytes[end..].copy_from_slice(&crc.to_le_bytes());
+    reseal(&mut bytes);
     let mut streamed = cache_on(g, spec.clone());
     let mut import = streamed.import_stream().unwrap();
     for piece in bytes.chunks(64 << 10) {
