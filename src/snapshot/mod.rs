@@ -285,9 +285,7 @@ impl SnapshotBytes {
             (Err(e), None) => Err(e),
         }
     }
-}
 
-impl SnapshotBytes {
     /// Room for `n` more bytes: amortized growth first; where doubling is past what one allocation
     /// holds, exactly. Where neither fits, the length asked for is kept for `finish`.
     fn grow(&mut self, n: usize) -> std::io::Result<()> {
