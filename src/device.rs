@@ -371,7 +371,10 @@ pub(crate) async fn staging_buffer(
         mapped_at_creation: false,
     });
     match scope.pop().await {
-        None => Ok(Staging(staging)),
+        None => match crate::kernels::lost(&staging, "the readback's staging buffer") {
+            Some(reason) => Err(reason),
+            None => Ok(Staging(staging)),
+        },
         Some(e) => Err(format!(
             "the device could not allocate a staging buffer of {size} bytes for the readback: {e}"
         )),

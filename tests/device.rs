@@ -202,3 +202,146 @@ fn caches_and_buffers_of_another_gpu_are_refused() {
     )
     .unwrap();
 }
+
+/// After the device is lost (`Device::destroy`, as a driver loss would), no call panics. wgpu 30
+/// reports nothing a lost device fails to make and hands out invalid buffers, whose first write or
+/// mapping was a wgpu validation error, a panic without an app's handler: every readback and
+/// export, every call that made a buffer (the parameter ring, attention's scratch, an upload, a
+/// new cache or pool). Those refuse with the device named as lost; calls whose buffers were all
+/// made before the loss record or write nothing and return. Two rounds: nothing made before the
+/// loss, and every kind of buffer made before it.
+#[test]
+fn no_call_panics_after_the_device_is_lost() {
+    use kvgpu::{
+        Attention, AttentionOptions, CacheSpec, DType, Error, GpuSlab, HostSlab, Kernels, Kv,
+        KvCache, LayerSpec, PagedCache, Queries,
+    };
+    let lost = |e: &Error| e.to_string().contains("the device is lost");
+    for used_before in [false, true] {
+        let g = Gpu::from_env_blocking().unwrap();
+        let spec = CacheSpec::new(vec![LayerSpec::kv(2, 8, 8)], DType::F16, 64).unwrap();
+        let mut c = KvCache::new(&g.device, &g.queue, spec.clone()).unwrap();
+        let mut p = PagedCache::new(&g.device, &g.queue, spec.clone(), 4, 8).unwrap();
+        let s = p.add_sequence().unwrap();
+        let x = [0.25f32; 16];
+        let rows = [HostSlab::f32(&x, &[1, 2, 8]), HostSlab::f32(&x, &[1, 2, 8])];
+        c.append(0, &rows).unwrap();
+        c.advance(1).unwrap();
+        p.append(s, 0, &rows).unwrap();
+        p.advance(s, 1).unwrap();
+        let (snapshot, pool_snapshot) = (c.snapshot().unwrap(), p.snapshot_sequence(s).unwrap());
+        let buffer = || {
+            g.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("app buffer"),
+                size: 256,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        };
+        let (q, out, src) = (buffer(), buffer(), buffer());
+        let shape = [1, 2, 8];
+        let slab = GpuSlab {
+            buffer: &src,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &shape,
+            strides: None,
+        };
+        let opts = AttentionOptions::default();
+        let mut att = Attention::for_cache(&c);
+        let batch = [(s, 1)];
+        if used_before {
+            att.gqa(&c, 0, Queries::new(&q, 1, 2, 8), &out, &opts)
+                .unwrap();
+            att.gqa(
+                Kv::Batch(&p, &batch),
+                0,
+                Queries::new(&q, 1, 2, 8),
+                &out,
+                &opts,
+            )
+            .unwrap();
+            c.append_gpu(0, &[slab, slab]).unwrap();
+            c.append_layers(&[&rows[..]]).unwrap();
+            c.advance(2).unwrap();
+            c.truncate_and_scrub(1).unwrap();
+            assert_eq!(c.read_f32(0, 0).unwrap(), vec![0.25; 16]);
+        }
+        g.device.destroy();
+        let round = if used_before {
+            "made before"
+        } else {
+            "nothing made"
+        };
+        for (what, e) in [
+            ("read_f32", c.read_f32(0, 0).unwrap_err()),
+            ("read_words", c.read_words(0, 1).unwrap_err()),
+            ("export", c.snapshot().unwrap_err()),
+            (
+                "pool read",
+                pollster::block_on(p.read_f32_async(s, 0, 0)).unwrap_err(),
+            ),
+            ("pool export", p.snapshot_sequence(s).unwrap_err()),
+            (
+                "new cache",
+                KvCache::new(&g.device, &g.queue, spec.clone()).unwrap_err(),
+            ),
+            (
+                "new pool",
+                PagedCache::new(&g.device, &g.queue, spec.clone(), 4, 8).unwrap_err(),
+            ),
+            (
+                "new registry",
+                Kernels::new(&g.device, &g.queue).unwrap_err(),
+            ),
+        ] {
+            assert!(lost(&e), "{round}: {what}: {e}");
+        }
+        // Calls that made their buffers now are refused; with them made before, they return.
+        // (`destroy` also destroyed the app's buffers, which a call may refuse first.)
+        let refused = |e: &Error| lost(e) || e.to_string().contains("destroyed");
+        let mut fresh = Attention::for_cache(&c);
+        let made_now = [
+            (
+                "new attention",
+                fresh.gqa(&c, 0, Queries::new(&q, 1, 2, 8), &out, &opts),
+            ),
+            ("append_gpu", c.append_gpu(0, &[slab, slab]).map(|_| ())),
+            ("append_layers", c.append_layers(&[&rows[..]])),
+            (
+                "gqa",
+                att.gqa(&c, 0, Queries::new(&q, 1, 2, 8), &out, &opts),
+            ),
+            (
+                "pool gqa",
+                att.gqa(
+                    Kv::Batch(&p, &batch),
+                    0,
+                    Queries::new(&q, 1, 2, 8),
+                    &out,
+                    &opts,
+                ),
+            ),
+            ("truncate_and_scrub", c.truncate_and_scrub(0)),
+            ("reset", c.reset()),
+        ];
+        for (what, result) in made_now {
+            match result {
+                Err(e) => assert!(refused(&e), "{round}: {what}: {e}"),
+                Ok(()) => assert!(used_before, "{round}: {what} passed"),
+            }
+        }
+        // Writes into buffers made before the loss: nothing to refuse, nothing written.
+        c.append(0, &rows).unwrap();
+        p.append(s, 0, &rows).unwrap();
+        c.view(0, 0).unwrap();
+        let mut empty = KvCache::with_kernels(c.kernels().clone(), spec.clone());
+        if let Ok(empty) = empty.as_mut() {
+            let _ = empty.import(&snapshot);
+        }
+        let _ = p.import_sequence(&pool_snapshot);
+        let _ = att.prepare(&c, 2);
+    }
+}

@@ -102,6 +102,13 @@ struct Scratch {
     part: wgpu::Buffer,
 }
 
+impl crate::kernels::Made for Scratch {
+    fn each(&self, f: &mut dyn FnMut(&wgpu::Buffer)) {
+        f(&self.stats);
+        f(&self.part);
+    }
+}
+
 /// The attention a layer's slots allow: GQA / MHA over K `[n_kv, d_k]` and V `[n_kv, d_v]` (`d_a =
 /// d_k`, no `d_b`), or MLA over `compressed_kv [r]` and `k_pe [p]` (`d_a = d_v = r`, `d_b = p`, one
 /// KV "head").

@@ -437,6 +437,13 @@ impl Kernels {
                 )
                 .pipeline(device, "main", &[])
             });
+        let no_pages = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kvgpu no page table"),
+            size: 16,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        made_alive(&no_pages, "the registry's empty page table")?;
         let write_layout = storage_layout(device, "kvgpu slab_write", &[true, false, true]);
         let write = Kernel::new(
             device,
@@ -449,12 +456,7 @@ impl Kernels {
             queue: queue.clone(),
             cpu,
             attn_slots_layout: storage_layout(device, "kvgpu attention slots", &[true; 4]),
-            no_pages: device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("kvgpu no page table"),
-                size: 16,
-                usage: wgpu::BufferUsages::STORAGE,
-                mapped_at_creation: false,
-            }),
+            no_pages,
             attn_io_layout: storage_layout(
                 device,
                 "kvgpu attention io",
@@ -854,20 +856,87 @@ fn scoped_to<T>(
 /// [`Error::OutOfMemory`] where the device could not allocate them (the buffers `f` made are then
 /// dropped, before anything uses them). In the browser no scope is pushed ([`scoped`]), so WebGPU
 /// reports a refused allocation itself (the device's uncaptured error).
-pub(crate) fn allocated<T>(
+///
+/// Natively the buffers made are also checked for a lost device ([`made_alive`]): [`Error::Device`].
+pub(crate) fn allocated<T: Made>(
     device: &wgpu::Device,
     what: &str,
     bytes: u64,
     f: impl FnOnce() -> T,
 ) -> crate::Result<T> {
     match scoped_to(device, wgpu::ErrorFilter::OutOfMemory, f) {
-        (made, None) => Ok(made),
+        (made, None) => {
+            made_alive(&made, what)?;
+            Ok(made)
+        }
         (_, Some(reason)) => Err(Error::OutOfMemory {
             what: what.to_string(),
             bytes,
             reason,
         }),
     }
+}
+
+/// What kvgpu makes under [`allocated`]: the buffers in it.
+pub(crate) trait Made {
+    /// Calls `f` with each buffer.
+    fn each(&self, f: &mut dyn FnMut(&wgpu::Buffer));
+}
+
+impl Made for wgpu::Buffer {
+    fn each(&self, f: &mut dyn FnMut(&wgpu::Buffer)) {
+        f(self)
+    }
+}
+
+impl Made for () {
+    fn each(&self, _: &mut dyn FnMut(&wgpu::Buffer)) {}
+}
+
+impl<T: Made> Made for Option<T> {
+    fn each(&self, f: &mut dyn FnMut(&wgpu::Buffer)) {
+        if let Some(made) = self {
+            made.each(f)
+        }
+    }
+}
+
+impl<T: Made> Made for Vec<T> {
+    fn each(&self, f: &mut dyn FnMut(&wgpu::Buffer)) {
+        for made in self {
+            made.each(f)
+        }
+    }
+}
+
+/// A buffer with two numbers about it (a snapshot's staging: row bytes, used bytes).
+impl<T: Made> Made for (T, usize, usize) {
+    fn each(&self, f: &mut dyn FnMut(&wgpu::Buffer)) {
+        self.0.each(f)
+    }
+}
+
+/// Natively, [`Error::Device`] where a buffer kvgpu just made for `what` is invalid though no error
+/// scope saw its creation fail: the device is lost. wgpu 30 reports no error for what a lost device
+/// fails to make, and hands out an invalid buffer whose first use (a write, a mapping, a binding) is
+/// a validation error, which without an app's handler panics. A buffer made before the loss is
+/// valid; the writes into it and its mappings fail quietly, and a readback through it is refused. In
+/// the browser a lost device fails everything quietly, so nothing is checked.
+pub(crate) fn made_alive(made: &impl Made, what: &str) -> crate::Result<()> {
+    match lost(made, what) {
+        Some(reason) => Err(Error::Device { reason }),
+        None => Ok(()),
+    }
+}
+
+/// Why [`made_alive`] refuses `made`, if it does.
+pub(crate) fn lost(made: &impl Made, what: &str) -> Option<String> {
+    if cfg!(target_arch = "wasm32") {
+        return None;
+    }
+    let mut invalid = false;
+    made.each(&mut |b| invalid |= held(b) == Held::Invalid);
+    invalid.then(|| format!("the device is lost (wgpu made {what} invalid)"))
 }
 
 /// Polls a future once.
