@@ -47,6 +47,7 @@ common::shared_tests!(attention_bodies, serial: serial;
     queries_shared_through_a_stride_of_0_are_read,
     views_out_of_range_overflowing_overlapping_or_aliased_are_refused,
     views_bound_before_the_scratch_grew_are_bound_again,
+    steep_and_deep_scores_match_the_twin,
 );
 
 #[test]

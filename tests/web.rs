@@ -168,6 +168,7 @@ browser_tests!(attention_bodies:
     views_out_of_range_overflowing_overlapping_or_aliased_are_refused,
     views_bound_before_the_scratch_grew_are_bound_again,
     scales_and_soft_caps_at_the_edge_of_f32_match_the_twin,
+    steep_and_deep_scores_match_the_twin,
     auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused,
 );
 

@@ -304,18 +304,21 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     )
     .await;
     // Heads of 80 (as Phi-2's): the GPU merge's last block of 32 output elements is a partial one.
-    // On the tiled kernel alone, whose pipelines are PLAN_CASES[0]'s (a streaming kernel compiles
-    // one per shape: seconds on a cold OpenGL).
+    // Values of 17 elements (`gqa_matches`' case 7, over 4 chunks), which the merge cannot read in 16-byte
+    // vectors. On the tiled kernel alone, whose pipelines are PLAN_CASES[0]'s and case 7's (a
+    // streaming kernel compiles one per shape: seconds on a cold OpenGL).
     let heads_of_80 = Gqa {
         d_k: 80,
         d_v: 80,
         ..PLAN_CASES[0]
     };
+    #[rustfmt::skip]
+    let values_of_17 = Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 200, n_q: 3, window: None, soft_cap: None };
     check_kernels(
         g,
         &mut att,
         &[KernelChoice::Tiled],
-        &[heads_of_80],
+        &[heads_of_80, values_of_17],
         &[DType::F32],
         PLAN_MLA,
         &[],
@@ -1555,6 +1558,119 @@ pub async fn scales_and_soft_caps_at_the_edge_of_f32_match_the_twin(g: &Gpu) {
     ] {
         let (got, want) = gqa_of_two_scored_rows(g, options).await;
         assert_close(&got, &want, &format!("{options:?}"));
+    }
+}
+
+/// Scores that rise by 100 from each row to the next, and scores near -200, over 5 rows with queries
+/// that see 3, 4 and 5 of them, on every kernel: GQA (f32, 2 KV heads of 128) under a GPU's plans,
+/// where teams with subgroups take two rows per loop iteration for f32, and DeepSeek's MLA (f32 and
+/// f16) under the adapter's own, where a CPU adapter's subgroup teams do. A two-row step's running
+/// max must be the larger of its two rows' scores (with the first row's alone, the second row's
+/// weight `exp(100)` overflows), and must leave out a second row the chunk does not have (its
+/// score of 0 would zero the weights of scores below -87). Against the twins.
+pub async fn steep_and_deep_scores_match_the_twin(g: &Gpu) {
+    let (rows, n_q) = (5, 3);
+    // Element 0 of row i's key (GQA) or latent (MLA); the queries are 1 there and 0 elsewhere, and
+    // the scale is 1, so that is row i's score.
+    let scores = [|i: usize| 100.0 * i as f32, |i: usize| -200.0 - i as f32];
+    let options = AttentionOptions {
+        scale: Some(1.0),
+        ..Default::default()
+    };
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    for gqa in [true, false] {
+        att.plan_as_for_a_gpu(gqa);
+        let dtypes: &[DType] = if gqa {
+            &[DType::F32]
+        } else {
+            &[DType::F32, DType::F16]
+        };
+        // [n_kv, n_heads, d_a (K or the latent), d_b (k_pe), d_v]
+        let [n_kv, n_heads, d_a, d_b, d_v] = if gqa {
+            [2, 8, 128, 0, 128]
+        } else {
+            [1, 16, 512, 64, 512]
+        };
+        let shapes = if gqa {
+            [vec![rows, n_kv, d_a], vec![rows, n_kv, d_v]]
+        } else {
+            [vec![rows, d_a], vec![rows, d_b]]
+        };
+        for kernel in kernels(g) {
+            att.set_kernel(kernel);
+            for &dtype in dtypes {
+                for (k, score) in scores.iter().enumerate() {
+                    let what = format!(
+                        "{} {kernel:?} {dtype:?}, scores {k}",
+                        ["MLA", "GQA"][usize::from(gqa)]
+                    );
+                    let layer = if gqa {
+                        LayerSpec::kv(n_kv, d_a, d_v)
+                    } else {
+                        LayerSpec::mla(d_a, d_b)
+                    };
+                    let mut c = cache_on(g, CacheSpec::new(vec![layer], dtype, rows).unwrap());
+                    // Slot 0 (K, or the latent, which is MLA's V too): the score in element 0 of
+                    // each KV head, small values after it. Slot 1: V's values, or k_pe's zeros.
+                    let mut a: Vec<f32> = values(90 + k as u64, rows * n_kv * d_a)
+                        .iter()
+                        .map(|x| x * 0.01)
+                        .collect();
+                    for i in 0..rows {
+                        for kv in 0..n_kv {
+                            a[(i * n_kv + kv) * d_a] = score(i);
+                        }
+                    }
+                    let b = if gqa {
+                        values(95 + k as u64, rows * n_kv * d_v)
+                    } else {
+                        vec![0.0; rows * d_b]
+                    };
+                    let slabs = [HostSlab::f32(&a, &shapes[0]), HostSlab::f32(&b, &shapes[1])];
+                    c.append(0, &slabs).unwrap();
+                    c.advance(rows).unwrap();
+                    let mut qa = vec![0.0f32; n_q * n_heads * d_a];
+                    for h in 0..n_q * n_heads {
+                        qa[h * d_a] = 1.0;
+                    }
+                    let qb = vec![0.0f32; (n_q * n_heads * d_b).max(1)];
+                    let (qa_buf, qb_buf) = (
+                        f32_buffer(&g.device, &qa).await,
+                        f32_buffer(&g.device, &qb).await,
+                    );
+                    let out = output(&g.device, n_q * n_heads * d_v).await;
+                    let dims = [n_q, n_heads, d_a];
+                    let result = if gqa {
+                        att.gqa(
+                            &c,
+                            0,
+                            Queries::new(&qa_buf, n_q, n_heads, d_a),
+                            &out,
+                            &options,
+                        )
+                    } else {
+                        let queries = MlaQueries {
+                            latent: Queries::new(&qa_buf, n_q, n_heads, d_a),
+                            rope: Queries::new(&qb_buf, n_q, n_heads, d_b),
+                        };
+                        att.mla(&c, 0, queries, &out, &options)
+                    };
+                    if !ran(g, result, &att, &c, &out).await {
+                        continue;
+                    }
+                    let (sa, sb) = (
+                        c.read_f32_async(0, 0).await.unwrap(),
+                        c.read_f32_async(0, 1).await.unwrap(),
+                    );
+                    let want = if gqa {
+                        reference::attention_gqa(&qa, dims, &sa, &sb, n_kv, d_v, &options)
+                    } else {
+                        reference::attention_mla(&qa, &qb, dims, &sa, &sb, d_b, &options)
+                    };
+                    assert_close(&read_f32(g, &out).await, &want, &what);
+                }
+            }
+        }
     }
 }
 
