@@ -252,10 +252,33 @@ impl<'w, W: Write + ?Sized> SnapshotWriter<'w, W> {
         Ok(self.written)
     }
 
+    /// Writes `bytes` whole, with `write` in a loop as `write_all` does; but a writer that says it
+    /// wrote more than it was given is refused (`write_all` would slice past the bytes: a panic).
     fn put(&mut self, bytes: &[u8]) -> Result<()> {
         self.crc.update(bytes);
         self.written += bytes.len() as u64;
-        self.out.write_all(bytes).map_err(write_error)
+        let mut left = bytes;
+        let broken = |reason: String| Error::Snapshot {
+            problem: SnapshotProblem::Write { reason },
+        };
+        while !left.is_empty() {
+            match self.out.write(left) {
+                Ok(0) => {
+                    return Err(broken(format!(
+                        "the writer took none of {} bytes",
+                        left.len()
+                    )));
+                }
+                Ok(n) if n > left.len() => {
+                    let reason = format!("the writer said it wrote {n} bytes of {}", left.len());
+                    return Err(broken(reason));
+                }
+                Ok(n) => left = &left[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(write_error(e)),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -687,6 +710,69 @@ mod tests {
                 "{left}: {problem}"
             );
         }
+    }
+
+    /// Writers that break `Write`'s contract: one that says it wrote a byte more than it was given
+    /// (`write_all` sliced past the bytes: a panic), and one that writes nothing; and one that is
+    /// interrupted once per write, which is written through.
+    #[test]
+    fn a_writer_breaking_its_contract_is_refused() {
+        struct Odd {
+            extra: Option<usize>,
+            interrupted: bool,
+            kept: Vec<u8>,
+        }
+        impl Write for Odd {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                if std::mem::take(&mut self.interrupted) {
+                    return Err(std::io::ErrorKind::Interrupted.into());
+                }
+                self.interrupted = true;
+                match self.extra {
+                    // Says it wrote `extra` more bytes than it got, or (0) none.
+                    Some(extra) if extra > 0 => Ok(buf.len() + extra),
+                    Some(_) => Ok(0),
+                    None => {
+                        let n = buf.len().min(3);
+                        self.kept.extend_from_slice(&buf[..n]);
+                        Ok(n)
+                    }
+                }
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let spec = spec(DType::F32);
+        let (bytes, rows_at) = fabricated(&spec, 2, 8);
+        let export = |out: &mut Odd| {
+            SnapshotWriter::new(out, &spec, 2, 0).and_then(|mut w| {
+                w.rows(&bytes[rows_at..bytes.len() - 4])?;
+                w.finish()
+            })
+        };
+        for (extra, wanted) in [
+            (1, "the writer said it wrote"),
+            (0, "the writer took none of"),
+        ] {
+            let result = export(&mut Odd {
+                extra: Some(extra),
+                interrupted: false,
+                kept: Vec::new(),
+            });
+            assert!(
+                matches!(&result, Err(Error::Snapshot { problem: SnapshotProblem::Write { reason } })
+                    if reason.contains(wanted)),
+                "{extra}: {result:?}"
+            );
+        }
+        let mut honest = Odd {
+            extra: None,
+            interrupted: true,
+            kept: Vec::new(),
+        };
+        assert_eq!(export(&mut honest).unwrap(), bytes.len() as u64);
+        assert_eq!(honest.kept, bytes);
     }
 
     #[test]
