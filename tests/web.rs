@@ -11,9 +11,10 @@
 //!   too: a scale or soft-cap at the edge of f32 (`scales_and_soft_caps_at_the_edge_of_f32_...`);
 //!   zeroing on a device allowing 8 workgroups per dimension is native only (a browser device has
 //!   WebGPU's 65,535 at least).
-//! - `device.rs`, `attention.rs`'s foreign-device test and `snapshot.rs`'s move between Vulkan and
-//!   OpenGL: several devices, instances or backends in one process (the browser's own foreign
-//!   buffer and queue tests are below).
+//! - `device.rs` (but for its lost device, whose body is shared and runs below), `attention.rs`'s
+//!   foreign-device test and `snapshot.rs`'s move between Vulkan and OpenGL: several devices,
+//!   instances or backends in one process (the browser's own foreign buffer and queue tests are
+//!   below).
 //! - `attention.rs`'s prepare on many threads at once: threads.
 //! - `out_of_memory.rs`: it caps the process's address space.
 //! - `memory.rs`'s refused attention and refused GPU append: they read the device's live buffers
@@ -246,6 +247,13 @@ async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(
 async fn the_16_byte_path_leaves_the_padding_half_zero() {
     let g = gpu().await;
     shared::the_16_byte_path_leaves_the_padding_half_zero(&g).await;
+    checked(&g).await;
+}
+
+#[wasm_bindgen_test]
+async fn no_call_panics_after_the_device_is_lost() {
+    let g = gpu().await;
+    shared::no_call_panics_after_the_device_is_lost(&g).await;
     checked(&g).await;
 }
 

@@ -648,6 +648,145 @@ pub async fn a_queue_of_another_device_is_refused(g: &Gpu) {
     }
 }
 
+/// After the device is lost (`Device::destroy`, as a driver loss would), no call panics, on a device
+/// of its own. wgpu 30 reports nothing a lost device fails to make and hands out invalid buffers,
+/// whose first write or mapping was a wgpu validation error, natively a panic without an app's
+/// handler: every readback and export, every call that made a buffer (the parameter ring,
+/// attention's scratch, an upload, a new cache, pool or registry). Natively those now refuse with
+/// the device named as lost, and calls whose buffers were all made before the loss write nothing
+/// and return. In the browser readbacks and exports fail, the rest return, and WebGPU reports no
+/// error (the suite's check). Two rounds: nothing made before the loss, and every kind of buffer
+/// made before it.
+pub async fn no_call_panics_after_the_device_is_lost(g: &Gpu) {
+    use kvgpu::{Kv, PagedCache};
+    let native = cfg!(not(target_arch = "wasm32"));
+    let lost = |e: &Error| !native || e.to_string().contains("the device is lost");
+    for used_before in [false, true] {
+        let g = default_limits_gpu(g).await;
+        let spec = CacheSpec::new(vec![LayerSpec::kv(2, 8, 8)], DType::F16, 64).unwrap();
+        let mut c = KvCache::new(&g.device, &g.queue, spec.clone()).unwrap();
+        let mut p = PagedCache::new(&g.device, &g.queue, spec.clone(), 4, 8).unwrap();
+        let s = p.add_sequence().unwrap();
+        let x = [0.25f32; 16];
+        let rows = [HostSlab::f32(&x, &[1, 2, 8]), HostSlab::f32(&x, &[1, 2, 8])];
+        c.append(0, &rows).unwrap();
+        c.advance(1).unwrap();
+        p.append(s, 0, &rows).unwrap();
+        p.advance(s, 1).unwrap();
+        let snapshot = c.snapshot_async().await.unwrap();
+        let pool_snapshot = p.snapshot_sequence_async(s).await.unwrap();
+        let (q, out, src) = (
+            f32_buffer(&g.device, &[1.0; 64]).await,
+            output(&g.device, 64).await,
+            f32_buffer(&g.device, &[0.5; 64]).await,
+        );
+        let shape = [1, 2, 8];
+        let slab = GpuSlab {
+            buffer: &src,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &shape,
+            strides: None,
+        };
+        let opts = AttentionOptions::default();
+        let mut att = Attention::for_cache(&c);
+        let batch = [(s, 1)];
+        if used_before {
+            att.gqa(&c, 0, Queries::new(&q, 1, 2, 8), &out, &opts)
+                .unwrap();
+            let queries = Queries::new(&q, 1, 2, 8);
+            att.gqa(Kv::Batch(&p, &batch), 0, queries, &out, &opts)
+                .unwrap();
+            c.append_gpu(0, &[slab, slab]).unwrap();
+            c.append_layers(&[&rows[..]]).unwrap();
+            c.advance(2).unwrap();
+            c.truncate_and_scrub(1).unwrap();
+            assert_eq!(c.read_f32_async(0, 0).await.unwrap(), vec![0.25; 16]);
+        }
+        g.device.destroy();
+        let round = if used_before {
+            "made before"
+        } else {
+            "nothing made"
+        };
+        for (what, e) in [
+            ("read_f32", c.read_f32_async(0, 0).await.unwrap_err()),
+            ("read_words", c.read_words_async(0, 1).await.unwrap_err()),
+            ("export", c.snapshot_async().await.unwrap_err()),
+            ("pool read", p.read_f32_async(s, 0, 0).await.unwrap_err()),
+            (
+                "pool export",
+                p.snapshot_sequence_async(s).await.unwrap_err(),
+            ),
+        ] {
+            assert!(lost(&e), "{round}: {what}: {e}");
+        }
+        // Made now: natively refused.
+        for (what, result) in [
+            (
+                "new cache",
+                KvCache::new(&g.device, &g.queue, spec.clone()).map(|_| ()),
+            ),
+            (
+                "new pool",
+                PagedCache::new(&g.device, &g.queue, spec.clone(), 4, 8).map(|_| ()),
+            ),
+            (
+                "new registry",
+                Kernels::new(&g.device, &g.queue).map(|_| ()),
+            ),
+        ] {
+            match result {
+                Err(e) => assert!(lost(&e), "{round}: {what}: {e}"),
+                Ok(()) => assert!(!native, "{round}: {what} passed"),
+            }
+        }
+        // Calls that make their buffers now are refused natively; with them made before, they
+        // return. (`destroy` also destroyed the app's buffers, which a call may refuse first.)
+        let refused = |e: &Error| lost(e) || e.to_string().contains("destroyed");
+        let mut fresh = Attention::for_cache(&c);
+        let made_now = [
+            (
+                "new attention",
+                fresh.gqa(&c, 0, Queries::new(&q, 1, 2, 8), &out, &opts),
+            ),
+            ("append_gpu", c.append_gpu(0, &[slab, slab]).map(|_| ())),
+            ("append_layers", c.append_layers(&[&rows[..]])),
+            (
+                "gqa",
+                att.gqa(&c, 0, Queries::new(&q, 1, 2, 8), &out, &opts),
+            ),
+            (
+                "pool gqa",
+                att.gqa(
+                    Kv::Batch(&p, &batch),
+                    0,
+                    Queries::new(&q, 1, 2, 8),
+                    &out,
+                    &opts,
+                ),
+            ),
+            ("truncate_and_scrub", c.truncate_and_scrub(0)),
+            ("reset", c.reset()),
+        ];
+        for (what, result) in made_now {
+            match result {
+                Err(e) => assert!(refused(&e), "{round}: {what}: {e}"),
+                Ok(()) => assert!(used_before || !native, "{round}: {what} passed"),
+            }
+        }
+        // Writes into buffers made before the loss: nothing to refuse, nothing written.
+        c.append(0, &rows).unwrap();
+        p.append(s, 0, &rows).unwrap();
+        c.view(0, 0).unwrap();
+        if let Ok(mut empty) = KvCache::with_kernels(c.kernels().clone(), spec.clone()) {
+            let _ = empty.import(&snapshot);
+        }
+        let _ = p.import_sequence(&pool_snapshot);
+        let _ = att.prepare(&c, 2);
+    }
+}
+
 /// 4,100 kernel appends recorded before one submission: each reads the parameters it was recorded
 /// with, word for word against the CPU model.
 pub async fn thousands_of_recorded_appends_in_one_encoder_keep_their_own_parameters(g: &Gpu) {
