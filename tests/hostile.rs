@@ -2507,6 +2507,69 @@ fn a_device_binding_more_than_its_largest_buffer_holds() {
     assert!(back == v, "the values read back differ");
 }
 
+/// Attention on a device of 8 workgroups per dimension, under the plans of the adapter and of a GPU:
+/// there the split reduce's grid (a workgroup per head and 32 output elements: 32 for 8 heads of
+/// 128) does not fit, and the chunks merge in the reduce of 64 invocations, which no other test
+/// runs. GQA of 8 heads over 2 KV heads, 1,000 rows (one query) and 300 (7 queries), every kernel,
+/// against the twin.
+#[test]
+fn attention_stays_within_the_devices_workgroups() {
+    let _serial = serial();
+    // With the features the `Gpu` helper asks for, so that every kernel runs.
+    let g = gpu();
+    let (device, queue) = pollster::block_on(g.adapter.request_device(&wgpu::DeviceDescriptor {
+        required_limits: wgpu::Limits {
+            max_compute_workgroups_per_dimension: 8,
+            ..wgpu::Limits::default()
+        },
+        required_features: g.device.features(),
+        ..Default::default()
+    }))
+    .unwrap();
+    let few = Gpu {
+        adapter: g.adapter.clone(),
+        device,
+        queue,
+    };
+    let (n_kv, n_heads, d) = (2, 8, 128);
+    let opts = AttentionOptions::default();
+    let mut att = Attention::new(&few.device, &few.queue).unwrap();
+    for gpu_plan in [false, true] {
+        att.plan_as_for_a_gpu(gpu_plan);
+        for kernel in shared::attention_bodies::kernels(&few) {
+            att.set_kernel(kernel);
+            for (rows, n_q) in [(1000, 1), (300, 7)] {
+                let spec =
+                    CacheSpec::new(vec![LayerSpec::kv(n_kv, d, d)], DType::F32, rows).unwrap();
+                let mut c = KvCache::new(&few.device, &few.queue, spec).unwrap();
+                let (k, v) = (values(20, rows * n_kv * d), values(21, rows * n_kv * d));
+                c.append(
+                    0,
+                    &[
+                        HostSlab::f32(&k, &[rows, n_kv, d]),
+                        HostSlab::f32(&v, &[rows, n_kv, d]),
+                    ],
+                )
+                .unwrap();
+                c.advance(rows).unwrap();
+                let q = values(22, n_q * n_heads * d);
+                let qb = f32_buffer_on(&few.device, &q, U::STORAGE);
+                let out = f32_buffer_on(
+                    &few.device,
+                    &vec![-7.0; n_q * n_heads * d],
+                    U::STORAGE | U::COPY_SRC,
+                );
+                let what = format!("{kernel:?}, GPU plans {gpu_plan}, {rows} rows");
+                att.gqa(&c, 0, Queries::new(&qb, n_q, n_heads, d), &out, &opts)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                let want = reference::attention_gqa(&q, [n_q, n_heads, d], &k, &v, n_kv, d, &opts);
+                let got = pollster::block_on(shared::read_f32(&few, &out));
+                shared::assert_close(&got, &want, &what);
+            }
+        }
+    }
+}
+
 /// A device of the adapter with 8 workgroups per dimension (2,048 invocations of 256).
 fn device_of_8_workgroups(g: &Gpu) -> Gpu {
     device_with(

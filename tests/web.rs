@@ -9,8 +9,8 @@
 //! - `hostile.rs`: each case checks that a native call refuses or works without a wgpu panic (the
 //!   browser's refusals are the shared bodies'). Its checks of kernels against the twins run here
 //!   too: a scale or soft-cap at the edge of f32 (`scales_and_soft_caps_at_the_edge_of_f32_...`);
-//!   zeroing on a device allowing 8 workgroups per dimension is native only (a browser device has
-//!   WebGPU's 65,535 at least).
+//!   zeroing, slab writes and attention on a device allowing 8 workgroups per dimension are native
+//!   only (a browser device has WebGPU's 65,535 at least).
 //! - `device.rs` (but for its lost device, whose body is shared and runs below), `attention.rs`'s
 //!   foreign-device test and `snapshot.rs`'s move between Vulkan and OpenGL: several devices,
 //!   instances or backends in one process (the browser's own foreign buffer and queue tests are
