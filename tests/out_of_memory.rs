@@ -841,6 +841,77 @@ fn a_refused_scattered_append_keeps_no_new_upload_or_parameter_buffer() {
     }
 }
 
+/// A new `Attention`'s first call over a ragged batch, on a device with room for its scratch and
+/// its first parameter buffer but not for the buffer of its query table's upload (4 MiB), is refused
+/// and keeps neither: it made the parameter buffer first and kept it.
+#[test]
+fn a_refused_batch_attention_keeps_no_new_parameter_buffer() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    let (n_heads, d) = (4, 64);
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, d, d)], DType::F32, 64).unwrap();
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 16, 8).unwrap();
+    let seqs = [pool.add_sequence().unwrap(), pool.add_sequence().unwrap()];
+    let rows = values(16, 3 * 2 * d);
+    let shape = [3, 2, d];
+    for seq in seqs {
+        let slab = HostSlab::f32(&rows, &shape);
+        pool.append(seq, 0, &[slab, slab]).unwrap();
+        pool.advance(seq, 3).unwrap();
+    }
+    let q = pollster::block_on(f32_buffer(&g.device, &values(17, 2 * n_heads * d)));
+    let out = pollster::block_on(f32_buffer(&g.device, &vec![0.0; 2 * n_heads * d]));
+    let batch = [(seqs[0], 1), (seqs[1], 1)];
+    let opts = AttentionOptions::default();
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    let Some(params) = allocated_as(&g.device, "kvgpu params") else {
+        common::shared::skipped(&format!("{} gives no allocator report", g.describe()));
+        return;
+    };
+    let lost = Losses::default();
+    lost.watch(&g.device);
+    {
+        let _cap = Cap::room(16 << 20);
+        let mut filler = fill_device(g, 1 << 20);
+        // Room for the scratch and a parameter buffer (256 KiB), not for the upload's 4 MiB.
+        filler.pop();
+        let e = att
+            .gqa(
+                Kv::Batch(&pool, &batch),
+                0,
+                Queries::new(&q, 2, n_heads, d),
+                &out,
+                &opts,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfMemory { what, .. } if what == "a batch's query table"),
+            "{e}"
+        );
+        drop(filler);
+    }
+    assert_eq!(
+        allocated_as(&g.device, "kvgpu params"),
+        Some(params),
+        "the refused call kept a parameter buffer"
+    );
+    assert_eq!(att.scratch_bytes(), 0, "the refused call kept its scratch");
+    // With room the call runs, and makes its parameter buffer (so the count above sees it).
+    att.gqa(
+        Kv::Batch(&pool, &batch),
+        0,
+        Queries::new(&q, 2, n_heads, d),
+        &out,
+        &opts,
+    )
+    .unwrap();
+    assert!(allocated_as(&g.device, "kvgpu params").unwrap() > params);
+    lost.assert_none();
+}
+
 #[test]
 fn streamed_pieces_the_device_cannot_stage_are_refused_and_change_nothing() {
     let _serial = serial();

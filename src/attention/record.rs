@@ -8,7 +8,7 @@ use super::{Attention, AttentionOptions, Job, KernelChoice, Kv, RetiredGroups, S
 use crate::cache::{AttentionKind, KvCache};
 use crate::codec::DType;
 use crate::error::{AttentionProblem, BufferProblem, Error, Result};
-use crate::kernels::{Held, allocated, scoped, whole_vectors_within};
+use crate::kernels::{Held, allocated, check_staging, scoped, whole_vectors_within};
 use crate::paged::PagedCache;
 use crate::seq::SeqId;
 
@@ -157,14 +157,28 @@ impl Attention {
                 (false, Some(group)) => Some((group, false)),
                 (false, None) => Some((reduce_group()?, true)),
             };
-            ring.reserve(pairs.len() as u64)?;
-            // Copied inside the encoder, so calls recorded one after another each read their own.
-            let table = if table_bytes > 0 {
-                let words = bytemuck::cast_slice(&table_words);
-                Some(uploads.push(queue, "a batch's query table", words)?)
-            } else {
-                None
-            };
+            // The query table's bytes, then the parameter entries: a refusal of either keeps
+            // neither (the entries drop the buffers they made; the table's are put back here), and
+            // the table is written only once both are there. Copied inside the encoder, so calls
+            // recorded one after another each read their own.
+            let words: &[u8] = bytemuck::cast_slice(&table_words);
+            let mark = uploads.mark();
+            let reserved = (|| {
+                let what = "a batch's query table";
+                let table = if table_bytes > 0 {
+                    let upload = uploads.reserve(what, words.len() as u64)?;
+                    check_staging(device, what, words.len() as u64)?;
+                    Some(upload)
+                } else {
+                    None
+                };
+                ring.reserve(pairs.len() as u64)?;
+                Ok(table)
+            })();
+            let table = reserved.inspect_err(|_| uploads.rewind(mark))?;
+            if let Some(table) = &table {
+                table.write(queue, words);
+            }
             if io_made {
                 let pins = &[q_a, q_b, out][..if direct { 3 } else { 2 }];
                 io_groups.keep(io_key, pins, io.clone());

@@ -58,22 +58,6 @@ impl UploadRing {
         self.size
     }
 
-    /// Stages `bytes` (a multiple of 4) in bytes no other upload uses. Natively, a new buffer is made
-    /// under the out-of-memory check, and an upload of more than [`CHECKED_BYTES`] has its write
-    /// checked too ([`check_staging`]): [`crate::Error::OutOfMemory`] naming `what` where the device
-    /// cannot hold them, and nothing is written.
-    pub(crate) fn push(
-        &mut self,
-        queue: &wgpu::Queue,
-        what: &str,
-        bytes: &[u8],
-    ) -> crate::Result<Upload> {
-        let upload = self.reserve(what, bytes.len() as u64)?;
-        check_staging(&self.device, what, bytes.len() as u64)?;
-        upload.write(queue, bytes);
-        Ok(upload)
-    }
-
     /// Where the ring stands now.
     pub(crate) fn mark(&self) -> UploadMark {
         UploadMark {
