@@ -801,6 +801,133 @@ mod tests {
         }
     }
 
+    /// The format's edges: a header of exactly 16 MiB is written and read; a short input that is
+    /// not a snapshot is refused as such from its first byte, and an unknown version from its 12th;
+    /// a whole snapshot is checked for its length and checksums before it is compared with the
+    /// destination (a truncated one of another storage type is truncated); a writer whose flush
+    /// fails fails the export.
+    #[test]
+    fn the_formats_edges_are_kept() {
+        // A body of MAX_HEADER bytes: 60 of fields around one slot's name of one byte per char.
+        let name = "k".repeat(MAX_HEADER as usize - 60);
+        let layer = LayerSpec::new(vec![SlotSpec::new(name, &[4])]);
+        let huge = CacheSpec::new(vec![layer], DType::F32, 2).unwrap();
+        assert_eq!(
+            encode_header(&huge, 0, 0).len() - PREFIX,
+            MAX_HEADER as usize
+        );
+        let (bytes, rows_at) = fabricated(&huge, 1, 9);
+        let snap = Snapshot::parse_for(&bytes, &huge).unwrap();
+        assert_eq!((snap.header.len, snap.header.spec), (1, huge));
+        assert_eq!(rows_at, PREFIX + MAX_HEADER as usize + 4);
+
+        for short in [&b"P"[..], b"PK\x03\x04", b"KVGPUSNX"] {
+            let p = match SnapshotHeader::parse(short) {
+                Err(Error::Snapshot { problem }) => problem,
+                r => panic!("{short:?}: {r:?}"),
+            };
+            assert_eq!(p, SnapshotProblem::BadMagic, "{short:?}");
+        }
+        let mut v1 = SNAPSHOT_MAGIC.to_vec();
+        v1.extend_from_slice(&1u32.to_le_bytes());
+        let p = match SnapshotHeader::parse(&v1) {
+            Err(Error::Snapshot { problem }) => problem,
+            r => panic!("{r:?}"),
+        };
+        assert_eq!(
+            p,
+            SnapshotProblem::UnsupportedVersion {
+                found: 1,
+                supported: SNAPSHOT_VERSION
+            }
+        );
+
+        let (f16, _) = fabricated(&spec(DType::F16), 3, 10);
+        let f32_spec = spec(DType::F32);
+        let p = problem_of(Snapshot::parse_for(&f16[..f16.len() - 1], &f32_spec));
+        assert!(matches!(p, SnapshotProblem::Truncated { .. }), "{p}");
+        let mut bad_rows = f16.clone();
+        let last = bad_rows.len() - 5;
+        bad_rows[last] ^= 1;
+        let p = problem_of(Snapshot::parse_for(&bad_rows, &f32_spec));
+        assert!(matches!(p, SnapshotProblem::ChecksumMismatch { .. }), "{p}");
+        let p = problem_of(Snapshot::parse_for(&f16, &f32_spec));
+        assert!(matches!(p, SnapshotProblem::DType { .. }), "{p}");
+
+        struct FailingFlush(Vec<u8>);
+        impl Write for FailingFlush {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Err(std::io::Error::other("the disk went away"))
+            }
+        }
+        let f32_snapshot = fabricated(&f32_spec, 2, 11).0;
+        let mut out = FailingFlush(Vec::new());
+        let result = SnapshotWriter::new(&mut out, &f32_spec, 2, 0).and_then(|mut w| {
+            w.rows(
+                &f32_snapshot[encode_header(&f32_spec, 2, 0).len() + 4..f32_snapshot.len() - 4],
+            )?;
+            w.finish()
+        });
+        assert!(
+            matches!(&result, Err(Error::Snapshot { problem: SnapshotProblem::Write { reason } })
+                if reason == "the disk went away"),
+            "{result:?}"
+        );
+        assert_eq!(out.0, f32_snapshot);
+    }
+
+    /// [`a_pinned_snapshot_keeps_its_bytes`]'s snapshot, in hex.
+    const PINNED: &str = concat!(
+        // magic KVGPUSNP, version 2, a header body of 102 bytes
+        "4b56475055534e500200000066000000",
+        // f16, max_seq_len 4, len 2, page size 0, 1 layer of 2 slots
+        "010000000400000000000000020000000000000000000000000000000100000002000000",
+        // "k": rank 2 [1, 2], f16, no scale
+        "010000006b02000000010000000000000002000000000000000100000000000000",
+        // "v": the same
+        "010000007602000000010000000000000002000000000000000100000000000000",
+        // the header's CRC-32
+        "e12475f1",
+        // K's two rows, V's two rows
+        "00010203040506074041424344454647",
+        // the snapshot's CRC-32
+        "9aeb3a4b",
+    );
+
+    /// One snapshot pinned byte for byte, so that no change of the format (a field's order, width or
+    /// byte order, the magic, the version) passes unnoticed: the writer and the parser share their
+    /// constants and layout, so round trips alone would not see one. One layer of K and V [1, 2]
+    /// in f16, two rows: written, and read back from the pinned bytes.
+    #[test]
+    fn a_pinned_snapshot_keeps_its_bytes() {
+        let spec = CacheSpec::new(vec![LayerSpec::kv(1, 2, 2)], DType::F16, 4).unwrap();
+        let mut out = Vec::new();
+        let mut w = SnapshotWriter::new(&mut out, &spec, 2, 0).unwrap();
+        let row_bytes = spec.row_bytes(0, 0).unwrap() as usize;
+        for slot in 0..2u8 {
+            let rows: Vec<u8> = (0..2 * row_bytes as u8).map(|b| slot * 0x40 + b).collect();
+            w.rows(&rows).unwrap();
+        }
+        w.finish().unwrap();
+        let hex: String = out.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, PINNED, "the snapshot's bytes changed");
+        let pinned: Vec<u8> = (0..PINNED.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&PINNED[i..i + 2], 16).unwrap())
+            .collect();
+        let snap = Snapshot::parse_for(&pinned, &spec).unwrap();
+        assert_eq!((&snap.header.spec, snap.header.len), (&spec, 2));
+        assert_eq!(snap.sections[0][0], &[0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(
+            snap.sections[0][1],
+            &[0x40, 0x41, 0x42, 0x43, 0x44, 0x45, 0x46, 0x47]
+        );
+    }
+
     #[test]
     fn every_truncation_is_refused_as_truncated() {
         let spec = spec(DType::F16);
@@ -923,6 +1050,15 @@ mod tests {
         let mut many_layers = good.clone();
         many_layers[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
         cases.push(many_layers);
+        // Slot "k"'s name (byte 40 of the body) as a byte that is not UTF-8.
+        assert_eq!(good[40], b'k');
+        let mut not_utf8 = good.clone();
+        not_utf8[40] = 0xff;
+        let p = match SnapshotHeader::parse(&with_body(&not_utf8)) {
+            Err(Error::Snapshot { problem }) => problem,
+            r => panic!("{r:?}"),
+        };
+        assert!(p.to_string().contains("its name is not UTF-8"), "{p}");
         for body in cases {
             let p = match SnapshotHeader::parse(&with_body(&body)) {
                 Err(Error::Snapshot { problem }) => problem,
