@@ -489,6 +489,31 @@ pub async fn pool_sequences_and_forks_round_trip(g: &Gpu) {
         // The originals are untouched by the restores beside them.
         assert_eq!(p.len(parent).unwrap(), 10);
         assert_eq!(p.len(child).unwrap(), 9);
+        // Rows appended and not yet advanced are not part of a snapshot: the fork's is as before
+        // (they fill the rest of its last page and a page past it).
+        let before = p.snapshot_sequence_async(child).await.unwrap();
+        let (k, v) = (&spec.layers()[0].slots[0], &spec.layers()[0].slots[1]);
+        let n = PAGE + 1;
+        let shapes = [
+            [&[n][..], &k.trailing].concat(),
+            [&[n][..], &v.trailing].concat(),
+        ];
+        let data = [
+            values(90, shapes[0].iter().product()),
+            values(91, shapes[1].iter().product()),
+        ];
+        let slabs = [
+            HostSlab::f32(&data[0], &shapes[0]),
+            HostSlab::f32(&data[1], &shapes[1]),
+        ];
+        p.append(child, 0, &slabs).unwrap();
+        let after = p.snapshot_sequence_async(child).await.unwrap();
+        assert!(
+            after == before,
+            "{dtype}: pending rows in the snapshot ({} bytes, {} before)",
+            after.len(),
+            before.len()
+        );
     }
 }
 
