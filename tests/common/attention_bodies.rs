@@ -304,8 +304,8 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     )
     .await;
     // Heads of 80 (as Phi-2's): the GPU merge's last block of 32 output elements is a partial one.
-    // Values of 17 elements (`gqa_matches`' case 7, over 4 chunks), which the merge cannot read in 16-byte
-    // vectors. On the tiled kernel alone, whose pipelines are PLAN_CASES[0]'s and case 7's (a
+    // Values of 17 elements (`gqa_matches`' case 7, over 4 chunks), which the merge cannot read in
+    // 16-byte vectors. Groups of 6 heads, in 3 head batches. On the tiled kernel alone (a
     // streaming kernel compiles one per shape: seconds on a cold OpenGL).
     let heads_of_80 = Gqa {
         d_k: 80,
@@ -314,11 +314,14 @@ pub async fn gpu_plans_match_the_reference(g: &Gpu) {
     };
     #[rustfmt::skip]
     let values_of_17 = Gqa { n_kv: 3, group: 2, d_k: 33, d_v: 17, visible: 200, n_q: 3, window: None, soft_cap: None };
+    // Groups of 6 query heads: the tiled kernel's workgroups take 2 of them, 3 per KV head.
+    #[rustfmt::skip]
+    let groups_of_6 = Gqa { n_kv: 2, group: 6, d_k: 64, d_v: 64, visible: 100, n_q: 2, window: None, soft_cap: None };
     check_kernels(
         g,
         &mut att,
         &[KernelChoice::Tiled],
-        &[heads_of_80, values_of_17],
+        &[heads_of_80, values_of_17, groups_of_6],
         &[DType::F32],
         PLAN_MLA,
         &[],
@@ -1822,6 +1825,11 @@ pub async fn auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused(g: &
         held,
         "the call built pipelines prepare did not"
     );
+    assert_eq!(
+        att.kernel(),
+        KernelChoice::Auto,
+        "the fallback became the choice"
+    );
     let refused = |e: &Error| {
         matches!(
             e,
@@ -2426,6 +2434,15 @@ pub async fn views_out_of_range_overflowing_overlapping_or_aliased_are_refused(g
             let what = format!("{kernel:?}, output at element {at} of its own buffer");
             assert_view_close(&read_f32(g, &out).await, view, [1, 2, 8], &want, &what);
         }
+        // A head's elements 16 apart, the heads 8 apart (as if contiguous), in a buffer of its
+        // own from element 0: a call of one chunk, but pass 1 writes whole heads, so not in place.
+        let out = output(&g.device, 128).await;
+        let strides = [0, 8, 16];
+        let every_other = Output::new(&out).with_strides(strides);
+        att.gqa(&c, 0, q, every_other, &dflt).unwrap();
+        let view = OutView { offset: 0, strides };
+        let what = format!("{kernel:?}, output elements 16 apart");
+        assert_view_close(&read_f32(g, &out).await, view, [1, 2, 8], &want, &what);
     }
 }
 
