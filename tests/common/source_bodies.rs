@@ -264,6 +264,12 @@ pub async fn sources_of_spread_elements_are_gathered(g: &Gpu) {
                 None => vec![
                     (vec![7], vec![16, 2], 2),
                     (vec![3, 2, 4, 6, 7], vec![1892, 631, 315, 79, 13, 2], 3),
+                    // Rows of whole 16-byte vectors' worth, 16-byte aligned, but every other
+                    // element: no 16-byte loads of a row.
+                    (vec![8], vec![16, 2], 0),
+                    (vec![8], vec![16, 2], 8),
+                    // The outer axis the inner one: its elements side by side in the source.
+                    (vec![2, 4], vec![8, 1, 2], 0),
                 ],
             };
             for (trailing, strides, offset) in cases {
@@ -296,6 +302,32 @@ pub async fn sources_of_spread_elements_are_gathered(g: &Gpu) {
                     "{what}: first mismatch"
                 );
             }
+        }
+    }
+    // f32 rows of 7 and of 8 elements into 16-bit storage from buffers that end at their last
+    // element (no whole 16-byte vector past it): one row of 7 from 28 bytes, and 3 rows 8 apart
+    // from 23 elements.
+    for dtype in [DType::F16, DType::BF16] {
+        for (n, width, stride, len) in [(1, 7, 7, 7), (3, 7, 8, 23)] {
+            let what = format!("{n} f32 rows of {width}, {stride} apart, from {len} into {dtype}");
+            let bits = bits_of(91, len, DType::F32);
+            let buf = source(g, &bits, DType::F32, STORAGE).await;
+            assert_eq!(buf.size(), 4 * len as u64);
+            let slot = SlotSpec::new("x", &[width]);
+            let spec = CacheSpec::new(vec![LayerSpec::new(vec![slot])], dtype, n).unwrap();
+            let mut c = cache_on(g, spec);
+            let (shape, strides) = ([n, width], [stride, 1]);
+            let slab = GpuSlab {
+                buffer: &buf,
+                dtype: DType::F32,
+                offset: 0,
+                shape: &shape,
+                strides: Some(&strides),
+            };
+            c.append_gpu(0, &[slab])
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let want = reference::slab_write(&bits, DType::F32, 0, &shape, &strides, dtype);
+            assert_eq!(c.read_words_async(0, 0).await.unwrap(), want, "{what}");
         }
     }
 }
