@@ -2911,3 +2911,103 @@ pub async fn recorded_appends_change_the_table_in_encoder_order(g: &Gpu) {
         assert_eq!(c.read_f32_async(seq, 0, 1).await.unwrap(), vv);
     }
 }
+
+/// One step of a batch `[(x, 1), (y, 1)]` where `y` was forked from `x` one row short of `x`'s
+/// length, inside `x`'s last page: `x`'s row lands in that shared page, so `x` copies it first,
+/// and `y`'s row then lands in the page in place (it is `y`'s alone by then), over the row of `x`
+/// that `y` does not see. The copy must be made before that write. Pages of 3, `x` of 5 rows, `y`
+/// of 4; host rows and GPU rows, every way of moving rows, f32 and f16: both sequences read back
+/// as appended.
+pub async fn a_batch_copies_a_shared_page_before_writing_into_it(g: &Gpu) {
+    for dtype in [DType::F32, DType::F16] {
+        for scatter in [
+            ScatterChoice::Auto,
+            ScatterChoice::Always,
+            ScatterChoice::Never,
+        ] {
+            for from_gpu in [false, true] {
+                let what = format!("{dtype}, {scatter:?}, GPU rows {from_gpu}");
+                let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], dtype, 16).unwrap();
+                let mut p = PagedCache::with_kernels(super::kernels_for(g), spec, 3, 8).unwrap();
+                p.set_scatter(scatter);
+                let x = p.add_sequence().unwrap();
+                let rows = values(60, 5 * 4);
+                let slab = HostSlab::f32(&rows, &[5, 1, 4]);
+                p.append(x, 0, &[slab, slab]).unwrap();
+                p.advance(x, 5).unwrap();
+                let y = p.fork(x, 4).unwrap();
+                let step = values(61, 2 * 4);
+                let batch = [(x, 1), (y, 1)];
+                if from_gpu {
+                    let buffer = super::f32_buffer(&g.device, &step).await;
+                    let shape = [2, 1, 4];
+                    let slab = GpuSlab {
+                        buffer: &buffer,
+                        dtype: DType::F32,
+                        offset: 0,
+                        shape: &shape,
+                        strides: None,
+                    };
+                    p.append_gpu_batch(0, &batch, &[slab, slab]).unwrap();
+                } else {
+                    let slab = HostSlab::f32(&step, &[2, 1, 4]);
+                    p.append_batch(0, &batch, &[slab, slab]).unwrap();
+                }
+                p.advance(x, 1).unwrap();
+                p.advance(y, 1).unwrap();
+                let stored = |v: &[f32]| reference::round_trip_rows(v, dtype, 4);
+                for (seq, want) in [
+                    (x, [&rows[..], &step[..4]].concat()),
+                    (y, [&rows[..16], &step[4..]].concat()),
+                ] {
+                    for slot in 0..2 {
+                        let got = p.read_f32_async(seq, 0, slot).await.unwrap();
+                        assert_eq!(got, stored(&want), "{what}: {seq:?} slot {slot}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One GPU buffer appended twice to a sequence of a pool of f16 pages of 4: as one run of rows
+/// (rows 0 and 1), then, after a host row, across a page boundary (rows 3 and 4), which the pool may
+/// scatter through a map of destination rows. The second append's source is the same buffer and
+/// range as the first's, but it binds a row map: a bind group cached for the first must not serve
+/// it. Every way of moving rows.
+pub async fn a_source_appended_again_across_a_page_binds_its_own_row_map(g: &Gpu) {
+    for scatter in [
+        ScatterChoice::Auto,
+        ScatterChoice::Always,
+        ScatterChoice::Never,
+    ] {
+        let spec = CacheSpec::new(vec![LayerSpec::kv(1, 8, 8)], DType::F16, 16).unwrap();
+        let mut p = PagedCache::with_kernels(super::kernels_for(g), spec, 4, 4).unwrap();
+        p.set_scatter(scatter);
+        let s = p.add_sequence().unwrap();
+        let two = values(62, 2 * 8);
+        let buffer = super::f32_buffer(&g.device, &two).await;
+        let shape = [2, 1, 8];
+        let slab = GpuSlab {
+            buffer: &buffer,
+            dtype: DType::F32,
+            offset: 0,
+            shape: &shape,
+            strides: None,
+        };
+        p.append_gpu(s, 0, &[slab, slab]).unwrap();
+        p.advance(s, 2).unwrap();
+        let one = values(63, 8);
+        let host = HostSlab::f32(&one, &[1, 1, 8]);
+        p.append(s, 0, &[host, host]).unwrap();
+        p.advance(s, 1).unwrap();
+        p.append_gpu(s, 0, &[slab, slab]).unwrap();
+        p.advance(s, 2).unwrap();
+        let want =
+            reference::round_trip_rows(&[&two[..], &one[..], &two[..]].concat(), DType::F16, 8);
+        for slot in 0..2 {
+            let got = p.read_f32_async(s, 0, slot).await.unwrap();
+            assert_eq!(got, want, "{scatter:?} slot {slot}");
+        }
+    }
+}
