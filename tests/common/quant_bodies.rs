@@ -61,13 +61,18 @@ fn edge_rows() -> Vec<f32> {
 /// Two blocks of 32 of ties at the scale 3, whose reciprocal is inexact, so a quantizer that divides
 /// (the slab-write kernel, whose division WGSL lets be 2.5 ULP off) must correct its estimate on
 /// them: q8_0's (its largest value 381 makes the scale 381 / 127, 3 in f16) and q4_0's (its first
-/// largest value -24 makes the scale -24 / -8 = 3); each tie `3k + 1.5` lies halfway between codes.
+/// largest value -24 makes the scale -24 / -8 = 3); each tie `3k + 1.5` lies halfway between codes
+/// (and q8_0's last three values just below one).
 fn tie_blocks() -> Vec<f32> {
     let mut q8 = vec![
         381.0, 1.5, 4.5, 7.5, -1.5, -4.5, 376.5, -379.5, 10.5, -10.5, 190.5, -190.5, 0.0, -0.0,
         3.0, -3.0,
     ];
-    q8.extend((0..16).map(|i| (3 * i) as f32 + 1.5 - 24.0));
+    q8.extend((0..13).map(|i| (3 * i) as f32 + 1.5 - 24.0));
+    // Just below half steps: where `x · (1 / 3)` may round up to the half, the exact check must
+    // round down.
+    let below = |x: f32| f32::from_bits(x.to_bits() - 1);
+    q8.extend([below(1.5), below(4.5), below(376.5)]);
     let mut q4 = vec![-24.0];
     q4.extend((-8..=6).map(|k| (3 * k) as f32 + 1.5));
     q4.extend((0..16).map(|i| i as f32 * 2.75 - 22.0));
