@@ -1451,7 +1451,7 @@ pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) 
                         &small,
                         &c,
                         &mut att,
-                        (&batch, false),
+                        (&batch, false, false),
                         &seqs,
                         (layer, heads),
                         (d, r, rope),
@@ -1466,7 +1466,7 @@ pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) 
                         &small,
                         &c,
                         &mut att,
-                        (&[(s, 70)], true),
+                        (&[(s, 70)], true, false),
                         &seqs,
                         (layer, heads),
                         (d, r, rope),
@@ -1477,19 +1477,42 @@ pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) 
                 }
             }
         }
+        // Every row of the three as a GQA query, at the adapter's own workgroup target (one
+        // chunk), contiguous queries and output: pass 1 of a streaming kernel writes the output
+        // itself, in two pairs natively (the 125 queries' outputs, 16,000 bytes, and the query
+        // table do not fit one binding), each at its own queries.
+        att.set_target_workgroups(None);
+        let everything = [(b, 7), (a, 18), (s, 100)];
+        for choice in super::attention_bodies::kernels(&small) {
+            att.set_kernel(choice);
+            let what = format!("{dtype} {choice:?}, every row, one chunk");
+            check_strided_batch(
+                &small,
+                &c,
+                &mut att,
+                (&everything, false, true),
+                &seqs,
+                (0, gqa.1),
+                (d, r, rope),
+                &AttentionOptions::default(),
+                &what,
+            )
+            .await;
+        }
     }
 }
 
 /// One call of `layer` (GQA or MHA of heads of `d`, or MLA of latent `r` and rope `rope`) over a
-/// ragged `batch` (or, `as_sequence`, over its one sequence as `Kv::Sequence`), its queries in a fused buffer (per
-/// query a row of each head's `[q]` or `[latent | rope]`, then 5 more elements, after 3), its output
-/// through a strided view; each segment against the twin of its own sequence.
+/// ragged `batch` (or, `as_sequence`, over its one sequence as `Kv::Sequence`), its queries in a
+/// fused buffer (per query a row of each head's `[q]` or `[latent | rope]`, then 5 more elements,
+/// after 3), its output through a strided view (or, `contiguous`, queries and output row-major
+/// from element 0); each segment against the twin of its own sequence.
 #[allow(clippy::too_many_arguments)]
 async fn check_strided_batch(
     g: &Gpu,
     c: &PagedCache,
     att: &mut Attention,
-    (batch, as_sequence): (&[(SeqId, usize)], bool),
+    (batch, as_sequence, contiguous): (&[(SeqId, usize)], bool, bool),
     seqs: &[(SeqId, &SeqRows)],
     (layer, heads): (usize, usize),
     (d, r, rope): (usize, usize, usize),
@@ -1504,13 +1527,22 @@ async fn check_strided_batch(
     let total: usize = batch.iter().map(|x| x.1).sum();
     let mla = layer == 2;
     let (head, width) = if mla { (r + rope, r) } else { (d, d) };
-    let (pad, row) = (3, heads * head + 5);
+    let (pad, row) = match contiguous {
+        true => (0, heads * head),
+        false => (3, heads * head + 5),
+    };
     let fused = values(40 + layer as u64, pad + total * row);
     let q = super::f32_buffer(&g.device, &fused).await;
     let strides = [row, head, 1];
-    let view = OutView {
-        offset: 2,
-        strides: [heads * width + 3, width, 1],
+    let view = match contiguous {
+        true => OutView {
+            offset: 0,
+            strides: [heads * width, width, 1],
+        },
+        false => OutView {
+            offset: 2,
+            strides: [heads * width + 3, width, 1],
+        },
     };
     let shape = [total, heads, width];
     let out = super::output(&g.device, view.len(shape)).await;
