@@ -1391,8 +1391,10 @@ pub async fn long_paged_sequences_match_the_reference(g: &Gpu) {
 ///   take 8,320 bytes per chunk for GQA (4 heads of 8) and MLA (2 heads of 16), with 520 bytes of
 ///   query table beside them. So each pair takes a part of the batch and reads its own part of the
 ///   query table. The same holds for the last 70 rows of the longest sequence as queries of
-///   `Kv::Sequence` (no query table: each pair counts its queries from its first). A browser's
-///   device has WebGPU's 128 MiB bindings at least: there each call is one pair.
+///   `Kv::Sequence` (no query table: each pair counts its queries from its first). And every
+///   row of the three as GQA queries at the adapter's own target: one chunk, whose streaming
+///   kernels write a contiguous output themselves, in two pairs. A browser's device has WebGPU's
+///   128 MiB bindings at least: there each call is one pair.
 pub async fn ragged_batches_read_strided_views_windows_and_split_pairs(g: &Gpu) {
     // The features of `g`'s device: subgroups where it has them, for every kernel.
     let small = super::gpu_with(
