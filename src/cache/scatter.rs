@@ -95,7 +95,8 @@ impl KvCache {
     /// scattered dispatch per slot. `false`, with no dispatch recorded, when the upload would not fit
     /// one storage binding or a slot's dispatch could not bind it: the caller then moves the rows run
     /// by run. An upload the device cannot hold
-    /// ([`UploadRing::reserve`](crate::kernels::UploadRing::reserve), [`check_staging`](crate::kernels::check_staging)) is refused with
+    /// ([`UploadRing::reserve`](crate::kernels::UploadRing::reserve),
+    /// [`check_staging`](crate::kernels::check_staging)) is refused with
     /// [`crate::Error::OutOfMemory`], and records nothing.
     pub(crate) fn record_host_scatter(
         &mut self,
