@@ -2734,6 +2734,49 @@ fn zeroing_stays_within_the_devices_workgroups() {
     }
 }
 
+/// A slot of exactly one storage binding of a device whose binding limit is 16 bytes past 1 MiB:
+/// its buffer cannot round up to whole 32-byte vectors, so the 64-bit zeroing kernel (lavapipe's,
+/// which stores 32 bytes at a time and would leave the last 16) must not take it. Filled, reset and
+/// scrubbed from row 1: every word is zero but row 0's after the scrub, and all after the reset.
+#[test]
+fn zeroing_reaches_the_end_of_a_slot_of_16_byte_vectors() {
+    let _serial = serial();
+    let g = gpu();
+    let limit = (1 << 20) + 16;
+    let (device, queue) = pollster::block_on(g.adapter.request_device(&wgpu::DeviceDescriptor {
+        required_limits: wgpu::Limits {
+            max_storage_buffer_binding_size: limit,
+            ..wgpu::Limits::default()
+        },
+        required_features: g.device.features(),
+        ..Default::default()
+    }))
+    .unwrap();
+    let odd = Gpu {
+        adapter: g.adapter.clone(),
+        device,
+        queue,
+    };
+    // Rows of 4 f32 (16 bytes): the slot holds `limit` bytes.
+    let rows = limit as usize / 16;
+    let layer = LayerSpec::new(vec![SlotSpec::new("x", &[4])]);
+    let spec = CacheSpec::new(vec![layer], DType::F32, rows).unwrap();
+    let mut c = KvCache::new(&odd.device, &odd.queue, spec).unwrap();
+    assert_eq!(c.view(0, 0).unwrap().buffer.size(), limit);
+    let x: Vec<f32> = (0..rows * 4).map(|i| i as f32 + 1.0).collect();
+    c.append(0, &[HostSlab::f32(&x, &[rows, 4])]).unwrap();
+    c.advance(rows).unwrap();
+    c.truncate_and_scrub(1).unwrap();
+    let words = pollster::block_on(shared::read_f32(&odd, c.view(0, 0).unwrap().buffer));
+    assert_eq!(words[..4], x[..4], "the scrub cleared row 0");
+    let left = words[4..].iter().rposition(|w| w.to_bits() != 0);
+    assert_eq!(left, None, "the scrub left a word");
+    c.reset().unwrap();
+    let words = pollster::block_on(shared::read_f32(&odd, c.view(0, 0).unwrap().buffer));
+    let left = words.iter().rposition(|w| w.to_bits() != 0);
+    assert_eq!(left, None, "the reset left a word");
+}
+
 /// On a device of 8 workgroups per dimension (2,048 invocations of the slab-write kernels), GPU
 /// appends of 1,024 rows and a pool's scattered host append of as many loop over every output:
 /// 65,536 16-byte vectors of f32 rows (the vector path), 128,000 words of f16 rows of 125 words
