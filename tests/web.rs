@@ -178,6 +178,7 @@ browser_tests!(model_bodies: pseudo_random_operations_match_the_model);
 
 // tests/paged.rs.
 browser_tests!(paged_bodies:
+    prepare_paged_builds_what_the_calls_use,
     a_batch_copies_a_shared_page_before_writing_into_it,
     a_source_appended_again_across_a_page_binds_its_own_row_map,
     paged_pool_matches_the_model,

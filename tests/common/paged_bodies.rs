@@ -3045,3 +3045,43 @@ pub async fn a_source_appended_again_across_a_page_binds_its_own_row_map(g: &Gpu
         }
     }
 }
+
+/// `Attention::prepare_paged` builds every pipeline the calls over a pool's sequences then use, one
+/// sequence at a time and in batches, under the adapter's plans and a GPU's: on a registry of its
+/// own, the calls that follow (a decode query and a chunk of 3, with a window, over several chunks
+/// of rows) build none. Against the twins.
+pub async fn prepare_paged_builds_what_the_calls_use(g: &Gpu) {
+    let (spec, dims) = gqa_mla_spec(DType::F32, 64);
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, PAGE, 30).unwrap();
+    let (a, b) = (c.add_sequence().unwrap(), c.add_sequence().unwrap());
+    // Rows enough for several chunks under either plans, so that the calls merge them.
+    let ra = step(g, &mut c, a, 40, 31, false).await;
+    let rb = step(g, &mut c, b, 37, 32, true).await;
+    let seqs = [(a, &ra), (b, &rb)];
+    let options = AttentionOptions {
+        window: Some(30),
+        ..AttentionOptions::default()
+    };
+    for gpu_plan in [false, true] {
+        let registry = Kernels::new(&g.device, &g.queue).unwrap();
+        let mut att = Attention::with_kernels(registry.clone());
+        att.plan_as_for_a_gpu(gpu_plan);
+        let built = att.prepare_paged(&c, HEADS).unwrap();
+        let held = registry.attention_pipelines();
+        assert!(built > 0 && held >= built, "{built} built, {held} held");
+        let what = format!("GPU plans {gpu_plan}");
+        for &(seq, rows) in &seqs {
+            for n_q in [1, 3] {
+                let what = format!("{what}, {seq:?} n_q {n_q}");
+                check_sequence(g, &c, &mut att, (seq, rows), dims, n_q, &options, &what).await;
+            }
+        }
+        let batch = [(a, 1), (b, 3)];
+        check_batch(g, &c, &mut att, &batch, &seqs, dims, &options, &what).await;
+        assert_eq!(
+            registry.attention_pipelines(),
+            held,
+            "{what}: the calls built pipelines prepare_paged did not"
+        );
+    }
+}
