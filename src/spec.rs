@@ -590,6 +590,71 @@ mod tests {
         assert!(msg(CacheSpec::preset("gpt-9", DType::F32, 4)).contains("unknown preset"));
     }
 
+    /// The spec's checks at their edges, each naming what it refuses: the most layers `uniform`
+    /// takes, a row of `u32::MAX` elements, a slot's and the total bytes past `u64::MAX / 4` (the
+    /// slot's in layer 1), a zero dimension in a second slot; the capacity a device holds is set by
+    /// the widest slot; slots of other names are other specs.
+    #[test]
+    fn specs_are_checked_at_their_edges() {
+        let problem = |r: Result<CacheSpec>| match r {
+            Err(Error::InvalidSpec { problem }) => problem,
+            r => panic!("{r:?}"),
+        };
+        let one = |dims: &[usize]| LayerSpec::new(vec![SlotSpec::new("x", dims)]);
+        assert!(CacheSpec::uniform(MAX_LAYERS, LayerSpec::kv(1, 1, 1), DType::F32, 1).is_ok());
+        assert_eq!(
+            problem(CacheSpec::uniform(
+                MAX_LAYERS + 1,
+                LayerSpec::kv(1, 1, 1),
+                DType::F32,
+                1
+            )),
+            SpecProblem::TooManyLayers {
+                n_layers: MAX_LAYERS + 1,
+                max: MAX_LAYERS
+            }
+        );
+        assert!(CacheSpec::new(vec![one(&[u32::MAX as usize])], DType::F32, 1).is_ok());
+        assert!(matches!(
+            problem(CacheSpec::new(vec![one(&[1 << 32])], DType::F32, 1)),
+            SpecProblem::TooLarge {
+                layer: 0,
+                slot: 0,
+                ..
+            }
+        ));
+        // 2^61 bytes per layer: each slot fits, the two together do not.
+        assert_eq!(
+            problem(CacheSpec::uniform(2, one(&[1]), DType::F32, 1 << 59)),
+            SpecProblem::TotalTooLarge {
+                n_layers: 2,
+                max_seq_len: 1 << 59
+            }
+        );
+        assert!(CacheSpec::uniform(1, one(&[1]), DType::F32, 1 << 59).is_ok());
+        // 2^62 bytes in layer 1's slot.
+        assert!(matches!(
+            problem(CacheSpec::new(vec![LayerSpec::empty(), one(&[4])], DType::F32, 1 << 58)),
+            SpecProblem::TooLarge { layer: 1, slot: 0, max_seq_len, .. } if max_seq_len == 1 << 58
+        ));
+        assert!(matches!(
+            problem(CacheSpec::new(vec![LayerSpec::kv(1, 4, 0)], DType::F32, 4)),
+            SpecProblem::ZeroDimension {
+                layer: 0,
+                slot: 1,
+                ..
+            }
+        ));
+        // DeepSeek-V2-Lite in f32: the latent's 2,048-byte rows bound it, not k_pe's 256.
+        let mla = CacheSpec::deepseek_v2_lite(DType::F32, 1).unwrap();
+        assert_eq!(mla.max_capacity_for(&DeviceLimits::WEBGPU_DEFAULT), 65_536);
+        let renamed = LayerSpec::new(vec![SlotSpec::new("a", &[4]), SlotSpec::new("k_pe", &[2])]);
+        assert_ne!(
+            CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap(),
+            CacheSpec::new(vec![renamed], DType::F32, 4).unwrap()
+        );
+    }
+
     #[test]
     fn slots_may_take_their_own_storage_types() {
         let spec = CacheSpec::llama3_8b(DType::Q8_0, 4096)

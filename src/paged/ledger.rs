@@ -1334,6 +1334,53 @@ mod tests {
         l.advance(seq, n).unwrap();
     }
 
+    /// Two sequences of pages of their own holding the same tokens: the second's publication finds
+    /// the first's pages and publishes none of its own (its pages stay its own alone), and once both
+    /// are gone the published pages are evicted, parents after children, every page free again. A
+    /// fork or truncation at a sequence's length is taken, one row past it refused.
+    #[test]
+    fn the_same_tokens_on_pages_of_their_own_are_published_once() {
+        let mut l = PageLedger::new(&spec(64), 4, 10);
+        let (a, b) = (l.add().unwrap(), l.add().unwrap());
+        grow(&mut l, a, 8);
+        grow(&mut l, b, 8);
+        assert_eq!(
+            (l.pages(a).unwrap(), l.pages(b).unwrap()),
+            (&[0, 1][..], &[2, 3][..])
+        );
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+        assert_eq!(l.publish(a, &tokens), Ok(8));
+        assert_eq!(l.publish(b, &tokens), Ok(8));
+        assert_eq!(l.published_pages(), 2);
+        assert_eq!((l.page_refs(2), l.page_refs(3)), (Some(1), Some(1)));
+        // Forks and truncations at the length itself are taken; a row past it is refused.
+        let before = l.clone();
+        assert_eq!(
+            l.fork(b, 9),
+            Err(Error::ForkBeyondLength {
+                seq: b,
+                at_len: 9,
+                len: 8
+            })
+        );
+        assert_eq!(
+            l.truncate(b, 9),
+            Err(Error::TruncateBeyondLength {
+                seq: Some(b),
+                new_len: 9,
+                len: 8
+            })
+        );
+        assert_eq!(l, before);
+        let c = l.fork(b, 8).unwrap();
+        l.truncate(c, 8).unwrap();
+        l.remove(c).unwrap();
+        l.remove(a).unwrap();
+        l.remove(b).unwrap();
+        assert_eq!(l.evict_prefixes(usize::MAX), 2);
+        assert_eq!(l.free_pages(), 10);
+    }
+
     #[test]
     fn published_prefixes_outlive_their_sequence_and_go_least_recently_used_first() {
         let mut l = PageLedger::new(&spec(64), 4, 10);
