@@ -25,8 +25,10 @@ use half::{bf16, f16};
 ///
 /// Quantization is defined so that every adapter computes the same bits (no division, whose WGSL
 /// precision is loose, decides a value): q8_0 takes `d = f16(max|x| * (1/127))` and `q = round(x / d)`
-/// (half away from zero) decided by exact products; q4_0 takes llama.cpp's `d = f16(m / -8)` where
-/// `m` is the block's first element of largest magnitude and `q = clamp(floor(x / d + 8.5), 0, 15)`.
+/// (half away from zero) decided by exact products; q4_0 takes `d = f16(m / -8)` (llama.cpp's scale)
+/// where `m` is the block's first element of largest magnitude and `q = clamp(floor(x / d + 8.5), 0,
+/// 15)`. Both divide by the stored f16 scale (llama.cpp divides by the unrounded one, so near a half
+/// step its code may differ by one), and the rows are kvgpu's layout, not GGUF's.
 /// A scale that would overflow f16 saturates to 65504. NaN inputs quantize as 0 and infinities as
 /// `±f32::MAX` in the block types; fp8 e4m3 ("fn": no infinities) rounds to nearest even, saturates
 /// at `±448` (infinities included) and keeps NaN as NaN (`0x7f` with the sign); fp8 e5m2 (the top byte
@@ -1163,8 +1165,8 @@ mod tests {
         }
     }
 
-    /// q4_0 against llama.cpp's definition in f64: d = m / -8 stored as f16, then
-    /// clamp(floor(x / d + 8.5), 0, 15).
+    /// q4_0 against its definition in f64: d = m / -8 stored as f16 (llama.cpp's scale), then
+    /// clamp(floor(x / d + 8.5), 0, 15) with that stored d.
     #[test]
     fn q4_0_follows_the_reference_definition() {
         // Exact ties: a first largest value of -8 makes the scale 1.
