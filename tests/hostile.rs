@@ -2517,20 +2517,11 @@ fn attention_stays_within_the_devices_workgroups() {
     let _serial = serial();
     // With the features the `Gpu` helper asks for, so that every kernel runs.
     let g = gpu();
-    let (device, queue) = pollster::block_on(g.adapter.request_device(&wgpu::DeviceDescriptor {
-        required_limits: wgpu::Limits {
-            max_compute_workgroups_per_dimension: 8,
-            ..wgpu::Limits::default()
-        },
-        required_features: g.device.features(),
-        ..Default::default()
-    }))
-    .unwrap();
-    let few = Gpu {
-        adapter: g.adapter.clone(),
-        device,
-        queue,
+    let limits = wgpu::Limits {
+        max_compute_workgroups_per_dimension: 8,
+        ..wgpu::Limits::default()
     };
+    let few = pollster::block_on(shared::gpu_with(g, limits, g.device.features()));
     let (n_kv, n_heads, d) = (2, 8, 128);
     let opts = AttentionOptions::default();
     let mut att = Attention::new(&few.device, &few.queue).unwrap();
@@ -2743,20 +2734,11 @@ fn zeroing_reaches_the_end_of_a_slot_of_16_byte_vectors() {
     let _serial = serial();
     let g = gpu();
     let limit = (1 << 20) + 16;
-    let (device, queue) = pollster::block_on(g.adapter.request_device(&wgpu::DeviceDescriptor {
-        required_limits: wgpu::Limits {
-            max_storage_buffer_binding_size: limit,
-            ..wgpu::Limits::default()
-        },
-        required_features: g.device.features(),
-        ..Default::default()
-    }))
-    .unwrap();
-    let odd = Gpu {
-        adapter: g.adapter.clone(),
-        device,
-        queue,
+    let limits = wgpu::Limits {
+        max_storage_buffer_binding_size: limit,
+        ..wgpu::Limits::default()
     };
+    let odd = pollster::block_on(shared::gpu_with(g, limits, g.device.features()));
     // Rows of 4 f32 (16 bytes): the slot holds `limit` bytes.
     let rows = limit as usize / 16;
     let layer = LayerSpec::new(vec![SlotSpec::new("x", &[4])]);
