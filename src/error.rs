@@ -665,6 +665,17 @@ pub enum SpecProblem {
     /// [`MAX_LAYERS`](crate::MAX_LAYERS) layers.
     #[error("{n_layers} layers; at most {max} are supported")]
     TooManyLayers { n_layers: usize, max: usize },
+    /// The layers' slot names and shapes take more than
+    /// [`MAX_DESCRIPTION_BYTES`](crate::MAX_DESCRIPTION_BYTES) to describe, counted as a snapshot
+    /// header stores them.
+    #[error(
+        "the {n_layers} layers' slot names and shapes take {bytes} bytes to describe; at most {max}"
+    )]
+    DescriptionTooLarge {
+        n_layers: usize,
+        bytes: u64,
+        max: u64,
+    },
     /// [`CacheSpec::preset`](crate::CacheSpec::preset) was given a name it does not know.
     #[error("unknown preset {name:?}; known: llama3-8b, qwen3-0.6b, deepseek-v2-lite, hybrid")]
     UnknownPreset { name: String },

@@ -137,7 +137,7 @@ pub use ledger::{AppendPlan, Ledger, SeqId};
 pub use paged::{PageLedger, PagedCache, ScatterChoice, SequenceImport};
 pub use placement::Run;
 pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
-pub use spec::{CacheSpec, DeviceLimits, LayerSpec, MAX_LAYERS, SlotSpec};
+pub use spec::{CacheSpec, DeviceLimits, LayerSpec, MAX_DESCRIPTION_BYTES, MAX_LAYERS, SlotSpec};
 pub use verify::verify_buffer;
 
 // Stored words are little-endian, and kvgpu views host slices and stored rows in place (f16 halves,

@@ -157,6 +157,32 @@ pub struct CacheSpec {
 /// Most layers [`CacheSpec::uniform`] builds (real models have at most a few hundred).
 pub const MAX_LAYERS: usize = 1 << 16;
 
+/// Most bytes a spec's description may take: its layers' slot names and shapes, counted as a
+/// snapshot header stores them (a real model's takes a few dozen bytes per slot). So every cache
+/// can be snapshotted, and [`CacheSpec::uniform`] never copies a layer into more memory than this
+/// bounds.
+pub const MAX_DESCRIPTION_BYTES: u64 = 16 << 20;
+
+/// The storage type, `max_seq_len`, the committed length, the page size and the layer count.
+const DESCRIPTION_FIXED_BYTES: u64 = 4 + 3 * 8 + 4;
+
+/// The bytes that describe `layer` in a snapshot header: its slot count, then each slot's name and
+/// shape with their lengths, its storage type and its scale.
+fn layer_description_bytes(layer: &LayerSpec) -> u64 {
+    layer.slots.iter().fold(4u64, |acc, s| {
+        let shape = (s.trailing.len() as u64).saturating_mul(8);
+        acc.saturating_add(16)
+            .saturating_add(s.name.len() as u64)
+            .saturating_add(shape)
+    })
+}
+
+pub(crate) fn description_bytes(layers: &[LayerSpec]) -> u64 {
+    layers.iter().fold(DESCRIPTION_FIXED_BYTES, |acc, l| {
+        acc.saturating_add(layer_description_bytes(l))
+    })
+}
+
 impl CacheSpec {
     /// Checks the description and builds it; `dtype` is the storage type of every slot that does
     /// not name its own. A description that fails a check is refused with [`Error::InvalidSpec`],
@@ -172,7 +198,10 @@ impl CacheSpec {
     /// - every slot's row has at most `u32::MAX` elements, and its `max_seq_len` rows come to at
     ///   most `u64::MAX / 4` bytes ([`SpecProblem::TooLarge`]);
     /// - the rows of all slots at full capacity come to at most `u64::MAX / 4` bytes
-    ///   ([`SpecProblem::TotalTooLarge`]).
+    ///   ([`SpecProblem::TotalTooLarge`]);
+    /// - the slot names and shapes of all layers take at most [`MAX_DESCRIPTION_BYTES`] as a
+    ///   snapshot header stores them ([`SpecProblem::DescriptionTooLarge`]; checked before the
+    ///   slots).
     ///
     /// A slot's own type equal to `dtype`, and a scale of 1, are kept as `None`
     /// ([`SlotSpec::dtype`], [`SlotSpec::scale`]). The device's limits are checked later
@@ -188,6 +217,14 @@ impl CacheSpec {
         if layers.iter().all(|l| l.slots.is_empty()) {
             return invalid(SpecProblem::NoSlots {
                 n_layers: layers.len(),
+            });
+        }
+        let bytes = description_bytes(&layers);
+        if bytes > MAX_DESCRIPTION_BYTES {
+            return invalid(SpecProblem::DescriptionTooLarge {
+                n_layers: layers.len(),
+                bytes,
+                max: MAX_DESCRIPTION_BYTES,
             });
         }
         for slot in layers.iter_mut().flat_map(|l| &mut l.slots) {
@@ -288,7 +325,8 @@ impl CacheSpec {
         })
     }
 
-    /// `n_layers` identical layers.
+    /// `n_layers` identical layers: at most [`MAX_LAYERS`] ([`SpecProblem::TooManyLayers`]), whose
+    /// description is checked ([`SpecProblem::DescriptionTooLarge`]) before the layer is copied.
     pub fn uniform(
         n_layers: usize,
         layer: LayerSpec,
@@ -300,6 +338,20 @@ impl CacheSpec {
                 problem: SpecProblem::TooManyLayers {
                     n_layers,
                     max: MAX_LAYERS,
+                },
+            });
+        }
+        // Checked before the copies: a layer of a few megabytes of names or shape, copied 65,536
+        // times, would not fit in memory.
+        let bytes = (n_layers as u64)
+            .saturating_mul(layer_description_bytes(&layer))
+            .saturating_add(DESCRIPTION_FIXED_BYTES);
+        if bytes > MAX_DESCRIPTION_BYTES {
+            return Err(Error::InvalidSpec {
+                problem: SpecProblem::DescriptionTooLarge {
+                    n_layers,
+                    bytes,
+                    max: MAX_DESCRIPTION_BYTES,
                 },
             });
         }
@@ -656,6 +708,50 @@ mod tests {
         assert_ne!(
             CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap(),
             CacheSpec::new(vec![renamed], DType::F32, 4).unwrap()
+        );
+    }
+
+    /// A description past 16 MiB is refused by `new` and by `uniform`, naming its bytes: `uniform`
+    /// before it copies the layer (a layer of a million dimensions copied 65,536 times would take
+    /// 512 GiB, and aborted); the largest real description passes.
+    #[test]
+    fn descriptions_past_16_mib_are_refused_before_any_copy() {
+        let problem = |r: Result<CacheSpec>| match r {
+            Err(Error::InvalidSpec { problem }) => problem,
+            r => panic!("{r:?}"),
+        };
+        let wide = LayerSpec::new(vec![SlotSpec::new("x", &[1; 1 << 20])]);
+        let per_layer = 4 + 16 + 1 + 8 * (1u64 << 20);
+        assert_eq!(
+            problem(CacheSpec::uniform(MAX_LAYERS, wide.clone(), DType::F32, 4)),
+            SpecProblem::DescriptionTooLarge {
+                n_layers: MAX_LAYERS,
+                bytes: DESCRIPTION_FIXED_BYTES + MAX_LAYERS as u64 * per_layer,
+                max: MAX_DESCRIPTION_BYTES,
+            }
+        );
+        assert_eq!(
+            problem(CacheSpec::uniform(2, wide.clone(), DType::F32, 4)),
+            SpecProblem::DescriptionTooLarge {
+                n_layers: 2,
+                bytes: DESCRIPTION_FIXED_BYTES + 2 * per_layer,
+                max: MAX_DESCRIPTION_BYTES,
+            }
+        );
+        assert_eq!(
+            problem(CacheSpec::new(
+                vec![wide.clone(), wide.clone()],
+                DType::F32,
+                4
+            )),
+            problem(CacheSpec::uniform(2, wide.clone(), DType::F32, 4))
+        );
+        // One layer of it fits; so do 65,536 of Llama's.
+        assert!(CacheSpec::uniform(1, wide, DType::F32, 4).is_ok());
+        let llama = CacheSpec::uniform(MAX_LAYERS, LayerSpec::kv(8, 128, 128), DType::F32, 4);
+        assert_eq!(
+            description_bytes(llama.unwrap().layers()),
+            DESCRIPTION_FIXED_BYTES + MAX_LAYERS as u64 * (4 + 2 * (16 + 1 + 16))
         );
     }
 

@@ -26,11 +26,12 @@ pub const SNAPSHOT_VERSION: u32 = 2;
 /// Magic, version and header length: the bytes before the header.
 const PREFIX: usize = 16;
 
-/// The longest header kvgpu writes or reads (real headers take a few dozen bytes per slot). A
-/// longer one is refused from its length field, before it is read: a stream does not buffer it.
-/// Within it the parser builds what it declares before comparing it with a cache: at 4 bytes per
-/// empty layer, up to about 4 million layers (an estimated 100-150 MB while parsing).
-pub(crate) const MAX_HEADER: u64 = 16 << 20;
+/// The longest header kvgpu writes or reads: a spec's description, which [`CacheSpec::new`] bounds
+/// by the same number, so every cache's header fits. A longer one is refused from its length field,
+/// before it is read: a stream does not buffer it. Within it the parser builds what it declares
+/// before comparing it with a cache: at 4 bytes per empty layer, up to about 4 million layers (an
+/// estimated 100-150 MB while parsing).
+pub(crate) const MAX_HEADER: u64 = crate::spec::MAX_DESCRIPTION_BYTES;
 
 /// What a snapshot's header says: the source's spec, its committed rows and page size.
 ///
@@ -222,17 +223,8 @@ impl<'w, W: Write + ?Sized> SnapshotWriter<'w, W> {
             crc: Crc32::new(),
             written: 0,
         };
+        // At most MAX_HEADER bytes after the prefix: the spec's description, which the spec bounds.
         let mut header = encode_header(spec, len, page_size);
-        let body = (header.len() - PREFIX) as u64;
-        if body > MAX_HEADER {
-            return Err(Error::Snapshot {
-                problem: SnapshotProblem::Write {
-                    reason: format!(
-                        "its header of {body} bytes is more than a snapshot holds ({MAX_HEADER})"
-                    ),
-                },
-            });
-        }
         let crc = crc32(&header);
         header.extend_from_slice(&crc.to_le_bytes());
         w.put(&header)?;
@@ -588,6 +580,7 @@ pub(crate) fn crc32(bytes: &[u8]) -> u32 {
 mod tests {
     use super::*;
     use crate::codec::used_row_bytes;
+    use crate::error::SpecProblem;
     use crate::reference::Xorshift;
 
     #[test]
@@ -775,21 +768,23 @@ mod tests {
         assert_eq!(honest.kept, bytes);
     }
 
+    /// A header past 16 MiB: no spec describes one (`CacheSpec::new` refuses its description), and
+    /// one is refused from its length field.
     #[test]
-    fn a_header_over_16_mib_is_neither_written_nor_read() {
+    fn a_header_over_16_mib_is_neither_built_nor_read() {
         let name = "k".repeat(MAX_HEADER as usize);
         let layer = LayerSpec::new(vec![SlotSpec::new(name, &[4])]);
-        let spec = CacheSpec::new(vec![layer], DType::F32, 2).unwrap();
-        let mut out = Vec::new();
-        let e = SnapshotWriter::new(&mut out, &spec, 0, 0).err().unwrap();
+        let e = CacheSpec::new(vec![layer], DType::F32, 2).unwrap_err();
         assert!(
-            matches!(&e, Error::Snapshot { problem: SnapshotProblem::Write { reason } }
-                if reason.contains("more than a snapshot holds")),
+            matches!(&e, Error::InvalidSpec { problem: SpecProblem::DescriptionTooLarge { bytes, .. } }
+                if *bytes == MAX_HEADER + 60),
             "{e}"
         );
-        assert!(out.is_empty());
-        // The header it would have written, checksummed, is refused from its length field.
-        let mut bytes = encode_header(&spec, 0, 0);
+        let mut bytes = SNAPSHOT_MAGIC.to_vec();
+        bytes.extend_from_slice(&SNAPSHOT_VERSION.to_le_bytes());
+        bytes.extend_from_slice(&(MAX_HEADER as u32 + 1).to_le_bytes());
+        let prefix = bytes.len();
+        bytes.resize(prefix + MAX_HEADER as usize + 1, b'k');
         let crc = crc32(&bytes);
         bytes.extend_from_slice(&crc.to_le_bytes());
         for bytes in [&bytes[..], &bytes[..PREFIX]] {
@@ -798,6 +793,30 @@ mod tests {
                 r => panic!("{r:?}"),
             };
             assert!(matches!(p, SnapshotProblem::MalformedHeader { .. }), "{p}");
+        }
+    }
+
+    /// Every spec's description counts the bytes its header takes (storage types, scales, empty
+    /// layers and shapes of every rank), so no spec `CacheSpec::new` takes has a header too long.
+    #[test]
+    fn a_specs_description_is_its_headers_length() {
+        let layers = vec![
+            LayerSpec::empty(),
+            LayerSpec::new(vec![
+                SlotSpec::new("keys", &[2, 3, 32]).stored_as(DType::Q8_0),
+                SlotSpec::new("v", &[5])
+                    .stored_as(DType::F8E4M3)
+                    .scaled(0.5),
+                SlotSpec::new("", &[]),
+            ]),
+            LayerSpec::mla(512, 64),
+        ];
+        let spec = CacheSpec::new(layers, DType::F16, 9).unwrap();
+        for spec in [spec, CacheSpec::hybrid(DType::F32, 4).unwrap()] {
+            assert_eq!(
+                (encode_header(&spec, 3, 2).len() - PREFIX) as u64,
+                crate::spec::description_bytes(spec.layers())
+            );
         }
     }
 
@@ -816,6 +835,11 @@ mod tests {
             encode_header(&huge, 0, 0).len() - PREFIX,
             MAX_HEADER as usize
         );
+        let one_more = LayerSpec::new(vec![SlotSpec::new(
+            "k".repeat(MAX_HEADER as usize - 59),
+            &[4],
+        )]);
+        assert!(CacheSpec::new(vec![one_more], DType::F32, 2).is_err());
         let (bytes, rows_at) = fabricated(&huge, 1, 9);
         let snap = Snapshot::parse_for(&bytes, &huge).unwrap();
         assert_eq!((snap.header.len, snap.header.spec), (1, huge));
