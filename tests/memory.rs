@@ -159,3 +159,45 @@ fn storage(device: &wgpu::Device, size: u64) -> wgpu::Buffer {
         mapped_at_creation: false,
     })
 }
+
+/// A streamed import submits the rows it has written into staging every 16 MiB or so, so that wgpu
+/// lets go of its own copies of them (it holds every `Queue::write_buffer` upload until the queue's
+/// next submission): pushing a snapshot of 64 MiB of rows in 1 MiB pieces, the device never holds
+/// more than a few dozen uploads at once, and never grows by the snapshot's rows again. Counted in
+/// buffers (OpenGL counts no buffer memory in wgpu); the rows arrive whole and correct.
+#[test]
+fn a_streamed_import_lets_go_of_its_uploads_as_it_goes() {
+    use common::shared::memory_bodies::Residency;
+    use kvgpu::{CacheSpec, DType, LayerSpec};
+    let _serial = serial();
+    let g = common::gpu();
+    // 16 KiB rows per slot: 64 MiB in the two slots' 2,048 rows.
+    let spec = CacheSpec::new(vec![LayerSpec::kv(4, 1024, 1024)], DType::F32, 2048).unwrap();
+    let mut src = common::cache(spec.clone());
+    let rows = common::shared::append_random(&mut src, 0, 2048, 11);
+    src.advance(2048).unwrap();
+    let bytes = src.snapshot().unwrap();
+    drop(src);
+    let mut cache = common::cache(spec);
+    let residency = Residency::new(g);
+    let mut import = cache.import_stream().unwrap();
+    let pieces: Vec<&[u8]> = bytes.chunks(1 << 20).collect();
+    import.push(pieces[0]).unwrap();
+    // The header's staging buffers, allocated at the first piece.
+    let staging = residency.live_now().0;
+    let mut most = 0;
+    for piece in &pieces[1..] {
+        import.push(piece).unwrap();
+        most = most.max(residency.live_now().0 - staging);
+    }
+    assert!(
+        (1..=24).contains(&most),
+        "{most} more buffers at most while {} pieces were pushed",
+        pieces.len()
+    );
+    assert_eq!(import.finish().unwrap(), 2048);
+    for (slot, want) in rows.iter().enumerate() {
+        let got = cache.read_f32(0, slot).unwrap();
+        assert!(got == *want, "slot {slot}");
+    }
+}
