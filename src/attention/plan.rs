@@ -894,6 +894,42 @@ mod tests {
 
     /// The kernels subtract the query table's bias where they read it (shaders/shared/rows.wgsl,
     /// which every pass-1 kernel includes): both words, with the value the recorder adds.
+    /// `pass1_iterations_per_tile` never counts fewer loop iterations than a count by hand of
+    /// `attention_partial.wgsl` for its worst invocation (the first, over a full tile of
+    /// `TILE · rpl` rows): the tile loop 1; the row loads `rpl`; each dot product a loop over the rows
+    /// (`rpl`), then steps of 4 elements (f32), 2 words (16-bit) or a quad of a block (q8_0), each
+    /// `1 + rpl` loads `+ hb` heads `+ hb · rpl` rows, and for a 16-bit head that starts or ends
+    /// inside a word a lone element or word piece of `rpl + hb + hb · rpl`; the scores
+    /// `rpl · (1 + hb)`; the running max and the sum, a tile of rows each; the exponentials
+    /// `rpl · (1 + hb)`; the values `⌈d_v / 256⌉` steps of `1 + rows · (1 + hb +` v_quad's element
+    /// loop: 4 where 16-bit values start inside a word, else 0`) + hb · (1 + 4)` stores. The count
+    /// charges that element loop to every row and the pieces a step's 1: the odd 16-bit case is
+    /// exact, the others are over by those.
+    #[test]
+    fn the_tiled_loop_count_covers_a_count_by_hand_of_the_kernel() {
+        let [f32_, f16_, q8_] = [DType::F32, DType::F16, DType::Q8_0].map(|t| [t; 3]);
+        #[rustfmt::skip]
+        let cases = [
+            // f32, heads of 128, 4 heads and 2 rows per invocation: 32 steps of 15.
+            (f32_, [128, 0, 128], 4, 2, 1 + 2 + (2 + 32 * 15) + 10 + 128 + 10 + 128 + (1 + 128 * 5 + 4 * 5), 1934),
+            // f16, heads of 128 (64 words, 32 steps of 4), one head and one row.
+            (f16_, [128, 0, 128], 1, 1, 1 + 1 + (1 + 32 * 4) + 2 + 64 + 2 + 64 + (1 + 64 * 2 + 5), 653),
+            // f16, keys of 7 and values of 5 on an odd head (a lone element, a step of 9 and a
+            // word), values one element into a word (v_quad's loop of 4).
+            (f16_, [7, 0, 5], 2, 2, 1 + 2 + (2 + 8 + 9 + 8) + 6 + 128 + 6 + 128 + (1 + 128 * 7 + 2 * 5), 1207),
+            // DeepSeek-V2-Lite's shapes, 8 heads: 128 and 16 steps of 18, two value steps.
+            (f32_, [512, 64, 512], 8, 1, 1 + 1 + (1 + 128 * 18) + (1 + 16 * 18) + 9 + 64 + 9 + 64 + 2 * (1 + 64 * 9 + 8 * 5), 4488),
+            // q8_0, heads of 128: 32 quads of 6.
+            (q8_, [128, 0, 128], 2, 1, 1 + 1 + (1 + 32 * 6) + 3 + 64 + 3 + 64 + (1 + 64 * 3 + 2 * 5), 788),
+        ];
+        for (dtypes, [d_a, d_b, d_v], hb, rpl, by_hand, counted) in cases {
+            let got = pass1_iterations_per_tile(dtypes, d_a, d_b, d_v, hb, rpl);
+            let what = format!("{dtypes:?} d {d_a} + {d_b}, d_v {d_v}, {hb} heads, {rpl} rows");
+            assert!(got >= by_hand, "{what}: counted {got}, {by_hand} by hand");
+            assert_eq!(got, counted, "{what}");
+        }
+    }
+
     #[test]
     fn the_kernels_subtract_the_query_tables_bias() {
         let rows = crate::kernels::wgsl::ROWS;
