@@ -41,7 +41,8 @@
 //!   `len + pending[layer]`. From the host ([`HostSlab`], f32 or the storage type; any of f32, f16 and
 //!   bf16 for quantized storage) the rows go through
 //!   `Queue::write_buffer` (natively, more than 4 MiB of them checked first for memory:
-//!   [`Error::OutOfMemory`]). Rows in GPU buffers ([`GpuSlab`], any element type and strides) go
+//!   [`Error::OutOfMemory`]). Rows in GPU buffers ([`GpuSlab`], any element type and strides;
+//!   [`GpuSlab::contiguous`] for row-major rows from the buffer's start) go
 //!   through [`KvCache::record_append_gpu`] instead, copied or converted by the slab-write kernel
 //!   inside the caller's encoder ([`KvCache::append_gpu`] submits them on its own).
 //!   [`KvCache::append_layers`] takes one slab list per layer (a whole decode step) and uploads all of

@@ -2338,13 +2338,7 @@ fn a_slot_buffer_destroyed_through_a_view() {
     let (k, shape) = (values(3, 4), [1, 1, 4]);
     let slabs = [HostSlab::f32(&k, &shape), HostSlab::f32(&k, &shape)];
     let source = f32_buffer(&k, USAGE);
-    let gpu_slab = GpuSlab {
-        buffer: &source,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &shape,
-        strides: None,
-    };
+    let gpu_slab = GpuSlab::contiguous(&source, DType::F32, &shape);
     destroyed(at, c.append(0, &slabs));
     destroyed(at, c.append_layers(&[&slabs, &slabs]));
     destroyed(at, c.append_gpu(0, &[gpu_slab, gpu_slab]));
@@ -2411,13 +2405,7 @@ fn a_pool_buffer_destroyed_through_a_view() {
         HostSlab::f32(&one, &one_shape),
     ];
     let source = f32_buffer(&one, USAGE);
-    let gpu_slab = GpuSlab {
-        buffer: &source,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &one_shape,
-        strides: None,
-    };
+    let gpu_slab = GpuSlab::contiguous(&source, DType::F32, &one_shape);
     destroyed(at, pool.append(s, 1, &row));
     destroyed(at, pool.append_batch(1, &[(s, 1)], &row));
     destroyed(at, pool.append_gpu(s, 1, &[gpu_slab, gpu_slab]));
@@ -2835,13 +2823,7 @@ fn scattered_gpu_appends_bind_their_map_within_small_bindings() {
     let x = values(3, 6 * 4);
     let source = buffer_on(&small.device, bytemuck::cast_slice(&x), USAGE);
     let shape = [6, 1, 4];
-    let slab = GpuSlab {
-        buffer: &source,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &shape,
-        strides: None,
-    };
+    let slab = GpuSlab::contiguous(&source, DType::F32, &shape);
     let (s, t) = (pool.add_sequence().unwrap(), pool.add_sequence().unwrap());
     pool.append_gpu(s, 0, &[slab, slab]).unwrap();
     pool.append(t, 0, &[HostSlab::f32(&x, &shape); 2]).unwrap();

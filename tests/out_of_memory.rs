@@ -535,13 +535,7 @@ fn uploads_whose_ring_buffer_the_device_cannot_make_are_refused_and_change_nothi
     let d = values(8, 3 * 2 * 64);
     let src = pollster::block_on(f32_buffer(&g.device, &d));
     let shape = [3, 2, 64];
-    let gpu_slab = GpuSlab {
-        buffer: &src,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &shape,
-        strides: None,
-    };
+    let gpu_slab = GpuSlab::contiguous(&src, DType::F32, &shape);
     let host = [HostSlab::f32(&d, &shape), HostSlab::f32(&d, &shape)];
     let lost = Losses::default();
     lost.watch(&g.device);
@@ -1039,13 +1033,7 @@ fn dispatches_whose_parameter_buffer_the_device_cannot_make_are_refused_and_chan
         |x: &[f32]| -> Vec<f32> { x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect() };
     // An f32 source into f16 slots takes the converting kernel, which has parameters.
     let src = pollster::block_on(f32_buffer(&g.device, &d));
-    let gpu_slab = GpuSlab {
-        buffer: &src,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &shape,
-        strides: None,
-    };
+    let gpu_slab = GpuSlab::contiguous(&src, DType::F32, &shape);
     let q = pollster::block_on(f32_buffer(&g.device, &values(16, 4 * 8)));
     let out = |fill: f32| pollster::block_on(f32_buffer(&g.device, &[fill; 4 * 8]));
     let (want, got) = (out(0.0), out(-1.0));

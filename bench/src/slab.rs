@@ -44,13 +44,7 @@ pub fn run(
     let src = storage(&gpu.device, dst_bytes, "bench f16 source");
     let plain = storage(&gpu.device, dst_bytes, "bench copy destination");
     let shape = [n, KV_HEADS, HEAD_DIM];
-    let slab = GpuSlab {
-        buffer: &src,
-        dtype: DType::F16,
-        offset: 0,
-        shape: &shape,
-        strides: None,
-    };
+    let slab = GpuSlab::contiguous(&src, DType::F16, &shape);
     let [tk, tc] = {
         let mut kv = || -> Result<f64> {
             let mut res = Ok(());

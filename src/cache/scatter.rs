@@ -167,13 +167,7 @@ impl KvCache {
                 bind_size: size,
                 vec4,
             };
-            let slab = GpuSlab {
-                buffer: &upload.buffer,
-                dtype: DType::F32,
-                offset: 0,
-                shape: &[],
-                strides: None,
-            };
+            let slab = GpuSlab::contiguous(&upload.buffer, DType::F32, &[]);
             // The upload buffer is this device's own (and known as such in the browser), so binding
             // it does not fail; if it did, no slot's dispatch is recorded.
             let Ok((Some(group), kept)) =

@@ -54,6 +54,20 @@ pub struct GpuSlab<'a> {
     pub strides: Option<&'a [usize]>,
 }
 
+impl<'a> GpuSlab<'a> {
+    /// A row-major slab of `dtype` elements shaped `shape`, from the buffer's first element (an
+    /// offset of 0, no strides).
+    pub fn contiguous(buffer: &'a wgpu::Buffer, dtype: DType, shape: &'a [usize]) -> Self {
+        Self {
+            buffer,
+            dtype,
+            offset: 0,
+            shape,
+            strides: None,
+        }
+    }
+}
+
 /// A range of a slot buffer: the visible rows ([`crate::KvCache::view`]) or the whole capacity
 /// (`KvCache::full_view`).
 #[derive(Clone, Copy, Debug)]

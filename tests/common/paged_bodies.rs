@@ -2311,13 +2311,7 @@ pub async fn scattered_appends_take_every_source(g: &Gpu) {
                         bufs.push(buffer_with(&g.device, &words, usage).await);
                     }
                     let slabs: Vec<GpuSlab> = (0..2)
-                        .map(|k| GpuSlab {
-                            buffer: &bufs[k],
-                            dtype: src_dtype,
-                            offset: 0,
-                            shape: &shapes[k],
-                            strides: None,
-                        })
+                        .map(|k| GpuSlab::contiguous(&bufs[k], src_dtype, &shapes[k]))
                         .collect();
                     c.append_gpu_batch(layer, &batch, &slabs).unwrap();
                 }
@@ -2529,13 +2523,7 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
         "read_f32",
     );
     let gpu_rows = super::f32_buffer(&g.device, &rows).await;
-    let gpu_slab = || GpuSlab {
-        buffer: &gpu_rows,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &shape,
-        strides: None,
-    };
+    let gpu_slab = || GpuSlab::contiguous(&gpu_rows, DType::F32, &shape);
     refused(
         b.append_gpu(theirs, 0, &[gpu_slab(), gpu_slab()])
             .unwrap_err(),
@@ -2975,13 +2963,7 @@ pub async fn a_batch_copies_a_shared_page_before_writing_into_it(g: &Gpu) {
                 if from_gpu {
                     let buffer = super::f32_buffer(&g.device, &step).await;
                     let shape = [2, 1, 4];
-                    let slab = GpuSlab {
-                        buffer: &buffer,
-                        dtype: DType::F32,
-                        offset: 0,
-                        shape: &shape,
-                        strides: None,
-                    };
+                    let slab = GpuSlab::contiguous(&buffer, DType::F32, &shape);
                     p.append_gpu_batch(0, &batch, &[slab, slab]).unwrap();
                 } else {
                     let slab = HostSlab::f32(&step, &[2, 1, 4]);
@@ -3022,13 +3004,7 @@ pub async fn a_source_appended_again_across_a_page_binds_its_own_row_map(g: &Gpu
         let two = values(62, 2 * 8);
         let buffer = super::f32_buffer(&g.device, &two).await;
         let shape = [2, 1, 8];
-        let slab = GpuSlab {
-            buffer: &buffer,
-            dtype: DType::F32,
-            offset: 0,
-            shape: &shape,
-            strides: None,
-        };
+        let slab = GpuSlab::contiguous(&buffer, DType::F32, &shape);
         p.append_gpu(s, 0, &[slab, slab]).unwrap();
         p.advance(s, 2).unwrap();
         let one = values(63, 8);

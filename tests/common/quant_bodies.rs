@@ -432,13 +432,7 @@ pub async fn scaled_fp8_gpu_sources_store_the_host_codes_at_any_scale(g: &Gpu) {
             let words: Vec<u32> = x.iter().map(|v| v.to_bits()).collect();
             let source = buffer_with(&g.device, &words, super::USAGE).await;
             let shape = [n, 1, w];
-            let slab = GpuSlab {
-                buffer: &source,
-                dtype: DType::F32,
-                offset: 0,
-                shape: &shape,
-                strides: None,
-            };
+            let slab = GpuSlab::contiguous(&source, DType::F32, &shape);
             let mut c = cache_on(g, spec.clone());
             c.append_gpu(0, &[slab, slab]).unwrap();
             c.advance(n).unwrap();

@@ -496,13 +496,7 @@ pub async fn app_buffers_of_another_device_are_refused(g: &Gpu) {
             assert!(matches!(e, Error::ForeignBuffer { .. }), "{dtype}: {e}");
         }
         let shape = [2, 2, d];
-        let copy = GpuSlab {
-            buffer: &same,
-            dtype: held,
-            offset: 0,
-            shape: &shape,
-            strides: None,
-        };
+        let copy = GpuSlab::contiguous(&same, held, &shape);
         let kernel_strides = [2 * d, d, 1];
         let kernel = GpuSlab {
             buffer: &converted,
@@ -681,13 +675,7 @@ pub async fn no_call_panics_after_the_device_is_lost(g: &Gpu) {
             f32_buffer(&g.device, &[0.5; 64]).await,
         );
         let shape = [1, 2, 8];
-        let slab = GpuSlab {
-            buffer: &src,
-            dtype: DType::F32,
-            offset: 0,
-            shape: &shape,
-            strides: None,
-        };
+        let slab = GpuSlab::contiguous(&src, DType::F32, &shape);
         let opts = AttentionOptions::default();
         let mut att = Attention::for_cache(&c);
         let batch = [(s, 1)];

@@ -206,13 +206,7 @@ pub async fn conversion_matches_half_bit_for_bit(g: &Gpu) {
                 .unwrap();
                 let mut c = cache_on(g, spec.clone());
                 let shape = [rows, width];
-                let slab = GpuSlab {
-                    buffer: &buf,
-                    dtype: src_dtype,
-                    offset: 0,
-                    shape: &shape,
-                    strides: None,
-                };
+                let slab = GpuSlab::contiguous(&buf, src_dtype, &shape);
                 c.append_gpu(0, &[slab]).unwrap();
                 let want =
                     reference::slab_write(&src_bits, src_dtype, 0, &shape, &[width, 1], dtype);
@@ -383,13 +377,7 @@ pub async fn refused_sources_change_nothing(g: &Gpu) {
     let storage_only = source(g, &src, DType::F32, STORAGE).await;
     let copy_only = source(g, &src, DType::F32, wgpu::BufferUsages::COPY_SRC).await;
     let shape = [2, 2, 4];
-    let ok = GpuSlab {
-        buffer: &storage_only,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &shape,
-        strides: None,
-    };
+    let ok = GpuSlab::contiguous(&storage_only, DType::F32, &shape);
 
     let err = c
         .append_gpu(0, &[ok, GpuSlab { offset: 30, ..ok }])
