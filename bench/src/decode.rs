@@ -537,7 +537,10 @@ pub fn run(
         )
         .ratio(
             tc / tz,
-            format!("clear_buffer of the same 64 buffers ({:.2} GB/s)", gbs(tc)),
+            format!(
+                "clear_buffer of 64 buffers of the same sizes ({:.2} GB/s)",
+                gbs(tc)
+            ),
             Goal::AtLeast(0.9),
         ),
     );

@@ -153,7 +153,7 @@ fn main() -> Result<()> {
         attn::run(&gpu, &timer, &cfg, &mut rows, &mut attention, &roof)?;
     }
     drop(roof);
-    // GPU-scale contexts: a 128k layer is 2 GiB of f32 KV, more than a software adapter's bindings
+    // GPU-scale contexts: a 128k layer is 1 GiB of f32 KV, more than a software adapter's bindings
     // hold, and minutes of lavapipe's time for what fits.
     let on_gpu = info.device_type != wgpu::DeviceType::Cpu;
     if only.as_deref() == Some("long") || (only.is_none() && on_gpu) {
