@@ -359,9 +359,9 @@ fn one(
         // interleaved with the kernel.
         let (warm, reps) = (cfg.warm.min(2), cfg.reps.min(9));
         let bytes = ctx as u64 * row_bytes;
-        let roof_run = roof.best(timer, bytes)?;
-        let mut r_gpu = || roof_run.time(timer);
-        let [tk, tr] = interleaved(warm, reps, [&mut k_gpu, &mut r_gpu])?;
+        let ([tk], tr) =
+            roof.best(timer, bytes)?
+                .interleaved_with(timer, warm, reps, [&mut k_gpu])?;
         let mut k_wall = || -> Result<f64> {
             timer.host(|| {
                 let mut enc = gpu

@@ -167,9 +167,12 @@ fn batched_decode(gpu: &Gpu, timer: &Timer, cfg: &Config, rows: &mut Vec<Row>) -
         // The roofline over at most one binding's bytes (its fastest grid shape, found first),
         // timed interleaved with the kernels and scaled to the batch's bytes.
         let read = bytes.min(roof_cap);
-        let roof_run = roof.best(timer, read)?;
-        let mut k_roof = || roof_run.time(timer);
-        let [tb, tc, tr] = interleaved(warm, reps, [&mut k_batch, &mut k_contiguous, &mut k_roof])?;
+        let ([tb, tc], tr) = roof.best(timer, read)?.interleaved_with(
+            timer,
+            warm,
+            reps,
+            [&mut k_batch, &mut k_contiguous],
+        )?;
         let tr = tr * bytes as f64 / read as f64;
         let roof_what = if read == bytes {
             "stream_read of the same bytes".to_string()

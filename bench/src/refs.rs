@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 
-use crate::timing::{Timer, interleaved};
+use crate::timing::{Timer, interleaved, median};
 
 fn pipeline(device: &wgpu::Device, label: &str, source: &str) -> wgpu::ComputePipeline {
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -131,13 +131,13 @@ impl StreamRead {
         }
     }
 
-    /// The grid shape that reads `bytes` fastest (each timed alone after one warm-up, the median of
-    /// three), to be timed again interleaved with the kernel it is the roofline of
-    /// ([`RoofRun::time`]).
-    pub fn best(&self, timer: &Timer, bytes: u64) -> Result<RoofRun<'_>> {
+    /// The grid shapes that read `bytes` fastest (each timed alone after one warm-up, the median of
+    /// three), to be timed again interleaved with the kernel they are the roofline of
+    /// ([`Roof::interleaved_with`]).
+    pub fn best(&self, timer: &Timer, bytes: u64) -> Result<Roof<'_>> {
         let (warm, reps) = (1, 3);
         let n_vec4 = (bytes / 16).max(1) as u32;
-        let mut best: Option<(RoofRun<'_>, f64)> = None;
+        let mut timed: Vec<(RoofRun<'_>, f64)> = Vec::new();
         // One 16-byte word per invocation, then 4, 16 and 64 per invocation (grid stride), and a few
         // fat workgroups that each stream whole rows (one or a few per core: what a CPU adapter
         // reads fastest), as long as an invocation stays within the software adapters' loop limit.
@@ -183,12 +183,59 @@ impl StreamRead {
             );
             let run = RoofRun { pipe, bind, groups };
             let [t] = interleaved(warm, reps, [&mut || run.time(timer)])?;
-            if best.as_ref().is_none_or(|b| t < b.1) {
-                best = Some((run, t));
+            timed.push((run, t));
+        }
+        timed.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let runs: Vec<RoofRun<'_>> = timed
+            .into_iter()
+            .take(ROOF_FINALISTS)
+            .map(|(run, _)| run)
+            .collect();
+        anyhow::ensure!(!runs.is_empty(), "the roofline has no grid shape");
+        Ok(Roof { runs })
+    }
+}
+
+/// Grid shapes of the roofline timed beside the kernel: the calibration's fastest few, so that one
+/// noisy calibration cannot set the roofline with a slow shape (on lavapipe a single pick once read
+/// 4.5 GB/s where the same bytes read 8.3 in the run before, and a kernel came out at 1.03 of it).
+const ROOF_FINALISTS: usize = 3;
+
+/// The streaming-read roofline for one byte count: its fastest grid shapes, bound.
+pub struct Roof<'a> {
+    runs: Vec<RoofRun<'a>>,
+}
+
+impl Roof<'_> {
+    /// Times `others` and each of the roofline's shapes interleaved, as
+    /// [`interleaved`](crate::timing::interleaved) does; returns their medians and the roofline's:
+    /// the fastest shape's median.
+    pub fn interleaved_with<const N: usize>(
+        &self,
+        timer: &Timer,
+        warm: usize,
+        reps: usize,
+        mut others: [&mut dyn FnMut() -> Result<f64>; N],
+    ) -> Result<([f64; N], f64)> {
+        let mut samples = vec![Vec::with_capacity(reps); N + self.runs.len()];
+        for rep in 0..warm + reps {
+            let kept = rep >= warm;
+            for (run, s) in others.iter_mut().zip(&mut samples) {
+                let t = run()?;
+                if kept {
+                    s.push(t);
+                }
+            }
+            for (shape, s) in self.runs.iter().zip(&mut samples[N..]) {
+                let t = shape.time(timer)?;
+                if kept {
+                    s.push(t);
+                }
             }
         }
-        best.map(|(run, _)| run)
-            .ok_or_else(|| anyhow::anyhow!("the roofline has no grid shape"))
+        let medians: Vec<f64> = samples.into_iter().map(|mut s| median(&mut s)).collect();
+        let roof = medians[N..].iter().copied().fold(f64::INFINITY, f64::min);
+        Ok((std::array::from_fn(|i| medians[i]), roof))
     }
 }
 

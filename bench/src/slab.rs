@@ -177,11 +177,7 @@ pub fn run(
         std::hint::black_box(&copy);
         Ok(t.elapsed().as_secs_f64())
     };
-    let [tr, tm] = interleaved(
-        cfg.warm,
-        cfg.reps.max(3),
-        [&mut || roof_run.time(timer), &mut memcpy],
-    )?;
+    let ([tm], tr) = roof_run.interleaved_with(timer, cfg.warm, cfg.reps.max(3), [&mut memcpy])?;
     rows.push(
         Row::new(
             "reference: streaming-read roofline kernel, 64 MiB",
