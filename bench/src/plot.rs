@@ -245,7 +245,7 @@ mod tests {
         ];
         let attention: Series = vec![
             (
-                "kvgpu GQA f16 (kernel)".into(),
+                "kvgpu GQA f16 (call)".into(),
                 vec![(512, 4e-3), (16384, 0.13)],
             ),
             (
@@ -276,14 +276,14 @@ mod tests {
         // kvgpu is blue and candle green in both charts.
         assert_eq!(
             colour("kvgpu append (Llama-3-8B f16, 32 layers)"),
-            colour("kvgpu GQA f16 (kernel)")
+            colour("kvgpu GQA f16 (call)")
         );
         assert_eq!(
             colour("candle-nn KvCache (CPU f16)"),
             colour("candle GQA f16 (CPU)")
         );
         assert_ne!(
-            colour("kvgpu GQA f16 (kernel)"),
+            colour("kvgpu GQA f16 (call)"),
             colour("candle GQA f16 (CPU)")
         );
     }

@@ -82,13 +82,6 @@ fn context_of(name: &str) -> Option<usize> {
     digits.parse().ok()
 }
 
-/// `"... over the same 32768 KiB (...)"` → bytes.
-fn kib_of(reference: &str) -> Option<f64> {
-    let rest = &reference[reference.find("same ")? + 5..];
-    let n: f64 = rest.split(' ').next()?.parse().ok()?;
-    rest.contains(" KiB").then_some(n * 1024.0)
-}
-
 /// Adds `(ctx, seconds)` to the series `name`, creating it in first-seen order.
 fn push(series: &mut Series, name: String, ctx: usize, seconds: f64) {
     match series.iter_mut().find(|(n, _)| *n == name) {
@@ -99,7 +92,7 @@ fn push(series: &mut Series, name: String, ctx: usize, seconds: f64) {
 
 /// Rebuilds the series from result rows, under the names the measuring code gives them. Each row's
 /// value is kvgpu's figure and its ratio is kvgpu / peer (or peer / kvgpu for the prefix copy), so a
-/// peer's time is value / ratio; attention kernel times come from the bandwidth rows (bytes / GB/s).
+/// peer's time is value / ratio; kvgpu's attention times are its whole calls (the rows against candle).
 fn from_rows(rows: &[Value]) -> Result<(Series, Series)> {
     let (mut steps, mut attention) = (Series::new(), Series::new());
     for r in rows {
@@ -137,28 +130,17 @@ fn from_rows(rows: &[Value]) -> Result<(Series, Series)> {
                     us(value / ratio),
                 );
             }
-        } else if let Some(rest) = name.strip_suffix(": KV bandwidth") {
-            // "{GQA|MLA} <model> layer attention {dtype}, ctx N"
-            let kind = &rest[..3];
-            let dtype = rest
-                .split(" attention ")
-                .nth(1)
-                .and_then(|s| s.split(',').next());
-            let bytes = r["reference"].as_str().and_then(kib_of);
-            if let (Some(dtype), Some(bytes)) = (dtype, bytes) {
-                let seconds = bytes / (value * 1e9);
-                push(
-                    &mut attention,
-                    format!("kvgpu {kind} {dtype} (kernel)"),
-                    ctx,
-                    seconds,
-                );
-            }
         } else if let Some(rest) = name.strip_prefix("kvgpu / candle CPU attention, ") {
-            // "{GQA|MLA} <model> layer {dtype}, ctx N"
+            // "{GQA|MLA} <model> layer {dtype}, ctx N": kvgpu's whole call, and candle's.
             let kind = &rest[..3];
             let dtype = rest.split(',').next().and_then(|s| s.rsplit(' ').next());
             if let (Some(dtype), Some(ratio)) = (dtype, ratio) {
+                push(
+                    &mut attention,
+                    format!("kvgpu {kind} {dtype} (call)"),
+                    ctx,
+                    us(value),
+                );
                 push(
                     &mut attention,
                     format!("candle {kind} {dtype} (CPU)"),
@@ -204,8 +186,8 @@ mod tests {
         assert_eq!(steps[0].1, vec![(16, 290e-6), (4000, 300e-6)]);
         assert!((steps[1].1[1].1 - 100e-6).abs() < 1e-12);
         assert!((steps[3].1[0].1 - 6e-6).abs() < 1e-12);
-        assert_eq!(attention[0].0, "kvgpu GQA f16 (kernel)");
-        assert!((attention[0].1[0].1 - 2048.0 * 1024.0 / 0.5e9).abs() < 1e-12);
+        assert_eq!(attention[0].0, "kvgpu GQA f16 (call)");
+        assert!((attention[0].1[0].1 - 4000e-6).abs() < 1e-12);
         assert_eq!(attention[1].0, "candle GQA f16 (CPU)");
         assert!((attention[1].1[0].1 - 2000e-6).abs() < 1e-12);
     }
