@@ -159,7 +159,7 @@ fn check(gpu: &Gpu, cache: &KvCache, model: Model, step: u64) -> kvgpu::Result<(
         scale,
         ..Default::default()
     };
-    let mut attention = Attention::with_kernels(cache.kernels().clone());
+    let mut attention = Attention::for_cache(cache);
     let spec = cache.spec();
     let len = cache.len();
     let stored = |l: usize, s: usize| -> Vec<f32> {

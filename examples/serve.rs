@@ -361,7 +361,7 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         buffer(most * widest),
     );
     let mut server = Server {
-        attention: Attention::with_kernels(pool.kernels().clone()),
+        attention: Attention::for_pool(&pool),
         gpu,
         pool,
         options: AttentionOptions {

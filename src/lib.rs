@@ -121,6 +121,9 @@ mod verify;
 /// match.
 pub use wgpu;
 
+/// The `half` kvgpu is built with: [`HostSlab::f16`] and [`HostSlab::bf16`] take its `f16` and `bf16`.
+pub use half;
+
 pub use attention::{
     Attention, AttentionOptions, KernelChoice, Kv, MAX_SOFT_CAP, MlaQueries, Output, Queries,
 };

@@ -462,6 +462,13 @@ impl CacheSpec {
         Self::new(layers, self.dtype, self.max_seq_len)
     }
 
+    /// This spec holding `max_seq_len` rows: a snapshot's spec with room to go on decoding, or a
+    /// capacity the device holds ([`CacheSpec::max_capacity_for`]). Refused as [`CacheSpec::new`]
+    /// refuses (0 rows, or more bytes than it counts).
+    pub fn with_max_seq_len(&self, max_seq_len: usize) -> Result<Self> {
+        Self::new(self.layers.clone(), self.dtype, max_seq_len)
+    }
+
     fn slots(&self) -> impl Iterator<Item = &SlotSpec> {
         self.layers.iter().flat_map(|l| &l.slots)
     }
@@ -753,6 +760,29 @@ mod tests {
             description_bytes(llama.unwrap().layers()),
             DESCRIPTION_FIXED_BYTES + MAX_LAYERS as u64 * (4 + 2 * (16 + 1 + 16))
         );
+    }
+
+    /// `with_max_seq_len` keeps every layer, slot type and scale, and refuses what `new` refuses.
+    #[test]
+    fn a_spec_takes_another_capacity() {
+        let spec = CacheSpec::llama3_8b(DType::Q8_0, 4096)
+            .unwrap()
+            .with_slot_dtype("v", DType::F8E4M3)
+            .unwrap()
+            .with_slot_scale(0, 1, 0.5)
+            .unwrap();
+        let longer = spec.with_max_seq_len(8192).unwrap();
+        assert_eq!(longer.max_seq_len(), 8192);
+        assert_eq!(longer.layers(), spec.layers());
+        assert_eq!(longer.dtype(), spec.dtype());
+        assert_eq!(longer.bytes_per_token(), spec.bytes_per_token());
+        assert_eq!(longer.with_max_seq_len(4096).unwrap(), spec);
+        assert!(matches!(
+            spec.with_max_seq_len(0),
+            Err(Error::InvalidSpec {
+                problem: SpecProblem::ZeroCapacity
+            })
+        ));
     }
 
     #[test]

@@ -517,8 +517,8 @@ fn f32_slabs<'a>(shapes: &'a [Vec<usize>], data: &'a [Vec<f32>]) -> Vec<HostSlab
 fn typed_slab<'a>(
     dtype: DType,
     shape: &'a [usize],
-    f16s: &'a [half::f16],
-    bf16s: &'a [half::bf16],
+    f16s: &'a [kvgpu::half::f16],
+    bf16s: &'a [kvgpu::half::bf16],
 ) -> HostSlab<'a> {
     match dtype {
         DType::BF16 => HostSlab::bf16(bf16s, shape),
@@ -650,8 +650,8 @@ fn host_appends_and_ledger_operations_refuse_hostile_values() {
                 }
                 // Data of a 16-bit type: stored as is when it is the storage type, quantized into
                 // quantized storage, refused otherwise.
-                let f16s = vec![half::f16::from_f32(0.5); elems];
-                let bf16s = vec![half::bf16::from_f32(0.5); elems];
+                let f16s = vec![kvgpu::half::f16::from_f32(0.5); elems];
+                let bf16s = vec![kvgpu::half::bf16::from_f32(0.5); elems];
                 for held in [DType::F16, DType::BF16] {
                     let mut slabs = base.clone();
                     slabs[slot] = typed_slab(held, &sh[slot], &f16s, &bf16s);

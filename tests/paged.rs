@@ -25,3 +25,45 @@ common::shared_tests!(paged_bodies:
     attention_recorded_before_the_table_grows_sees_later_entries,
     many_runs_of_host_rows_land_alike_whichever_way_they_move,
 );
+
+/// Natively a pool reads back blocking as it does async (a sequence's rows, decoded rows, the whole
+/// pool buffer); `Attention::for_pool` shares the pool's kernel registry; `scatter()` says what
+/// `set_scatter` chose.
+#[test]
+fn a_pool_reads_blocking_shares_its_registry_and_says_its_scatter() {
+    use kvgpu::{Attention, CacheSpec, DType, HostSlab, LayerSpec, PagedCache, ScatterChoice};
+    let g = common::gpu();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 8, 8)], DType::F16, 16).unwrap();
+    let mut p = PagedCache::with_kernels(common::shared::kernels_for(g), spec, 4, 4).unwrap();
+    assert_eq!(p.scatter(), ScatterChoice::Auto);
+    p.set_scatter(ScatterChoice::Never);
+    assert_eq!(p.scatter(), ScatterChoice::Never);
+    let s = p.add_sequence().unwrap();
+    let rows = common::shared::values(5, 6 * 8);
+    let slab = HostSlab::f32(&rows, &[6, 1, 8]);
+    p.append(s, 0, &[slab, slab]).unwrap();
+    p.advance(s, 6).unwrap();
+    for slot in 0..2 {
+        let words = p.read_words(s, 0, slot).unwrap();
+        assert_eq!(words.len(), 6 * 4, "slot {slot}");
+        assert_eq!(
+            words,
+            pollster::block_on(p.read_words_async(s, 0, slot)).unwrap()
+        );
+        assert_eq!(
+            p.read_f32(s, 0, slot).unwrap(),
+            kvgpu::reference::round_trip_rows(&rows, DType::F16, 8),
+            "slot {slot}"
+        );
+        let pool = p.read_pool_words(0, slot).unwrap();
+        assert_eq!(pool.len(), 16 * 4, "slot {slot}");
+        assert_eq!(
+            pool,
+            pollster::block_on(p.read_pool_words_async(0, slot)).unwrap()
+        );
+    }
+    assert!(std::sync::Arc::ptr_eq(
+        Attention::for_pool(&p).kernels(),
+        p.kernels()
+    ));
+}

@@ -226,6 +226,11 @@ impl Attention {
         Self::with_kernels(cache.kernels().clone())
     }
 
+    /// Attention on the pool's own device, sharing its kernel registry.
+    pub fn for_pool(pool: &PagedCache) -> Self {
+        Self::with_kernels(pool.kernels().clone())
+    }
+
     /// Attention with the kernel registry of its device (pipelines are compiled once per registry).
     pub fn with_kernels(kernels: Arc<Kernels>) -> Self {
         let device = kernels.device().clone();
@@ -255,6 +260,11 @@ impl Attention {
             device,
             kernels,
         }
+    }
+
+    /// The kernel registry this attention builds its pipelines in.
+    pub fn kernels(&self) -> &Arc<Kernels> {
+        &self.kernels
     }
 
     /// Compiles, ahead of the first call, the pipelines attention needs for every attention layer of

@@ -129,9 +129,9 @@ pub(super) fn contiguous(shape: [usize; 3]) -> [usize; 3] {
 /// with the sum of its rows.
 #[derive(Clone, Copy, Debug)]
 pub enum Kv<'k> {
-    /// A single-sequence cache's committed rows.
+    /// A single-sequence cache's visible rows (committed, and this step's appends to the layer).
     Cache(&'k KvCache),
-    /// One sequence of a pool: its committed rows.
+    /// One sequence of a pool: its visible rows (committed, and this step's appends to the layer).
     Sequence(&'k PagedCache, SeqId),
     /// Several sequences of a pool, each with its count of queries.
     Batch(&'k PagedCache, &'k [(SeqId, usize)]),

@@ -385,6 +385,11 @@ impl PagedCache {
         self.scatter = choice;
     }
 
+    /// How appends move rows ([`PagedCache::set_scatter`]).
+    pub fn scatter(&self) -> ScatterChoice {
+        self.scatter
+    }
+
     /// The layers, storage type and longest sequence.
     pub fn spec(&self) -> &CacheSpec {
         &self.spec
@@ -910,6 +915,24 @@ impl PagedCache {
             row_elems,
             self.spec.slot_scale(layer, slot)?,
         )
+    }
+
+    /// [`PagedCache::read_pool_words_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_pool_words(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        pollster::block_on(self.read_pool_words_async(layer, slot))
+    }
+
+    /// [`PagedCache::read_words_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_words(&self, seq: SeqId, layer: usize, slot: usize) -> Result<Vec<u32>> {
+        pollster::block_on(self.read_words_async(seq, layer, slot))
+    }
+
+    /// [`PagedCache::read_f32_async`], blocking.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn read_f32(&self, seq: SeqId, layer: usize, slot: usize) -> Result<Vec<f32>> {
+        pollster::block_on(self.read_f32_async(seq, layer, slot))
     }
 
     /// Records the private copies of shared pages: per layer the rows the writer sees there, through
