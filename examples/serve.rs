@@ -154,9 +154,10 @@ impl Server {
                     .collect();
                 self.pool.append(s.seq, *layer, &slabs)?;
             }
-            self.pool.advance(s.seq, s.n)?;
         }
-        Ok(())
+        // The whole step commits at once (or, refused, none of it).
+        let step: Vec<(SeqId, usize)> = segments.iter().map(|s| (s.seq, s.n)).collect();
+        self.pool.advance_batch(&step)
     }
 
     /// Runs attention for every segment's queries in every layer: one ragged batch (one dispatch

@@ -329,6 +329,33 @@ impl PageLedger {
 
     /// Commits `n` rows of `seq`: every layer with slots must hold exactly `n` pending rows.
     pub(crate) fn advance(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        self.check_advance(seq, n)?;
+        self.commit(seq, n);
+        Ok(())
+    }
+
+    /// Commits `n` rows of each `(seq, n)` at once, a sequence named more than once taking the sum
+    /// of its counts: every sequence is checked first, in the order named, and a refusal commits
+    /// none.
+    pub(crate) fn advance_batch(&mut self, batch: &[(SeqId, usize)]) -> Result<()> {
+        let mut sums: Vec<(SeqId, usize)> = Vec::new();
+        for &(seq, n) in batch {
+            match sums.iter_mut().find(|(s, _)| *s == seq) {
+                Some((_, sum)) => *sum = sum.saturating_add(n),
+                None => sums.push((seq, n)),
+            }
+        }
+        for &(seq, n) in &sums {
+            self.check_advance(seq, n)?;
+        }
+        for (seq, n) in sums {
+            self.commit(seq, n);
+        }
+        Ok(())
+    }
+
+    /// Refuses to commit `n` rows of `seq` unless every layer with slots holds exactly `n` pending.
+    fn check_advance(&self, seq: SeqId, n: usize) -> Result<()> {
         let s = self.seq(seq)?;
         let uneven =
             (0..self.shapes.len()).find(|&l| !self.shapes[l].is_empty() && s.pending[l] != n);
@@ -341,10 +368,14 @@ impl PageLedger {
                 len: s.len,
             });
         }
+        Ok(())
+    }
+
+    /// Commits the `n` pending rows of `seq` ([`PageLedger::check_advance`]ed).
+    fn commit(&mut self, seq: SeqId, n: usize) {
         let s = self.seqs.get_mut(&seq).expect("checked");
         s.len += n;
         s.pending.iter_mut().for_each(|p| *p = 0);
-        Ok(())
     }
 
     /// Checks an append of slabs shaped `shape_of(s)` to `layer` of `seq` and plans it, changing
@@ -1319,6 +1350,58 @@ mod tests {
             copies > 100 && out_of_pages > 10 && matched > 100,
             "{copies} copies, {out_of_pages} full pools, {matched} sequences from published pages"
         );
+    }
+
+    /// Appends `n` rows to every layer with slots of `seq`, leaving them pending.
+    fn append_pending(l: &mut PageLedger, seq: SeqId, n: usize) {
+        for layer in [0, 2] {
+            let s: Vec<Vec<usize>> = l.shapes[layer]
+                .iter()
+                .map(|t| [&[n][..], t].concat())
+                .collect();
+            let plan = l.plan_append(seq, layer, 2, |i| &s[i]).unwrap();
+            l.commit_append(&plan);
+        }
+    }
+
+    /// A batch advance commits every sequence's step at once, a sequence named twice taking the sum;
+    /// a refusal of any of them (a count that is not its pending rows, a sequence it does not know)
+    /// names it and commits none, not even those named before it.
+    #[test]
+    fn a_batch_advance_commits_all_or_none() {
+        let mut l = PageLedger::new(&spec(16), 4, 16);
+        let (a, b, c) = (l.add().unwrap(), l.add().unwrap(), l.add().unwrap());
+        append_pending(&mut l, a, 1);
+        append_pending(&mut l, b, 3);
+        let before = l.clone();
+        let uneven = Error::UnevenAdvance {
+            seq: Some(b),
+            layer: 0,
+            pending: 3,
+            expected: 2,
+            len: 0,
+        };
+        assert_eq!(l.advance_batch(&[(a, 1), (b, 2)]), Err(uneven));
+        assert_eq!(l, before);
+        let gone = SeqId {
+            pool: l.pool,
+            n: 99,
+        };
+        assert_eq!(
+            l.advance_batch(&[(a, 1), (b, 3), (gone, 1)]),
+            Err(Error::UnknownSequence { seq: gone })
+        );
+        assert_eq!(l, before);
+        // b named twice: 1 + 2 of its 3 pending rows; c, with nothing pending, commits 0.
+        l.advance_batch(&[(b, 1), (a, 1), (b, 2), (c, 0)]).unwrap();
+        assert_eq!((l.len(a), l.len(b), l.len(c)), (Ok(1), Ok(3), Ok(0)));
+        assert_eq!((l.visible(a, 0), l.visible(b, 2)), (Ok(1), Ok(3)));
+        // One sequence alone is advance.
+        append_pending(&mut l, a, 2);
+        let mut one = l.clone();
+        one.advance(a, 2).unwrap();
+        l.advance_batch(&[(a, 2)]).unwrap();
+        assert_eq!(l, one);
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

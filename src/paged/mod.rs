@@ -870,6 +870,14 @@ impl PagedCache {
         self.ledger.advance(seq, n)
     }
 
+    /// Commits a step of many sequences at once: `n` rows of each `(seq, n)` (the `batch` of an
+    /// [`PagedCache::append_batch`]; a sequence named more than once commits the sum of its counts).
+    /// All or nothing: every sequence is checked as [`PagedCache::advance`] checks it, in the order
+    /// named, and the first refusal commits none.
+    pub fn advance_batch(&mut self, batch: &[(SeqId, usize)]) -> Result<()> {
+        self.ledger.advance_batch(batch)
+    }
+
     /// The whole pool buffer of a slot, every page, for the app's own kernels (rows of page `p` start
     /// at row `p · page_size`). The app must not destroy the buffer (see [`KvCache::view`]).
     pub fn pool_view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {

@@ -1887,11 +1887,13 @@ pub async fn batched_appends_match_one_by_one(g: &Gpu) {
                 all.append_gpu_batch(layer, &batch, &slabs).unwrap();
             }
         }
-        for (c, [s0, s1, s2, _]) in [(&mut one, ids[0]), (&mut all, ids[1])] {
-            for (seq, n) in [(s0, 3), (s1, 4), (s2, 5)] {
-                c.advance(seq, n).unwrap();
-            }
+        let [o0, o1, o2, _] = ids[0];
+        for (seq, n) in [(o0, 3), (o1, 4), (o2, 5)] {
+            one.advance(seq, n).unwrap();
         }
+        // The batched pool commits its step at once.
+        let [a0, a1, a2, _] = ids[1];
+        all.advance_batch(&[(a0, 3), (a1, 4), (a2, 5)]).unwrap();
         same_ledgers((one.ledger(), &ids[0]), (all.ledger(), &ids[1]), dtype);
         for layer in 0..2 {
             for slot in 0..2 {
