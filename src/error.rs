@@ -530,12 +530,21 @@ pub enum SnapshotProblem {
          restores into an empty cache (reset it first)"
     )]
     NotEmpty { len: usize, pending: usize },
-    /// The writer the snapshot was exported to failed.
+    /// The writer the snapshot was exported to failed: `kind` is its `std::io::Error`'s kind
+    /// (`WriteZero` for a writer that took no bytes, `InvalidData` for one that said it wrote more
+    /// than it was given, `OutOfMemory` for a snapshot past what the host can hold in one `Vec`).
     #[error("writing failed: {reason}")]
-    Write { reason: String },
-    /// The reader a snapshot was imported from failed.
+    Write {
+        kind: std::io::ErrorKind,
+        reason: String,
+    },
+    /// The reader a snapshot was imported from failed: `kind` is its `std::io::Error`'s kind
+    /// (`InvalidData` for a reader that said it read more than its buffer holds).
     #[error("reading failed: {reason}")]
-    Read { reason: String },
+    Read {
+        kind: std::io::ErrorKind,
+        reason: String,
+    },
 }
 
 /// Why a GPU source cannot be read as described ([`Error::SourceLayout`]).

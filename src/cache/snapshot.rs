@@ -357,6 +357,7 @@ pub(crate) fn pump(mut reader: impl Read, mut push: impl FnMut(&[u8]) -> Result<
             Ok(n) if n > piece.len() => {
                 return Err(Error::Snapshot {
                     problem: SnapshotProblem::Read {
+                        kind: std::io::ErrorKind::InvalidData,
                         reason: format!(
                             "the reader said it read {n} bytes into a buffer of {}",
                             piece.len()
@@ -369,6 +370,7 @@ pub(crate) fn pump(mut reader: impl Read, mut push: impl FnMut(&[u8]) -> Result<
             Err(e) => {
                 return Err(Error::Snapshot {
                     problem: SnapshotProblem::Read {
+                        kind: e.kind(),
                         reason: e.to_string(),
                     },
                 });
@@ -500,7 +502,10 @@ mod tests {
             matches!(
                 &e,
                 Error::Snapshot {
-                    problem: SnapshotProblem::Read { .. }
+                    problem: SnapshotProblem::Read {
+                        kind: std::io::ErrorKind::InvalidData,
+                        ..
+                    }
                 }
             ),
             "{e}"

@@ -250,20 +250,20 @@ impl<'w, W: Write + ?Sized> SnapshotWriter<'w, W> {
         self.crc.update(bytes);
         self.written += bytes.len() as u64;
         let mut left = bytes;
-        let broken = |reason: String| Error::Snapshot {
-            problem: SnapshotProblem::Write { reason },
+        let broken = |kind, reason: String| Error::Snapshot {
+            problem: SnapshotProblem::Write { kind, reason },
         };
         while !left.is_empty() {
             match self.out.write(left) {
                 Ok(0) => {
-                    return Err(broken(format!(
-                        "the writer took none of {} bytes",
-                        left.len()
-                    )));
+                    return Err(broken(
+                        std::io::ErrorKind::WriteZero,
+                        format!("the writer took none of {} bytes", left.len()),
+                    ));
                 }
                 Ok(n) if n > left.len() => {
                     let reason = format!("the writer said it wrote {n} bytes of {}", left.len());
-                    return Err(broken(reason));
+                    return Err(broken(std::io::ErrorKind::InvalidData, reason));
                 }
                 Ok(n) => left = &left[n..],
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -330,6 +330,7 @@ impl Write for SnapshotBytes {
 fn write_error(e: std::io::Error) -> Error {
     Error::Snapshot {
         problem: SnapshotProblem::Write {
+            kind: e.kind(),
             reason: e.to_string(),
         },
     }
@@ -676,7 +677,10 @@ mod tests {
         impl Write for Full {
             fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
                 if self.left == 0 {
-                    return Err(std::io::Error::other("disk full"));
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::StorageFull,
+                        "disk full",
+                    ));
                 }
                 let n = buf.len().min(self.left);
                 self.left -= n;
@@ -699,7 +703,8 @@ mod tests {
                 r => panic!("{left}: {r:?}"),
             };
             assert!(
-                matches!(&problem, SnapshotProblem::Write { reason } if reason == "disk full"),
+                matches!(&problem, SnapshotProblem::Write { kind: std::io::ErrorKind::StorageFull, reason }
+                    if reason == "disk full"),
                 "{left}: {problem}"
             );
         }
@@ -744,9 +749,13 @@ mod tests {
                 w.finish()
             })
         };
-        for (extra, wanted) in [
-            (1, "the writer said it wrote"),
-            (0, "the writer took none of"),
+        for (extra, wanted, want_kind) in [
+            (
+                1,
+                "the writer said it wrote",
+                std::io::ErrorKind::InvalidData,
+            ),
+            (0, "the writer took none of", std::io::ErrorKind::WriteZero),
         ] {
             let result = export(&mut Odd {
                 extra: Some(extra),
@@ -754,8 +763,8 @@ mod tests {
                 kept: Vec::new(),
             });
             assert!(
-                matches!(&result, Err(Error::Snapshot { problem: SnapshotProblem::Write { reason } })
-                    if reason.contains(wanted)),
+                matches!(&result, Err(Error::Snapshot { problem: SnapshotProblem::Write { kind, reason } })
+                    if reason.contains(wanted) && *kind == want_kind),
                 "{extra}: {result:?}"
             );
         }
@@ -897,7 +906,7 @@ mod tests {
             w.finish()
         });
         assert!(
-            matches!(&result, Err(Error::Snapshot { problem: SnapshotProblem::Write { reason } })
+            matches!(&result, Err(Error::Snapshot { problem: SnapshotProblem::Write { kind: std::io::ErrorKind::Other, reason } })
                 if reason == "the disk went away"),
             "{result:?}"
         );
@@ -1100,6 +1109,7 @@ mod tests {
         out.write_all(b"kvgpu").unwrap();
         let e = Error::Snapshot {
             problem: SnapshotProblem::Write {
+                kind: std::io::ErrorKind::OutOfMemory,
                 reason: "the snapshot does not fit in host memory".into(),
             },
         };

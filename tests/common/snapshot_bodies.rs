@@ -213,7 +213,10 @@ struct FullDisk {
 impl std::io::Write for FullDisk {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if self.left == 0 {
-            return Err(std::io::Error::other("disk full"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::StorageFull,
+                "disk full",
+            ));
         }
         let n = buf.len().min(self.left);
         self.kept.extend_from_slice(&buf[..n]);
@@ -246,8 +249,8 @@ pub async fn a_failing_writer_stops_the_export(g: &Gpu) {
                 p.export_sequence_async(seq, &mut out).await.unwrap_err()
             };
             assert!(
-                matches!(&e, Error::Snapshot { problem: SnapshotProblem::Write { reason } }
-                    if reason == "disk full"),
+                matches!(&e, Error::Snapshot { problem: SnapshotProblem::Write { kind, reason } }
+                    if reason == "disk full" && *kind == std::io::ErrorKind::StorageFull),
                 "{left} of {n} bytes: {e}"
             );
             assert_eq!(out.kept, whole[..left], "{left} of {n} bytes");
@@ -275,7 +278,10 @@ impl std::io::Read for BrokenReader<'_> {
             return Err(std::io::ErrorKind::Interrupted.into());
         }
         if self.at >= self.fail_at {
-            return Err(std::io::Error::other("connection reset"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "connection reset",
+            ));
         }
         let n = (buf.len().min(self.piece))
             .min(self.fail_at - self.at)
@@ -305,8 +311,8 @@ pub async fn a_failing_reader_stops_the_import(g: &Gpu) {
     let before = p.ledger().clone();
     let (fresh_words, pool_before) = (all_words(&fresh).await, pool_words(&p).await);
     let broken = |e: &Error| {
-        matches!(e, Error::Snapshot { problem: SnapshotProblem::Read { reason } }
-            if reason == "connection reset")
+        matches!(e, Error::Snapshot { problem: SnapshotProblem::Read { kind, reason } }
+            if reason == "connection reset" && *kind == std::io::ErrorKind::ConnectionReset)
     };
     for fail_at in [0, 10, n / 3, n / 2, n - 2] {
         let e = fresh.import_from(reader(fail_at)).unwrap_err();
