@@ -801,9 +801,39 @@ pub enum AttentionProblem {
     /// A batch that names no sequence.
     #[error("the batch names no sequence")]
     EmptyBatch,
-    /// The call needs more than the device allows (workgroups, loop iterations, binding size).
+    /// The call needs more than the device allows: `limit` says which, for the app to react
+    /// (split a batch, shorten a call, let [`crate::KernelChoice::Auto`] choose), `detail` the
+    /// numbers.
     #[error("{detail}")]
-    DeviceLimit { detail: String },
+    DeviceLimit {
+        limit: AttentionLimit,
+        detail: String,
+    },
+}
+
+/// Which of the device's limits an attention call is past ([`AttentionProblem::DeviceLimit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AttentionLimit {
+    /// Storage buffers per shader stage or bind groups: attention binds 8 storage buffers in 3
+    /// groups, and no call runs on this device.
+    Bindings,
+    /// Workgroups per dispatch dimension: more queries, query heads or KV heads in one call than one
+    /// dimension holds. Fewer queries per call fit.
+    Workgroups,
+    /// A ragged batch's query table (or a row or page-table entry in it) past what one storage
+    /// binding holds. A smaller batch fits.
+    QueryTable,
+    /// More rows than the device can split and merge for one query within its limits (loop
+    /// iterations, workgroups, one binding of partial results).
+    Rows,
+    /// Head dimensions so wide that one tile of rows passes the loop iterations every adapter runs.
+    HeadSize,
+    /// Workgroup memory: the tiled kernel's tile does not fit.
+    WorkgroupMemory,
+    /// The kernel chosen with [`crate::Attention::set_kernel`] cannot take this shape on this device,
+    /// or the device refused to build it: [`crate::KernelChoice::Auto`] chooses one that can.
+    Kernel,
 }
 
 /// Shorthand used throughout kvgpu.

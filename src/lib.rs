@@ -133,8 +133,8 @@ pub use codec::{DType, HostData};
 pub use device::read_buffer;
 pub use device::{Gpu, INSTALL_HINT, read_buffer_async};
 pub use error::{
-    AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SnapshotProblem, SourceProblem,
-    SpecProblem,
+    AttentionLimit, AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SnapshotProblem,
+    SourceProblem, SpecProblem,
 };
 pub use kernels::Kernels;
 pub use ledger::{AppendPlan, Ledger, SeqId};

@@ -2608,7 +2608,7 @@ fn devices_below_the_kernels_limits_are_refused_by_name() {
         assert!(
             matches!(&e, Error::AttentionRequest {
                 layer: 0,
-                problem: AttentionProblem::DeviceLimit { detail },
+                problem: AttentionProblem::DeviceLimit { limit: AttentionLimit::Bindings, detail },
             } if detail.contains("8 storage buffers") && detail.contains("allows 4")),
             "{e}"
         );
@@ -2870,7 +2870,7 @@ fn a_ragged_batch_of_more_queries_than_a_dispatch_holds_is_refused_before_its_ta
             &e,
             Error::AttentionRequest {
                 layer: 0,
-                problem: AttentionProblem::DeviceLimit { detail },
+                problem: AttentionProblem::DeviceLimit { limit: AttentionLimit::Workgroups, detail },
             } if detail.contains(&format!("{n_q} queries"))
         ),
         "{e}"

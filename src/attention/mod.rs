@@ -315,9 +315,9 @@ impl Attention {
             });
         }
         let limit = |layer: usize| {
-            move |detail: String| Error::AttentionRequest {
+            move |(limit, detail): plan::Refusal| Error::AttentionRequest {
                 layer,
-                problem: crate::error::AttentionProblem::DeviceLimit { detail },
+                problem: crate::error::AttentionProblem::DeviceLimit { limit, detail },
             }
         };
         // Every layer's plan first, so a refused head count or shape builds nothing. (A generated
@@ -386,7 +386,9 @@ impl Attention {
                         };
                         dispatch = plan::plan(&shape, &facts).map_err(limit(layer))?;
                     }
-                    Err(detail) => return Err(limit(layer)(detail)),
+                    Err(detail) => {
+                        return Err(limit(layer)((crate::error::AttentionLimit::Kernel, detail)));
+                    }
                 }
             }
             // Shorter contexts may take fewer rows per invocation: every variant the plan may

@@ -10,6 +10,7 @@
 
 use super::stream::{self, ALONE_TEAMS, StreamKey, TeamSum};
 use crate::codec::DType;
+use crate::error::AttentionLimit;
 use crate::kernels::{
     AttnParams, HEAD_BATCHES, REDUCE_LANES, REDUCE_SPLIT_BYTES, REDUCE_SPLIT_ELEMENTS,
     REDUCE_SPLIT_LANES, ROWS_PER_INVOCATION, TILED_WORKGROUP_BYTES,
@@ -455,28 +456,44 @@ fn reduce_workgroups(n_heads: usize, n_chunks: usize, d_v: usize, lanes: u32, cp
 }
 
 /// `n` workgroups fit one dimension of a dispatch, or why not.
-pub(crate) fn fits_dimension(n: usize, what: &str, dev: &DeviceFacts) -> Result<(), String> {
+pub(crate) fn fits_dimension(n: usize, what: &str, dev: &DeviceFacts) -> Result<(), Refusal> {
     if n > dev.max_workgroups {
-        return Err(format!(
-            "{n} {what} exceed the device's {} workgroups per dispatch dimension",
-            dev.max_workgroups
-        ));
+        return refuse(
+            AttentionLimit::Workgroups,
+            format!(
+                "{n} {what} exceed the device's {} workgroups per dispatch dimension",
+                dev.max_workgroups
+            ),
+        );
     }
     Ok(())
 }
 
+/// Why the device cannot run a call: which limit, and the numbers.
+pub(crate) type Refusal = (AttentionLimit, String);
+
+fn refuse<T>(limit: AttentionLimit, detail: String) -> Result<T, Refusal> {
+    Err((limit, detail))
+}
+
 /// Plans one call, or says why the device cannot run it.
-pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
+pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, Refusal> {
     if dev.storage_buffers < ATTENTION_STORAGE_BUFFERS || dev.bind_groups < 3 {
-        return Err(format!(
-            "attention binds {ATTENTION_STORAGE_BUFFERS} storage buffers in one shader stage, in 3 \
+        return refuse(
+            AttentionLimit::Bindings,
+            format!(
+                "attention binds {ATTENTION_STORAGE_BUFFERS} storage buffers in one shader stage, in 3 \
              bind groups; the device allows {} and {}",
-            dev.storage_buffers, dev.bind_groups
-        ));
+                dev.storage_buffers, dev.bind_groups
+            ),
+        );
     }
     fits_dimension(s.n_q, "queries", dev)?;
     fits_dimension(s.n_heads, "query heads", dev)?;
-    let refused = |why: &str| Err(format!("the {:?} attention kernel {why}", dev.choice));
+    let refused = |why: &str| {
+        let detail = format!("the {:?} attention kernel {why}", dev.choice);
+        refuse(AttentionLimit::Kernel, detail)
+    };
     match dev.choice {
         KernelChoice::Auto => {
             // CPU adapters without subgroups (llvmpipe's GL) take one-invocation teams, where a
@@ -619,7 +636,7 @@ fn seen_rows(s: &CallShape) -> (usize, usize) {
     (lo, s.visible - lo)
 }
 
-fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispatch, String> {
+fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispatch, Refusal> {
     let group = s.n_heads / s.n_kv;
     let n_batches = group / key.heads as usize;
     let teams = s.n_kv * n_batches;
@@ -701,13 +718,16 @@ pub(crate) fn tiled_rows(s: &CallShape, batch: usize) -> impl Iterator<Item = us
         .map(|(i, _)| i)
 }
 
-fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
+fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, Refusal> {
     if dev.workgroup_bytes < TILED_WORKGROUP_BYTES {
-        return Err(format!(
-            "the tiled attention kernel needs {TILED_WORKGROUP_BYTES} bytes of workgroup memory; \
+        return refuse(
+            AttentionLimit::WorkgroupMemory,
+            format!(
+                "the tiled attention kernel needs {TILED_WORKGROUP_BYTES} bytes of workgroup memory; \
              the device allows {}",
-            dev.workgroup_bytes
-        ));
+                dev.workgroup_bytes
+            ),
+        );
     }
     let group = s.n_heads / s.n_kv;
     let batch = HEAD_BATCHES
@@ -736,14 +756,17 @@ fn plan_tiled(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, String> {
         .filter(|&i| i == 0 || TILE * ROWS_PER_INVOCATION[i] <= rows_per_chunk)
         .last()
     else {
-        return Err(format!(
-            "one tile of {TILE} rows with {hb} heads per workgroup, d = {} + {} and d_v = {} needs {} \
+        return refuse(
+            AttentionLimit::HeadSize,
+            format!(
+                "one tile of {TILE} rows with {hb} heads per workgroup, d = {} + {} and d_v = {} needs {} \
              loop iterations per invocation, more than the {LOOP_BUDGET} every adapter runs",
-            s.d_a,
-            s.d_b,
-            s.d_v,
-            per_tile(0)
-        ));
+                s.d_a,
+                s.d_b,
+                s.d_v,
+                per_tile(0)
+            ),
+        );
     };
     let tile = TILE * ROWS_PER_INVOCATION[rpl];
     let tiles = rows.div_ceil(tile);
@@ -806,7 +829,7 @@ fn finish(
     rows: usize,
     (per, width): (usize, usize),
     kernel: Pass1,
-) -> Result<Dispatch, String> {
+) -> Result<Dispatch, Refusal> {
     // A workgroup of one-invocation teams takes `per` chunks, which share their rows.
     let n_chunks = rows.div_ceil(chunk_len).next_multiple_of(per);
     // A ragged batch's query table (two words per query of the call) follows the partial results
@@ -817,11 +840,14 @@ fn finish(
     };
     let scratch = scratch_binding(dev);
     if table_bytes >= scratch {
-        return Err(format!(
-            "a batch of {} queries needs a query table of {table_bytes} bytes, more than one storage \
+        return refuse(
+            AttentionLimit::QueryTable,
+            format!(
+                "a batch of {} queries needs a query table of {table_bytes} bytes, more than one storage \
              binding of this device holds ({scratch})",
-            s.n_q
-        ));
+                s.n_q
+            ),
+        );
     }
     let q_per_pair =
         usize::try_from((scratch - table_bytes) / (n_chunks as u64 * query_chunk_bytes(s)))
@@ -831,11 +857,14 @@ fn finish(
         || q_per_pair == 0
         || reduce_iterations(n_chunks, s.d_v, REDUCE_LANES[0]) + 1 >= LOOP_BUDGET
     {
-        return Err(format!(
-            "{rows} rows need {n_chunks} chunks of at most {chunk_len} rows to stay within the loop \
+        return refuse(
+            AttentionLimit::Rows,
+            format!(
+                "{rows} rows need {n_chunks} chunks of at most {chunk_len} rows to stay within the loop \
              budget, more than this device can merge for one query of {} heads x {}",
-            s.n_heads, s.d_v,
-        ));
+                s.n_heads, s.d_v,
+            ),
+        );
     }
     // In 64 bits: a 32-bit target's usize does not hold them for every shape `prepare` takes.
     let entries = n_chunks as u64 * q_per_pair as u64 * s.n_heads as u64; // (chunk, query, head)
@@ -1217,7 +1246,7 @@ mod tests {
                                 ..dev
                             },
                         )
-                        .unwrap_or_else(|e| panic!("{target}: {e}\n{s:?} {dev:?}"));
+                        .unwrap_or_else(|e| panic!("{target}: {e:?}\n{s:?} {dev:?}"));
                         let chunks = p.n_chunks();
                         assert!(chunks * p.params.chunk_len as usize >= visible);
                         assert!(chunks <= most_chunks(&s, &dev).next_multiple_of(8));
@@ -1341,7 +1370,7 @@ mod tests {
                 let p = match plan(&s, &dev) {
                     Ok(p) => p,
                     Err(e) => {
-                        assert_eq!(dev.choice, KernelChoice::StreamAlone, "{s:?}: {e}");
+                        assert_eq!(dev.choice, KernelChoice::StreamAlone, "{s:?}: {e:?}");
                         continue;
                     }
                 };
@@ -1359,7 +1388,7 @@ mod tests {
                 Ok(p) => p,
                 // One-invocation teams do not hold 512-element heads.
                 Err(e) => {
-                    assert_eq!(dev.choice, KernelChoice::StreamAlone, "{e}");
+                    assert_eq!(dev.choice, KernelChoice::StreamAlone, "{e:?}");
                     continue;
                 }
             };
@@ -1453,8 +1482,33 @@ mod tests {
             max_binding: 1 << 16,
             ..LAVAPIPE
         };
-        let e = plan(&s, &small).unwrap_err();
+        let (limit, e) = plan(&s, &small).unwrap_err();
         assert!(e.contains("query table of 65536 bytes"), "{e}");
+        assert_eq!(limit, AttentionLimit::QueryTable);
+    }
+
+    /// The refusals that say how far a call is past the loop budget name their limit: heads so wide
+    /// that one tile of the tiled kernel passes it, and more rows than a device of 8 workgroups per
+    /// dimension splits into chunks within it (a streaming kernel's chunks too).
+    #[test]
+    fn calls_past_the_loop_budget_name_the_limit() {
+        let tiled = DeviceFacts {
+            choice: KernelChoice::Tiled,
+            ..LAVAPIPE
+        };
+        let wide = gqa(DType::F32, 1, 1, 1, 100_000, 100);
+        let (limit, e) = plan(&wide, &tiled).unwrap_err();
+        assert_eq!(limit, AttentionLimit::HeadSize, "{e}");
+        for choice in [KernelChoice::Tiled, KernelChoice::Auto] {
+            let narrow = DeviceFacts {
+                max_workgroups: 8,
+                choice,
+                ..LAVAPIPE
+            };
+            let long = gqa(DType::F32, 1, 1, 1, 2048, 1 << 20);
+            let (limit, e) = plan(&long, &narrow).unwrap_err();
+            assert_eq!(limit, AttentionLimit::Rows, "{choice:?}: {e}");
+        }
     }
 
     #[test]
@@ -1465,11 +1519,12 @@ mod tests {
             storage_buffers: 4,
             ..GPU
         };
-        let e = plan(&shape, &few).unwrap_err();
+        let (limit, e) = plan(&shape, &few).unwrap_err();
         assert!(
             e.contains("8 storage buffers") && e.contains("allows 4"),
             "{e}"
         );
+        assert_eq!(limit, AttentionLimit::Bindings);
         // Less workgroup memory than the tiled kernel's: a streamed shape is planned, a shape only
         // the tiled kernel takes (odd dims) is refused.
         let small = DeviceFacts {
@@ -1481,8 +1536,9 @@ mod tests {
             Pass1::Stream(_)
         ));
         let odd = gqa(DType::F32, 1, 8, 2, 33, 100);
-        let e = plan(&odd, &small).unwrap_err();
+        let (limit, e) = plan(&odd, &small).unwrap_err();
         assert!(e.contains("10440 bytes of workgroup memory"), "{e}");
+        assert_eq!(limit, AttentionLimit::WorkgroupMemory);
         assert!(plan(&odd, &GPU).is_ok());
     }
 
@@ -1616,11 +1672,9 @@ mod tests {
             KernelChoice::StreamAlone,
         ] {
             let forced = DeviceFacts { choice, ..LAVAPIPE };
-            assert!(
-                plan(&odd, &forced)
-                    .unwrap_err()
-                    .contains("one vector of its slot")
-            );
+            let (limit, e) = plan(&odd, &forced).unwrap_err();
+            assert!(e.contains("one vector of its slot"), "{e}");
+            assert_eq!(limit, AttentionLimit::Kernel);
         }
         // K and V of different types: each slice in vectors of its own type. V of 8 f16 (one 16-byte
         // vector) streams beside q8_0 keys; V of 8 q8_0 elements (half a vector) does not.
@@ -1642,7 +1696,11 @@ mod tests {
             choice: KernelChoice::StreamSubgroup,
             ..no_subgroups
         };
-        assert!(plan(&llama, &forced).unwrap_err().contains("SUBGROUP"));
+        let (limit, e) = plan(&llama, &forced).unwrap_err();
+        assert!(
+            e.contains("SUBGROUP") && limit == AttentionLimit::Kernel,
+            "{e}"
+        );
         let tiled = DeviceFacts {
             choice: KernelChoice::Tiled,
             ..LAVAPIPE

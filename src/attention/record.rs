@@ -7,7 +7,7 @@ use super::view::{self, Bound, ViewError};
 use super::{Attention, AttentionOptions, Job, KernelChoice, Kv, RetiredGroups, Scratch};
 use crate::cache::{AttentionKind, KvCache};
 use crate::codec::DType;
-use crate::error::{AttentionProblem, BufferProblem, Error, Result};
+use crate::error::{AttentionLimit, AttentionProblem, BufferProblem, Error, Result};
 use crate::kernels::{Held, allocated, check_staging, scoped, whole_vectors_within};
 use crate::paged::PagedCache;
 use crate::seq::SeqId;
@@ -70,7 +70,10 @@ impl Attention {
         }
         let partial = partial.map_err(|detail| Error::AttentionRequest {
             layer,
-            problem: AttentionProblem::DeviceLimit { detail },
+            problem: AttentionProblem::DeviceLimit {
+                limit: AttentionLimit::Kernel,
+                detail,
+            },
         })?;
         let pairs: Vec<_> = dispatch.pairs().collect();
         // Grown before the bind groups, which bind it. A refusal after this (a buffer wgpu will not
@@ -450,9 +453,9 @@ impl Attention {
             }),
         };
         let dispatch =
-            plan::plan(&shape, &self.facts).map_err(|detail| Error::AttentionRequest {
+            plan::plan(&shape, &self.facts).map_err(|(limit, detail)| Error::AttentionRequest {
                 layer,
-                problem: AttentionProblem::DeviceLimit { detail },
+                problem: AttentionProblem::DeviceLimit { limit, detail },
             })?;
         Ok((
             dispatch,
@@ -661,6 +664,7 @@ impl<'a> Rows<'a> {
                 return Err(Error::AttentionRequest {
                     layer,
                     problem: AttentionProblem::DeviceLimit {
+                        limit: AttentionLimit::QueryTable,
                         detail: format!(
                             "sequence {seq}: row {} or page-table entry {} is past what a query \
                              table holds ({})",
@@ -681,9 +685,11 @@ impl<'a> Rows<'a> {
                 problem: AttentionProblem::EmptyBatch,
             });
         };
-        plan::fits_dimension(n_q, "queries", facts).map_err(|detail| Error::AttentionRequest {
-            layer,
-            problem: AttentionProblem::DeviceLimit { detail },
+        plan::fits_dimension(n_q, "queries", facts).map_err(|(limit, detail)| {
+            Error::AttentionRequest {
+                layer,
+                problem: AttentionProblem::DeviceLimit { limit, detail },
+            }
         })?;
         for (rows, base) in runs {
             table.extend(rows.map(|last| [last as u32, base]));

@@ -164,7 +164,10 @@ async fn ran(
             matches!(
                 &e,
                 Error::AttentionRequest {
-                    problem: AttentionProblem::DeviceLimit { .. },
+                    problem: AttentionProblem::DeviceLimit {
+                        limit: AttentionLimit::Kernel,
+                        ..
+                    },
                     ..
                 }
             ),
@@ -1505,8 +1508,9 @@ pub async fn the_subgroup_kernel_is_refused_by_name_where_there_are_no_subgroups
         )
         .unwrap_err();
     assert!(
-        matches!(&e, Error::AttentionRequest { problem: AttentionProblem::DeviceLimit { detail }, .. }
-            if detail.contains("SUBGROUP")),
+        matches!(&e, Error::AttentionRequest {
+            problem: AttentionProblem::DeviceLimit { limit: AttentionLimit::Kernel, detail }, ..
+        } if detail.contains("SUBGROUP")),
         "{e}"
     );
     let untouched = read_f32(g, &out).await.iter().all(|&x| x == -7.0);
@@ -1835,7 +1839,7 @@ pub async fn auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused(g: &
             e,
             Error::AttentionRequest {
                 layer: 0,
-                problem: AttentionProblem::DeviceLimit { detail },
+                problem: AttentionProblem::DeviceLimit { limit: AttentionLimit::Kernel, detail },
             } if detail.contains("was refused")
         )
     };
