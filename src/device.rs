@@ -70,16 +70,17 @@ impl Gpu {
                     reason: format!("backends {backends:?}: {e}; {INSTALL_HINT}"),
                 })?,
         };
-        // Subgroups let attention sum a row's dot products with `subgroupAdd`.
-        // 64-bit integers let attention on a CPU adapter load its rows in 64-bit words.
-        let wanted = wgpu::Features::SHADER_F16
-            | wgpu::Features::TIMESTAMP_QUERY
-            | wgpu::Features::SUBGROUP
-            | wgpu::Features::SHADER_INT64;
+        Self::with_adapter(adapter).await
+    }
+
+    /// Opens kvgpu's device on an adapter the app chose (one that can present to its surface, say):
+    /// the adapter's full limits and the features of [`features_for`]. The adapter's instance is
+    /// the app's: objects of another instance (another `Gpu::open`'s) must not be mixed with it.
+    pub async fn with_adapter(adapter: wgpu::Adapter) -> Result<Gpu> {
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("kvgpu"),
-                required_features: adapter.features() & wanted,
+                required_features: features_for(&adapter),
                 required_limits: adapter.limits(),
                 ..Default::default()
             })
@@ -104,6 +105,19 @@ impl Gpu {
     pub fn limits(&self) -> DeviceLimits {
         DeviceLimits::from_wgpu(&self.device.limits())
     }
+}
+
+/// The features of `adapter` that [`Gpu::open`] requests, for a device an app makes itself:
+/// `SUBGROUP` (attention sums a row's dot products with `subgroupAdd`) and `SHADER_INT64` (attention
+/// on a CPU adapter loads its rows in 64-bit words), which kvgpu's kernels use where the device has
+/// them; `TIMESTAMP_QUERY` (the benchmarks' GPU timings) and `SHADER_F16` (for the app's own
+/// kernels; kvgpu's use none). kvgpu runs without any of them.
+pub fn features_for(adapter: &wgpu::Adapter) -> wgpu::Features {
+    adapter.features()
+        & (wgpu::Features::SHADER_F16
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::SUBGROUP
+            | wgpu::Features::SHADER_INT64)
 }
 
 /// The wgpu instance of `backends`: natively one per value for the process (see [`Gpu::open`]).

@@ -131,7 +131,7 @@ pub use cache::{CacheImport, GpuSlab, HostSlab, KvCache, SlotView};
 pub use codec::{DType, HostData};
 #[cfg(not(target_arch = "wasm32"))]
 pub use device::read_buffer;
-pub use device::{Gpu, INSTALL_HINT, read_buffer_async};
+pub use device::{Gpu, INSTALL_HINT, features_for, read_buffer_async};
 pub use error::{
     AttentionLimit, AttentionProblem, BufferProblem, CopyBlocker, Error, Result, SnapshotProblem,
     SourceProblem, SpecProblem,

@@ -210,3 +210,33 @@ fn no_call_panics_after_the_device_is_lost() {
         common::gpu(),
     ));
 }
+
+/// `Gpu::with_adapter` opens kvgpu's device on an adapter of the app's own instance: the adapter's
+/// full limits and exactly the features `features_for` names (the ones of kvgpu's list the adapter
+/// has), and a cache on it works.
+#[test]
+fn a_device_opens_on_an_adapter_the_app_chose() {
+    use kvgpu::{CacheSpec, DType, HostSlab, KvCache, LayerSpec, features_for};
+    let instance =
+        wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+    let adapter = pollster::block_on(instance.request_adapter(&Default::default())).unwrap();
+    let wanted = features_for(&adapter);
+    let listed = wgpu::Features::SHADER_F16
+        | wgpu::Features::TIMESTAMP_QUERY
+        | wgpu::Features::SUBGROUP
+        | wgpu::Features::SHADER_INT64;
+    assert_eq!(wanted, adapter.features() & listed);
+    let g = pollster::block_on(Gpu::with_adapter(adapter.clone())).unwrap();
+    assert_eq!(g.device.features(), wanted);
+    assert_eq!(
+        g.device.limits().max_storage_buffer_binding_size,
+        adapter.limits().max_storage_buffer_binding_size
+    );
+    let spec = CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F16, 4).unwrap();
+    let mut c = KvCache::new(&g.device, &g.queue, spec).unwrap();
+    let (x, y) = ([0.5f32; 8], [-2.0f32; 4]);
+    c.append(0, &[HostSlab::f32(&x, &[2, 4]), HostSlab::f32(&y, &[2, 2])])
+        .unwrap();
+    assert_eq!(c.read_f32(0, 0).unwrap(), x);
+    assert_eq!(c.read_f32(0, 1).unwrap(), y);
+}
