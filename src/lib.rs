@@ -142,7 +142,7 @@ pub use paged::{PageLedger, PagedCache, ScatterChoice, SequenceImport};
 pub use placement::Run;
 pub use snapshot::{SNAPSHOT_MAGIC, SNAPSHOT_VERSION, SnapshotHeader};
 pub use spec::{CacheSpec, DeviceLimits, LayerSpec, MAX_DESCRIPTION_BYTES, MAX_LAYERS, SlotSpec};
-pub use verify::verify_buffer;
+pub use verify::{create_buffer, create_buffer_init, verify_buffer};
 
 // Stored words are little-endian, and kvgpu views host slices and stored rows in place (f16 halves,
 // fp8 bytes), which holds only where the host is little-endian too: a big-endian build is refused

@@ -28,7 +28,8 @@ use crate::kernels::{Held, held};
 ///
 /// Natively this is optional (every call checks its buffers); in a browser every app buffer a
 /// synchronous call binds (GPU append sources, attention queries and outputs) must be verified
-/// once first. Buffers kvgpu made (a cache's slots, taken as another cache's source) need not be.
+/// once first. Buffers kvgpu made (a cache's slots, taken as another cache's source, and buffers
+/// the app makes through [`create_buffer`] or [`create_buffer_init`]) need not be.
 pub async fn verify_buffer(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Result<()> {
     let usage = buffer.usage();
     let storage = usage.contains(wgpu::BufferUsages::STORAGE);
@@ -91,6 +92,26 @@ pub async fn verify_buffer(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Resu
     }
     known::insert(device, buffer);
     Ok(())
+}
+
+/// Makes a buffer on `device` that every kvgpu call takes without [`verify_buffer`]: it is
+/// `device`'s, made here. In a browser this saves the app the asynchronous check of each buffer it
+/// makes for kvgpu (per request, per batch size); natively it is `Device::create_buffer`.
+pub fn create_buffer(device: &wgpu::Device, desc: &wgpu::BufferDescriptor<'_>) -> wgpu::Buffer {
+    let buffer = device.create_buffer(desc);
+    known::insert(device, &buffer);
+    buffer
+}
+
+/// [`create_buffer`] with contents (`wgpu::util::DeviceExt::create_buffer_init`).
+pub fn create_buffer_init(
+    device: &wgpu::Device,
+    desc: &wgpu::util::BufferInitDescriptor<'_>,
+) -> wgpu::Buffer {
+    use wgpu::util::DeviceExt;
+    let buffer = device.create_buffer_init(desc);
+    known::insert(device, &buffer);
+    buffer
 }
 
 /// Remembers a buffer kvgpu made on `device` as verified (a cache's slot buffers, which another

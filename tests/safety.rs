@@ -40,6 +40,12 @@ fn app_buffers_of_another_device_are_refused() {
 }
 
 #[test]
+fn buffers_made_through_kvgpu_need_no_verifying() {
+    let _gpu = beside_others();
+    pollster::block_on(shared::buffers_made_through_kvgpu_need_no_verifying(gpu()));
+}
+
+#[test]
 fn a_queue_of_another_device_is_refused() {
     let _gpu = alone();
     pollster::block_on(shared::a_queue_of_another_device_is_refused(gpu()));

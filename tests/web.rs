@@ -315,6 +315,15 @@ async fn app_buffers_of_another_device_are_refused() {
     checked(&g).await;
 }
 
+/// tests/safety.rs `buffers_made_through_kvgpu_need_no_verifying`, the same body: here a buffer
+/// the device made itself is refused as unverified, and kvgpu's are taken at once.
+#[wasm_bindgen_test]
+async fn buffers_made_through_kvgpu_need_no_verifying() {
+    let g = gpu().await;
+    shared::buffers_made_through_kvgpu_need_no_verifying(&g).await;
+    checked(&g).await;
+}
+
 /// A buffer mapped in part, or one whose `map_async` is still pending, is refused by
 /// `read_buffer_async` and `append_gpu` with the cache unchanged, and both go through once it is
 /// unmapped. WebGPU's `mapState` tells both. Before, kvgpu asked wgpu for a view of the whole

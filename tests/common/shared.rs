@@ -1017,3 +1017,60 @@ pub async fn many_queries_over_a_long_context_see_every_row(
          {attention_s:.1} s)"
     );
 }
+
+/// Buffers the app makes through `kvgpu::create_buffer` / `create_buffer_init` are taken by the
+/// synchronous calls without `verify_buffer`, in a browser too: a GPU append source, and attention's
+/// queries and output, against the twin. A buffer of the same contents made with the device's own
+/// `create_buffer_init` is refused there as unverified, with the cache unchanged (natively every
+/// call checks its buffers itself and takes it).
+pub async fn buffers_made_through_kvgpu_need_no_verifying(g: &Gpu) {
+    let web = cfg!(target_arch = "wasm32");
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap();
+    let mut c = cache_on(g, spec);
+    let rows = values(7, 2 * 4);
+    let init = wgpu::util::BufferInitDescriptor {
+        label: Some("test source"),
+        contents: bytemuck::cast_slice(&rows),
+        usage: USAGE,
+    };
+    let shape = [2, 1, 4];
+    let plain = g.device.create_buffer_init(&init);
+    let plain_slab = GpuSlab::contiguous(&plain, DType::F32, &shape);
+    if web {
+        let e = c.append_gpu(0, &[plain_slab, plain_slab]).unwrap_err();
+        assert!(matches!(e, Error::UnverifiedBuffer { layer: 0, .. }), "{e}");
+        assert_eq!(c.visible(0).unwrap(), 0);
+    }
+    let made = kvgpu::create_buffer_init(&g.device, &init);
+    let slab = GpuSlab::contiguous(&made, DType::F32, &shape);
+    c.append_gpu(0, &[slab, slab]).unwrap();
+    c.advance(2).unwrap();
+    let q_rows = values(8, 4);
+    let q = kvgpu::create_buffer_init(
+        &g.device,
+        &wgpu::util::BufferInitDescriptor {
+            label: Some("test queries"),
+            contents: bytemuck::cast_slice(&q_rows),
+            usage: USAGE,
+        },
+    );
+    let out = kvgpu::create_buffer(
+        &g.device,
+        &wgpu::BufferDescriptor {
+            label: Some("test output"),
+            size: 16,
+            usage: USAGE,
+            mapped_at_creation: false,
+        },
+    );
+    let options = AttentionOptions::default();
+    let mut att = Attention::for_cache(&c);
+    att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &options)
+        .unwrap();
+    let want = reference::attention_gqa(&q_rows, [1, 1, 4], &rows, &rows, 1, 4, &options);
+    assert_close(
+        &read_f32(g, &out).await,
+        &want,
+        "attention over kvgpu-made buffers",
+    );
+}
