@@ -24,6 +24,7 @@ common::shared_tests!(paged_bodies:
     recorded_appends_change_the_table_in_encoder_order,
     attention_recorded_before_the_table_grows_sees_later_entries,
     many_runs_of_host_rows_land_alike_whichever_way_they_move,
+    scrubbing_zeroes_the_rows_no_one_holds,
 );
 
 /// Natively a pool reads back blocking as it does async (a sequence's rows, decoded rows, the whole

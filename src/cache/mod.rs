@@ -829,6 +829,33 @@ impl KvCache {
         Ok(())
     }
 
+    /// Records the zeroing of rows `runs` of every slot buffer (a pool's orphaned rows), skipping
+    /// slot buffers the app destroyed; records nothing where the parameters' buffer cannot be made.
+    pub(crate) fn record_zero_runs(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        runs: &[Run],
+    ) -> Result<()> {
+        let ranges: Vec<ZeroRange> = (0..self.slots.len())
+            .flat_map(|layer| (0..self.slots[layer].len()).map(move |slot| (layer, slot)))
+            .filter(|&(layer, slot)| self.slots[layer][slot].unusable().is_none())
+            .flat_map(|(layer, slot)| {
+                let sb = &self.slots[layer][slot];
+                runs.iter().map(move |run| {
+                    let (start_word, n_words) = sb.placement.words(run);
+                    ZeroRange {
+                        layer,
+                        slot,
+                        start_word,
+                        n_words,
+                        int64: sb.zero_int64,
+                    }
+                })
+            })
+            .collect();
+        self.record_zeros(encoder, &ranges)
+    }
+
     /// [`KvCache::record_reset`] in its own submission.
     pub fn reset(&mut self) -> Result<()> {
         let mut encoder = self.encoder("kvgpu reset");

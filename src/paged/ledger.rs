@@ -305,6 +305,42 @@ impl PageLedger {
         Ok(seq)
     }
 
+    /// The rows `remove(seq)` (`new_len` None) or `truncate(seq, new_len)` would leave in the pool
+    /// with no holder, as runs of pool rows, changing nothing: the pages that return to the pool
+    /// (those `seq` alone holds), and on a truncate the rows past `new_len` in its last page kept,
+    /// where it alone holds that page. Pages another sequence or a published prefix holds keep
+    /// their rows. Refused as the call itself would be.
+    pub(crate) fn orphaned_rows(&self, seq: SeqId, new_len: Option<usize>) -> Result<Vec<Run>> {
+        let s = self.seq(seq)?;
+        let new_len = new_len.unwrap_or(0);
+        if new_len > s.len {
+            return Err(Error::TruncateBeyondLength {
+                seq: Some(seq),
+                new_len,
+                len: s.len,
+            });
+        }
+        let p = self.page_size;
+        let alone = |page: u32| self.refs[page as usize] == 1;
+        let run = |page: u32, from: usize| Run {
+            page: 0,
+            first_row: page as usize * p + from,
+            n_rows: p - from,
+        };
+        let keep = self.pages_for(new_len);
+        let mut runs: Vec<Run> = Vec::new();
+        if !new_len.is_multiple_of(p) && alone(s.pages[keep - 1]) {
+            runs.push(run(s.pages[keep - 1], new_len % p));
+        }
+        runs.extend(
+            s.pages[keep..]
+                .iter()
+                .filter(|&&page| alone(page))
+                .map(|&page| run(page, 0)),
+        );
+        Ok(runs)
+    }
+
     /// Drops the rows of `seq` from `new_len` on (pending rows included) and returns the pages no
     /// longer needed to the pool.
     pub(crate) fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {

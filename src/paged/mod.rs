@@ -553,6 +553,38 @@ impl PagedCache {
         self.ledger.truncate(seq, new_len)
     }
 
+    /// [`PagedCache::truncate`], and the rows it leaves with no holder zeroed in a submission of its
+    /// own, as [`KvCache::truncate_and_scrub`] does: the pages that return to the pool and the rows
+    /// past `new_len` in the last page kept, where `seq` alone holds them (pages another sequence or
+    /// a published prefix holds keep their rows, which are theirs too). So a page handed to the
+    /// next sequence, or read through [`PagedCache::pool_view`], holds none of this sequence's rows.
+    /// Refused with [`Error::OutOfMemory`], changing nothing, where the device cannot make the
+    /// zeroing's parameters; submit any encoder holding appends to `seq` first.
+    pub fn truncate_and_scrub(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        let runs = self.ledger.orphaned_rows(seq, Some(new_len))?;
+        self.scrub(&runs)?;
+        self.ledger.truncate(seq, new_len)
+    }
+
+    /// [`PagedCache::remove`], and the pages that return to the pool zeroed in a submission of its
+    /// own (those `seq` alone held; see [`PagedCache::truncate_and_scrub`]).
+    pub fn remove_and_scrub(&mut self, seq: SeqId) -> Result<()> {
+        let runs = self.ledger.orphaned_rows(seq, None)?;
+        self.scrub(&runs)?;
+        self.remove(seq)
+    }
+
+    /// Zeroes `runs` of every slot buffer, in a submission of its own.
+    fn scrub(&mut self, runs: &[Run]) -> Result<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let mut encoder = self.encoder("kvgpu scrub");
+        self.store.record_zero_runs(&mut encoder, runs)?;
+        self.queue().submit([encoder.finish()]);
+        Ok(())
+    }
+
     /// Committed rows of `seq`.
     pub fn len(&self, seq: SeqId) -> Result<usize> {
         self.ledger.len(seq)

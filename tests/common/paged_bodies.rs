@@ -3063,3 +3063,88 @@ pub async fn prepare_paged_builds_what_the_calls_use(g: &Gpu) {
         );
     }
 }
+
+/// `truncate_and_scrub` and `remove_and_scrub` zero the rows they leave with no holder, and only
+/// those: on f16 pages of 4 (rows of 4 words), with every layer and slot, a page only the truncated
+/// sequence held is zeroed whole, the rows past the new end of its last page kept are zeroed where
+/// it alone holds that page, and a page shared with a fork keeps every row (the fork still reads
+/// them). Once every sequence is removed so, the whole pool is zeros again. A refused call (past
+/// the length, a removed sequence) zeroes nothing and changes nothing.
+pub async fn scrubbing_zeroes_the_rows_no_one_holds(g: &Gpu) {
+    const PAGE: usize = 4;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 8, 8); 2], DType::F16, 32).unwrap();
+    let mut p = PagedCache::with_kernels(super::kernels_for(g), spec, PAGE, 8).unwrap();
+    let row_words = 4;
+    // Pool row `r`'s words in every layer and slot.
+    let rows_of = |all: &[Vec<u32>], r: usize| -> Vec<u32> {
+        all.iter()
+            .flat_map(|w| w[r * row_words..(r + 1) * row_words].to_vec())
+            .collect()
+    };
+    let a = p.add_sequence().unwrap();
+    let ra = step(g, &mut p, a, 10, 41, false).await;
+    let b = p.fork(a, 6).unwrap();
+    let c = p.add_sequence().unwrap();
+    let rc = step(g, &mut p, c, 7, 42, false).await;
+    let pages_a = p.ledger().pages(a).unwrap().to_vec();
+    let pages_c = p.ledger().pages(c).unwrap().to_vec();
+    let gone = p.add_sequence().unwrap();
+    p.remove(gone).unwrap();
+    let before = pool_words(&p).await;
+    let ledger = p.ledger().clone();
+    // Refused: past a's length, and a sequence the pool does not hold.
+    assert!(matches!(
+        p.truncate_and_scrub(a, 11),
+        Err(Error::TruncateBeyondLength { .. })
+    ));
+    assert!(p.remove_and_scrub(gone).is_err());
+    assert!(p.truncate_and_scrub(gone, 0).is_err());
+    assert_eq!(p.ledger(), &ledger);
+    assert_eq!(pool_words(&p).await, before, "a refused scrub wrote");
+
+    // a to 5 rows: its third page (rows 8-9) is its alone: zeroed whole; its second, shared with b
+    // (forked at 6), keeps rows 4-7.
+    p.truncate_and_scrub(a, 5).unwrap();
+    // c to 5 rows: rows 5-7 of its second page (its alone) zeroed, row 4 kept.
+    p.truncate_and_scrub(c, 5).unwrap();
+    let after = pool_words(&p).await;
+    for r in 0..8 * PAGE {
+        let (page, in_page) = (r / PAGE, r % PAGE);
+        let zeroed = page == pages_a[2] as usize || (page == pages_c[1] as usize && in_page >= 1);
+        let want = if zeroed {
+            vec![0; 4 * row_words]
+        } else {
+            rows_of(&before, r)
+        };
+        assert_eq!(rows_of(&after, r), want, "pool row {r} (page {page})");
+    }
+    assert!(
+        rows_of(&before, pages_a[2] as usize * PAGE)
+            .iter()
+            .any(|&w| w != 0),
+        "the zeroed page held rows"
+    );
+    let rows = |r: &SeqRows, n: usize| {
+        r.iter()
+            .map(|l| l.iter().map(|s| s[..n * 8].to_vec()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
+    for (seq, r, n) in [(a, &ra, 5), (b, &ra, 6), (c, &rc, 5)] {
+        for layer in 0..2 {
+            for slot in 0..2 {
+                let got = p.read_f32_async(seq, layer, slot).await.unwrap();
+                let want = reference::round_trip_rows(&rows(r, n)[layer][slot], DType::F16, 8);
+                assert_eq!(got, want, "{seq:?} layer {layer} slot {slot}");
+            }
+        }
+    }
+    // b alone holds nothing (its pages are a's too): nothing zeroed. Then a and c: every page.
+    p.remove_and_scrub(b).unwrap();
+    assert_eq!(pool_words(&p).await, after, "b's pages are a's too");
+    p.remove_and_scrub(a).unwrap();
+    p.remove_and_scrub(c).unwrap();
+    assert_eq!(p.pages_in_use(), 0);
+    for words in pool_words(&p).await {
+        assert!(words.iter().all(|&w| w == 0), "the pool is zeros again");
+    }
+}
