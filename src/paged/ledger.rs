@@ -1442,14 +1442,7 @@ mod tests {
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.
     fn grow(l: &mut PageLedger, seq: SeqId, n: usize) {
-        for layer in [0, 2] {
-            let s: Vec<Vec<usize>> = l.shapes[layer]
-                .iter()
-                .map(|t| [&[n][..], t].concat())
-                .collect();
-            let plan = l.plan_append(seq, layer, 2, |i| &s[i]).unwrap();
-            l.commit_append(&plan);
-        }
+        append_pending(l, seq, n);
         l.advance(seq, n).unwrap();
     }
 
