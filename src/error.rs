@@ -282,6 +282,13 @@ pub enum Error {
     )]
     UnverifiedBuffer { layer: usize, what: String },
 
+    /// [`crate::create_buffer`] or [`crate::create_buffer_init`] was given a descriptor wgpu would
+    /// refuse (an empty or mixed mappable usage, a usage outside WebGPU's, a size past the device's
+    /// `max_buffer_size`, a buffer mapped at creation whose size is not whole words): nothing was
+    /// made.
+    #[error("cannot make the buffer: {reason}")]
+    BufferDescriptor { reason: String },
+
     /// The cache description itself is unusable.
     #[error("invalid cache spec: {problem}")]
     InvalidSpec { problem: SpecProblem },
@@ -532,7 +539,7 @@ pub enum SnapshotProblem {
     NotEmpty { len: usize, pending: usize },
     /// The writer the snapshot was exported to failed: `kind` is its `std::io::Error`'s kind
     /// (`WriteZero` for a writer that took no bytes, `InvalidData` for one that said it wrote more
-    /// than it was given, `OutOfMemory` for a snapshot past what the host can hold in one `Vec`).
+    /// than it was given).
     #[error("writing failed: {reason}")]
     Write {
         kind: std::io::ErrorKind,
@@ -818,21 +825,22 @@ pub enum AttentionLimit {
     /// Storage buffers per shader stage or bind groups: attention binds 8 storage buffers in 3
     /// groups, and no call runs on this device.
     Bindings,
-    /// Workgroups per dispatch dimension: more queries, query heads or KV heads in one call than one
-    /// dimension holds. Fewer queries per call fit.
+    /// Workgroups per dispatch dimension: more queries, query heads or KV heads (times head
+    /// batches) in one call than one dimension holds. Where it is the queries, fewer per call fit.
     Workgroups,
-    /// A ragged batch's query table (or a row or page-table entry in it) past what one storage
-    /// binding holds. A smaller batch fits.
+    /// A ragged batch's query table past what one storage binding holds (a smaller batch fits), or
+    /// one sequence's row or page-table entry past what a table entry holds (2^30).
     QueryTable,
     /// More rows than the device can split and merge for one query within its limits (loop
-    /// iterations, workgroups, one binding of partial results).
+    /// iterations, workgroups, one binding of partial results, beside a batch's query table).
     Rows,
     /// Head dimensions so wide that one tile of rows passes the loop iterations every adapter runs.
     HeadSize,
     /// Workgroup memory: the tiled kernel's tile does not fit.
     WorkgroupMemory,
     /// The kernel chosen with [`crate::Attention::set_kernel`] cannot take this shape on this device,
-    /// or the device refused to build it: [`crate::KernelChoice::Auto`] chooses one that can.
+    /// or the device refused to build it: [`crate::KernelChoice::Auto`] chooses one that can (under
+    /// Auto itself: the device refused the tiled kernel too).
     Kernel,
 }
 

@@ -10,7 +10,7 @@
 //! refused with [`Error::UnverifiedBuffer`] before anything is recorded.
 
 use crate::error::{BufferProblem, Error, Result};
-use crate::kernels::{Held, held};
+use crate::kernels::{Held, allocated, held};
 
 /// Checks that kvgpu may bind or copy `buffer` on `device`, and remembers the answer where a
 /// synchronous call cannot find it out itself (in a browser).
@@ -96,22 +96,77 @@ pub async fn verify_buffer(device: &wgpu::Device, buffer: &wgpu::Buffer) -> Resu
 
 /// Makes a buffer on `device` that every kvgpu call takes without [`verify_buffer`]: it is
 /// `device`'s, made here. In a browser this saves the app the asynchronous check of each buffer it
-/// makes for kvgpu (per request, per batch size); natively it is `Device::create_buffer`.
-pub fn create_buffer(device: &wgpu::Device, desc: &wgpu::BufferDescriptor<'_>) -> wgpu::Buffer {
-    let buffer = device.create_buffer(desc);
+/// makes for kvgpu (per request, per batch size); natively it is `Device::create_buffer`, checked.
+/// A descriptor wgpu would refuse is refused first ([`Error::BufferDescriptor`]), so the buffer is
+/// never an invalid one taken as verified; natively a device out of memory is
+/// [`Error::OutOfMemory`] (in the browser WebGPU reports it itself, later).
+pub fn create_buffer(
+    device: &wgpu::Device,
+    desc: &wgpu::BufferDescriptor<'_>,
+) -> Result<wgpu::Buffer> {
+    check_descriptor(device, desc.size, desc.usage, desc.mapped_at_creation)?;
+    let buffer = allocated(device, "the app's buffer", desc.size, || {
+        device.create_buffer(desc)
+    })?;
     known::insert(device, &buffer);
-    buffer
+    Ok(buffer)
 }
 
-/// [`create_buffer`] with contents (`wgpu::util::DeviceExt::create_buffer_init`).
+/// [`create_buffer`] with contents (as `wgpu::util::DeviceExt::create_buffer_init`, which makes it
+/// mapped, of the contents' length in whole words).
 pub fn create_buffer_init(
     device: &wgpu::Device,
     desc: &wgpu::util::BufferInitDescriptor<'_>,
-) -> wgpu::Buffer {
+) -> Result<wgpu::Buffer> {
     use wgpu::util::DeviceExt;
-    let buffer = device.create_buffer_init(desc);
+    let size = (desc.contents.len() as u64).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT);
+    check_descriptor(device, size, desc.usage, false)?;
+    let buffer = allocated(device, "the app's buffer", size, || {
+        device.create_buffer_init(desc)
+    })?;
     known::insert(device, &buffer);
-    buffer
+    Ok(buffer)
+}
+
+/// Refuses a buffer descriptor that wgpu's validation would refuse (which, natively, panics
+/// without an app's error handler).
+fn check_descriptor(
+    device: &wgpu::Device,
+    size: u64,
+    usage: wgpu::BufferUsages,
+    mapped_at_creation: bool,
+) -> Result<()> {
+    use wgpu::BufferUsages as U;
+    let webgpu = U::MAP_READ
+        | U::MAP_WRITE
+        | U::COPY_SRC
+        | U::COPY_DST
+        | U::INDEX
+        | U::VERTEX
+        | U::UNIFORM
+        | U::STORAGE
+        | U::INDIRECT
+        | U::QUERY_RESOLVE;
+    let mixed = !device
+        .features()
+        .contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS)
+        && ((usage.contains(U::MAP_READ) && !(U::MAP_READ | U::COPY_DST).contains(usage))
+            || (usage.contains(U::MAP_WRITE) && !(U::MAP_WRITE | U::COPY_SRC).contains(usage)));
+    let max = device.limits().max_buffer_size;
+    let reason = if usage.is_empty() {
+        "its usage is empty".to_string()
+    } else if !webgpu.contains(usage) {
+        format!("its usage {usage:?} has flags outside WebGPU's")
+    } else if mixed {
+        format!("its usage {usage:?} maps it with more than a copy the other way")
+    } else if size > max {
+        format!("{size} bytes, past the device's max_buffer_size of {max}")
+    } else if mapped_at_creation && !size.is_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT) {
+        format!("mapped at creation, its {size} bytes are not whole 4-byte words")
+    } else {
+        return Ok(());
+    };
+    Err(Error::BufferDescriptor { reason })
 }
 
 /// Remembers a buffer kvgpu made on `device` as verified (a cache's slot buffers, which another

@@ -338,7 +338,19 @@ impl PageLedger {
                 .filter(|&&page| alone(page))
                 .map(|&page| run(page, 0)),
         );
-        Ok(runs)
+        // Neighbouring pages (a free list often hands them out in order) in one run: a zeroing
+        // dispatch per run and slot.
+        runs.sort_by_key(|r| r.first_row);
+        let mut merged: Vec<Run> = Vec::with_capacity(runs.len());
+        for r in runs {
+            match merged.last_mut() {
+                Some(last) if last.first_row + last.n_rows == r.first_row => {
+                    last.n_rows += r.n_rows
+                }
+                _ => merged.push(r),
+            }
+        }
+        Ok(merged)
     }
 
     /// Drops the rows of `seq` from `new_len` on (pending rows included) and returns the pages no
@@ -1438,6 +1450,37 @@ mod tests {
         one.advance(a, 2).unwrap();
         l.advance_batch(&[(a, 2)]).unwrap();
         assert_eq!(l, one);
+    }
+
+    /// The rows a remove or truncate would orphan: the pages the sequence alone holds and the tail
+    /// of its last page kept, neighbours merged into one run; a fork's pages are not among them;
+    /// nothing changes, and a truncate past the length is refused.
+    #[test]
+    fn orphaned_rows_are_the_sequence_s_alone_in_merged_runs() {
+        let mut l = PageLedger::new(&spec(32), 4, 8);
+        let a = l.add().unwrap();
+        grow(&mut l, a, 10);
+        assert_eq!(l.pages(a).unwrap(), &[0, 1, 2]);
+        let rows = |first_row, n_rows| Run {
+            page: 0,
+            first_row,
+            n_rows,
+        };
+        let before = l.clone();
+        assert_eq!(l.orphaned_rows(a, None), Ok(vec![rows(0, 12)]));
+        assert_eq!(l.orphaned_rows(a, Some(5)), Ok(vec![rows(5, 7)]));
+        assert_eq!(l.orphaned_rows(a, Some(8)), Ok(vec![rows(8, 4)]));
+        assert_eq!(l.orphaned_rows(a, Some(10)), Ok(vec![rows(10, 2)]));
+        assert!(matches!(
+            l.orphaned_rows(a, Some(11)),
+            Err(Error::TruncateBeyondLength { .. })
+        ));
+        assert_eq!(l, before);
+        // A fork at 6 shares pages 0 and 1: only page 2 is a's alone.
+        let b = l.fork(a, 6).unwrap();
+        assert_eq!(l.orphaned_rows(a, None), Ok(vec![rows(8, 4)]));
+        assert_eq!(l.orphaned_rows(a, Some(5)), Ok(vec![rows(8, 4)]));
+        assert_eq!(l.orphaned_rows(b, None), Ok(vec![]));
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

@@ -555,11 +555,15 @@ impl PagedCache {
 
     /// [`PagedCache::truncate`], and the rows it leaves with no holder zeroed in a submission of its
     /// own, as [`KvCache::truncate_and_scrub`] does: the pages that return to the pool and the rows
-    /// past `new_len` in the last page kept, where `seq` alone holds them (pages another sequence or
-    /// a published prefix holds keep their rows, which are theirs too). So a page handed to the
-    /// next sequence, or read through [`PagedCache::pool_view`], holds none of this sequence's rows.
-    /// Refused with [`Error::OutOfMemory`], changing nothing, where the device cannot make the
-    /// zeroing's parameters; submit any encoder holding appends to `seq` first.
+    /// past `new_len` in the last page kept, where `seq` alone holds them. Pages another sequence or
+    /// a published prefix holds keep their rows (theirs too); they are zeroed only if their last
+    /// holder leaves through a scrub as well (a published prefix's pages are not, when
+    /// [`PagedCache::evict_prefixes`] frees them), so a page this sequence alone held reaches the
+    /// next sequence, or [`PagedCache::pool_view`], without its rows. Submit first any encoder
+    /// holding GPU appends to `seq` or to a sequence sharing a page with it (a recorded copy of a
+    /// shared page reads it when the encoder runs), or attention over `seq`. Refused with
+    /// [`Error::OutOfMemory`], changing nothing, where the device cannot make the zeroing's
+    /// parameters.
     pub fn truncate_and_scrub(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         let runs = self.ledger.orphaned_rows(seq, Some(new_len))?;
         self.scrub(&runs)?;
@@ -567,7 +571,8 @@ impl PagedCache {
     }
 
     /// [`PagedCache::remove`], and the pages that return to the pool zeroed in a submission of its
-    /// own (those `seq` alone held; see [`PagedCache::truncate_and_scrub`]).
+    /// own: those `seq` alone held (see [`PagedCache::truncate_and_scrub`], also for the encoders to
+    /// submit first).
     pub fn remove_and_scrub(&mut self, seq: SeqId) -> Result<()> {
         let runs = self.ledger.orphaned_rows(seq, None)?;
         self.scrub(&runs)?;

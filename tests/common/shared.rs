@@ -1020,7 +1020,7 @@ pub async fn many_queries_over_a_long_context_see_every_row(
 
 /// Buffers the app makes through `kvgpu::create_buffer` / `create_buffer_init` are taken by the
 /// synchronous calls without `verify_buffer`, in a browser too: a GPU append source, and attention's
-/// queries and output, against the twin. A buffer of the same contents made with the device's own
+/// queries and output, against the twin; descriptors wgpu would refuse are refused first. A buffer of the same contents made with the device's own
 /// `create_buffer_init` is refused there as unverified, with the cache unchanged (natively every
 /// call checks its buffers itself and takes it).
 pub async fn buffers_made_through_kvgpu_need_no_verifying(g: &Gpu) {
@@ -1041,7 +1041,7 @@ pub async fn buffers_made_through_kvgpu_need_no_verifying(g: &Gpu) {
         assert!(matches!(e, Error::UnverifiedBuffer { layer: 0, .. }), "{e}");
         assert_eq!(c.visible(0).unwrap(), 0);
     }
-    let made = kvgpu::create_buffer_init(&g.device, &init);
+    let made = kvgpu::create_buffer_init(&g.device, &init).unwrap();
     let slab = GpuSlab::contiguous(&made, DType::F32, &shape);
     c.append_gpu(0, &[slab, slab]).unwrap();
     c.advance(2).unwrap();
@@ -1053,16 +1053,35 @@ pub async fn buffers_made_through_kvgpu_need_no_verifying(g: &Gpu) {
             contents: bytemuck::cast_slice(&q_rows),
             usage: USAGE,
         },
-    );
-    let out = kvgpu::create_buffer(
+    )
+    .unwrap();
+    let desc = |size, usage, mapped_at_creation| wgpu::BufferDescriptor {
+        label: Some("test output"),
+        size,
+        usage,
+        mapped_at_creation,
+    };
+    let out = kvgpu::create_buffer(&g.device, &desc(16, USAGE, false)).unwrap();
+    // Descriptors wgpu would refuse (natively with a panic) are refused first, nothing made.
+    let max = g.device.limits().max_buffer_size;
+    let map_read = wgpu::BufferUsages::MAP_READ;
+    for (size, usage, mapped) in [
+        (16, wgpu::BufferUsages::empty(), false),
+        (16, map_read | wgpu::BufferUsages::STORAGE, false),
+        (max + 4, USAGE, false),
+        (6, USAGE, true),
+    ] {
+        let e = kvgpu::create_buffer(&g.device, &desc(size, usage, mapped)).unwrap_err();
+        assert!(
+            matches!(e, Error::BufferDescriptor { .. }),
+            "{size} {usage:?} {mapped}: {e}"
+        );
+    }
+    let readable = kvgpu::create_buffer(
         &g.device,
-        &wgpu::BufferDescriptor {
-            label: Some("test output"),
-            size: 16,
-            usage: USAGE,
-            mapped_at_creation: false,
-        },
+        &desc(16, map_read | wgpu::BufferUsages::COPY_DST, false),
     );
+    assert!(readable.is_ok(), "{readable:?}");
     let options = AttentionOptions::default();
     let mut att = Attention::for_cache(&c);
     att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &options)
