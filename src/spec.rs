@@ -183,6 +183,20 @@ pub(crate) fn description_bytes(layers: &[LayerSpec]) -> u64 {
     })
 }
 
+/// Refuses a description of `bytes` past [`MAX_DESCRIPTION_BYTES`].
+fn check_description(n_layers: usize, bytes: u64) -> Result<()> {
+    if bytes > MAX_DESCRIPTION_BYTES {
+        return Err(Error::InvalidSpec {
+            problem: SpecProblem::DescriptionTooLarge {
+                n_layers,
+                bytes,
+                max: MAX_DESCRIPTION_BYTES,
+            },
+        });
+    }
+    Ok(())
+}
+
 impl CacheSpec {
     /// Checks the description and builds it; `dtype` is the storage type of every slot that does
     /// not name its own. A description that fails a check is refused with [`Error::InvalidSpec`],
@@ -219,14 +233,7 @@ impl CacheSpec {
                 n_layers: layers.len(),
             });
         }
-        let bytes = description_bytes(&layers);
-        if bytes > MAX_DESCRIPTION_BYTES {
-            return invalid(SpecProblem::DescriptionTooLarge {
-                n_layers: layers.len(),
-                bytes,
-                max: MAX_DESCRIPTION_BYTES,
-            });
-        }
+        check_description(layers.len(), description_bytes(&layers))?;
         for slot in layers.iter_mut().flat_map(|l| &mut l.slots) {
             if slot.dtype == Some(dtype) {
                 slot.dtype = None;
@@ -346,15 +353,7 @@ impl CacheSpec {
         let bytes = (n_layers as u64)
             .saturating_mul(layer_description_bytes(&layer))
             .saturating_add(DESCRIPTION_FIXED_BYTES);
-        if bytes > MAX_DESCRIPTION_BYTES {
-            return Err(Error::InvalidSpec {
-                problem: SpecProblem::DescriptionTooLarge {
-                    n_layers,
-                    bytes,
-                    max: MAX_DESCRIPTION_BYTES,
-                },
-            });
-        }
+        check_description(n_layers, bytes)?;
         Self::new(vec![layer; n_layers], dtype, max_seq_len)
     }
 

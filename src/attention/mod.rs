@@ -314,12 +314,6 @@ impl Attention {
                 what: "cache (this Attention serves another device)".into(),
             });
         }
-        let limit = |layer: usize| {
-            move |(limit, detail): plan::Refusal| Error::AttentionRequest {
-                layer,
-                problem: crate::error::AttentionProblem::DeviceLimit { limit, detail },
-            }
-        };
         // Every layer's plan first, so a refused head count or shape builds nothing. (A generated
         // kernel the device itself refuses is found as it is built: the pipelines of the layers
         // before it stay built, for later calls.)
@@ -362,7 +356,7 @@ impl Attention {
                     paging,
                     ragged,
                 };
-                let dispatch = plan::plan(&shape, &self.facts).map_err(limit(layer))?;
+                let dispatch = plan::plan(&shape, &self.facts).map_err(plan::refused_at(layer))?;
                 planned.push((layer, l.kind, shape, dispatch));
             }
         }
@@ -384,10 +378,11 @@ impl Attention {
                             choice: KernelChoice::Tiled,
                             ..self.facts
                         };
-                        dispatch = plan::plan(&shape, &facts).map_err(limit(layer))?;
+                        dispatch = plan::plan(&shape, &facts).map_err(plan::refused_at(layer))?;
                     }
                     Err(detail) => {
-                        return Err(limit(layer)((crate::error::AttentionLimit::Kernel, detail)));
+                        let kernel = crate::error::AttentionLimit::Kernel;
+                        return Err(plan::refused_at(layer)((kernel, detail)));
                     }
                 }
             }

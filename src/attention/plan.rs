@@ -10,7 +10,7 @@
 
 use super::stream::{self, ALONE_TEAMS, StreamKey, TeamSum};
 use crate::codec::DType;
-use crate::error::AttentionLimit;
+use crate::error::{AttentionLimit, AttentionProblem, Error};
 use crate::kernels::{
     AttnParams, HEAD_BATCHES, REDUCE_LANES, REDUCE_SPLIT_BYTES, REDUCE_SPLIT_ELEMENTS,
     REDUCE_SPLIT_LANES, ROWS_PER_INVOCATION, TILED_WORKGROUP_BYTES,
@@ -474,6 +474,14 @@ pub(crate) type Refusal = (AttentionLimit, String);
 
 fn refuse<T>(limit: AttentionLimit, detail: String) -> Result<T, Refusal> {
     Err((limit, detail))
+}
+
+/// The error of a call of `layer` the device cannot run.
+pub(crate) fn refused_at(layer: usize) -> impl Fn(Refusal) -> Error {
+    move |(limit, detail)| Error::AttentionRequest {
+        layer,
+        problem: AttentionProblem::DeviceLimit { limit, detail },
+    }
 }
 
 /// Plans one call, or says why the device cannot run it.

@@ -68,13 +68,8 @@ impl Attention {
                 format!("{which} buffer")
             })?;
         }
-        let partial = partial.map_err(|detail| Error::AttentionRequest {
-            layer,
-            problem: AttentionProblem::DeviceLimit {
-                limit: AttentionLimit::Kernel,
-                detail,
-            },
-        })?;
+        let partial =
+            partial.map_err(|detail| plan::refused_at(layer)((AttentionLimit::Kernel, detail)))?;
         let pairs: Vec<_> = dispatch.pairs().collect();
         // Grown before the bind groups, which bind it. A refusal after this (a buffer wgpu will not
         // bind, no memory for the parameter entries or a batch's query table) puts the old scratch
@@ -452,11 +447,7 @@ impl Attention {
                 }
             }),
         };
-        let dispatch =
-            plan::plan(&shape, &self.facts).map_err(|(limit, detail)| Error::AttentionRequest {
-                layer,
-                problem: AttentionProblem::DeviceLimit { limit, detail },
-            })?;
+        let dispatch = plan::plan(&shape, &self.facts).map_err(plan::refused_at(layer))?;
         Ok((
             dispatch,
             Views {
@@ -661,19 +652,17 @@ impl<'a> Rows<'a> {
                     .filter(|&w| w <= plan::QUERY_TABLE_MAX)
             };
             let (Some(_), Some(base)) = (word(visible - 1), word(p.table_base)) else {
-                return Err(Error::AttentionRequest {
-                    layer,
-                    problem: AttentionProblem::DeviceLimit {
-                        limit: AttentionLimit::QueryTable,
-                        detail: format!(
-                            "sequence {seq}: row {} or page-table entry {} is past what a query \
-                             table holds ({})",
-                            visible - 1,
-                            p.table_base,
-                            plan::QUERY_TABLE_MAX
-                        ),
-                    },
-                });
+                let detail = format!(
+                    "sequence {seq}: row {} or page-table entry {} is past what a query table \
+                     holds ({})",
+                    visible - 1,
+                    p.table_base,
+                    plan::QUERY_TABLE_MAX
+                );
+                return Err(plan::refused_at(layer)((
+                    AttentionLimit::QueryTable,
+                    detail,
+                )));
             };
             runs.push((visible - n..visible, base));
             longest = longest.max(visible);
@@ -685,12 +674,7 @@ impl<'a> Rows<'a> {
                 problem: AttentionProblem::EmptyBatch,
             });
         };
-        plan::fits_dimension(n_q, "queries", facts).map_err(|(limit, detail)| {
-            Error::AttentionRequest {
-                layer,
-                problem: AttentionProblem::DeviceLimit { limit, detail },
-            }
-        })?;
+        plan::fits_dimension(n_q, "queries", facts).map_err(plan::refused_at(layer))?;
         for (rows, base) in runs {
             table.extend(rows.map(|last| [last as u32, base]));
         }

@@ -311,15 +311,8 @@ impl PageLedger {
     /// where it alone holds that page. Pages another sequence or a published prefix holds keep
     /// their rows. Refused as the call itself would be.
     pub(crate) fn orphaned_rows(&self, seq: SeqId, new_len: Option<usize>) -> Result<Vec<Run>> {
-        let s = self.seq(seq)?;
         let new_len = new_len.unwrap_or(0);
-        if new_len > s.len {
-            return Err(Error::TruncateBeyondLength {
-                seq: Some(seq),
-                new_len,
-                len: s.len,
-            });
-        }
+        let s = self.truncatable(seq, new_len)?;
         let p = self.page_size;
         let alone = |page: u32| self.refs[page as usize] == 1;
         let run = |page: u32, from: usize| Run {
@@ -353,9 +346,8 @@ impl PageLedger {
         Ok(merged)
     }
 
-    /// Drops the rows of `seq` from `new_len` on (pending rows included) and returns the pages no
-    /// longer needed to the pool.
-    pub(crate) fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+    /// `seq`, if it may be truncated to `new_len` rows (at most its length).
+    fn truncatable(&self, seq: SeqId, new_len: usize) -> Result<&Sequence> {
         let s = self.seq(seq)?;
         if new_len > s.len {
             return Err(Error::TruncateBeyondLength {
@@ -364,6 +356,13 @@ impl PageLedger {
                 len: s.len,
             });
         }
+        Ok(s)
+    }
+
+    /// Drops the rows of `seq` from `new_len` on (pending rows included) and returns the pages no
+    /// longer needed to the pool.
+    pub(crate) fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        self.truncatable(seq, new_len)?;
         let keep = self.pages_for(new_len);
         let s = self.seqs.get_mut(&seq).expect("checked");
         let dropped = s.pages.split_off(keep);
