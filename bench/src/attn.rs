@@ -97,6 +97,13 @@ fn candle_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Te
     Ok(p.matmul(v)?)
 }
 
+/// Seconds of one [`candle_attention`] call.
+fn time_candle(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<f64> {
+    let t = std::time::Instant::now();
+    std::hint::black_box(candle_attention(q, k, v, scale)?);
+    Ok(t.elapsed().as_secs_f64())
+}
+
 /// Sets the attention kernel and workgroup target to measure, from `KVGPU_BENCH_KERNEL` (see
 /// [`kernel_choice`]) and `KVGPU_BENCH_WORKGROUPS` (a positive number for
 /// [`Attention::set_target_workgroups`]; unset, the adapter's default).
@@ -376,22 +383,16 @@ fn one(
         };
         let (qt, kt, vt) = candle_inputs(kind, heads, groups, 1, ctx, dk, dr, dv, cdt)?;
         let scale = 1.0 / ((dk + dr) as f64).sqrt();
-        let mut c_cpu = || -> Result<f64> {
-            let t = std::time::Instant::now();
-            std::hint::black_box(candle_attention(&qt, &kt, &vt, scale)?);
-            Ok(t.elapsed().as_secs_f64())
-        };
+        let mut c_cpu = || time_candle(&qt, &kt, &vt, scale);
         // For MLA, also candle over V copied out of the latent (as this bench measured before
         // 2026-12-06: more bytes than kvgpu reads), for the record only.
         let vt_copied = match kind {
             Kind::Mla => Some(vt.contiguous()?),
             Kind::Gqa => None,
         };
-        let mut c_copied = || -> Result<f64> {
-            let Some(vt) = &vt_copied else { return Ok(0.0) };
-            let t = std::time::Instant::now();
-            std::hint::black_box(candle_attention(&qt, &kt, vt, scale)?);
-            Ok(t.elapsed().as_secs_f64())
+        let mut c_copied = || match &vt_copied {
+            Some(vt) => time_candle(&qt, &kt, vt, scale),
+            None => Ok(0.0),
         };
         let [tw, tc, tc_copied] =
             interleaved(warm, reps, [&mut k_wall, &mut c_cpu, &mut c_copied])?;
@@ -470,11 +471,7 @@ fn one(
         for n_q in PREFILL_QUERIES {
             let (qt, kt, vt) = candle_inputs(kind, heads, groups, n_q, ctx, dk, dr, dv, cdt)?;
             let scale = 1.0 / ((dk + dr) as f64).sqrt();
-            let mut c_cpu = || -> Result<f64> {
-                let t = std::time::Instant::now();
-                std::hint::black_box(candle_attention(&qt, &kt, &vt, scale)?);
-                Ok(t.elapsed().as_secs_f64())
-            };
+            let mut c_cpu = || time_candle(&qt, &kt, &vt, scale);
             // The whole call, recorded, submitted and waited for, as the decode rows above time it
             // against candle's whole call; the kernels' time alone (GPU timestamps where the
             // adapter has them) is the profile row after it.

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 
-use crate::timing::{Timer, interleaved, median};
+use crate::timing::{Timer, interleaved, interleaved_all};
 
 fn pipeline(device: &wgpu::Device, label: &str, source: &str) -> wgpu::ComputePipeline {
     let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
@@ -215,25 +215,23 @@ impl Roof<'_> {
         timer: &Timer,
         warm: usize,
         reps: usize,
-        mut others: [&mut dyn FnMut() -> Result<f64>; N],
+        others: [&mut dyn FnMut() -> Result<f64>; N],
     ) -> Result<([f64; N], f64)> {
-        let mut samples = vec![Vec::with_capacity(reps); N + self.runs.len()];
-        for rep in 0..warm + reps {
-            let kept = rep >= warm;
-            for (run, s) in others.iter_mut().zip(&mut samples) {
-                let t = run()?;
-                if kept {
-                    s.push(t);
-                }
-            }
-            for (shape, s) in self.runs.iter().zip(&mut samples[N..]) {
-                let t = shape.time(timer)?;
-                if kept {
-                    s.push(t);
-                }
-            }
-        }
-        let medians: Vec<f64> = samples.into_iter().map(|mut s| median(&mut s)).collect();
+        let mut shapes: Vec<_> = self
+            .runs
+            .iter()
+            .map(|run| move || run.time(timer))
+            .collect();
+        let mut runs: Vec<&mut dyn FnMut() -> Result<f64>> = others
+            .into_iter()
+            .map(|f| f as &mut dyn FnMut() -> Result<f64>)
+            .collect();
+        runs.extend(
+            shapes
+                .iter_mut()
+                .map(|f| f as &mut dyn FnMut() -> Result<f64>),
+        );
+        let medians = interleaved_all(warm, reps, &mut runs)?;
         let roof = medians[N..].iter().copied().fold(f64::INFINITY, f64::min);
         Ok((std::array::from_fn(|i| medians[i]), roof))
     }

@@ -181,16 +181,26 @@ pub fn interleaved<const N: usize>(
     reps: usize,
     mut runs: [&mut dyn FnMut() -> Result<f64>; N],
 ) -> Result<[f64; N]> {
+    let medians = interleaved_all(warm, reps, &mut runs)?;
+    Ok(std::array::from_fn(|i| medians[i]))
+}
+
+/// [`interleaved`] over any number of closures.
+pub fn interleaved_all(
+    warm: usize,
+    reps: usize,
+    runs: &mut [&mut dyn FnMut() -> Result<f64>],
+) -> Result<Vec<f64>> {
     for _ in 0..warm {
         for run in runs.iter_mut() {
             run()?;
         }
     }
-    let mut samples: [Vec<f64>; N] = std::array::from_fn(|_| Vec::with_capacity(reps));
+    let mut samples: Vec<Vec<f64>> = runs.iter().map(|_| Vec::with_capacity(reps)).collect();
     for _ in 0..reps {
         for (run, s) in runs.iter_mut().zip(samples.iter_mut()) {
             s.push(run()?);
         }
     }
-    Ok(samples.map(|mut s| median(&mut s)))
+    Ok(samples.into_iter().map(|mut s| median(&mut s)).collect())
 }
