@@ -307,7 +307,7 @@ pub async fn read_buffer_async(
     }
     read_ranges(device, queue, buffer, &[(offset, size)])
         .await
-        .map_err(|reason| Error::Device { reason })
+        .map_err(|failure| failure.or(|reason| Error::Device { reason }))
 }
 
 /// [`read_buffer_async`], blocking (native only).
@@ -322,15 +322,38 @@ pub fn read_buffer(
     pollster::block_on(read_buffer_async(device, queue, buffer, offset, size))
 }
 
+/// Why a readback failed: an error of its own kind ([`Error::DeviceLost`]), or a reason for the
+/// caller's error to give ([`ReadFailure::or`]).
+pub(crate) enum ReadFailure {
+    Typed(Error),
+    Failed(String),
+}
+
+impl ReadFailure {
+    /// The error: a typed one as it is, a reason as `refused` names it.
+    pub(crate) fn or(self, refused: impl FnOnce(String) -> Error) -> Error {
+        match self {
+            Self::Typed(e) => e,
+            Self::Failed(reason) => refused(reason),
+        }
+    }
+}
+
+impl From<String> for ReadFailure {
+    fn from(reason: String) -> Self {
+        Self::Failed(reason)
+    }
+}
+
 /// The bytes of checked ranges `(offset, size)` of `buffer`, one after the other, in one readback.
 pub(crate) async fn read_ranges(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
     buffer: &wgpu::Buffer,
     ranges: &[(u64, u64)],
-) -> std::result::Result<Vec<u8>, String> {
+) -> std::result::Result<Vec<u8>, ReadFailure> {
     match Readback::start(device, queue, buffer, ranges).await? {
-        Some(readback) => readback.finish(device).await,
+        Some(readback) => Ok(readback.finish(device).await?),
         None => Ok(Vec::new()),
     }
 }
@@ -372,11 +395,12 @@ impl std::ops::Deref for Staging {
 }
 
 /// A staging buffer of `size` bytes for readbacks, or why the device could not allocate it (the
-/// error scope is awaited, so the browser answers too).
+/// error scope is awaited, so the browser answers too; natively a lost device is
+/// [`Error::DeviceLost`]).
 pub(crate) async fn staging_buffer(
     device: &wgpu::Device,
     size: u64,
-) -> std::result::Result<Staging, String> {
+) -> std::result::Result<Staging, ReadFailure> {
     let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
     let staging = device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("kvgpu readback"),
@@ -385,13 +409,14 @@ pub(crate) async fn staging_buffer(
         mapped_at_creation: false,
     });
     match scope.pop().await {
-        None => match crate::kernels::lost(&staging, "the readback's staging buffer") {
-            Some(reason) => Err(reason),
-            None => Ok(Staging(staging)),
+        None => match crate::kernels::made_alive(&staging, "the readback's staging buffer") {
+            Err(lost) => Err(ReadFailure::Typed(lost)),
+            Ok(()) => Ok(Staging(staging)),
         },
         Some(e) => Err(format!(
             "the device could not allocate a staging buffer of {size} bytes for the readback: {e}"
-        )),
+        )
+        .into()),
     }
 }
 
@@ -403,7 +428,7 @@ impl Readback {
         queue: &wgpu::Queue,
         buffer: &wgpu::Buffer,
         ranges: &[(u64, u64)],
-    ) -> std::result::Result<Option<Self>, String> {
+    ) -> std::result::Result<Option<Self>, ReadFailure> {
         let size = ranges_bytes(ranges);
         if size == 0 {
             return Ok(None);
@@ -415,7 +440,8 @@ impl Readback {
                 "a readback of {size} bytes is more than one allocation of this target holds \
                  ({} bytes)",
                 isize::MAX
-            ));
+            )
+            .into());
         }
         // A buffer of another device may be larger than any of this one.
         let largest = device.limits().max_buffer_size;
@@ -423,12 +449,13 @@ impl Readback {
             return Err(format!(
                 "a readback of {size} bytes needs a staging buffer larger than this device's \
                  largest buffer ({largest} bytes)"
-            ));
+            )
+            .into());
         }
         let staging = staging_buffer(device, size).await?;
-        Self::start_in(device, queue, buffer, ranges, staging)
-            .await
-            .map(Some)
+        Ok(Some(
+            Self::start_in(device, queue, buffer, ranges, staging).await?,
+        ))
     }
 
     /// [`Readback::start`] into `staging`, an unmapped buffer from [`staging_buffer`] of at least the

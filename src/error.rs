@@ -368,10 +368,22 @@ pub enum Error {
         reason: String,
     },
 
-    /// The device failed an operation that is not about one slot: a readback of an app's buffer, a
-    /// lost device, a poll that timed out.
+    /// The device failed an operation that is not about one slot: a readback of an app's buffer
+    /// (refused, or failed on the device), a poll that timed out.
     #[error("device error: {reason}")]
     Device { reason: String },
+
+    /// The device is lost (a driver reset, a removed adapter, `wgpu::Device::destroy`): a buffer
+    /// kvgpu made just now for `what` came back invalid though the device reported no error for it.
+    /// Nothing more can run on this device; an app recovers by requesting a new device and making
+    /// its caches again (from snapshots exported before the loss). Reported natively by every call
+    /// that makes a buffer (a readback's staging buffer, the parameter ring, attention's scratch, an
+    /// upload, a new cache, pool or registry); calls whose buffers were all made before the loss
+    /// return and write nothing. In the browser wgpu 30 shows an app nothing of a loss but through
+    /// the device's own lost callback, so readbacks there fail as [`Error::Readback`] or
+    /// [`Error::Device`], and the other calls return.
+    #[error("the device is lost (wgpu made {what} invalid)")]
+    DeviceLost { what: String },
 
     /// Attention was asked of a layer whose slots are not the kind it reads: GQA needs K
     /// `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`, MLA needs `compressed_kv [r]` and `k_pe [p]`.

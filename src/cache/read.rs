@@ -67,10 +67,12 @@ impl KvCache {
         self.check_slot_usable(layer, slot)?;
         read_ranges(&self.device, &self.queue, buffer, ranges)
             .await
-            .map_err(|reason| Error::Readback {
-                layer,
-                slot,
-                reason,
+            .map_err(|failure| {
+                failure.or(|reason| Error::Readback {
+                    layer,
+                    slot,
+                    reason,
+                })
             })
     }
 

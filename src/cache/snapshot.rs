@@ -46,7 +46,7 @@ async fn start_slot(
         Some(staging) => staging,
         None => staging_buffer(device, size)
             .await
-            .map_err(|reason| s.refused(reason))?,
+            .map_err(|failure| failure.or(|reason| s.refused(reason)))?,
     };
     Readback::start_in(device, queue, s.buffer, &s.ranges, staging)
         .await

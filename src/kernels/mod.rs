@@ -857,7 +857,8 @@ fn scoped_to<T>(
 /// dropped, before anything uses them). In the browser no scope is pushed ([`scoped`]), so WebGPU
 /// reports a refused allocation itself (the device's uncaptured error).
 ///
-/// Natively the buffers made are also checked for a lost device ([`made_alive`]): [`Error::Device`].
+/// Natively the buffers made are also checked for a lost device ([`made_alive`]):
+/// [`Error::DeviceLost`].
 pub(crate) fn allocated<T: Made>(
     device: &wgpu::Device,
     what: &str,
@@ -916,27 +917,24 @@ impl<T: Made> Made for (T, usize, usize) {
     }
 }
 
-/// Natively, [`Error::Device`] where a buffer kvgpu just made for `what` is invalid though no error
-/// scope saw its creation fail: the device is lost. wgpu 30 reports no error for what a lost device
+/// Natively, [`Error::DeviceLost`] where a buffer kvgpu just made for `what` is invalid though no
+/// error scope saw its creation fail: the device is lost. wgpu 30 reports no error for what a lost device
 /// fails to make, and hands out an invalid buffer whose first use (a write, a mapping, a binding) is
 /// a validation error, which without an app's handler panics. A buffer made before the loss is
 /// valid; the writes into it and its mappings fail quietly, and a readback through it is refused. In
 /// the browser a lost device fails everything quietly, so nothing is checked.
 pub(crate) fn made_alive(made: &impl Made, what: &str) -> crate::Result<()> {
-    match lost(made, what) {
-        Some(reason) => Err(Error::Device { reason }),
-        None => Ok(()),
-    }
-}
-
-/// Why [`made_alive`] refuses `made`, if it does.
-pub(crate) fn lost(made: &impl Made, what: &str) -> Option<String> {
     if cfg!(target_arch = "wasm32") {
-        return None;
+        return Ok(());
     }
     let mut invalid = false;
     made.each(&mut |b| invalid |= held(b) == Held::Invalid);
-    invalid.then(|| format!("the device is lost (wgpu made {what} invalid)"))
+    match invalid {
+        true => Err(Error::DeviceLost {
+            what: what.to_string(),
+        }),
+        false => Ok(()),
+    }
 }
 
 /// Polls a future once.
