@@ -331,19 +331,22 @@ impl PageLedger {
                 .filter(|&&page| alone(page))
                 .map(|&page| run(page, 0)),
         );
-        // Neighbouring pages (a free list often hands them out in order) in one run: a zeroing
-        // dispatch per run and slot.
-        runs.sort_by_key(|r| r.first_row);
-        let mut merged: Vec<Run> = Vec::with_capacity(runs.len());
-        for r in runs {
-            match merged.last_mut() {
-                Some(last) if last.first_row + last.n_rows == r.first_row => {
-                    last.n_rows += r.n_rows
-                }
-                _ => merged.push(r),
-            }
-        }
-        Ok(merged)
+        Ok(merged(runs))
+    }
+
+    /// Whole `pages` as runs of pool rows, neighbours merged ([`merged`]).
+    pub(crate) fn page_runs(&self, pages: &[u32]) -> Vec<Run> {
+        let p = self.page_size;
+        merged(
+            pages
+                .iter()
+                .map(|&page| Run {
+                    page: 0,
+                    first_row: page as usize * p,
+                    n_rows: p,
+                })
+                .collect(),
+        )
     }
 
     /// `seq`, if it may be truncated to `new_len` rows (at most its length).
@@ -698,6 +701,11 @@ impl PageLedger {
     /// first; a page goes only after the pages published after it on the same prefix. Returns how
     /// many went.
     pub(crate) fn evict_prefixes(&mut self, n: usize) -> usize {
+        self.evict_prefix_pages(n).len()
+    }
+
+    /// [`PageLedger::evict_prefixes`], returning the pages it freed.
+    pub(crate) fn evict_prefix_pages(&mut self, n: usize) -> Vec<u32> {
         use std::cmp::Reverse;
         use std::collections::BinaryHeap;
         let evictable = |l: &Self, page: u32| {
@@ -710,8 +718,8 @@ impl PageLedger {
             .filter(|&(&p, _)| evictable(self, p))
             .map(|(&p, node)| Reverse((node.used, p)))
             .collect();
-        let mut evicted = 0;
-        while evicted < n {
+        let mut evicted = Vec::new();
+        while evicted.len() < n {
             let Some(Reverse((_, page))) = heap.pop() else {
                 break;
             };
@@ -723,7 +731,7 @@ impl PageLedger {
                 }
             }
             self.release(page);
-            evicted += 1;
+            evicted.push(page);
             if let Some(parent) = node.parent {
                 let p = self
                     .prefixes
@@ -803,6 +811,20 @@ impl PageLedger {
         }
         Ok(())
     }
+}
+
+/// `runs` of pool rows sorted, neighbours (a free list often hands out pages in order) merged into
+/// one run: a zeroing dispatch per run and slot.
+fn merged(mut runs: Vec<Run>) -> Vec<Run> {
+    runs.sort_by_key(|r| r.first_row);
+    let mut merged: Vec<Run> = Vec::with_capacity(runs.len());
+    for r in runs {
+        match merged.last_mut() {
+            Some(last) if last.first_row + last.n_rows == r.first_row => last.n_rows += r.n_rows,
+            _ => merged.push(r),
+        }
+    }
+    merged
 }
 
 #[cfg(test)]
@@ -1480,6 +1502,12 @@ mod tests {
         assert_eq!(l.orphaned_rows(a, None), Ok(vec![rows(8, 4)]));
         assert_eq!(l.orphaned_rows(a, Some(5)), Ok(vec![rows(8, 4)]));
         assert_eq!(l.orphaned_rows(b, None), Ok(vec![]));
+        // Whole pages, neighbours merged in any order.
+        assert_eq!(
+            l.page_runs(&[5, 1, 7, 2]),
+            [rows(4, 8), rows(20, 4), rows(28, 4)]
+        );
+        assert_eq!(l.page_runs(&[3, 1, 2]), vec![rows(4, 12)]);
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

@@ -539,6 +539,19 @@ impl PagedCache {
         self.ledger.evict_prefixes(n)
     }
 
+    /// [`PagedCache::evict_prefixes`], and the pages it returns to the pool zeroed in a submission of
+    /// its own (neighbouring pages in one run), so that the next sequence to take one, or
+    /// [`PagedCache::pool_view`], does not see the prefix's rows. Returns how many pages went. Refused
+    /// with [`Error::OutOfMemory`], evicting nothing, where the device cannot make the zeroing's
+    /// parameters.
+    pub fn evict_prefixes_and_scrub(&mut self, n: usize) -> Result<usize> {
+        let mut ledger = self.ledger.clone();
+        let pages = ledger.evict_prefix_pages(n);
+        self.scrub(&ledger.page_runs(&pages))?;
+        self.ledger = ledger;
+        Ok(pages.len())
+    }
+
     /// Published pages no sequence holds: kept for later requests, and returned to the pool by
     /// [`PagedCache::evict_prefixes`]. They are not [`PagedCache::free_pages`].
     pub fn cached_pages(&self) -> usize {
@@ -557,8 +570,8 @@ impl PagedCache {
     /// own, as [`KvCache::truncate_and_scrub`] does: the pages that return to the pool and the rows
     /// past `new_len` in the last page kept, where `seq` alone holds them. Pages another sequence or
     /// a published prefix holds keep their rows (theirs too); they are zeroed only if their last
-    /// holder leaves through a scrub as well (a published prefix's pages are not, when
-    /// [`PagedCache::evict_prefixes`] frees them), so a page this sequence alone held reaches the
+    /// holder leaves through a scrub as well (a published prefix's pages, when
+    /// [`PagedCache::evict_prefixes_and_scrub`] frees them), so a page this sequence alone held reaches the
     /// next sequence, or [`PagedCache::pool_view`], without its rows. Submit first any encoder
     /// holding GPU appends to `seq` or to a sequence sharing a page with it (a recorded copy of a
     /// shared page reads it when the encoder runs), or attention over `seq`. Refused with

@@ -3133,12 +3133,33 @@ pub async fn scrubbing_zeroes_the_rows_no_one_holds(g: &Gpu) {
             }
         }
     }
-    // b alone holds nothing (its pages are a's too): nothing zeroed. Then a and c: every page.
+    // b alone holds nothing (its pages are a's too): nothing zeroed. Then a, whose first page is
+    // published (kept with its rows), and c: every other page.
     p.remove_and_scrub(b).unwrap();
     assert_eq!(pool_words(&p).await, after, "b's pages are a's too");
+    assert_eq!(p.publish_prefix(a, &[1, 2, 3, 4]).unwrap(), PAGE);
     p.remove_and_scrub(a).unwrap();
     p.remove_and_scrub(c).unwrap();
-    assert_eq!(p.pages_in_use(), 0);
+    assert_eq!((p.pages_in_use(), p.cached_pages()), (1, 1));
+    let cached = pool_words(&p).await;
+    for r in 0..8 * PAGE {
+        let want = match r / PAGE == pages_a[0] as usize {
+            true => rows_of(&after, r),
+            false => vec![0; 4 * row_words],
+        };
+        assert_eq!(
+            rows_of(&cached, r),
+            want,
+            "pool row {r}, the prefix's page kept"
+        );
+    }
+    assert!(
+        cached.iter().flatten().any(|&w| w != 0),
+        "the prefix's rows"
+    );
+    // Evicted with a scrub: the pool is zeros again.
+    assert_eq!(p.evict_prefixes_and_scrub(usize::MAX).unwrap(), 1);
+    assert_eq!((p.pages_in_use(), p.cached_pages()), (0, 0));
     for words in pool_words(&p).await {
         assert!(words.iter().all(|&w| w == 0), "the pool is zeros again");
     }
