@@ -929,7 +929,9 @@ impl PagedCache {
     }
 
     /// The whole pool buffer of a slot, every page, for the app's own kernels (rows of page `p` start
-    /// at row `p · page_size`). The app must not destroy the buffer (see [`KvCache::view`]).
+    /// at row `p · page_size`; row `r` of a sequence lies on its page
+    /// `ledger().pages(seq)[r / page_size]`, at row `r % page_size` of it, for the app to upload as
+    /// its kernel's page table). The app must not destroy the buffer (see [`KvCache::view`]).
     pub fn pool_view(&self, layer: usize, slot: usize) -> Result<SlotView<'_>> {
         self.store.full_view(layer, slot)
     }
