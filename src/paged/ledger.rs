@@ -688,13 +688,29 @@ impl PageLedger {
     }
 
     /// Published pages no sequence holds: pages eviction can return to the pool (once the pages
-    /// published after them on the same prefix are gone).
+    /// published after them on the same prefix are gone; see [`PageLedger::evictable_pages`]).
     pub fn cached_pages(&self) -> usize {
         self.prefixes
             .nodes
             .keys()
             .filter(|&&p| self.refs[p as usize] == 1)
             .count()
+    }
+
+    /// The pages `evict_prefixes(usize::MAX)` would return to the pool now: the cached pages but
+    /// those on the way to a published page a sequence holds. What admission can count on beside
+    /// the free pages.
+    pub fn evictable_pages(&self) -> usize {
+        let mut kept = std::collections::BTreeSet::new();
+        for &page in self.prefixes.nodes.keys() {
+            if self.refs[page as usize] > 1 {
+                let mut at = Some(page);
+                while let Some(p) = at.filter(|&p| kept.insert(p)) {
+                    at = self.prefixes.nodes[&p].parent;
+                }
+            }
+        }
+        self.prefixes.nodes.len() - kept.len()
     }
 
     /// Returns up to `n` published pages that no sequence holds to the pool, least recently used
@@ -1333,6 +1349,9 @@ mod tests {
                     14 => {
                         let n = rng.below(4);
                         let (free, cached) = (l.free_pages(), l.cached_pages());
+                        let evictable = l.clone().evict_prefixes(usize::MAX);
+                        assert_eq!(l.evictable_pages(), evictable, "seed {seed}");
+                        assert!(evictable <= cached);
                         let evicted = l.evict_prefixes(n);
                         assert!(evicted <= n.min(cached));
                         assert_eq!(l.free_pages(), free + evicted);
@@ -1614,6 +1633,7 @@ mod tests {
         let (f, len) = l.add_with_prefix(&[1, 2, 3]).unwrap();
         assert_eq!((len, l.pages(f).unwrap()), (0, &[][..]));
         assert_eq!(l.cached_pages(), 1, "page 1 alone is held by no sequence");
+        assert_eq!(l.evictable_pages(), 1);
         // A write into a published page copies it, as a write into a forked page does.
         l.truncate(e, 2).unwrap();
         let s: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
@@ -1639,9 +1659,31 @@ mod tests {
         // A page a sequence holds stays.
         let (g, len) = l.add_with_prefix(&ta).unwrap();
         assert_eq!((len, l.cached_pages(), l.evict_prefixes(9)), (4, 0, 0));
+
         l.remove(g).unwrap();
         assert_eq!(l.evict_prefixes(9), 1);
         assert_eq!((l.published_pages(), l.cached_pages()), (0, 0));
+    }
+
+    /// Two sequences computed the same tokens on pages of their own, the first fewer: the second's
+    /// second page is published after the first's page. Once the first is gone its page is cached
+    /// (no sequence holds it) but not evictable while the second holds the page after it.
+    #[test]
+    fn a_cached_page_on_the_way_to_a_held_one_is_not_evictable() {
+        let mut l = PageLedger::new(&spec(64), 4, 8);
+        let (x, y) = (l.add().unwrap(), l.add().unwrap());
+        grow(&mut l, x, 4);
+        grow(&mut l, y, 8);
+        let tokens = [1, 2, 3, 4, 5, 6, 7, 8];
+        assert_eq!(l.publish(x, &tokens[..4]), Ok(4));
+        assert_eq!(l.publish(y, &tokens), Ok(8));
+        l.remove(x).unwrap();
+        assert_eq!((l.cached_pages(), l.evictable_pages()), (1, 0));
+        assert_eq!(l.clone().evict_prefixes(usize::MAX), 0);
+        l.remove(y).unwrap();
+        assert_eq!((l.cached_pages(), l.evictable_pages()), (2, 2));
+        assert_eq!(l.evict_prefixes(usize::MAX), 2);
+        assert_eq!(l.free_pages(), 8);
     }
 
     #[test]

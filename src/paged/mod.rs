@@ -553,9 +553,17 @@ impl PagedCache {
     }
 
     /// Published pages no sequence holds: kept for later requests, and returned to the pool by
-    /// [`PagedCache::evict_prefixes`]. They are not [`PagedCache::free_pages`].
+    /// [`PagedCache::evict_prefixes`]. They are not [`PagedCache::free_pages`]. Not all of them can
+    /// go now: see [`PagedCache::evictable_pages`].
     pub fn cached_pages(&self) -> usize {
         self.ledger.cached_pages()
+    }
+
+    /// The pages `evict_prefixes(usize::MAX)` would return to the pool now: the cached pages but
+    /// those on the way to a published page a sequence still holds (one another request published
+    /// after them). Admission can count on `free_pages() + evictable_pages()`. Changes nothing.
+    pub fn evictable_pages(&self) -> usize {
+        self.ledger.evictable_pages()
     }
 
     /// Rolls `seq` back to `new_len` committed rows, dropping pending rows, with no GPU work; pages
