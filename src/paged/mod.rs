@@ -46,7 +46,12 @@ use std::collections::BTreeMap;
 /// submission: submit an encoder holding GPU appends to a sequence, or attention over it, before
 /// removing or truncating it. Otherwise the appends land in the pages of whichever sequence takes
 /// them next, and the attention reads that sequence's table entries and rows (within the pool: no
-/// access leaves it, but the rows are another sequence's).
+/// access leaves it, but the rows are another sequence's). The same goes for the shared page a
+/// recorded GPU append copies: the copy reads it when the encoder runs, but the page returns to the
+/// pool as soon as its other holders let it go (`remove` or `truncate` of the parent or a sibling,
+/// an eviction of the published prefix holding it, or their scrubbing forms). Submit such an encoder
+/// before any of those calls, or the copy takes the rows the page's next sequence writes there (or
+/// a scrub's zeros).
 ///
 /// An encoder holding recorded GPU appends must be submitted. The ledger counts a recorded append
 /// as made, and its rows, the copy of a shared page it writes into and the table entries of the
@@ -480,7 +485,8 @@ impl PagedCache {
 
     /// Removes `seq`; the pages no other sequence shares return to the pool, but those also
     /// published as a prefix, which stay cached ([`PagedCache::cached_pages`]) until evicted. Submit
-    /// any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
+    /// any encoder holding appends to or attention over `seq`, or a recorded GPU append copying a
+    /// page `seq` shares, first (see [`PagedCache`]).
     pub fn remove(&mut self, seq: SeqId) -> Result<()> {
         self.ledger.remove(seq)?;
         if let Some(row) = self.table_rows.remove(&seq) {
@@ -534,14 +540,16 @@ impl PagedCache {
     /// or matched first (a page goes only after the pages published after it on the same prefix);
     /// returns how many went. `evict_prefixes(usize::MAX)` returns every page no sequence holds but
     /// those on the way to a published page a sequence still holds (a prefix's first page stays while
-    /// a sequence holds a page published after it on the same prefix).
+    /// a sequence holds a page published after it on the same prefix). Submit first any encoder
+    /// holding a recorded GPU append that copies a published page (see [`PagedCache`]).
     pub fn evict_prefixes(&mut self, n: usize) -> usize {
         self.ledger.evict_prefixes(n)
     }
 
     /// [`PagedCache::evict_prefixes`], and the pages it returns to the pool zeroed in a submission of
     /// its own (neighbouring pages in one run), so that the next sequence to take one, or
-    /// [`PagedCache::pool_view`], does not see the prefix's rows. Returns how many pages went. Refused
+    /// [`PagedCache::pool_view`], does not see the prefix's rows. Returns how many pages went. Submit
+    /// first any encoder holding a recorded GPU append that copies a published page. Refused
     /// with [`Error::OutOfMemory`], evicting nothing, where the device cannot make the zeroing's
     /// parameters.
     pub fn evict_prefixes_and_scrub(&mut self, n: usize) -> Result<usize> {
@@ -569,7 +577,8 @@ impl PagedCache {
     /// Rolls `seq` back to `new_len` committed rows, dropping pending rows, with no GPU work; pages
     /// past the new end return to the pool (their bytes stay until overwritten), one by one, but
     /// pages shared with another sequence or published as a prefix, which their other holders keep.
-    /// Submit any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
+    /// Submit any encoder holding appends to or attention over `seq`, or a recorded GPU append
+    /// copying a page `seq` shares, first (see [`PagedCache`]).
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         self.ledger.truncate(seq, new_len)
     }
