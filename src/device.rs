@@ -305,7 +305,7 @@ pub async fn read_buffer_async(
     if !queue_belongs_to(device, queue) {
         return Err(Error::QueueMismatch);
     }
-    read_ranges(device, queue, buffer, &[(offset, size)])
+    read_ranges::<u8>(device, queue, buffer, &[(offset, size)])
         .await
         .map_err(|failure| failure.or(|reason| Error::Device { reason }))
 }
@@ -345,13 +345,14 @@ impl From<String> for ReadFailure {
     }
 }
 
-/// The bytes of checked ranges `(offset, size)` of `buffer`, one after the other, in one readback.
-pub(crate) async fn read_ranges(
+/// The bytes of checked ranges `(offset, size)` of `buffer`, one after the other, in one readback,
+/// as elements of `T` (whole ones: the ranges' bytes are a multiple of its size).
+pub(crate) async fn read_ranges<T: bytemuck::Pod>(
     device: &wgpu::Device,
     queue: &wgpu::Queue,
     buffer: &wgpu::Buffer,
     ranges: &[(u64, u64)],
-) -> std::result::Result<Vec<u8>, ReadFailure> {
+) -> std::result::Result<Vec<T>, ReadFailure> {
     match Readback::start(device, queue, buffer, ranges).await? {
         Some(readback) => Ok(readback.finish(device).await?),
         None => Ok(Vec::new()),
@@ -504,11 +505,12 @@ impl Readback {
         })
     }
 
-    /// Waits for this readback alone (not for work submitted after it) and copies its bytes out.
-    pub(crate) async fn finish(
+    /// Waits for this readback alone (not for work submitted after it) and copies its bytes out,
+    /// as elements of `T` ([`Mapped::to_vec`]).
+    pub(crate) async fn finish<T: bytemuck::Pod>(
         self,
         device: &wgpu::Device,
-    ) -> std::result::Result<Vec<u8>, String> {
+    ) -> std::result::Result<Vec<T>, String> {
         self.mapped(device).await?.to_vec()
     }
 
@@ -552,23 +554,29 @@ impl Mapped {
             .map_err(|e| e.to_string())
     }
 
-    /// The bytes, copied into memory of their own: refused, not aborted, where the host has no
-    /// room for them. In the browser they come straight from the mapped `ArrayBuffer` (wgpu's
-    /// WebGPU view would first copy the whole range into wasm memory, infallibly).
-    pub(crate) fn to_vec(&self) -> std::result::Result<Vec<u8>, String> {
-        let view = self.view()?;
-        let mut bytes = Vec::new();
-        bytes
-            .try_reserve_exact(self.size as usize)
-            .map_err(|_| format!("the host has no room for the {} bytes read back", self.size))?;
-        #[cfg(not(target_arch = "wasm32"))]
-        bytes.extend_from_slice(&view);
-        #[cfg(target_arch = "wasm32")]
-        {
-            bytes.resize(self.size as usize, 0);
-            view.as_uint8array().copy_to(&mut bytes);
+    /// The bytes, copied as elements of `T` (bytes, or the words a slot stores) into memory of
+    /// their own, the one copy on the host: refused, not aborted, where the host has no room for
+    /// them. In the browser they come straight from the mapped `ArrayBuffer` (wgpu's WebGPU view
+    /// would first copy the whole range into wasm memory, infallibly).
+    pub(crate) fn to_vec<T: bytemuck::Pod>(&self) -> std::result::Result<Vec<T>, String> {
+        let size = self.size as usize;
+        let each = std::mem::size_of::<T>();
+        if !size.is_multiple_of(each) {
+            return Err(format!(
+                "{size} bytes read back are not whole elements of {each} bytes"
+            ));
         }
-        Ok(bytes)
+        let view = self.view()?;
+        let mut out: Vec<T> = Vec::new();
+        out.try_reserve_exact(size / each)
+            .map_err(|_| format!("the host has no room for the {size} bytes read back"))?;
+        out.resize(size / each, T::zeroed());
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+        #[cfg(not(target_arch = "wasm32"))]
+        bytes.copy_from_slice(&view);
+        #[cfg(target_arch = "wasm32")]
+        view.as_uint8array().copy_to(bytes);
+        Ok(out)
     }
 
     /// Hands the bytes to `f` in order, in pieces: natively all at once, in the browser a

@@ -266,6 +266,55 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
     lost.assert_none();
 }
 
+/// A readback copies the bytes it maps once, into the words it returns: with room for its staging
+/// buffer and one copy of the slot, `read_words` and the pool's `read_words` return them (a second,
+/// infallible copy into words aborted the process there), and with room for the staging buffer
+/// alone they are refused.
+#[test]
+fn a_readback_copies_its_bytes_once() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    let (rows, spec) = binding_sized(g);
+    let mut c = cache(spec.clone());
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 64, rows / 64).unwrap();
+    let seq = pool.add_sequence().unwrap();
+    {
+        let d = values(2, rows * 8 * 128);
+        let shape = [rows, 8, 128];
+        let slabs = [HostSlab::f32(&d, &shape); 2];
+        c.append(0, &slabs).unwrap();
+        c.advance(rows).unwrap();
+        pool.append(seq, 0, &slabs).unwrap();
+        pool.advance(seq, rows).unwrap();
+    }
+    let want = c.read_words(0, 1).unwrap();
+    let bytes = 4 * want.len() as u64;
+    // Each read under a cap of its own, counted from what the process holds then.
+    let room = 2 * bytes + (32 << 20);
+    let words = {
+        let _cap = Cap::room(room);
+        c.read_words(0, 1)
+    };
+    assert!(words.unwrap() == want, "the cache's words");
+    let pool_words = {
+        let _cap = Cap::room(room);
+        pool.read_words(seq, 0, 1)
+    };
+    assert!(pool_words.unwrap() == want, "the pool's words");
+    let refused = {
+        let _cap = Cap::room(bytes + (32 << 20));
+        c.read_words(0, 1).map(|w| w.len())
+    };
+    let e = refused.unwrap_err();
+    assert!(
+        matches!(&e, Error::Readback { layer: 0, slot: 1, reason } if reason.contains("no room")),
+        "{e}"
+    );
+}
+
 /// The bytes of the allocations named `label` on the device (Vulkan's allocator report).
 fn allocated_as(device: &wgpu::Device, label: &str) -> Option<u64> {
     let report = device.generate_allocator_report()?;

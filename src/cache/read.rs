@@ -49,20 +49,21 @@ impl KvCache {
         })
     }
 
-    async fn read_bytes(&self, layer: usize, slot: usize, full: bool) -> Result<Vec<u8>> {
+    async fn read_slot_words(&self, layer: usize, slot: usize, full: bool) -> Result<Vec<u32>> {
         let view = self.slot_view(layer, slot, full)?;
-        self.read_ranges(layer, slot, &[(view.offset, view.size)])
+        self.read_range_words(layer, slot, &[(view.offset, view.size)])
             .await
     }
 
-    /// Byte ranges `(offset, size)` of a slot buffer, one after the other, in one readback (a paged
-    /// sequence's rows, page by page). Each range lies inside the slot buffer.
-    pub(crate) async fn read_ranges(
+    /// The words of byte ranges `(offset, size)` of a slot buffer, one after the other, in one
+    /// readback (a paged sequence's rows, page by page). Each range lies inside the slot buffer and
+    /// holds whole words.
+    pub(crate) async fn read_range_words(
         &self,
         layer: usize,
         slot: usize,
         ranges: &[(u64, u64)],
-    ) -> Result<Vec<u8>> {
+    ) -> Result<Vec<u32>> {
         let buffer = &self.slot_buffer(layer, slot)?.buffer;
         self.check_slot_usable(layer, slot)?;
         read_ranges(&self.device, &self.queue, buffer, ranges)
@@ -78,16 +79,12 @@ impl KvCache {
 
     /// The visible rows of a slot as stored: 32-bit words, 16-bit types packed, rows padded.
     pub async fn read_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
-        Ok(bytemuck::pod_collect_to_vec(
-            &self.read_bytes(layer, slot, false).await?,
-        ))
+        self.read_slot_words(layer, slot, false).await
     }
 
     /// Every word of a slot buffer, visible or not.
     pub async fn read_full_words_async(&self, layer: usize, slot: usize) -> Result<Vec<u32>> {
-        Ok(bytemuck::pod_collect_to_vec(
-            &self.read_bytes(layer, slot, true).await?,
-        ))
+        self.read_slot_words(layer, slot, true).await
     }
 
     /// The visible rows of a slot as f32, `[visible, ...trailing]` row-major, padding removed.

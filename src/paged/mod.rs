@@ -977,9 +977,7 @@ impl PagedCache {
             visible,
             row_bytes,
         );
-        Ok(bytemuck::pod_collect_to_vec(
-            &self.store.read_ranges(layer, slot, &ranges).await?,
-        ))
+        self.store.read_range_words(layer, slot, &ranges).await
     }
 
     /// The visible rows of `seq` in a slot as f32, `[visible, ...trailing]` row-major.
