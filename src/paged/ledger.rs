@@ -388,11 +388,17 @@ impl PageLedger {
     /// of its counts: every sequence is checked first, in the order named, and a refusal commits
     /// none.
     pub(crate) fn advance_batch(&mut self, batch: &[(SeqId, usize)]) -> Result<()> {
+        // Each sequence's sum, in the order first named (a map from sequence to its place: a batch
+        // of thousands of sequences is not searched once per entry).
         let mut sums: Vec<(SeqId, usize)> = Vec::new();
+        let mut place: BTreeMap<SeqId, usize> = BTreeMap::new();
         for &(seq, n) in batch {
-            match sums.iter_mut().find(|(s, _)| *s == seq) {
-                Some((_, sum)) => *sum = sum.saturating_add(n),
-                None => sums.push((seq, n)),
+            match place.get(&seq) {
+                Some(&i) => sums[i].1 = sums[i].1.saturating_add(n),
+                None => {
+                    place.insert(seq, sums.len());
+                    sums.push((seq, n));
+                }
             }
         }
         for &(seq, n) in &sums {
