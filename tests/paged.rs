@@ -27,6 +27,78 @@ common::shared_tests!(paged_bodies:
     scrubbing_zeroes_the_rows_no_one_holds,
 );
 
+/// `admits_new` answers for a request before it is a sequence, as a sequence made from the same
+/// tokens and asked with `admits` would be answered, and changes nothing: the ledger (ids, the
+/// prefixes' recency) is as it was.
+#[test]
+fn admitting_a_new_request_changes_nothing() {
+    use kvgpu::{CacheSpec, DType, Error, HostSlab, LayerSpec, PagedCache};
+    let g = common::gpu();
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4); 2], DType::F32, 40).unwrap();
+    let mut p = PagedCache::with_kernels(common::shared::kernels_for(g), spec, 4, 8).unwrap();
+    // Two pages of tokens 1..=8 published and cached; six pages free.
+    let a = p.add_sequence().unwrap();
+    let x = [0.5f32; 8 * 4];
+    let rows = [HostSlab::f32(&x, &[8, 1, 4]), HostSlab::f32(&x, &[8, 1, 4])];
+    for layer in 0..2 {
+        p.append(a, layer, &rows).unwrap();
+    }
+    p.advance(a, 8).unwrap();
+    let tokens: Vec<u32> = (1..=8).collect();
+    assert_eq!(p.publish_prefix(a, &tokens).unwrap(), 8);
+    p.remove(a).unwrap();
+    assert_eq!((p.free_pages(), p.cached_pages()), (6, 2));
+    let b = p.add_sequence().unwrap();
+    let before = p.ledger().clone();
+    // The prefix's 8 rows and 24 more: 8 pages, 2 of them shared; 25 more need a seventh free one,
+    // as 25 rows without the prefix do.
+    // Tokens, rows past their published prefix, the running sequences' growth.
+    type Case<'a> = (&'a [u32], usize, Vec<(kvgpu::SeqId, usize)>);
+    let cases: [Case; 6] = [
+        (&tokens, 24, vec![]),
+        (&tokens, 25, vec![]),
+        (&tokens, 20, vec![(b, 4)]),
+        (&tokens, 21, vec![(b, 4)]),
+        (&[], 25, vec![]),
+        (&tokens, 33, vec![]),
+    ];
+    let want = |r: &Result<(), Error>| match r {
+        Ok(()) => "ok".to_string(),
+        Err(Error::OutOfPages { needed, free }) => format!("pages {needed}/{free}"),
+        Err(Error::CapacityExceeded { .. }) => "capacity".to_string(),
+        Err(e) => format!("{e}"),
+    };
+    let answers: Vec<String> = cases
+        .iter()
+        .map(|(t, n, growth)| want(&p.admits_new(t, *n, growth)))
+        .collect();
+    assert_eq!(
+        answers,
+        [
+            "ok",
+            "pages 7/6",
+            "ok",
+            "pages 7/6",
+            "pages 7/6",
+            "capacity"
+        ]
+    );
+    assert_eq!(p.ledger(), &before, "admits_new changed the ledger");
+    // The same answers from a sequence made of the same tokens, each made and removed again.
+    for ((t, n, growth), answer) in cases.iter().zip(&answers) {
+        let (seq, _) = p.add_sequence_with_prefix(t).unwrap();
+        let mut all = growth.clone();
+        all.push((seq, *n));
+        assert_eq!(
+            &want(&p.admits(&all)),
+            answer,
+            "{} tokens, {n} rows",
+            t.len()
+        );
+        p.remove(seq).unwrap();
+    }
+}
+
 /// Natively a pool reads back blocking as it does async (a sequence's rows, decoded rows, the whole
 /// pool buffer); `Attention::for_pool` shares the pool's kernel registry; `scatter()` says what
 /// `set_scatter` chose.

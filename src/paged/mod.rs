@@ -640,6 +640,24 @@ impl PagedCache {
         self.ledger.admits(growth)
     }
 
+    /// [`PagedCache::admits`] for a request not yet made a sequence: `Ok` when a new sequence
+    /// started from the longest published prefix of `tokens` (as
+    /// [`PagedCache::add_sequence_with_prefix`] would start it; `&[]` for
+    /// [`PagedCache::add_sequence`]) can take `rows` more rows in every layer beside the `growth`
+    /// of running sequences, and a page-table row; else why not, as `add_sequence_with_prefix` and
+    /// `admits` name it. The rows count from the end of the prefix ([`PagedCache::published_rows`]
+    /// says how many `tokens` would reuse). Changes nothing: no sequence id is taken and no
+    /// prefix's recency refreshed, as the sequence made and removed again would.
+    pub fn admits_new(&self, tokens: &[u32], rows: usize, growth: &[(SeqId, usize)]) -> Result<()> {
+        self.check_table_row()?;
+        let mut ledger = self.ledger.clone();
+        let (seq, _) = ledger.add_with_prefix(tokens)?;
+        let mut all = Vec::with_capacity(growth.len() + 1);
+        all.extend_from_slice(growth);
+        all.push((seq, rows));
+        ledger.admits(&all)
+    }
+
     /// Appends one host slab per slot of `layer` to `seq` (as [`KvCache::append`]).
     pub fn append(&mut self, seq: SeqId, layer: usize, slabs: &[HostSlab<'_>]) -> Result<()> {
         let plan = self
