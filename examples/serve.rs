@@ -428,21 +428,32 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
     while !waiting.is_empty() || !running.is_empty() {
         // Admit waiting requests while their prompt fits next to the running ones' next token.
         while let Some(&id) = waiting.front() {
+            let mut growth: Vec<(SeqId, usize)> = running.iter().map(|r| (r.seq, 1)).collect();
+            // The system prompt's rows past the published pages, its prompt and its first decoded
+            // token, so it is not preempted by the very next step.
+            let rows = args.system - reused + args.prompt + 1;
             let seq = if args.prefix_cache {
+                // Asked before the sequence is made: a refusal takes no id and leaves the
+                // prefix's recency alone.
+                if server
+                    .pool
+                    .admits_new(&system_tokens, rows, &growth)
+                    .is_err()
+                {
+                    break;
+                }
                 let (seq, len) = server.pool.add_sequence_with_prefix(&system_tokens)?;
                 debug_assert_eq!(len, reused);
                 seq
             } else {
-                server.pool.fork(system, args.system)?
+                let seq = server.pool.fork(system, args.system)?;
+                growth.push((seq, rows));
+                if server.pool.admits(&growth).is_err() {
+                    server.pool.remove(seq)?;
+                    break;
+                }
+                seq
             };
-            let mut growth: Vec<(SeqId, usize)> = running.iter().map(|r| (r.seq, 1)).collect();
-            // The system prompt's rows past the published pages, its prompt and its first decoded
-            // token, so it is not preempted by the very next step.
-            growth.push((seq, args.system - reused + args.prompt + 1));
-            if server.pool.admits(&growth).is_err() {
-                server.pool.remove(seq)?;
-                break;
-            }
             waiting.pop_front();
             if reused < args.system {
                 server.append(&[Segment {
