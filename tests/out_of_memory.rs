@@ -177,6 +177,17 @@ fn binding_sized(g: &Gpu) -> (usize, CacheSpec) {
     (rows, spec)
 }
 
+/// A cache of [`binding_sized`]'s layer, every row written (K and V both `values(2, ..)`).
+fn binding_filled(g: &Gpu) -> (usize, CacheSpec, KvCache) {
+    let (rows, spec) = binding_sized(g);
+    let mut c = cache(spec.clone());
+    let d = values(2, rows * 8 * 128);
+    c.append(0, &[HostSlab::f32(&d, &[rows, 8, 128]); 2])
+        .unwrap();
+    c.advance(rows).unwrap();
+    (rows, spec, c)
+}
+
 #[test]
 fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing() {
     let _serial = serial();
@@ -185,12 +196,8 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
         return;
     }
     // One layer whose slots are as large as a binding allows, every row written.
-    let (rows, spec) = binding_sized(g);
-    let mut c = cache(spec.clone());
+    let (rows, spec, c) = binding_filled(g);
     let d = values(2, rows * 8 * 128);
-    c.append(0, &[HostSlab::f32(&d, &[rows, 8, 128]); 2])
-        .unwrap();
-    c.advance(rows).unwrap();
     let bytes = c.snapshot().unwrap();
     let mut to = cache(spec.clone());
     let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
@@ -277,19 +284,14 @@ fn a_readback_copies_its_bytes_once() {
     if !reports_host_memory(g) {
         return;
     }
-    let (rows, spec) = binding_sized(g);
-    let mut c = cache(spec.clone());
+    let (rows, spec, c) = binding_filled(g);
     let mut pool = PagedCache::new(&g.device, &g.queue, spec, 64, rows / 64).unwrap();
     let seq = pool.add_sequence().unwrap();
-    {
-        let d = values(2, rows * 8 * 128);
-        let shape = [rows, 8, 128];
-        let slabs = [HostSlab::f32(&d, &shape); 2];
-        c.append(0, &slabs).unwrap();
-        c.advance(rows).unwrap();
-        pool.append(seq, 0, &slabs).unwrap();
-        pool.advance(seq, rows).unwrap();
-    }
+    let d = values(2, rows * 8 * 128);
+    pool.append(seq, 0, &[HostSlab::f32(&d, &[rows, 8, 128]); 2])
+        .unwrap();
+    pool.advance(seq, rows).unwrap();
+    drop(d);
     let want = c.read_words(0, 1).unwrap();
     let bytes = 4 * want.len() as u64;
     // Each read under a cap of its own, counted from what the process holds then.
