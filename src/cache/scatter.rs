@@ -93,8 +93,8 @@ impl KvCache {
 
     /// Uploads checked host slabs of `map.len()` rows and their map in one write, and records one
     /// scattered dispatch per slot. `false`, with no dispatch recorded, when the upload would not fit
-    /// one storage binding or a slot's dispatch could not bind it: the caller then moves the rows run
-    /// by run. An upload the device cannot hold
+    /// one storage binding, this process has no room for its host bytes, or a slot's dispatch could
+    /// not bind it: the caller then moves the rows run by run. An upload the device cannot hold
     /// ([`UploadRing::reserve`](crate::kernels::UploadRing::reserve),
     /// [`check_staging`](crate::kernels::check_staging)) is refused with
     /// [`crate::Error::OutOfMemory`], and records nothing.
@@ -117,15 +117,32 @@ impl KvCache {
         if size > self.max_binding {
             return Ok(false);
         }
+        // The host bytes of the upload: where this process has no room for them (a browser's wasm
+        // memory), the rows move run by run, with no copy of them all.
+        let mut bytes = std::mem::take(&mut self.upload_bytes);
+        bytes.clear();
+        let room = usize::try_from(size)
+            .ok()
+            .is_some_and(|size| bytes.try_reserve_exact(size).is_ok());
+        if !room {
+            self.upload_bytes = bytes;
+            return Ok(false);
+        }
         // Binding and recording below cannot fail once the parameters and the upload are made.
         let upload = self.rewinding(|c| {
             let upload = c.uploads.reserve(UPLOAD, size)?;
             check_staging(&c.device, UPLOAD, size)?;
             c.ring.reserve(slabs.len() as u64)?;
             Ok(upload)
-        })?;
-        let mut bytes = std::mem::take(&mut self.upload_bytes);
-        bytes.clear();
+        });
+        let upload = match upload {
+            Ok(upload) => upload,
+            Err(e) => {
+                self.upload_bytes = bytes;
+                trim(&mut self.upload_bytes);
+                return Err(e);
+            }
+        };
         bytes.extend_from_slice(bytemuck::cast_slice(map));
         let mut starts = Vec::with_capacity(slabs.len());
         for (slot, slab) in slabs.iter().enumerate() {
