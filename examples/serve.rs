@@ -429,15 +429,15 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
         // Admit waiting requests while their prompt fits next to the running ones' next token.
         while let Some(&id) = waiting.front() {
             let mut growth: Vec<(SeqId, usize)> = running.iter().map(|r| (r.seq, 1)).collect();
-            // The system prompt's rows past the published pages, its prompt and its first decoded
-            // token, so it is not preempted by the very next step.
-            let rows = args.system - reused + args.prompt + 1;
+            // The system prompt, its prompt and its first decoded token, so it is not preempted by
+            // the very next step.
+            let len = args.system + args.prompt + 1;
             let seq = if args.prefix_cache {
                 // Asked before the sequence is made: a refusal takes no id and leaves the
                 // prefix's recency alone.
                 if server
                     .pool
-                    .admits_new(&system_tokens, rows, &growth)
+                    .admits_new(&system_tokens, len, &growth)
                     .is_err()
                 {
                     break;
@@ -447,7 +447,8 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
                 seq
             } else {
                 let seq = server.pool.fork(system, args.system)?;
-                growth.push((seq, rows));
+                // The system prompt's rows are the fork's.
+                growth.push((seq, len - args.system));
                 if server.pool.admits(&growth).is_err() {
                     server.pool.remove(seq)?;
                     break;

@@ -294,6 +294,8 @@ fn a_readback_copies_its_bytes_once() {
     drop(d);
     let want = c.read_words(0, 1).unwrap();
     let bytes = 4 * want.len() as u64;
+    // A second copy of the slot must not fit the margin below.
+    assert!(bytes >= 64 << 20, "a slot of {bytes} bytes");
     // Each read under a cap of its own, counted from what the process holds then.
     let room = 2 * bytes + (32 << 20);
     let words = {

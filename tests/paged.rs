@@ -50,17 +50,19 @@ fn admitting_a_new_request_changes_nothing() {
     assert_eq!((p.free_pages(), p.cached_pages()), (6, 2));
     let b = p.add_sequence().unwrap();
     let before = p.ledger().clone();
-    // The prefix's 8 rows and 24 more: 8 pages, 2 of them shared; 25 more need a seventh free one,
-    // as 25 rows without the prefix do.
-    // Tokens, rows past their published prefix, the running sequences' growth.
+    // 32 rows from the prefix's 8: 8 pages, 2 of them shared; 33 rows need a seventh free one, as
+    // 25 rows without the prefix do; past max_seq_len (40), the capacity; fewer rows than the
+    // prefix, none more.
+    // Tokens, the new sequence's rows (the prefix's included), the running sequences' growth.
     type Case<'a> = (&'a [u32], usize, Vec<(kvgpu::SeqId, usize)>);
-    let cases: [Case; 6] = [
-        (&tokens, 24, vec![]),
-        (&tokens, 25, vec![]),
-        (&tokens, 20, vec![(b, 4)]),
-        (&tokens, 21, vec![(b, 4)]),
-        (&[], 25, vec![]),
+    let cases: [Case; 7] = [
+        (&tokens, 32, vec![]),
         (&tokens, 33, vec![]),
+        (&tokens, 28, vec![(b, 4)]),
+        (&tokens, 29, vec![(b, 4)]),
+        (&[], 25, vec![]),
+        (&tokens, 41, vec![]),
+        (&tokens, 3, vec![]),
     ];
     let want = |r: &Result<(), Error>| match r {
         Ok(()) => "ok".to_string(),
@@ -80,15 +82,16 @@ fn admitting_a_new_request_changes_nothing() {
             "ok",
             "pages 7/6",
             "pages 7/6",
-            "capacity"
+            "capacity",
+            "ok"
         ]
     );
     assert_eq!(p.ledger(), &before, "admits_new changed the ledger");
     // The same answers from a sequence made of the same tokens, each made and removed again.
     for ((t, n, growth), answer) in cases.iter().zip(&answers) {
-        let (seq, _) = p.add_sequence_with_prefix(t).unwrap();
+        let (seq, prefix) = p.add_sequence_with_prefix(t).unwrap();
         let mut all = growth.clone();
-        all.push((seq, *n));
+        all.push((seq, n.saturating_sub(prefix)));
         assert_eq!(
             &want(&p.admits(&all)),
             answer,

@@ -315,11 +315,7 @@ impl PageLedger {
         let s = self.truncatable(seq, new_len)?;
         let p = self.page_size;
         let alone = |page: u32| self.refs[page as usize] == 1;
-        let run = |page: u32, from: usize| Run {
-            page: 0,
-            first_row: page as usize * p + from,
-            n_rows: p - from,
-        };
+        let run = |page: u32, from: usize| self.page_run(page, from);
         let keep = self.pages_for(new_len);
         let mut runs: Vec<Run> = Vec::new();
         if !new_len.is_multiple_of(p) && alone(s.pages[keep - 1]) {
@@ -336,17 +332,16 @@ impl PageLedger {
 
     /// Whole `pages` as runs of pool rows, neighbours merged ([`merged`]).
     pub(crate) fn page_runs(&self, pages: &[u32]) -> Vec<Run> {
-        let p = self.page_size;
-        merged(
-            pages
-                .iter()
-                .map(|&page| Run {
-                    page: 0,
-                    first_row: page as usize * p,
-                    n_rows: p,
-                })
-                .collect(),
-        )
+        merged(pages.iter().map(|&page| self.page_run(page, 0)).collect())
+    }
+
+    /// The rows of `page` from its row `from` on, as a run of pool rows.
+    fn page_run(&self, page: u32, from: usize) -> Run {
+        Run {
+            page: 0,
+            first_row: page as usize * self.page_size + from,
+            n_rows: self.page_size - from,
+        }
     }
 
     /// `seq`, if it may be truncated to `new_len` rows (at most its length).
@@ -693,8 +688,8 @@ impl PageLedger {
         self.prefixes.nodes.len()
     }
 
-    /// Published pages no sequence holds: pages eviction can return to the pool (once the pages
-    /// published after them on the same prefix are gone; see [`PageLedger::evictable_pages`]).
+    /// Published pages no sequence holds: pages eviction can return to the pool (those
+    /// [`PageLedger::evictable_pages`] counts now).
     pub fn cached_pages(&self) -> usize {
         self.prefixes
             .nodes
@@ -1165,6 +1160,10 @@ mod tests {
                     }
                 };
                 let before = l.clone();
+                // Every step: the pages eviction would free now, counted without evicting.
+                let evictable = before.clone().evict_prefixes(usize::MAX);
+                assert_eq!(l.evictable_pages(), evictable, "seed {seed}");
+                assert!(evictable <= l.cached_pages());
                 // The token ids of a sequence's rows: its layer-0 values (each row's is unique).
                 let tokens_of = |model: &BTreeMap<SeqId, Vec<Vec<u64>>>, seq: SeqId, n: usize| {
                     let rows = model.get(&seq).map_or(&[][..], |m| &m[0][..]);
@@ -1355,9 +1354,6 @@ mod tests {
                     14 => {
                         let n = rng.below(4);
                         let (free, cached) = (l.free_pages(), l.cached_pages());
-                        let evictable = l.clone().evict_prefixes(usize::MAX);
-                        assert_eq!(l.evictable_pages(), evictable, "seed {seed}");
-                        assert!(evictable <= cached);
                         let evicted = l.evict_prefixes(n);
                         assert!(evicted <= n.min(cached));
                         assert_eq!(l.free_pages(), free + evicted);

@@ -538,9 +538,7 @@ impl PagedCache {
 
     /// Returns up to `n` published pages that no sequence holds to the pool, least recently published
     /// or matched first (a page goes only after the pages published after it on the same prefix);
-    /// returns how many went. `evict_prefixes(usize::MAX)` returns every page no sequence holds but
-    /// those on the way to a published page a sequence still holds (a prefix's first page stays while
-    /// a sequence holds a page published after it on the same prefix). Submit first any encoder
+    /// returns how many went, at most [`PagedCache::evictable_pages`]. Submit first any encoder
     /// holding a recorded GPU append that copies a published page (see [`PagedCache`]).
     pub fn evict_prefixes(&mut self, n: usize) -> usize {
         self.ledger.evict_prefixes(n)
@@ -550,8 +548,8 @@ impl PagedCache {
     /// its own (neighbouring pages in one run), so that the next sequence to take one, or
     /// [`PagedCache::pool_view`], does not see the prefix's rows. Returns how many pages went. Submit
     /// first any encoder holding a recorded GPU append that copies a published page. Refused
-    /// with [`Error::OutOfMemory`], evicting nothing, where the device cannot make the zeroing's
-    /// parameters.
+    /// with [`Error::OutOfMemory`] (or [`Error::DeviceLost`]), evicting nothing, where the device
+    /// cannot make the zeroing's parameters.
     pub fn evict_prefixes_and_scrub(&mut self, n: usize) -> Result<usize> {
         let mut ledger = self.ledger.clone();
         let pages = ledger.evict_prefix_pages(n);
@@ -561,15 +559,17 @@ impl PagedCache {
     }
 
     /// Published pages no sequence holds: kept for later requests, and returned to the pool by
-    /// [`PagedCache::evict_prefixes`]. They are not [`PagedCache::free_pages`]. Not all of them can
-    /// go now: see [`PagedCache::evictable_pages`].
+    /// [`PagedCache::evict_prefixes`] (those [`PagedCache::evictable_pages`] counts). They are not
+    /// [`PagedCache::free_pages`].
     pub fn cached_pages(&self) -> usize {
         self.ledger.cached_pages()
     }
 
     /// The pages `evict_prefixes(usize::MAX)` would return to the pool now: the cached pages but
     /// those on the way to a published page a sequence still holds (one another request published
-    /// after them). Admission can count on `free_pages() + evictable_pages()`. Changes nothing.
+    /// after them). What eviction can free for the running sequences' growth; a new request's own
+    /// cached prefix is among them (evicting it shortens the prefix the request starts from).
+    /// Changes nothing.
     pub fn evictable_pages(&self) -> usize {
         self.ledger.evictable_pages()
     }
@@ -588,12 +588,12 @@ impl PagedCache {
     /// past `new_len` in the last page kept, where `seq` alone holds them. Pages another sequence or
     /// a published prefix holds keep their rows (theirs too); they are zeroed only if their last
     /// holder leaves through a scrub as well (a published prefix's pages, when
-    /// [`PagedCache::evict_prefixes_and_scrub`] frees them), so a page this sequence alone held reaches the
-    /// next sequence, or [`PagedCache::pool_view`], without its rows. Submit first any encoder
-    /// holding GPU appends to `seq` or to a sequence sharing a page with it (a recorded copy of a
-    /// shared page reads it when the encoder runs), or attention over `seq`. Refused with
-    /// [`Error::OutOfMemory`], changing nothing, where the device cannot make the zeroing's
-    /// parameters.
+    /// [`PagedCache::evict_prefixes_and_scrub`] frees them), so a page this sequence alone held
+    /// reaches the next sequence, or [`PagedCache::pool_view`], without its rows. Submit first any
+    /// encoder holding GPU appends to `seq` or to a sequence sharing a page with it (a recorded copy
+    /// of a shared page reads it when the encoder runs), or attention over `seq`. Refused with
+    /// [`Error::OutOfMemory`] (or [`Error::DeviceLost`]), changing nothing, where the device cannot
+    /// make the zeroing's parameters.
     pub fn truncate_and_scrub(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         let runs = self.ledger.orphaned_rows(seq, Some(new_len))?;
         self.scrub(&runs)?;
@@ -640,21 +640,23 @@ impl PagedCache {
         self.ledger.admits(growth)
     }
 
-    /// [`PagedCache::admits`] for a request not yet made a sequence: `Ok` when a new sequence
-    /// started from the longest published prefix of `tokens` (as
-    /// [`PagedCache::add_sequence_with_prefix`] would start it; `&[]` for
-    /// [`PagedCache::add_sequence`]) can take `rows` more rows in every layer beside the `growth`
-    /// of running sequences, and a page-table row; else why not, as `add_sequence_with_prefix` and
-    /// `admits` name it. The rows count from the end of the prefix ([`PagedCache::published_rows`]
-    /// says how many `tokens` would reuse). Changes nothing: no sequence id is taken and no
-    /// prefix's recency refreshed, as the sequence made and removed again would.
-    pub fn admits_new(&self, tokens: &[u32], rows: usize, growth: &[(SeqId, usize)]) -> Result<()> {
+    /// [`PagedCache::admits`] for a request not yet made a sequence: `Ok` when a new sequence of
+    /// `len` rows in every layer, whose first rows are the longest published prefix of `tokens`
+    /// now (as [`PagedCache::add_sequence_with_prefix`] would start it, sharing those pages; `&[]`
+    /// for [`PagedCache::add_sequence`]), fits beside the `growth` of running sequences, with a
+    /// page-table row; else why not, as `add_sequence_with_prefix` and `admits` name it, in their
+    /// order. A prefix longer than `len` takes no more rows. Changes nothing: no sequence id is
+    /// taken and no prefix's recency refreshed, as the sequence made and removed again would. (A
+    /// page table that has to grow for the sequence can still be refused for memory when it is
+    /// made.)
+    pub fn admits_new(&self, tokens: &[u32], len: usize, growth: &[(SeqId, usize)]) -> Result<()> {
+        self.ledger.check_add()?;
         self.check_table_row()?;
         let mut ledger = self.ledger.clone();
-        let (seq, _) = ledger.add_with_prefix(tokens)?;
+        let (seq, prefix) = ledger.add_with_prefix(tokens)?;
         let mut all = Vec::with_capacity(growth.len() + 1);
         all.extend_from_slice(growth);
-        all.push((seq, rows));
+        all.push((seq, len.saturating_sub(prefix)));
         ledger.admits(&all)
     }
 

@@ -3068,8 +3068,9 @@ pub async fn prepare_paged_builds_what_the_calls_use(g: &Gpu) {
 /// those: on f16 pages of 4 (rows of 4 words), with every layer and slot, a page only the truncated
 /// sequence held is zeroed whole, the rows past the new end of its last page kept are zeroed where
 /// it alone holds that page, and a page shared with a fork keeps every row (the fork still reads
-/// them). Once every sequence is removed so, the whole pool is zeros again. A refused call (past
-/// the length, a removed sequence) zeroes nothing and changes nothing.
+/// them). Once every sequence is removed so, the pool is zeros but for a page published as a prefix,
+/// which keeps its rows until `evict_prefixes_and_scrub` zeroes it too. A refused call (past the
+/// length, a removed sequence) zeroes nothing and changes nothing.
 pub async fn scrubbing_zeroes_the_rows_no_one_holds(g: &Gpu) {
     const PAGE: usize = 4;
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 8, 8); 2], DType::F16, 32).unwrap();
