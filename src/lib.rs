@@ -75,11 +75,13 @@
 //!
 //! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
 //! fork by sharing pages (a write into a shared page copies it for the writer), truncate and removal
-//! that return pages, an admission check, and attention through the page tables over one sequence
-//! ([`Kv::Sequence`]) or a ragged batch of sequences in one dispatch pair ([`Kv::Batch`]). Whole pages
-//! published under the tokens they hold ([`PagedCache::publish_prefix`]) start later requests with the
-//! same prompt ([`PagedCache::add_sequence_with_prefix`]) until evicted
-//! ([`PagedCache::evict_prefixes`]).
+//! that return pages (or zero them too: [`PagedCache::remove_and_scrub`]), an admission check
+//! ([`PagedCache::admits`], and [`PagedCache::admits_new`] for a request not yet a sequence), and
+//! attention through the page tables over one sequence ([`Kv::Sequence`]) or a ragged batch of
+//! sequences in one dispatch pair ([`Kv::Batch`]). Whole pages published under the tokens they hold
+//! ([`PagedCache::publish_prefix`]) start later requests with the same prompt
+//! ([`PagedCache::add_sequence_with_prefix`]) until evicted ([`PagedCache::evict_prefixes`],
+//! [`PagedCache::evictable_pages`]).
 //!
 //! A sequence moves between processes, machines and backends as a snapshot: a versioned,
 //! checksummed byte format of its committed rows ([`KvCache::export_async`],
