@@ -420,8 +420,9 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
     // whole slots' would not fit one binding, and move run by run as above).
     let mut scattered = PagedCache::new(&g.device, &g.queue, spec, 64, rows / 64).unwrap();
     scattered.set_scatter(ScatterChoice::Always);
-    // Its upload is checked before the pool assembles it on the host (an allocation of 64 MiB past
-    // the cap would abort the process).
+    // Its upload's host bytes are reserved before the pool assembles them (an allocation of 64 MiB
+    // past the cap aborted the process): with no room for them the rows move run by run, whose
+    // staging is refused as the pool's above.
     let other = scattered.add_sequence().unwrap();
     let staging = |e: Error, what: &str| {
         assert!(
@@ -453,7 +454,7 @@ fn host_appends_the_device_cannot_stage_are_refused_and_change_nothing() {
         );
         staging(
             scattered.append(other, 0, &slabs(&quarter)).unwrap_err(),
-            "an upload of host rows",
+            "the staging of host rows",
         );
     }
     assert_eq!(c.visible(0).unwrap(), 0);
