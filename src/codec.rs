@@ -228,6 +228,15 @@ impl HostData<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Elements `range` of the data.
+    fn part(&self, range: std::ops::Range<usize>) -> Self {
+        match self {
+            HostData::F32(d) => HostData::F32(&d[range]),
+            HostData::F16(d) => HostData::F16(&d[range]),
+            HostData::BF16(d) => HostData::BF16(&d[range]),
+        }
+    }
 }
 
 /// Bits of `x` stored as `dtype` (low 16 bits for 16-bit types, the byte for fp8). The block types
@@ -767,15 +776,36 @@ pub(crate) fn stored_bytes<'a>(
     scale: Option<f32>,
     scratch: &'a mut Vec<u8>,
 ) -> &'a [u8] {
-    let unpadded = (row_elems * storage.size()).is_multiple_of(4);
-    match data {
-        HostData::F32(d) if storage == DType::F32 => bytemuck::cast_slice(d),
-        HostData::F16(d) if storage == DType::F16 && unpadded => bytemuck::cast_slice(d),
-        HostData::BF16(d) if storage == DType::BF16 && unpadded => bytemuck::cast_slice(d),
-        data => {
+    match as_stored(data, storage, row_elems) {
+        Some(bytes) => bytes,
+        None => {
             encode_rows(data, storage, row_elems, scale, scratch);
             scratch
         }
+    }
+}
+
+/// The data's own bytes where they are already stored so (the storage type, rows of whole words).
+fn as_stored(data: HostData<'_>, storage: DType, row_elems: usize) -> Option<&[u8]> {
+    let unpadded = (row_elems * storage.size()).is_multiple_of(4);
+    match data {
+        HostData::F32(d) if storage == DType::F32 => Some(bytemuck::cast_slice(d)),
+        HostData::F16(d) if storage == DType::F16 && unpadded => Some(bytemuck::cast_slice(d)),
+        HostData::BF16(d) if storage == DType::BF16 && unpadded => Some(bytemuck::cast_slice(d)),
+        _ => None,
+    }
+}
+
+/// The bytes [`stored_bytes`] encodes `data` into its scratch (0 where it takes the data's own):
+/// the one large allocation of a conversion, for a caller to reserve first.
+pub(crate) fn scratch_bytes(data: HostData<'_>, storage: DType, row_elems: usize) -> usize {
+    if as_stored(data, storage, row_elems).is_some() {
+        return 0;
+    }
+    let rows = data.len().checked_div(row_elems).unwrap_or(0);
+    match storage.block() {
+        Some(_) => rows * block_row_words(storage, row_elems) * 4,
+        None => rows * padded_row_bytes(row_elems, storage) as usize,
     }
 }
 
@@ -789,19 +819,25 @@ pub(crate) fn encode_rows(
 ) {
     out.clear();
     if storage.block().is_some() {
-        // Straight from the host values into the stored words, row by row.
+        // Straight from the host values into the stored words, a row at a time (the one large
+        // allocation is `out`, which a caller may have reserved: [`scratch_bytes`]).
         let row_words = block_row_words(storage, row_elems);
         let rows = data.len().checked_div(row_elems).unwrap_or(0);
-        let mut words = vec![0u32; rows * row_words];
-        for (r, row) in words.chunks_exact_mut(row_words).enumerate() {
+        let mut row = vec![0u32; row_words];
+        for r in 0..rows {
             let at = r * row_elems;
+            row.fill(0);
             match data {
-                HostData::F32(d) => quantize_row(|i| d[at + i], row_elems, storage, row),
-                HostData::F16(d) => quantize_row(|i| d[at + i].to_f32(), row_elems, storage, row),
-                HostData::BF16(d) => quantize_row(|i| d[at + i].to_f32(), row_elems, storage, row),
+                HostData::F32(d) => quantize_row(|i| d[at + i], row_elems, storage, &mut row),
+                HostData::F16(d) => {
+                    quantize_row(|i| d[at + i].to_f32(), row_elems, storage, &mut row)
+                }
+                HostData::BF16(d) => {
+                    quantize_row(|i| d[at + i].to_f32(), row_elems, storage, &mut row)
+                }
             }
+            out.extend_from_slice(bytemuck::cast_slice(&row));
         }
-        out.extend_from_slice(bytemuck::cast_slice(&words));
         return;
     }
     let row_bytes = padded_row_bytes(row_elems, storage) as usize;
@@ -813,9 +849,13 @@ pub(crate) fn encode_rows(
     // Row by row: each row's bytes are its elements' bits, then the padding (zero).
     let out_rows = out.chunks_exact_mut(row_bytes);
     if scale.is_some() {
-        let bits = scaled_host_bits(data, storage, scale);
-        for (bits, row) in bits.chunks_exact(row_elems).zip(out_rows) {
-            put_row(bits.iter().copied(), storage, row);
+        for (r, row) in out_rows.enumerate() {
+            let bits = scaled_host_bits(
+                data.part(r * row_elems..(r + 1) * row_elems),
+                storage,
+                scale,
+            );
+            put_row(bits.into_iter(), storage, row);
         }
         return;
     }
@@ -941,6 +981,8 @@ mod tests {
             DType::F8E4M3,
             DType::F8E5M2,
             DType::F32,
+            DType::Q8_0,
+            DType::Q4_0,
         ] {
             for row_elems in [1, 3, 64, 100] {
                 let n = x.len() / row_elems * row_elems;
@@ -949,7 +991,12 @@ mod tests {
                     HostData::F16(&halves[..n]),
                     HostData::BF16(&brains[..n]),
                 ] {
-                    for scale in [None, Some(0.25)] {
+                    // Scales are fp8's alone.
+                    let scales = match storage.block() {
+                        Some(_) => &[None][..],
+                        None => &[None, Some(0.25)][..],
+                    };
+                    for &scale in scales {
                         encode_rows(data, storage, row_elems, scale, &mut out);
                         let bits = scaled_host_bits(data, storage, scale);
                         let want = pack_rows(&bits, storage, row_elems);

@@ -360,7 +360,8 @@ pub enum Error {
     /// report, the device's uncaptured error. (A readback whose staging buffer cannot be made is
     /// refused with [`Error::Readback`] or [`Error::Device`], also in the browser.) A `read_f32`
     /// whose f32 values this process cannot allocate is refused with this error too, `what` and
-    /// `reason` naming host memory.
+    /// `reason` naming host memory, and so is a host append or import whose rows this process has
+    /// no room to convert into their stored form (reserved before the staging check).
     #[error("out of memory: could not allocate {bytes} bytes for {what}: {reason}")]
     OutOfMemory {
         what: String,

@@ -273,6 +273,59 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
     lost.assert_none();
 }
 
+/// Host rows converted on the way in (f32 rows into f16 slots, the rows of a step too large for
+/// one upload) take host memory for their stored form besides the writes' staging. That memory is
+/// reserved before the staging is checked: with room for the staging alone the calls are refused
+/// with `OutOfMemory` and change nothing, where wgpu 30 failed to stage the second slot's write and
+/// panicked (the device lost). With room, the same calls append.
+#[test]
+fn converted_host_rows_are_counted_before_their_staging() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    // f16 slots as large as a binding allows, filled by one call of f32 rows.
+    let rows = (g.limits().max_slot_bytes() / (8 * 128 * 2)) as usize;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F16, rows).unwrap();
+    let stored = 2 * (rows * 8 * 128 * 2) as u64;
+    assert!(stored >= 128 << 20, "slots of {stored} bytes in all");
+    let d = values(3, rows * 8 * 128);
+    let shape = [rows, 8, 128];
+    let slabs = [HostSlab::f32(&d, &shape); 2];
+    let lost = Losses::default();
+    lost.watch(&g.device);
+    let mut c = cache(spec.clone());
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec.clone(), 64, rows / 64).unwrap();
+    let seq = pool.add_sequence().unwrap();
+    let mut recorded = cache(spec);
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    let refused = |e: Error| assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    {
+        let _cap = Cap::room(stored + (16 << 20));
+        refused(c.append(0, &slabs).unwrap_err());
+        refused(pool.append(seq, 0, &slabs).unwrap_err());
+        refused(
+            recorded
+                .record_append_layers(&mut encoder, &[&slabs])
+                .unwrap_err(),
+        );
+    }
+    g.queue.submit([encoder.finish()]);
+    lost.assert_none();
+    assert_eq!(c.visible(0).unwrap(), 0);
+    assert_eq!(pool.visible(seq, 0).unwrap(), 0);
+    assert_eq!(recorded.visible(0).unwrap(), 0);
+    c.append(0, &slabs).unwrap();
+    c.advance(rows).unwrap();
+    let want: Vec<f32> = d.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+    assert!(
+        c.read_f32(0, 1).unwrap() == want,
+        "the rows appended with room"
+    );
+    lost.assert_none();
+}
+
 /// A readback copies the bytes it maps once, into the words it returns: with room for its staging
 /// buffer and one copy of the slot, `read_words` and the pool's `read_words` return them (a second,
 /// infallible copy into words aborted the process there), and with room for the staging buffer

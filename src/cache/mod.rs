@@ -15,7 +15,9 @@ use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use crate::codec::{DType, HostData, padded_row_bytes, row_elems, stored_bytes, used_row_bytes};
+use crate::codec::{
+    DType, HostData, padded_row_bytes, row_elems, scratch_bytes, stored_bytes, used_row_bytes,
+};
 use crate::error::{BufferProblem, Error, Result};
 use crate::kernels::{
     GroupCache, Held, Kernels, ParamRing, Upload, UploadMark, UploadRing, VECTOR_BYTES, allocated,
@@ -52,6 +54,21 @@ impl SlotBuffer {
     /// `scratch`.
     fn stored<'a>(&self, data: HostData<'a>, scratch: &'a mut Vec<u8>) -> &'a [u8] {
         stored_bytes(data, self.dtype, self.row_elems, self.scale, scratch)
+    }
+
+    /// The scratch bytes [`SlotBuffer::rows_bytes`] fills for slot `slot`'s part of `rows` (0 where
+    /// it takes the rows as they are).
+    fn scratch_bytes(&self, rows: Rows<'_, '_>, slot: usize) -> usize {
+        match rows {
+            Rows::Slabs(slabs) => scratch_bytes(slabs[slot].data, self.dtype, self.row_elems),
+            Rows::Stored(rows) => {
+                let used = used_row_bytes(self.row_elems, self.dtype);
+                match used == self.placement.row_bytes {
+                    true => 0,
+                    false => rows[slot].len(),
+                }
+            }
+        }
     }
 
     /// Slot `slot`'s part of `rows` as this slot stores it, row padding (zeros) included.
@@ -594,9 +611,40 @@ impl KvCache {
     }
 
     /// Natively, where `jobs` come to more than 4 MiB, whether the device can stage their writes
-    /// ([`check_staging`]); [`Error::OutOfMemory`] naming `what` where it cannot.
-    pub(crate) fn check_host_rows(&self, jobs: &[HostRows<'_, '_>], what: &str) -> Result<()> {
+    /// ([`check_staging`]); [`Error::OutOfMemory`] naming `what` where it cannot. The host memory
+    /// their conversion takes is reserved first ([`KvCache::reserve_scratch`]), so the check counts
+    /// without it.
+    pub(crate) fn check_host_rows(&mut self, jobs: &[HostRows<'_, '_>], what: &str) -> Result<()> {
+        self.reserve_scratch(jobs)?;
         check_staging(&self.device, what, self.host_rows_bytes(jobs))
+    }
+
+    /// Reserves the host memory the largest conversion of `jobs`' rows into their slots' stored
+    /// form takes (one job and slot at a time, in the scratch they share): [`Error::OutOfMemory`]
+    /// where this process has no room for it, before anything is written. Staging checks made
+    /// after this count without it: wgpu 30 loses the device (natively, panics) where a write's
+    /// staging finds no room after the conversion took it.
+    pub(crate) fn reserve_scratch(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
+        let needed = jobs
+            .iter()
+            .flat_map(|job| {
+                let slots = &self.slots[job.layer][..job.rows.slots()];
+                slots
+                    .iter()
+                    .enumerate()
+                    .map(|(slot, sb)| sb.scratch_bytes(job.rows, slot))
+            })
+            .max()
+            .unwrap_or(0);
+        self.scratch.clear();
+        match self.scratch.try_reserve_exact(needed) {
+            Ok(()) => Ok(()),
+            Err(_) => Err(Error::OutOfMemory {
+                what: "the host rows in their stored form (host memory)".into(),
+                bytes: needed as u64,
+                reason: "this process could not allocate them".into(),
+            }),
+        }
     }
 
     /// Every move of `jobs`' rows, in order: (job, slot, byte in the slot's rows as stored, byte in
@@ -712,6 +760,7 @@ impl KvCache {
             return Ok(());
         }
         let total = pieces.iter().sum();
+        self.reserve_scratch(jobs)?;
         check_staging(&self.device, HOST_ROWS, total)?;
         let uploads = self.rewinding(|c| {
             let uploads = pieces

@@ -4,7 +4,7 @@
 
 use super::gpu_append::Kept;
 use super::source::{self, Source, SourceJob};
-use super::{GpuSlab, HostSlab, KvCache, UPLOAD, trim};
+use super::{GpuSlab, HostRows, HostSlab, KvCache, Rows, UPLOAD, trim};
 use crate::codec::DType;
 use crate::error::Result;
 use crate::kernels::{WriteParams, check_staging, grid, write_outputs};
@@ -117,8 +117,15 @@ impl KvCache {
         if size > self.max_binding {
             return Ok(false);
         }
-        // The host bytes of the upload: where this process has no room for them (a browser's wasm
+        // The host memory of the rows' conversion first (the checks below count without it), then
+        // the host bytes of the upload: where this process has no room for those (a browser's wasm
         // memory), the rows move run by run, with no copy of them all.
+        let rows = [HostRows {
+            layer,
+            rows: Rows::Slabs(slabs),
+            runs: std::borrow::Cow::Borrowed(&[]),
+        }];
+        self.reserve_scratch(&rows)?;
         let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.clear();
         let room = usize::try_from(size)

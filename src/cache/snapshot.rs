@@ -332,7 +332,8 @@ impl KvCache {
     /// than 4 MiB of them go through [`check_staging`], and a device that cannot stage them
     /// refuses. Nothing is kept, so a caller checks before it takes anything else (a page-table
     /// row) and a refusal changes nothing.
-    pub(crate) fn check_snapshot_rows(&self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
+    pub(crate) fn check_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
+        self.reserve_scratch(jobs)?;
         check_staging(&self.device, SNAPSHOT_ROWS, self.host_rows_bytes(jobs))
     }
 
