@@ -61,14 +61,18 @@ impl SlotBuffer {
     fn scratch_bytes(&self, rows: Rows<'_, '_>, slot: usize) -> usize {
         match rows {
             Rows::Slabs(slabs) => scratch_bytes(slabs[slot].data, self.dtype, self.row_elems),
-            Rows::Stored(rows) => {
-                let used = used_row_bytes(self.row_elems, self.dtype);
-                match used == self.placement.row_bytes {
-                    true => 0,
-                    false => rows[slot].len(),
-                }
-            }
+            Rows::Stored(rows) => match self.used_row_bytes() {
+                Some(_) => rows[slot].len(),
+                None => 0,
+            },
         }
+    }
+
+    /// The bytes of a stored row that hold its elements, where they are fewer than the row's (the
+    /// rest is padding, zeroed on the way in); `None` for rows without padding.
+    fn used_row_bytes(&self) -> Option<usize> {
+        let used = used_row_bytes(self.row_elems, self.dtype);
+        (used != self.placement.row_bytes).then_some(used as usize)
     }
 
     /// Slot `slot`'s part of `rows` as this slot stores it, row padding (zeros) included.
@@ -82,11 +86,10 @@ impl SlotBuffer {
             Rows::Slabs(slabs) => return self.stored(slabs[slot].data, scratch),
             Rows::Stored(rows) => rows[slot],
         };
-        let row_bytes = self.placement.row_bytes as usize;
-        let used = used_row_bytes(self.row_elems, self.dtype) as usize;
-        if used == row_bytes {
+        let Some(used) = self.used_row_bytes() else {
             return stored;
-        }
+        };
+        let row_bytes = self.placement.row_bytes as usize;
         scratch.clear();
         scratch.extend_from_slice(stored);
         for row in scratch.chunks_exact_mut(row_bytes) {

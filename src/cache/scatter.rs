@@ -126,30 +126,23 @@ impl KvCache {
             runs: std::borrow::Cow::Borrowed(&[]),
         }];
         self.reserve_scratch(&rows)?;
-        let mut bytes = std::mem::take(&mut self.upload_bytes);
-        bytes.clear();
+        self.upload_bytes.clear();
         let room = usize::try_from(size)
             .ok()
-            .is_some_and(|size| bytes.try_reserve_exact(size).is_ok());
+            .is_some_and(|size| self.upload_bytes.try_reserve_exact(size).is_ok());
         if !room {
-            self.upload_bytes = bytes;
             return Ok(false);
         }
         // Binding and recording below cannot fail once the parameters and the upload are made.
-        let upload = self.rewinding(|c| {
-            let upload = c.uploads.reserve(UPLOAD, size)?;
-            check_staging(&c.device, UPLOAD, size)?;
-            c.ring.reserve(slabs.len() as u64)?;
-            Ok(upload)
-        });
-        let upload = match upload {
-            Ok(upload) => upload,
-            Err(e) => {
-                self.upload_bytes = bytes;
-                trim(&mut self.upload_bytes);
-                return Err(e);
-            }
-        };
+        let upload = self
+            .rewinding(|c| {
+                let upload = c.uploads.reserve(UPLOAD, size)?;
+                check_staging(&c.device, UPLOAD, size)?;
+                c.ring.reserve(slabs.len() as u64)?;
+                Ok(upload)
+            })
+            .inspect_err(|_| trim(&mut self.upload_bytes))?;
+        let mut bytes = std::mem::take(&mut self.upload_bytes);
         bytes.extend_from_slice(bytemuck::cast_slice(map));
         let mut starts = Vec::with_capacity(slabs.len());
         for (slot, slab) in slabs.iter().enumerate() {

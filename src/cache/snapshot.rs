@@ -7,7 +7,7 @@ use super::staged::StagedRows;
 use super::{HostRows, KvCache, Rows, SNAPSHOT_ROWS};
 use crate::device::{Mapped, Readback, Staging, ranges_bytes, staging_buffer};
 use crate::error::{Error, Result, SnapshotProblem};
-use crate::kernels::{allocated, check_staging};
+use crate::kernels::allocated;
 use crate::ledger::AppendPlan;
 use crate::placement::Run;
 use crate::snapshot::{RowSink, Snapshot, SnapshotHeader, SnapshotStream, SnapshotWriter};
@@ -328,13 +328,14 @@ impl KvCache {
         }
     }
 
-    /// Checks that the device can stage a snapshot's rows (`jobs`, of stored rows): natively, more
-    /// than 4 MiB of them go through [`check_staging`], and a device that cannot stage them
-    /// refuses. Nothing is kept, so a caller checks before it takes anything else (a page-table
-    /// row) and a refusal changes nothing.
+    /// Checks that the device can stage a snapshot's rows (`jobs`, of stored rows), as
+    /// [`KvCache::check_host_rows`] checks host rows: the host memory for padding them reserved,
+    /// then natively more than 4 MiB of them through
+    /// [`check_staging`](crate::kernels::check_staging), and a device that cannot stage them
+    /// refuses. Nothing is kept but that reservation, which the write uses, so a caller checks
+    /// before it takes anything else (a page-table row) and a refusal changes nothing.
     pub(crate) fn check_snapshot_rows(&mut self, jobs: &[HostRows<'_, '_>]) -> Result<()> {
-        self.reserve_scratch(jobs)?;
-        check_staging(&self.device, SNAPSHOT_ROWS, self.host_rows_bytes(jobs))
+        self.check_host_rows(jobs, SNAPSHOT_ROWS)
     }
 
     /// Writes a snapshot's rows, just checked by [`KvCache::check_snapshot_rows`] (nothing

@@ -315,17 +315,16 @@ impl PageLedger {
         let s = self.truncatable(seq, new_len)?;
         let p = self.page_size;
         let alone = |page: u32| self.refs[page as usize] == 1;
-        let run = |page: u32, from: usize| self.page_run(page, from);
         let keep = self.pages_for(new_len);
         let mut runs: Vec<Run> = Vec::new();
         if !new_len.is_multiple_of(p) && alone(s.pages[keep - 1]) {
-            runs.push(run(s.pages[keep - 1], new_len % p));
+            runs.push(self.page_run(s.pages[keep - 1], new_len % p));
         }
         runs.extend(
             s.pages[keep..]
                 .iter()
                 .filter(|&&page| alone(page))
-                .map(|&page| run(page, 0)),
+                .map(|&page| self.page_run(page, 0)),
         );
         Ok(merged(runs))
     }
@@ -699,8 +698,9 @@ impl PageLedger {
     }
 
     /// The pages `evict_prefixes(usize::MAX)` would return to the pool now: the cached pages but
-    /// those on the way to a published page a sequence holds. What admission can count on beside
-    /// the free pages.
+    /// those on the way to a published page a sequence holds (see
+    /// [`PagedCache::evictable_pages`](crate::PagedCache::evictable_pages) for what admission can
+    /// count on).
     pub fn evictable_pages(&self) -> usize {
         let mut kept = std::collections::BTreeSet::new();
         for &page in self.prefixes.nodes.keys() {
