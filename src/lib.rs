@@ -74,7 +74,8 @@
 //!   may carry a scale ([`CacheSpec::with_slot_scale`]).
 //!
 //! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
-//! fork by sharing pages (a write into a shared page copies it for the writer), truncate and removal
+//! fork by sharing pages (a write into a shared page copies it for the writer, and a copy recorded into
+//! the app's encoder keeps the page until the encoder is done), truncate and removal
 //! that return pages (or zero them too: [`PagedCache::remove_and_scrub`]), an admission check
 //! ([`PagedCache::admits`], and [`PagedCache::admits_new`] for a request not yet a sequence), and
 //! attention through the page tables over one sequence ([`Kv::Sequence`]) or a ragged batch of

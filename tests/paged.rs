@@ -25,6 +25,7 @@ common::shared_tests!(paged_bodies:
     attention_recorded_before_the_table_grows_sees_later_entries,
     many_runs_of_host_rows_land_alike_whichever_way_they_move,
     scrubbing_zeroes_the_rows_no_one_holds,
+    a_recorded_copy_keeps_its_page_until_the_encoder_is_done,
 );
 
 /// `admits_new` answers for a request before it is a sequence, as a sequence made from the same

@@ -79,6 +79,21 @@ pub struct PageLedger {
     pool: u32,
     next_id: u32,
     prefixes: Prefixes,
+    /// Pages a recorded copy of a shared page reads when its encoder runs, with how many such
+    /// copies: each counts in `refs` as one more holder until [`PageLedger::unpin`].
+    pins: BTreeMap<u32, u32>,
+    /// Pinned pages a scrubbing removal or truncation left to their pins: the first row from which
+    /// no holder but the pins sees the page, zeroed when the last pin goes.
+    scrub_at_unpin: BTreeMap<u32, usize>,
+}
+
+/// What a removal or truncation leaves with no holder ([`PageLedger::orphaned_rows`]).
+#[derive(Debug, Default)]
+pub(crate) struct Orphans {
+    /// Rows to zero now, in merged runs.
+    pub now: Vec<Run>,
+    /// Pinned pages and the row from which only their pins hold them: zeroed at the last unpin.
+    pub pinned: Vec<(u32, usize)>,
 }
 
 /// Published pages: see [`PageLedger`].
@@ -120,6 +135,8 @@ impl PageLedger {
             pool: crate::seq::pool_tag(),
             next_id: 0,
             prefixes: Prefixes::default(),
+            pins: BTreeMap::new(),
+            scrub_at_unpin: BTreeMap::new(),
         }
     }
 
@@ -133,7 +150,8 @@ impl PageLedger {
         self.refs.len()
     }
 
-    /// Pages that neither a sequence nor a published prefix holds, which appends and imports take.
+    /// Pages that neither a sequence, a published prefix nor a recorded copy holds
+    /// ([`PageLedger::page_refs`]), which appends and imports take.
     pub fn free_pages(&self) -> usize {
         self.free.len()
     }
@@ -159,8 +177,8 @@ impl PageLedger {
         self.seqs.keys().copied()
     }
 
-    /// Holders of `page`: the sequences whose tables name it, and the published prefixes when it is one
-    /// of theirs (0 for a free page).
+    /// Holders of `page`: the sequences whose tables name it, the published prefixes when it is one
+    /// of theirs, and the recorded copies of it whose encoders have not run yet (0 for a free page).
     pub fn page_refs(&self, page: u32) -> Option<u32> {
         self.refs.get(page as usize).copied()
     }
@@ -306,27 +324,79 @@ impl PageLedger {
     }
 
     /// The rows `remove(seq)` (`new_len` None) or `truncate(seq, new_len)` would leave in the pool
-    /// with no holder, as runs of pool rows, changing nothing: the pages that return to the pool
-    /// (those `seq` alone holds), and on a truncate the rows past `new_len` in its last page kept,
-    /// where it alone holds that page. Pages another sequence or a published prefix holds keep
-    /// their rows. Refused as the call itself would be.
-    pub(crate) fn orphaned_rows(&self, seq: SeqId, new_len: Option<usize>) -> Result<Vec<Run>> {
+    /// with no holder, changing nothing: the pages that return to the pool (those `seq` alone
+    /// holds), and on a truncate the rows past `new_len` in its last page kept, where it alone holds
+    /// that page. Pages another sequence or a published prefix holds keep their rows. Where the
+    /// only other holders are pins, the rows are left to the last unpin
+    /// ([`PageLedger::scrub_when_unpinned`]). Refused as the call itself would be.
+    pub(crate) fn orphaned_rows(&self, seq: SeqId, new_len: Option<usize>) -> Result<Orphans> {
         let new_len = new_len.unwrap_or(0);
         let s = self.truncatable(seq, new_len)?;
         let p = self.page_size;
-        let alone = |page: u32| self.refs[page as usize] == 1;
         let keep = self.pages_for(new_len);
-        let mut runs: Vec<Run> = Vec::new();
-        if !new_len.is_multiple_of(p) && alone(s.pages[keep - 1]) {
-            runs.push(self.page_run(s.pages[keep - 1], new_len % p));
+        let partial = (!new_len.is_multiple_of(p)).then(|| (s.pages[keep - 1], new_len % p));
+        let whole = s.pages[keep..].iter().map(|&page| (page, 0));
+        let mut orphans = Orphans::default();
+        for (page, from) in partial.into_iter().chain(whole) {
+            let pins = self.pins.get(&page).copied().unwrap_or(0);
+            if self.refs[page as usize] != pins + 1 {
+                continue;
+            }
+            match pins {
+                0 => orphans.now.push(self.page_run(page, from)),
+                _ => orphans.pinned.push((page, from)),
+            }
         }
-        runs.extend(
-            s.pages[keep..]
-                .iter()
-                .filter(|&&page| alone(page))
-                .map(|&page| self.page_run(page, 0)),
-        );
-        Ok(merged(runs))
+        orphans.now = merged(orphans.now);
+        Ok(orphans)
+    }
+
+    /// Leaves the rows of `pinned` ([`Orphans::pinned`]) to be zeroed when their pages' last pins go.
+    pub(crate) fn scrub_when_unpinned(&mut self, pinned: &[(u32, usize)]) {
+        for &(page, from) in pinned
+            .iter()
+            .filter(|(page, _)| self.pins.contains_key(page))
+        {
+            let at = self.scrub_at_unpin.entry(page).or_insert(from);
+            *at = (*at).min(from);
+        }
+    }
+
+    /// Counts `page` as held by a recorded copy that reads it when its encoder runs, until
+    /// [`PageLedger::unpin`]: no sequence writes into it in place meanwhile, and it does not return to
+    /// the pool.
+    pub(crate) fn pin(&mut self, page: u32) {
+        self.refs[page as usize] += 1;
+        *self.pins.entry(page).or_default() += 1;
+    }
+
+    /// Drops one pin of each of `pages` ([`PageLedger::pin`]); a page no one else holds returns to
+    /// the pool. Returns the rows to zero before anything takes them, in merged runs: where a scrub
+    /// left a page to its pins, the whole page if it is free now, else its rows no holder sees.
+    pub(crate) fn unpin(&mut self, pages: &[u32]) -> Vec<Run> {
+        let mut runs = Vec::new();
+        for &page in pages {
+            let Some(n) = self.pins.get_mut(&page) else {
+                continue;
+            };
+            *n -= 1;
+            let last = *n == 0;
+            self.release(page);
+            if !last {
+                continue;
+            }
+            self.pins.remove(&page);
+            if let Some(from) = self.scrub_at_unpin.remove(&page) {
+                let free = self.refs[page as usize] == 0;
+                runs.push(self.page_run(page, if free { 0 } else { from }));
+            }
+        }
+        merged(runs)
+    }
+
+    /// Whether a scrub waits for a page's pins to go ([`PageLedger::scrub_when_unpinned`]).
+    pub(crate) fn scrubs_wait(&self) -> bool {
+        !self.scrub_at_unpin.is_empty()
     }
 
     /// Whole `pages` as runs of pool rows, neighbours merged ([`merged`]).
@@ -1113,6 +1183,9 @@ mod tests {
                 }
             }
         }
+        for (&page, &n) in &l.pins {
+            refs[page as usize] += n;
+        }
         assert_eq!(refs, l.refs, "reference counts");
         let mut free: Vec<u32> = (0..l.n_pages() as u32)
             .filter(|&p| refs[p as usize] == 0)
@@ -1509,10 +1582,22 @@ mod tests {
             n_rows,
         };
         let before = l.clone();
-        assert_eq!(l.orphaned_rows(a, None), Ok(vec![rows(0, 12)]));
-        assert_eq!(l.orphaned_rows(a, Some(5)), Ok(vec![rows(5, 7)]));
-        assert_eq!(l.orphaned_rows(a, Some(8)), Ok(vec![rows(8, 4)]));
-        assert_eq!(l.orphaned_rows(a, Some(10)), Ok(vec![rows(10, 2)]));
+        assert_eq!(
+            l.orphaned_rows(a, None).map(|o| o.now),
+            Ok(vec![rows(0, 12)])
+        );
+        assert_eq!(
+            l.orphaned_rows(a, Some(5)).map(|o| o.now),
+            Ok(vec![rows(5, 7)])
+        );
+        assert_eq!(
+            l.orphaned_rows(a, Some(8)).map(|o| o.now),
+            Ok(vec![rows(8, 4)])
+        );
+        assert_eq!(
+            l.orphaned_rows(a, Some(10)).map(|o| o.now),
+            Ok(vec![rows(10, 2)])
+        );
         assert!(matches!(
             l.orphaned_rows(a, Some(11)),
             Err(Error::TruncateBeyondLength { .. })
@@ -1520,15 +1605,90 @@ mod tests {
         assert_eq!(l, before);
         // A fork at 6 shares pages 0 and 1: only page 2 is a's alone.
         let b = l.fork(a, 6).unwrap();
-        assert_eq!(l.orphaned_rows(a, None), Ok(vec![rows(8, 4)]));
-        assert_eq!(l.orphaned_rows(a, Some(5)), Ok(vec![rows(8, 4)]));
-        assert_eq!(l.orphaned_rows(b, None), Ok(vec![]));
+        assert_eq!(
+            l.orphaned_rows(a, None).map(|o| o.now),
+            Ok(vec![rows(8, 4)])
+        );
+        assert_eq!(
+            l.orphaned_rows(a, Some(5)).map(|o| o.now),
+            Ok(vec![rows(8, 4)])
+        );
+        assert_eq!(l.orphaned_rows(b, None).map(|o| o.now), Ok(vec![]));
         // Whole pages, neighbours merged in any order.
         assert_eq!(
             l.page_runs(&[5, 1, 7, 2]),
             [rows(4, 8), rows(20, 4), rows(28, 4)]
         );
         assert_eq!(l.page_runs(&[3, 1, 2]), vec![rows(4, 12)]);
+    }
+
+    /// A pinned page (the source of a recorded copy yet to run) is held: its sequence's next row
+    /// goes into a copy of it, it stays out of the pool when its sequence goes, and eviction does
+    /// not take it. A scrub that leaves it to its pins waits for the last unpin, which returns it
+    /// with the rows to zero: those past a truncation while the sequence still holds it, the whole
+    /// page once it is free.
+    #[test]
+    fn a_pinned_page_is_held_until_its_last_unpin() {
+        let mut l = PageLedger::new(&spec(32), 4, 8);
+        let rows = |first_row, n_rows| Run {
+            page: 0,
+            first_row,
+            n_rows,
+        };
+        let a = l.add().unwrap();
+        grow(&mut l, a, 6);
+        assert_eq!(l.pages(a).unwrap(), &[0, 1]);
+        l.pin(1);
+        l.pin(1);
+        assert_eq!((l.page_refs(1), l.free_pages()), (Some(3), 6));
+        let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
+        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
+        assert_eq!(plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(), [1]);
+        l.admits(&[(a, 1)]).unwrap();
+
+        // Truncated to 5 with a scrub: row 5 on is left to the pins.
+        let orphans = l.orphaned_rows(a, Some(5)).unwrap();
+        assert_eq!((orphans.now, &orphans.pinned[..]), (vec![], &[(1, 1)][..]));
+        l.truncate(a, 5).unwrap();
+        l.scrub_when_unpinned(&orphans.pinned);
+        assert!(l.scrubs_wait());
+        assert_eq!(l.unpin(&[1]), vec![]);
+        assert_eq!(l.unpin(&[1]), vec![rows(5, 3)]);
+        assert_eq!(
+            (l.page_refs(1), l.free_pages(), l.scrubs_wait()),
+            (Some(1), 6, false)
+        );
+
+        // Removed with a scrub while pinned: page 0 is zeroed now, page 1 at its unpin.
+        l.pin(1);
+        let orphans = l.orphaned_rows(a, None).unwrap();
+        assert_eq!(
+            (orphans.now, &orphans.pinned[..]),
+            (vec![rows(0, 4)], &[(1, 0)][..])
+        );
+        l.remove(a).unwrap();
+        l.scrub_when_unpinned(&orphans.pinned);
+        assert_eq!((l.page_refs(1), l.free_pages()), (Some(1), 7));
+        assert_eq!(
+            l.unpin(&[1, 1]),
+            vec![rows(4, 4)],
+            "an unpinned page is unpinned once"
+        );
+        assert_eq!((l.page_refs(1), l.free_pages()), (Some(0), 8));
+
+        // A published page pinned: its sequence gone, it is not cached or evicted until unpinned.
+        let b = l.add().unwrap();
+        grow(&mut l, b, 4);
+        let page = l.pages(b).unwrap()[0];
+        assert_eq!(l.publish(b, &[1, 2, 3, 4]).unwrap(), 4);
+        l.pin(page);
+        l.remove(b).unwrap();
+        assert_eq!((l.cached_pages(), l.evictable_pages()), (0, 0));
+        assert_eq!(l.evict_prefixes(usize::MAX), 0);
+        assert_eq!(l.unpin(&[page]), vec![], "no scrub waited");
+        assert_eq!((l.cached_pages(), l.evictable_pages()), (1, 1));
+        assert_eq!(l.evict_prefixes(usize::MAX), 1);
+        assert_eq!(l.free_pages(), 8);
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

@@ -4,7 +4,7 @@ mod ledger;
 mod snapshot;
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::cache::{GpuSlab, HOST_ROWS, HostRows, HostSlab, KvCache, Rows, SlotView};
 use crate::error::{Error, Result};
@@ -31,12 +31,10 @@ use std::collections::BTreeMap;
 /// commands submitted with it. A host append into a page shared after a fork first submits the copy
 /// that gives the writer its private page, so the copy sees every earlier host append and every
 /// command submitted before it. A recorded GPU append into a shared page records its copy, and the
-/// page is then left to its other holders, whose host appends write into it at the next submission:
-/// submit an encoder holding GPU appends before host appends to any sequence that shared a page with
-/// the ones it appends to (a parent and its forks, or two forks of one parent), the appended
-/// sequence itself included once it has been forked: the host append's private copy of the shared
-/// page and its table entry land first, and the recorded append's table entry, copied later, points
-/// the sequence back at the shared page. The table entries a
+/// pool keeps the shared page for it until the encoder is done (below). Submit an encoder holding
+/// GPU appends to a sequence before host appends to it or its forks once it has been forked: the
+/// host append's private copy of the shared page and its table entry land first, and the recorded
+/// append's table entry, copied later, points the sequence back at the shared page. The table entries a
 /// recorded GPU append changes are copied into the table by a command recorded with it, so they
 /// change where the append stands in its encoder: an
 /// attention recorded before the append reads the pages it was recorded against, one recorded after
@@ -46,12 +44,17 @@ use std::collections::BTreeMap;
 /// submission: submit an encoder holding GPU appends to a sequence, or attention over it, before
 /// removing or truncating it. Otherwise the appends land in the pages of whichever sequence takes
 /// them next, and the attention reads that sequence's table entries and rows (within the pool: no
-/// access leaves it, but the rows are another sequence's). The same goes for the shared page a
-/// recorded GPU append copies: the copy reads it when the encoder runs, but the page returns to the
-/// pool as soon as its other holders let it go (`remove` or `truncate` of the parent or a sibling,
-/// an eviction of the published prefix holding it, or their scrubbing forms). Submit such an encoder
-/// before any of those calls, or the copy takes the rows the page's next sequence writes there (or
-/// a scrub's zeros).
+/// access leaves it, but the rows are another sequence's).
+///
+/// The shared page a recorded GPU append copies is read when the encoder runs, so the pool keeps
+/// it, as one more holder ([`PageLedger::page_refs`]), until the encoder's work is done: its other
+/// holders write into private copies of their own meanwhile, and when they let it go (`remove` or
+/// `truncate` of the parent or a sibling, an eviction of the published prefix holding it, or their
+/// scrubbing forms) it stays out of the pool, and a scrub waits for it. wgpu reports the encoder
+/// done at a later poll or submission once its work has finished, or when it is dropped unsubmitted;
+/// the pool's next call after that returns the page (zeroed first where a scrub waited, in a
+/// submission of its own). Until then [`PagedCache::free_pages`] and [`PagedCache::admits`] count it
+/// as in use.
 ///
 /// An encoder holding recorded GPU appends must be submitted. The ledger counts a recorded append
 /// as made, and its rows, the copy of a shared page it writes into and the table entries of the
@@ -84,6 +87,25 @@ pub struct PagedCache {
     row_capacity: usize,
     most_rows: usize,
     scatter: ScatterChoice,
+    /// Pages pinned by recorded copies whose encoders are done (their work finished, or the encoder
+    /// was dropped unsubmitted): filled by wgpu's callbacks, unpinned at the pool's next change
+    /// ([`PagedCache::unpin_done`]).
+    unpinned: Arc<Mutex<Vec<u32>>>,
+}
+
+/// The pages a recorded encoder's copies read, pinned in the ledger ([`PageLedger::pin`]) until the
+/// encoder is done with them: wgpu drops this once the encoder's work has finished, or with the
+/// encoder (or its command buffer) if it is never submitted.
+struct Pins {
+    pages: Vec<u32>,
+    done: Arc<Mutex<Vec<u32>>>,
+}
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let mut done = self.done.lock().unwrap_or_else(PoisonError::into_inner);
+        done.append(&mut self.pages);
+    }
 }
 
 /// How an append's rows reach their pages; see [`PagedCache::set_scatter`].
@@ -250,6 +272,7 @@ impl PagedCache {
             row_capacity: first_rows,
             most_rows,
             scatter: ScatterChoice::Auto,
+            unpinned: Arc::default(),
         })
     }
 
@@ -431,6 +454,8 @@ impl PagedCache {
     }
 
     /// Pages that neither a sequence nor a published prefix holds, which appends and imports take.
+    /// A page a recorded GPU append copies is held until the pool's first call after its encoder
+    /// is done (see [`PagedCache`]).
     pub fn free_pages(&self) -> usize {
         self.ledger.free_pages()
     }
@@ -473,6 +498,7 @@ impl PagedCache {
         &mut self,
         make: impl FnOnce(&mut PageLedger) -> Result<(SeqId, T)>,
     ) -> Result<(SeqId, T)> {
+        self.unpin_done();
         self.ledger.check_add()?;
         let (seq, made) = self.with_table_row(|pool, row| {
             let (seq, made) = make(&mut pool.ledger)?;
@@ -485,9 +511,14 @@ impl PagedCache {
 
     /// Removes `seq`; the pages no other sequence shares return to the pool, but those also
     /// published as a prefix, which stay cached ([`PagedCache::cached_pages`]) until evicted. Submit
-    /// any encoder holding appends to or attention over `seq`, or a recorded GPU append copying a
-    /// page `seq` shares, first (see [`PagedCache`]).
+    /// any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
     pub fn remove(&mut self, seq: SeqId) -> Result<()> {
+        self.unpin_done();
+        self.forget(seq)
+    }
+
+    /// Removes `seq` from the ledger and frees its table row.
+    fn forget(&mut self, seq: SeqId) -> Result<()> {
         self.ledger.remove(seq)?;
         if let Some(row) = self.table_rows.remove(&seq) {
             self.free_rows.push(row);
@@ -499,6 +530,7 @@ impl PagedCache {
     /// pages are shared, and a page either side later writes into is copied for the writer first.
     /// Starting a conversation from a cached system prompt is `fork(prompt, prompt_len)`.
     pub fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
+        self.unpin_done();
         // Checked first, so that a refused fork does not grow the page table.
         self.ledger.check_fork(parent, at_len)?;
         self.open_sequence(|l| l.fork(parent, at_len).map(|child| (child, ())))
@@ -518,6 +550,7 @@ impl PagedCache {
     /// tokens. More tokens than committed rows is [`Error::PrefixBeyondLength`], and publishes
     /// nothing.
     pub fn publish_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
+        self.unpin_done();
         self.ledger.publish(seq, tokens)
     }
 
@@ -538,19 +571,20 @@ impl PagedCache {
 
     /// Returns up to `n` published pages that no sequence holds to the pool, least recently published
     /// or matched first (a page goes only after the pages published after it on the same prefix);
-    /// returns how many went, at most [`PagedCache::evictable_pages`]. Submit first any encoder
-    /// holding a recorded GPU append that copies a published page (see [`PagedCache`]).
+    /// returns how many went, at most [`PagedCache::evictable_pages`]. A page a recorded GPU append
+    /// still copies is not among them (see [`PagedCache`]).
     pub fn evict_prefixes(&mut self, n: usize) -> usize {
+        self.unpin_done();
         self.ledger.evict_prefixes(n)
     }
 
     /// [`PagedCache::evict_prefixes`], and the pages it returns to the pool zeroed in a submission of
     /// its own (neighbouring pages in one run), so that the next sequence to take one, or
-    /// [`PagedCache::pool_view`], does not see the prefix's rows. Returns how many pages went. Submit
-    /// first any encoder holding a recorded GPU append that copies a published page. Refused
+    /// [`PagedCache::pool_view`], does not see the prefix's rows. Returns how many pages went. Refused
     /// with [`Error::OutOfMemory`] (or [`Error::DeviceLost`]), evicting nothing, where the device
     /// cannot make the zeroing's parameters.
     pub fn evict_prefixes_and_scrub(&mut self, n: usize) -> Result<usize> {
+        self.unpin_done();
         let mut ledger = self.ledger.clone();
         let pages = ledger.evict_prefix_pages(n);
         self.scrub(&ledger.page_runs(&pages))?;
@@ -577,9 +611,9 @@ impl PagedCache {
     /// Rolls `seq` back to `new_len` committed rows, dropping pending rows, with no GPU work; pages
     /// past the new end return to the pool (their bytes stay until overwritten), one by one, but
     /// pages shared with another sequence or published as a prefix, which their other holders keep.
-    /// Submit any encoder holding appends to or attention over `seq`, or a recorded GPU append
-    /// copying a page `seq` shares, first (see [`PagedCache`]).
+    /// Submit any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        self.unpin_done();
         self.ledger.truncate(seq, new_len)
     }
 
@@ -589,24 +623,55 @@ impl PagedCache {
     /// a published prefix holds keep their rows (theirs too); they are zeroed only if their last
     /// holder leaves through a scrub as well (a published prefix's pages, when
     /// [`PagedCache::evict_prefixes_and_scrub`] frees them), so a page this sequence alone held
-    /// reaches the next sequence, or [`PagedCache::pool_view`], without its rows. Submit first any
-    /// encoder holding GPU appends to `seq` or to a sequence sharing a page with it (a recorded copy
-    /// of a shared page reads it when the encoder runs), or attention over `seq`. Refused with
+    /// reaches the next sequence, or [`PagedCache::pool_view`], without its rows. A page a recorded
+    /// GPU append still copies is zeroed once the pool lets it go (see [`PagedCache`]). Submit first
+    /// any encoder holding GPU appends to `seq`, or attention over it. Refused with
     /// [`Error::OutOfMemory`] (or [`Error::DeviceLost`]), changing nothing, where the device cannot
     /// make the zeroing's parameters.
     pub fn truncate_and_scrub(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        let runs = self.ledger.orphaned_rows(seq, Some(new_len))?;
-        self.scrub(&runs)?;
-        self.ledger.truncate(seq, new_len)
+        self.unpin_done();
+        let orphans = self.ledger.orphaned_rows(seq, Some(new_len))?;
+        self.scrub(&orphans.now)?;
+        self.ledger.truncate(seq, new_len)?;
+        self.ledger.scrub_when_unpinned(&orphans.pinned);
+        Ok(())
     }
 
     /// [`PagedCache::remove`], and the pages that return to the pool zeroed in a submission of its
     /// own: those `seq` alone held (see [`PagedCache::truncate_and_scrub`], also for the encoders to
     /// submit first).
     pub fn remove_and_scrub(&mut self, seq: SeqId) -> Result<()> {
-        let runs = self.ledger.orphaned_rows(seq, None)?;
-        self.scrub(&runs)?;
-        self.remove(seq)
+        self.unpin_done();
+        let orphans = self.ledger.orphaned_rows(seq, None)?;
+        self.scrub(&orphans.now)?;
+        self.forget(seq)?;
+        self.ledger.scrub_when_unpinned(&orphans.pinned);
+        Ok(())
+    }
+
+    /// Unpins the pages of recorded copies that are done ([`Pins`]). Where a scrub waited for a
+    /// page's pins, its rows are zeroed first, in a submission of their own; if the zeroing is
+    /// refused the pages stay pinned, to be unpinned at a later change.
+    pub(crate) fn unpin_done(&mut self) {
+        let pages =
+            std::mem::take(&mut *self.unpinned.lock().unwrap_or_else(PoisonError::into_inner));
+        if pages.is_empty() {
+            return;
+        }
+        if !self.ledger.scrubs_wait() {
+            self.ledger.unpin(&pages);
+            return;
+        }
+        let mut ledger = self.ledger.clone();
+        let runs = ledger.unpin(&pages);
+        match self.scrub(&runs) {
+            Ok(()) => self.ledger = ledger,
+            Err(_) => self
+                .unpinned
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .extend(pages),
+        }
     }
 
     /// Zeroes `runs` of every slot buffer, in a submission of its own.
@@ -662,6 +727,7 @@ impl PagedCache {
 
     /// Appends one host slab per slot of `layer` to `seq` (as [`KvCache::append`]).
     pub fn append(&mut self, seq: SeqId, layer: usize, slabs: &[HostSlab<'_>]) -> Result<()> {
+        self.unpin_done();
         let plan = self
             .ledger
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
@@ -681,6 +747,7 @@ impl PagedCache {
         batch: &[(SeqId, usize)],
         slabs: &[HostSlab<'_>],
     ) -> Result<()> {
+        self.unpin_done();
         let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
         self.store.check_host_slabs(layer, slabs)?;
         self.check_usable(layer, &plans)?;
@@ -838,7 +905,8 @@ impl PagedCache {
     }
 
     /// Records an append from GPU buffers to `seq` into `encoder` (as
-    /// [`KvCache::record_append_gpu`]), after the copies of any shared page it writes into.
+    /// [`KvCache::record_append_gpu`]), after the copies of any shared page it writes into. The
+    /// pool keeps each page such a copy reads until the encoder's work is done (see [`PagedCache`]).
     pub fn record_append_gpu(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
@@ -846,10 +914,24 @@ impl PagedCache {
         layer: usize,
         slabs: &[GpuSlab<'_>],
     ) -> Result<()> {
+        self.gpu_append(encoder, true, seq, layer, slabs)
+    }
+
+    /// [`PagedCache::record_append_gpu`] into the app's encoder (`app`) or the pool's own, which is
+    /// submitted at once.
+    fn gpu_append(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        app: bool,
+        seq: SeqId,
+        layer: usize,
+        slabs: &[GpuSlab<'_>],
+    ) -> Result<()> {
+        self.unpin_done();
         let plan = self
             .ledger
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
-        self.record_gpu(encoder, layer, slabs, plan.n_new, &[plan])
+        self.record_gpu(encoder, app, layer, slabs, plan.n_new, &[plan])
     }
 
     /// [`PagedCache::append_batch`] from GPU buffers, recorded into `encoder` (as
@@ -861,9 +943,22 @@ impl PagedCache {
         batch: &[(SeqId, usize)],
         slabs: &[GpuSlab<'_>],
     ) -> Result<()> {
+        self.gpu_append_batch(encoder, true, layer, batch, slabs)
+    }
+
+    /// [`PagedCache::record_append_gpu_batch`] into the app's encoder (`app`) or the pool's own.
+    fn gpu_append_batch(
+        &mut self,
+        encoder: &mut wgpu::CommandEncoder,
+        app: bool,
+        layer: usize,
+        batch: &[(SeqId, usize)],
+        slabs: &[GpuSlab<'_>],
+    ) -> Result<()> {
+        self.unpin_done();
         let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
         let rows = plans.iter().map(|p| p.n_new).sum();
-        self.record_gpu(encoder, layer, slabs, rows, &plans)
+        self.record_gpu(encoder, app, layer, slabs, rows, &plans)
     }
 
     /// [`PagedCache::record_append_gpu_batch`] in its own submission.
@@ -874,7 +969,7 @@ impl PagedCache {
         slabs: &[GpuSlab<'_>],
     ) -> Result<()> {
         let mut encoder = self.encoder("kvgpu paged append_gpu_batch");
-        self.record_append_gpu_batch(&mut encoder, layer, batch, slabs)?;
+        self.gpu_append_batch(&mut encoder, false, layer, batch, slabs)?;
         self.queue().submit([encoder.finish()]);
         Ok(())
     }
@@ -882,10 +977,13 @@ impl PagedCache {
     /// Checks GPU slabs of `rows` rows against `plans` (every source check first), records each
     /// plan's private copies, then the moves, and commits the plans. Rows scatter by one dispatch
     /// per slot when [`PagedCache::set_scatter`] says so and every source can be bound; otherwise
-    /// they move run by run.
+    /// they move run by run. In the app's encoder (`app`, submitted when the app says) the pages
+    /// the copies read are pinned until its work is done; the pool's own encoder is submitted
+    /// before anything else can write or take them.
     fn record_gpu(
         &mut self,
         encoder: &mut wgpu::CommandEncoder,
+        app: bool,
         layer: usize,
         slabs: &[GpuSlab<'_>],
         rows: usize,
@@ -941,19 +1039,34 @@ impl PagedCache {
             self.commit(plan, Some((&mut *encoder, table)));
         }
         self.keep_staging(staging);
+        let pages: Vec<u32> = plans
+            .iter()
+            .flat_map(|p| p.copies.iter().map(|c| c.from))
+            .collect();
+        if app && !pages.is_empty() {
+            for &page in &pages {
+                self.ledger.pin(page);
+            }
+            let pins = Pins {
+                pages,
+                done: Arc::clone(&self.unpinned),
+            };
+            encoder.on_submitted_work_done(move || drop(pins));
+        }
         Ok(())
     }
 
     /// [`PagedCache::record_append_gpu`] in its own submission.
     pub fn append_gpu(&mut self, seq: SeqId, layer: usize, slabs: &[GpuSlab<'_>]) -> Result<()> {
         let mut encoder = self.encoder("kvgpu paged append_gpu");
-        self.record_append_gpu(&mut encoder, seq, layer, slabs)?;
+        self.gpu_append(&mut encoder, false, seq, layer, slabs)?;
         self.queue().submit([encoder.finish()]);
         Ok(())
     }
 
     /// Commits `n` rows of `seq`: every layer with slots must hold exactly `n` pending rows of it.
     pub fn advance(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        self.unpin_done();
         self.ledger.advance(seq, n)
     }
 
@@ -962,6 +1075,7 @@ impl PagedCache {
     /// All or nothing: every sequence is checked as [`PagedCache::advance`] checks it, in the order
     /// named, and the first refusal commits none.
     pub fn advance_batch(&mut self, batch: &[(SeqId, usize)]) -> Result<()> {
+        self.unpin_done();
         self.ledger.advance_batch(batch)
     }
 

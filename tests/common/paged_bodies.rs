@@ -2581,7 +2581,8 @@ pub async fn sequences_of_another_pool_are_refused(g: &Gpu) {
 /// An attention recorded over a sequence before the page table grows reads, once submitted, the
 /// table entries written after the growth, as without one. Here a fork shares its parent's first
 /// page; the table grows; the parent's append takes a private copy of that page (its entry
-/// changes), a host append or a GPU append recorded into an encoder submitted first; and the
+/// changes), a host append or a GPU append in a submission of its own (one recorded into the app's
+/// encoder would keep the shared page until that encoder is done); and the
 /// fork's host append then writes its own rows into the page, now the fork's alone. The recorded
 /// attention must read the parent's copy: the entry once went into the grown table only, and the
 /// attention read the fork's rows as the parent's.
@@ -2640,10 +2641,7 @@ pub async fn attention_recorded_before_the_table_grows_sees_later_entries(g: &Gp
                 shape: &[1, 1, 4],
                 strides: None,
             });
-            let mut first_encoder = g.device.create_command_encoder(&Default::default());
-            c.record_append_gpu(&mut first_encoder, parent, 0, &slabs)
-                .unwrap();
-            g.queue.submit([first_encoder.finish()]);
+            c.append_gpu(parent, 0, &slabs).unwrap();
         } else {
             let slabs = [
                 HostSlab::f32(&k3, &[1, 1, 4]),
@@ -3164,4 +3162,117 @@ pub async fn scrubbing_zeroes_the_rows_no_one_holds(g: &Gpu) {
     for words in pool_words(&p).await {
         assert!(words.iter().all(|&w| w == 0), "the pool is zeros again");
     }
+}
+
+/// A recorded GPU append's private copy reads the shared page when the encoder runs, and the pool
+/// keeps that page until then. Before the encoder is submitted, the parent is removed with a
+/// scrub and a new sequence takes every free page for rows of its own; the copy still takes the
+/// parent's rows. Once the encoder's work is done the page returns to the pool at the next call,
+/// zeroed, since its last sequence left through a scrub. A recorded encoder dropped unsubmitted
+/// lets its page go too.
+pub async fn a_recorded_copy_keeps_its_page_until_the_encoder_is_done(g: &Gpu) {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 16).unwrap();
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 2, 6).unwrap();
+    let (k, v) = (values(21, 4 * 4), values(22, 4 * 4));
+    let (ok, ov) = (values(23, 6 * 4), values(24, 6 * 4));
+    let gpu_k = super::f32_buffer(&g.device, &k[12..16]).await;
+    let gpu_v = super::f32_buffer(&g.device, &v[12..16]).await;
+    let row = |buffer| GpuSlab {
+        buffer,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &[1, 1, 4],
+        strides: None,
+    };
+    let gpu_row = [row(&gpu_k), row(&gpu_v)];
+
+    // A parent of 3 rows in pages of 2, the second partly filled; its fork shares both.
+    let parent = c.add_sequence().unwrap();
+    let shape = [3, 1, 4];
+    let slabs = [
+        HostSlab::f32(&k[..12], &shape),
+        HostSlab::f32(&v[..12], &shape),
+    ];
+    c.append(parent, 0, &slabs).unwrap();
+    c.advance(parent, 3).unwrap();
+    let child = c.fork(parent, 3).unwrap();
+    let shared = c.ledger().pages(parent).unwrap()[1];
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    c.record_append_gpu(&mut encoder, child, 0, &gpu_row)
+        .unwrap();
+    let copy = c.ledger().pages(child).unwrap()[1];
+    assert_ne!(copy, shared, "the append takes a private copy");
+
+    // Before the encoder runs: the parent leaves through a scrub, and a new sequence takes every
+    // free page. The shared page is the copy's alone now, and not among them.
+    let free = c.free_pages();
+    c.remove_and_scrub(parent).unwrap();
+    assert_eq!(
+        c.ledger().page_refs(shared),
+        Some(1),
+        "the copy holds its page"
+    );
+    assert_eq!(c.free_pages(), free, "the parent's pages are held");
+    let other = c.add_sequence().unwrap();
+    let shape = [6, 1, 4];
+    let slabs = [HostSlab::f32(&ok, &shape), HostSlab::f32(&ov, &shape)];
+    c.append(other, 0, &slabs).unwrap();
+    c.advance(other, 6).unwrap();
+    assert_eq!(c.free_pages(), 0);
+    assert!(!c.ledger().pages(other).unwrap().contains(&shared));
+    g.queue.submit([encoder.finish()]);
+    c.advance(child, 1).unwrap();
+    assert_eq!(c.read_f32_async(child, 0, 0).await.unwrap(), k);
+    assert_eq!(c.read_f32_async(child, 0, 1).await.unwrap(), v);
+    assert_eq!(c.read_f32_async(other, 0, 0).await.unwrap(), ok);
+
+    // The encoder's work is done (its rows were read): the next call lets the page go, zeroed.
+    let pool_row = |words: &[u32], r: usize| words[r * 4..(r + 1) * 4].to_vec();
+    let before = c.read_pool_words_async(0, 0).await.unwrap();
+    assert_ne!(
+        pool_row(&before, shared as usize * 2),
+        [0; 4],
+        "the page held rows"
+    );
+    for _ in 0..100 {
+        c.truncate(child, 4).unwrap();
+        if c.free_pages() == 1 {
+            break;
+        }
+        // In the browser the encoder's callback comes from the event loop.
+        c.read_pool_words_async(0, 0).await.unwrap();
+    }
+    assert_eq!(c.ledger().page_refs(shared), Some(0), "the page is let go");
+    assert_eq!(c.free_pages(), 1);
+    for slot in 0..2 {
+        let words = c.read_pool_words_async(0, slot).await.unwrap();
+        for r in [shared as usize * 2, shared as usize * 2 + 1] {
+            assert_eq!(
+                pool_row(&words, r),
+                [0; 4],
+                "slot {slot}: pool row {r} zeroed"
+            );
+        }
+    }
+
+    // Recorded into an encoder that is dropped unsubmitted: the page its copy reads is let go with
+    // the encoder (its sequence is removed, as the docs say for a dropped encoder).
+    let fork = c.fork(child, 3).unwrap();
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    c.record_append_gpu(&mut encoder, fork, 0, &gpu_row)
+        .unwrap();
+    c.remove(child).unwrap();
+    assert_eq!(
+        c.ledger().page_refs(copy),
+        Some(1),
+        "the dropped copy holds its page"
+    );
+    drop(encoder);
+    c.remove(fork).unwrap();
+    assert_eq!(c.ledger().page_refs(copy), Some(0));
+    assert_eq!(
+        c.free_pages(),
+        3,
+        "other's three pages are the only ones held"
+    );
 }
