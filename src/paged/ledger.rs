@@ -1197,6 +1197,36 @@ mod tests {
         assert_eq!(model.len(), l.seqs.len());
     }
 
+    /// Pinned pages with their rows (per layer, the page's rows) when pinned.
+    type Pinned = Vec<(u32, Vec<Option<u64>>)>;
+
+    /// The rows of `page` in every layer of `pool`.
+    fn page_rows(pool: &Pool, page_size: usize, page: u32) -> Vec<Option<u64>> {
+        let rows = page as usize * page_size..(page as usize + 1) * page_size;
+        (0..3)
+            .flat_map(|layer| rows.clone().map(move |r| (layer, r)))
+            .map(|at| pool.get(&at).copied())
+            .collect()
+    }
+
+    /// Pins the pages committed `plans` copy, as a recorded append does; returns how many.
+    fn pin_copies(
+        l: &mut PageLedger,
+        pool: &Pool,
+        pinned: &mut Pinned,
+        plans: &[PagedPlan],
+    ) -> usize {
+        let sources: Vec<u32> = plans
+            .iter()
+            .flat_map(|p| p.copies.iter().map(|c| c.from))
+            .collect();
+        for &page in &sources {
+            l.pin(page);
+            pinned.push((page, page_rows(pool, l.page_size, page)));
+        }
+        sources.len()
+    }
+
     thread_local! {
         /// Private page copies the random test's plans made.
         static COPIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -1210,6 +1240,8 @@ mod tests {
         let slot_layers: Vec<usize> = (0..3).filter(|&l| !shapes[l].is_empty()).collect();
         let mut out_of_pages = 0;
         let mut matched = 0;
+        // Pages pinned as if by recorded copies, and unpins that returned rows a scrub left.
+        let (mut pins, mut scrubbed) = (0, 0);
         for seed in 1..=40u64 {
             let mut rng = crate::reference::Xorshift::new(seed);
             let mut l = PageLedger::new(&spec, page_size, n_pages);
@@ -1219,7 +1251,46 @@ mod tests {
             let mut counter = 0u64;
             let mut refused = 0;
             let mut out_of_pages_seen = false;
+            // Pages pinned by copies taken as if recorded, with their rows when pinned.
+            let mut pinned: Pinned = Vec::new();
+            let page_rows = |pool: &Pool, page: u32| page_rows(pool, page_size, page);
             for _ in 0..800 {
+                // Now and then a recorded copy is done: its page kept its rows, and the rows a
+                // scrub left to it are rows no holder sees (zeroed here, gone from the pool).
+                if !pinned.is_empty() && rng.below(40) == 0 {
+                    let (page, rows) = pinned.swap_remove(rng.below(pinned.len()));
+                    assert_eq!(
+                        page_rows(&pool, page),
+                        rows,
+                        "seed {seed}: page {page} written"
+                    );
+                    for run in l.unpin(&[page]) {
+                        scrubbed += 1;
+                        let (page, from) = (run.first_row / page_size, run.first_row % page_size);
+                        assert!(l.refs[page] > 0 || from == 0, "a free page zeroed whole");
+                        for s in l.seqs.values() {
+                            for (i, _) in s
+                                .pages
+                                .iter()
+                                .enumerate()
+                                .filter(|&(_, &p)| p as usize == page)
+                            {
+                                for layer in 0..3 {
+                                    assert!(
+                                        s.visible(layer) <= i * page_size + from,
+                                        "seed {seed}: a seen row zeroed"
+                                    );
+                                }
+                            }
+                        }
+                        for layer in 0..3 {
+                            for r in run.first_row..run.first_row + run.n_rows {
+                                pool.remove(&(layer, r));
+                            }
+                        }
+                    }
+                    check(&l, &pool, &model, &published);
+                }
                 let ids: Vec<SeqId> = model.keys().copied().collect();
                 // Mostly live sequences; sometimes one never added.
                 let pick = |rng: &mut crate::reference::Xorshift| {
@@ -1249,9 +1320,15 @@ mod tests {
                         model.insert(id, vec![Vec::new(); 3]);
                     }),
                     1 | 10 => {
+                        // Half the time with a scrub: what pins hold waits for them.
                         let seq = pick(&mut rng);
+                        let scrub = rng.below(2) == 0;
+                        let orphans = l.orphaned_rows(seq, None);
                         l.remove(seq).map(|()| {
                             model.remove(&seq);
+                            if scrub {
+                                l.scrub_when_unpinned(&orphans.unwrap().pinned);
+                            }
                         })
                     }
                     2 | 11 => {
@@ -1270,9 +1347,14 @@ mod tests {
                         let seq = pick(&mut rng);
                         let len = l.len(seq).unwrap_or(0);
                         let new_len = rng.below(len + 2);
+                        let scrub = rng.below(2) == 0;
+                        let orphans = l.orphaned_rows(seq, Some(new_len));
                         l.truncate(seq, new_len).map(|()| {
                             for rows in model.get_mut(&seq).unwrap() {
                                 rows.truncate(new_len);
+                            }
+                            if scrub {
+                                l.scrub_when_unpinned(&orphans.unwrap().pinned);
                             }
                         })
                     }
@@ -1303,6 +1385,7 @@ mod tests {
                             l, before,
                             "seed {seed}: planning a batch changed the ledger"
                         );
+                        let recorded = rng.below(2) == 0;
                         got.map(|plans| {
                             for (plan, &(seq, n)) in plans.iter().zip(&batch) {
                                 let values: Vec<u64> = (0..n as u64).map(|k| counter + k).collect();
@@ -1310,6 +1393,9 @@ mod tests {
                                 apply(&mut pool, plan, page_size, &values);
                                 l.commit_append(plan);
                                 model.get_mut(&seq).unwrap()[layer].extend(&values);
+                            }
+                            if recorded {
+                                pins += pin_copies(&mut l, &pool, &mut pinned, &plans);
                             }
                         })
                     }
@@ -1327,11 +1413,15 @@ mod tests {
                             .unwrap_or_default();
                         let values: Vec<u64> = (0..n as u64).map(|k| counter + k).collect();
                         counter += n as u64;
+                        let recorded = rng.below(2) == 0;
                         l.plan_append(seq, layer, shapes_of.len(), |s| &shapes_of[s])
                             .map(|plan| {
                                 apply(&mut pool, &plan, page_size, &values);
                                 l.commit_append(&plan);
                                 model.get_mut(&seq).unwrap()[layer].extend(&values);
+                                if recorded {
+                                    pins += pin_copies(&mut l, &pool, &mut pinned, &[plan]);
+                                }
                             })
                     }
                     7 => {
@@ -1361,6 +1451,9 @@ mod tests {
                                     apply(&mut pool, &plan, page_size, &values);
                                     l.commit_append(&plan);
                                     model.get_mut(&seq).unwrap()[layer].extend(&values);
+                                    if rng.below(2) == 0 {
+                                        pins += pin_copies(&mut l, &pool, &mut pinned, &[plan]);
+                                    }
                                 }
                                 Err(e) => {
                                     step = Err(e);
@@ -1494,6 +1587,9 @@ mod tests {
             }
             assert!(refused > 10, "seed {seed}: only {refused} refusals");
             out_of_pages += usize::from(out_of_pages_seen);
+            for (page, _) in pinned {
+                l.unpin(&[page]);
+            }
             for id in model.keys() {
                 l.remove(*id).unwrap();
             }
@@ -1507,11 +1603,12 @@ mod tests {
         let copies = COPIES.with(|c| c.get());
         eprintln!(
             "{copies} page copies; {out_of_pages} of 40 runs ran out of pages; {matched} sequences \
-             started from published pages"
+             started from published pages; {pins} pins, {scrubbed} scrubs at an unpin"
         );
         assert!(
-            copies > 100 && out_of_pages > 10 && matched > 100,
-            "{copies} copies, {out_of_pages} full pools, {matched} sequences from published pages"
+            copies > 100 && out_of_pages > 10 && matched > 100 && pins > 20 && scrubbed > 3,
+            "{copies} copies, {out_of_pages} full pools, {matched} sequences from published pages, \
+             {pins} pins, {scrubbed} scrubs at an unpin"
         );
     }
 
