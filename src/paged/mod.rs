@@ -25,7 +25,9 @@ use std::collections::BTreeMap;
 /// The pool's buffers are the slot buffers of an inner [`KvCache`] whose capacity is the pool's rows
 /// (its own ledger is unused): row placement, host and GPU sources, conversion and the device checks
 /// are the single-sequence cache's, applied to the runs a plan gives. Every operation is checked in
-/// full by the ledger before anything is written or recorded, and a refusal changes nothing.
+/// full by the ledger before anything is written or recorded, and a refusal changes nothing (but
+/// for the pages of finished recorded copies, which every call returns to the pool first:
+/// [`PagedCache::reclaim`]).
 ///
 /// Ordering, as for [`KvCache`]: host appends reach the GPU at the next queue submission, ahead of the
 /// commands submitted with it. A host append into a page shared after a fork first submits the copy
@@ -47,14 +49,17 @@ use std::collections::BTreeMap;
 /// access leaves it, but the rows are another sequence's).
 ///
 /// The shared page a recorded GPU append copies is read when the encoder runs, so the pool keeps
-/// it, as one more holder ([`PageLedger::page_refs`]), until the encoder's work is done: its other
-/// holders write into private copies of their own meanwhile, and when they let it go (`remove` or
-/// `truncate` of the parent or a sibling, an eviction of the published prefix holding it, or their
-/// scrubbing forms) it stays out of the pool, and a scrub waits for it. wgpu reports the encoder
-/// done at a later poll or submission once its work has finished, or when it is dropped unsubmitted;
-/// the pool's next call after that returns the page (zeroed first where a scrub waited, in a
-/// submission of its own). Until then [`PagedCache::free_pages`] and [`PagedCache::admits`] count it
-/// as in use.
+/// it, as one more holder ([`PageLedger::page_refs`]), until the encoder's work is done. Meanwhile
+/// a holder that writes into the rows the copy reads (after a `truncate` into them) writes into a
+/// private copy of its own (writes past them go into the page, as before), and when its other
+/// holders let it go (`remove` or `truncate` of the parent or a sibling, an eviction of the
+/// published prefix holding it, or their scrubbing forms) it stays out of the pool, and a scrub
+/// waits for it. wgpu reports the encoder done once its work has finished (natively at a later
+/// poll or submission, in the browser from the event loop), or when the encoder is dropped
+/// unsubmitted; the pool's next call after that, or [`PagedCache::reclaim`], returns the page
+/// (zeroed first where a scrub waited, in a submission of its own). Until then
+/// [`PagedCache::free_pages`] and [`PagedCache::admits`] count it as in use, and it is neither
+/// cached nor evictable.
 ///
 /// An encoder holding recorded GPU appends must be submitted. The ledger counts a recorded append
 /// as made, and its rows, the copy of a shared page it writes into and the table entries of the
@@ -89,7 +94,7 @@ pub struct PagedCache {
     scatter: ScatterChoice,
     /// Pages pinned by recorded copies whose encoders are done (their work finished, or the encoder
     /// was dropped unsubmitted): filled by wgpu's callbacks, unpinned at the pool's next change
-    /// ([`PagedCache::unpin_done`]).
+    /// ([`PagedCache::reclaim`]).
     unpinned: Arc<Mutex<Vec<u32>>>,
 }
 
@@ -460,8 +465,9 @@ impl PagedCache {
         self.ledger.free_pages()
     }
 
-    /// Pages that are not free: held by a sequence or a published prefix, the published pages no
-    /// sequence holds ([`PagedCache::cached_pages`]) included.
+    /// Pages that are not free: held by a sequence, a published prefix or a recorded copy (see
+    /// [`PagedCache`]), the published pages no sequence holds ([`PagedCache::cached_pages`])
+    /// included.
     pub fn pages_in_use(&self) -> usize {
         self.ledger.pages_in_use()
     }
@@ -498,7 +504,7 @@ impl PagedCache {
         &mut self,
         make: impl FnOnce(&mut PageLedger) -> Result<(SeqId, T)>,
     ) -> Result<(SeqId, T)> {
-        self.unpin_done();
+        self.reclaim();
         self.ledger.check_add()?;
         let (seq, made) = self.with_table_row(|pool, row| {
             let (seq, made) = make(&mut pool.ledger)?;
@@ -513,7 +519,7 @@ impl PagedCache {
     /// published as a prefix, which stay cached ([`PagedCache::cached_pages`]) until evicted. Submit
     /// any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
     pub fn remove(&mut self, seq: SeqId) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         self.forget(seq)
     }
 
@@ -530,7 +536,7 @@ impl PagedCache {
     /// pages are shared, and a page either side later writes into is copied for the writer first.
     /// Starting a conversation from a cached system prompt is `fork(prompt, prompt_len)`.
     pub fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
-        self.unpin_done();
+        self.reclaim();
         // Checked first, so that a refused fork does not grow the page table.
         self.ledger.check_fork(parent, at_len)?;
         self.open_sequence(|l| l.fork(parent, at_len).map(|child| (child, ())))
@@ -550,7 +556,7 @@ impl PagedCache {
     /// tokens. More tokens than committed rows is [`Error::PrefixBeyondLength`], and publishes
     /// nothing.
     pub fn publish_prefix(&mut self, seq: SeqId, tokens: &[u32]) -> Result<usize> {
-        self.unpin_done();
+        self.reclaim();
         self.ledger.publish(seq, tokens)
     }
 
@@ -574,7 +580,7 @@ impl PagedCache {
     /// returns how many went, at most [`PagedCache::evictable_pages`]. A page a recorded GPU append
     /// still copies is not among them (see [`PagedCache`]).
     pub fn evict_prefixes(&mut self, n: usize) -> usize {
-        self.unpin_done();
+        self.reclaim();
         self.ledger.evict_prefixes(n)
     }
 
@@ -584,7 +590,7 @@ impl PagedCache {
     /// with [`Error::OutOfMemory`] (or [`Error::DeviceLost`]), evicting nothing, where the device
     /// cannot make the zeroing's parameters.
     pub fn evict_prefixes_and_scrub(&mut self, n: usize) -> Result<usize> {
-        self.unpin_done();
+        self.reclaim();
         let mut ledger = self.ledger.clone();
         let pages = ledger.evict_prefix_pages(n);
         self.scrub(&ledger.page_runs(&pages))?;
@@ -592,7 +598,8 @@ impl PagedCache {
         Ok(pages.len())
     }
 
-    /// Published pages no sequence holds: kept for later requests, and returned to the pool by
+    /// Published pages no sequence (or recorded copy) holds: kept for later requests, and returned
+    /// to the pool by
     /// [`PagedCache::evict_prefixes`] (those [`PagedCache::evictable_pages`] counts). They are not
     /// [`PagedCache::free_pages`].
     pub fn cached_pages(&self) -> usize {
@@ -613,7 +620,7 @@ impl PagedCache {
     /// pages shared with another sequence or published as a prefix, which their other holders keep.
     /// Submit any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         self.ledger.truncate(seq, new_len)
     }
 
@@ -629,7 +636,7 @@ impl PagedCache {
     /// [`Error::OutOfMemory`] (or [`Error::DeviceLost`]), changing nothing, where the device cannot
     /// make the zeroing's parameters.
     pub fn truncate_and_scrub(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         let orphans = self.ledger.orphaned_rows(seq, Some(new_len))?;
         self.scrub(&orphans.now)?;
         self.ledger.truncate(seq, new_len)?;
@@ -641,7 +648,7 @@ impl PagedCache {
     /// own: those `seq` alone held (see [`PagedCache::truncate_and_scrub`], also for the encoders to
     /// submit first).
     pub fn remove_and_scrub(&mut self, seq: SeqId) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         let orphans = self.ledger.orphaned_rows(seq, None)?;
         self.scrub(&orphans.now)?;
         self.forget(seq)?;
@@ -649,28 +656,30 @@ impl PagedCache {
         Ok(())
     }
 
-    /// Unpins the pages of recorded copies that are done ([`Pins`]). Where a scrub waited for a
-    /// page's pins, its rows are zeroed first, in a submission of their own; if the zeroing is
-    /// refused the pages stay pinned, to be unpinned at a later change.
-    pub(crate) fn unpin_done(&mut self) {
+    /// Returns the pages that recorded GPU appends' copies held to the pool where the encoders are
+    /// done (see [`PagedCache`]). Every call that changes the pool does this first; call it after
+    /// a poll for [`PagedCache::free_pages`] or [`PagedCache::admits`] to count them. Where a scrub
+    /// waited for a page, its rows are zeroed first, in a submission of their own; if the device
+    /// refuses the zeroing, those pages stay held, to be returned at a later call.
+    pub fn reclaim(&mut self) {
         let pages =
             std::mem::take(&mut *self.unpinned.lock().unwrap_or_else(PoisonError::into_inner));
-        if pages.is_empty() {
-            return;
-        }
-        if !self.ledger.scrubs_wait() {
-            self.ledger.unpin(&pages);
+        let (waiting, plain): (Vec<u32>, Vec<u32>) = pages
+            .into_iter()
+            .partition(|&page| self.ledger.scrub_waits(page));
+        self.ledger.unpin(&plain);
+        if waiting.is_empty() {
             return;
         }
         let mut ledger = self.ledger.clone();
-        let runs = ledger.unpin(&pages);
+        let runs = ledger.unpin(&waiting);
         match self.scrub(&runs) {
             Ok(()) => self.ledger = ledger,
             Err(_) => self
                 .unpinned
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .extend(pages),
+                .extend(waiting),
         }
     }
 
@@ -700,7 +709,10 @@ impl PagedCache {
     /// (as every call refuses it), [`Error::CapacityExceeded`] for
     /// the first sequence (by id) that would pass `max_seq_len`, or else [`Error::OutOfPages`] for
     /// the whole growth. The appends would be refused too, but where both problems exist they may
-    /// name the other one first (they meet them in their own order). Changes nothing.
+    /// name the other one first (they meet them in their own order). One count is cautious: where a
+    /// page a recorded copy still reads (see [`PagedCache`]) has several writers in the growth and
+    /// one of them writes into the rows the copy reads, each writer counts a private copy. Changes
+    /// nothing.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         self.ledger.admits(growth)
     }
@@ -727,7 +739,7 @@ impl PagedCache {
 
     /// Appends one host slab per slot of `layer` to `seq` (as [`KvCache::append`]).
     pub fn append(&mut self, seq: SeqId, layer: usize, slabs: &[HostSlab<'_>]) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         let plan = self
             .ledger
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
@@ -747,7 +759,7 @@ impl PagedCache {
         batch: &[(SeqId, usize)],
         slabs: &[HostSlab<'_>],
     ) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
         self.store.check_host_slabs(layer, slabs)?;
         self.check_usable(layer, &plans)?;
@@ -927,7 +939,7 @@ impl PagedCache {
         layer: usize,
         slabs: &[GpuSlab<'_>],
     ) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         let plan = self
             .ledger
             .plan_append(seq, layer, slabs.len(), |s| slabs[s].shape)?;
@@ -955,7 +967,7 @@ impl PagedCache {
         batch: &[(SeqId, usize)],
         slabs: &[GpuSlab<'_>],
     ) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         let plans = self.plan_batch(layer, batch, slabs.len(), |s| slabs[s].shape)?;
         let rows = plans.iter().map(|p| p.n_new).sum();
         self.record_gpu(encoder, app, layer, slabs, rows, &plans)
@@ -1039,14 +1051,12 @@ impl PagedCache {
             self.commit(plan, Some((&mut *encoder, table)));
         }
         self.keep_staging(staging);
-        let pages: Vec<u32> = plans
-            .iter()
-            .flat_map(|p| p.copies.iter().map(|c| c.from))
-            .collect();
-        if app && !pages.is_empty() {
-            for &page in &pages {
-                self.ledger.pin(page);
+        let copies: Vec<&PageCopy> = plans.iter().flat_map(|p| &p.copies).collect();
+        if app && !copies.is_empty() {
+            for &copy in &copies {
+                self.ledger.pin(copy);
             }
+            let pages = copies.iter().map(|c| c.from).collect();
             let pins = Pins {
                 pages,
                 done: Arc::clone(&self.unpinned),
@@ -1066,7 +1076,7 @@ impl PagedCache {
 
     /// Commits `n` rows of `seq`: every layer with slots must hold exactly `n` pending rows of it.
     pub fn advance(&mut self, seq: SeqId, n: usize) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         self.ledger.advance(seq, n)
     }
 
@@ -1075,7 +1085,7 @@ impl PagedCache {
     /// All or nothing: every sequence is checked as [`PagedCache::advance`] checks it, in the order
     /// named, and the first refusal commits none.
     pub fn advance_batch(&mut self, batch: &[(SeqId, usize)]) -> Result<()> {
-        self.unpin_done();
+        self.reclaim();
         self.ledger.advance_batch(batch)
     }
 

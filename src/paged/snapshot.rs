@@ -75,7 +75,7 @@ impl PagedCache {
     /// ([`Error::OutOfMemory`](crate::Error::OutOfMemory)) leaves the rows written before it in
     /// pages that stay free.
     pub fn import_sequence(&mut self, bytes: &[u8]) -> Result<SeqId> {
-        self.unpin_done();
+        self.reclaim();
         let snap = Snapshot::parse_for(bytes, &self.spec)?;
         let plan = self.plan_import(snap.header.len)?;
         let jobs: Vec<HostRows<'_, '_>> = plan
@@ -109,7 +109,7 @@ impl PagedCache {
     /// checks out, and a snapshot that is incompatible, needs more pages than are free or finds
     /// every page-table row taken is refused as soon as its header arrives).
     pub fn import_sequence_stream(&mut self) -> SequenceImport<'_> {
-        self.unpin_done();
+        self.reclaim();
         SequenceImport {
             stream: SnapshotStream::new(&self.spec),
             pool: self,

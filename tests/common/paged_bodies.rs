@@ -3169,7 +3169,8 @@ pub async fn scrubbing_zeroes_the_rows_no_one_holds(g: &Gpu) {
 /// scrub and a new sequence takes every free page for rows of its own; the copy still takes the
 /// parent's rows. Once the encoder's work is done the page returns to the pool at the next call,
 /// zeroed, since its last sequence left through a scrub. A recorded encoder dropped unsubmitted
-/// lets its page go too.
+/// lets its page go too. A holder that writes past the rows the copy reads writes into the page
+/// itself: a recorded two-layer step of a parent and its fork takes the one page admission counted.
 pub async fn a_recorded_copy_keeps_its_page_until_the_encoder_is_done(g: &Gpu) {
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 16).unwrap();
     let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 2, 6).unwrap();
@@ -3275,4 +3276,60 @@ pub async fn a_recorded_copy_keeps_its_page_until_the_encoder_is_done(g: &Gpu) {
         3,
         "other's three pages are the only ones held"
     );
+
+    // A step of a parent and its fork over two layers, recorded into one encoder, in a pool with one
+    // free page: admission counts one private copy of the page they share, and the step takes no
+    // more. The fork's append copies the page; the parent's rows then go into the page itself, past
+    // the rows the copy reads.
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4); 2], DType::F32, 16).unwrap();
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 2, 3).unwrap();
+    let parent = c.add_sequence().unwrap();
+    let shape = [3, 1, 4];
+    for layer in 0..2 {
+        let slabs = [
+            HostSlab::f32(&k[..12], &shape),
+            HostSlab::f32(&v[..12], &shape),
+        ];
+        c.append(parent, layer, &slabs).unwrap();
+    }
+    c.advance(parent, 3).unwrap();
+    let fork = c.fork(parent, 3).unwrap();
+    let step = [(fork, 1), (parent, 1)];
+    assert_eq!(c.free_pages(), 1);
+    c.admits(&step).unwrap();
+    // Row 3 of the fork, then of the parent: their own rows, from GPU buffers.
+    let (sk, sv) = (&ok[..8], &ov[..8]);
+    let step_k = super::f32_buffer(&g.device, sk).await;
+    let step_v = super::f32_buffer(&g.device, sv).await;
+    let two = |buffer| GpuSlab {
+        buffer,
+        dtype: DType::F32,
+        offset: 0,
+        shape: &[2, 1, 4],
+        strides: None,
+    };
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    for layer in 0..2 {
+        c.record_append_gpu_batch(&mut encoder, layer, &step, &[two(&step_k), two(&step_v)])
+            .unwrap();
+    }
+    c.advance_batch(&step).unwrap();
+    assert_eq!(c.free_pages(), 0);
+    g.queue.submit([encoder.finish()]);
+    for layer in 0..2 {
+        for (seq, at) in [(fork, 0), (parent, 4)] {
+            let want_k = [&k[..12], &sk[at..at + 4]].concat();
+            let want_v = [&v[..12], &sv[at..at + 4]].concat();
+            assert_eq!(
+                c.read_f32_async(seq, layer, 0).await.unwrap(),
+                want_k,
+                "layer {layer}"
+            );
+            assert_eq!(
+                c.read_f32_async(seq, layer, 1).await.unwrap(),
+                want_v,
+                "layer {layer}"
+            );
+        }
+    }
 }
