@@ -391,9 +391,11 @@ impl PageLedger {
     }
 
     /// Whether a write into `layer` of `page` from its row `from` on goes into a private copy: the
-    /// page has another holder, or a recorded copy still reads row `from` of it.
+    /// page has another holder, a recorded copy still reads row `from` of it, or a zeroing waits
+    /// for its pins ([`PageLedger::scrub_when_unpinned`], which would reach the rows written).
     fn must_copy(&self, page: u32, layer: usize, from: usize) -> bool {
         self.holders(page) > 1
+            || self.scrub_waits(page)
             || self
                 .pins
                 .get(&page)
@@ -870,8 +872,8 @@ impl PageLedger {
     /// lengths both; a sequence named twice takes the sum of its counts. Refuses with the first
     /// length past `max_seq_len` in id order, else with the pages the whole growth lacks. Changes
     /// nothing. Where a page a recorded copy still reads has several writers and one writes into the
-    /// rows the copy reads, each writer counts a private copy (which one writes last, and where,
-    /// depends on the order of the appends).
+    /// rows the copy reads (or a zeroing waits for the copy), each writer counts a private copy
+    /// (which one writes last, and where, depends on the order of the appends).
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         let mut per_seq: BTreeMap<SeqId, usize> = BTreeMap::new();
         for &(seq, n) in growth {
@@ -880,7 +882,7 @@ impl PageLedger {
             *total = total.saturating_add(n);
         }
         // Held pages written into: how many writers, and whether one writes below the rows a
-        // recorded copy reads.
+        // recorded copy reads (or into a page whose zeroing waits for its pins).
         let mut writers: BTreeMap<u32, (u32, bool)> = BTreeMap::new();
         let mut needed = 0usize;
         for (&seq, &n) in &per_seq {
@@ -919,14 +921,15 @@ impl PageLedger {
             needed = needed.saturating_add(end.saturating_sub(s.pages.len()));
             for (i, &page) in s.pages.iter().enumerate().take(end).skip(first) {
                 let p = self.page_size;
-                let below = self.pins.get(&page).is_some_and(|pin| {
-                    (0..self.shapes.len()).any(|l| {
-                        let v = s.visible(l);
-                        !self.shapes[l].is_empty()
-                            && v < (i + 1) * p
-                            && v.max(i * p) - i * p < pin.rows[l]
-                    })
-                });
+                let below = self.scrub_waits(page)
+                    || self.pins.get(&page).is_some_and(|pin| {
+                        (0..self.shapes.len()).any(|l| {
+                            let v = s.visible(l);
+                            !self.shapes[l].is_empty()
+                                && v < (i + 1) * p
+                                && v.max(i * p) - i * p < pin.rows[l]
+                        })
+                    });
                 let w = writers.entry(page).or_default();
                 *w = (w.0 + 1, w.1 || below);
             }
@@ -1868,6 +1871,36 @@ mod tests {
         assert_eq!((l.cached_pages(), l.evictable_pages()), (1, 1));
         assert_eq!(l.evict_prefixes(usize::MAX), 1);
         assert_eq!(l.free_pages(), 8);
+
+        // A page whose zeroing waits for its pins takes no write in place, past the copy's rows
+        // too: the zeroing at the unpin would reach the rows written.
+        let c = l.add().unwrap();
+        grow(&mut l, c, 3);
+        let page = l.pages(c).unwrap()[0];
+        l.pin(&PageCopy {
+            index: 0,
+            from: page,
+            to: 7,
+            rows: vec![1, 0, 1],
+        });
+        let orphans = l.orphaned_rows(c, Some(2)).unwrap();
+        assert_eq!(orphans.pinned, [(page, 2)]);
+        l.truncate(c, 2).unwrap();
+        l.scrub_when_unpinned(&orphans.pinned);
+        let plan = l.plan_append(c, 0, 2, |i| &one[i]).unwrap();
+        assert_eq!(
+            plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(),
+            [page]
+        );
+        let mut full = l.clone();
+        while full.free_pages() > 0 {
+            let b = full.add().unwrap();
+            grow(&mut full, b, 1);
+        }
+        assert!(matches!(
+            full.admits(&[(c, 1)]),
+            Err(Error::OutOfPages { needed: 1, .. })
+        ));
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

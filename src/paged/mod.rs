@@ -50,8 +50,9 @@ use std::collections::BTreeMap;
 ///
 /// The shared page a recorded GPU append copies is read when the encoder runs, so the pool keeps
 /// it, as one more holder ([`PageLedger::page_refs`]), until the encoder's work is done. Meanwhile
-/// a holder that writes into the rows the copy reads (after a `truncate` into them) writes into a
-/// private copy of its own (writes past them go into the page, as before), and when its other
+/// a holder that writes into the rows the copy reads (after a `truncate` into them), or into a page
+/// whose zeroing waits for the copy, writes into a private copy of its own (other writes go into
+/// the page, as before), and when its other
 /// holders let it go (`remove` or `truncate` of the parent or a sibling, an eviction of the
 /// published prefix holding it, or their scrubbing forms) it stays out of the pool, and a scrub
 /// waits for it. wgpu reports the encoder done once its work has finished (natively at a later
@@ -599,9 +600,8 @@ impl PagedCache {
     }
 
     /// Published pages no sequence (or recorded copy) holds: kept for later requests, and returned
-    /// to the pool by
-    /// [`PagedCache::evict_prefixes`] (those [`PagedCache::evictable_pages`] counts). They are not
-    /// [`PagedCache::free_pages`].
+    /// to the pool by [`PagedCache::evict_prefixes`] (those [`PagedCache::evictable_pages`]
+    /// counts). They are not [`PagedCache::free_pages`].
     pub fn cached_pages(&self) -> usize {
         self.ledger.cached_pages()
     }
@@ -711,8 +711,8 @@ impl PagedCache {
     /// the whole growth. The appends would be refused too, but where both problems exist they may
     /// name the other one first (they meet them in their own order). One count is cautious: where a
     /// page a recorded copy still reads (see [`PagedCache`]) has several writers in the growth and
-    /// one of them writes into the rows the copy reads, each writer counts a private copy. Changes
-    /// nothing.
+    /// one of them writes into the rows the copy reads (or a scrub waits for the copy), each writer
+    /// counts a private copy. Changes nothing.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         self.ledger.admits(growth)
     }
