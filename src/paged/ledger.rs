@@ -1818,16 +1818,23 @@ mod tests {
         shorter.truncate(a, 5).unwrap();
         let plan = shorter.plan_append(a, 0, 2, |i| &one[i]).unwrap();
         assert_eq!(plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(), [1]);
-        let mut full = shorter.clone();
-        while full.free_pages() > 0 {
-            let b = full.add().unwrap();
-            grow(&mut full, b, 1);
-        }
-        assert!(matches!(
-            full.admits(&[(a, 1)]),
-            Err(Error::OutOfPages { needed: 1, .. })
-        ));
-        assert!(full.admits(&[(a, 0)]).is_ok());
+        // With every free page taken by sequences of their own.
+        let full = |l: &PageLedger| {
+            let mut full = l.clone();
+            while full.free_pages() > 0 {
+                let b = full.add().unwrap();
+                grow(&mut full, b, 1);
+            }
+            full
+        };
+        let out_of_pages = |l: &PageLedger, seq| {
+            matches!(
+                full(l).admits(&[(seq, 1)]),
+                Err(Error::OutOfPages { needed: 1, .. })
+            )
+        };
+        assert!(out_of_pages(&shorter, a));
+        assert!(full(&shorter).admits(&[(a, 0)]).is_ok());
 
         // Truncated to 5 with a scrub: row 5 on is left to the pins.
         let orphans = l.orphaned_rows(a, Some(5)).unwrap();
@@ -1892,15 +1899,7 @@ mod tests {
             plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(),
             [page]
         );
-        let mut full = l.clone();
-        while full.free_pages() > 0 {
-            let b = full.add().unwrap();
-            grow(&mut full, b, 1);
-        }
-        assert!(matches!(
-            full.admits(&[(c, 1)]),
-            Err(Error::OutOfPages { needed: 1, .. })
-        ));
+        assert!(out_of_pages(&l, c));
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

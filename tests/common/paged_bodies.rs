@@ -3178,14 +3178,15 @@ pub async fn a_recorded_copy_keeps_its_page_until_the_encoder_is_done(g: &Gpu) {
     let (ok, ov) = (values(23, 6 * 4), values(24, 6 * 4));
     let gpu_k = super::f32_buffer(&g.device, &k[12..16]).await;
     let gpu_v = super::f32_buffer(&g.device, &v[12..16]).await;
-    let row = |buffer| GpuSlab {
+    // `rows` rows of one head of 4 from `buffer`.
+    let slab = |buffer, rows: &'static [usize; 3]| GpuSlab {
         buffer,
         dtype: DType::F32,
         offset: 0,
-        shape: &[1, 1, 4],
+        shape: rows,
         strides: None,
     };
-    let gpu_row = [row(&gpu_k), row(&gpu_v)];
+    let gpu_row = [slab(&gpu_k, &[1, 1, 4]), slab(&gpu_v, &[1, 1, 4])];
 
     // A parent of 3 rows in pages of 2, the second partly filled; its fork shares both.
     let parent = c.add_sequence().unwrap();
@@ -3301,17 +3302,15 @@ pub async fn a_recorded_copy_keeps_its_page_until_the_encoder_is_done(g: &Gpu) {
     let (sk, sv) = (&ok[..8], &ov[..8]);
     let step_k = super::f32_buffer(&g.device, sk).await;
     let step_v = super::f32_buffer(&g.device, sv).await;
-    let two = |buffer| GpuSlab {
-        buffer,
-        dtype: DType::F32,
-        offset: 0,
-        shape: &[2, 1, 4],
-        strides: None,
-    };
     let mut encoder = g.device.create_command_encoder(&Default::default());
     for layer in 0..2 {
-        c.record_append_gpu_batch(&mut encoder, layer, &step, &[two(&step_k), two(&step_v)])
-            .unwrap();
+        c.record_append_gpu_batch(
+            &mut encoder,
+            layer,
+            &step,
+            &[slab(&step_k, &[2, 1, 4]), slab(&step_v, &[2, 1, 4])],
+        )
+        .unwrap();
     }
     c.advance_batch(&step).unwrap();
     assert_eq!(c.free_pages(), 0);
