@@ -1742,23 +1742,13 @@ mod tests {
             first_row,
             n_rows,
         };
+        // The rows to zero now (no page is pinned here).
+        let now = |l: &PageLedger, seq, new_len| l.orphaned_rows(seq, new_len).map(|o| o.now);
         let before = l.clone();
-        assert_eq!(
-            l.orphaned_rows(a, None).map(|o| o.now),
-            Ok(vec![rows(0, 12)])
-        );
-        assert_eq!(
-            l.orphaned_rows(a, Some(5)).map(|o| o.now),
-            Ok(vec![rows(5, 7)])
-        );
-        assert_eq!(
-            l.orphaned_rows(a, Some(8)).map(|o| o.now),
-            Ok(vec![rows(8, 4)])
-        );
-        assert_eq!(
-            l.orphaned_rows(a, Some(10)).map(|o| o.now),
-            Ok(vec![rows(10, 2)])
-        );
+        assert_eq!(now(&l, a, None), Ok(vec![rows(0, 12)]));
+        assert_eq!(now(&l, a, Some(5)), Ok(vec![rows(5, 7)]));
+        assert_eq!(now(&l, a, Some(8)), Ok(vec![rows(8, 4)]));
+        assert_eq!(now(&l, a, Some(10)), Ok(vec![rows(10, 2)]));
         assert!(matches!(
             l.orphaned_rows(a, Some(11)),
             Err(Error::TruncateBeyondLength { .. })
@@ -1766,14 +1756,8 @@ mod tests {
         assert_eq!(l, before);
         // A fork at 6 shares pages 0 and 1: only page 2 is a's alone.
         let b = l.fork(a, 6).unwrap();
-        assert_eq!(
-            l.orphaned_rows(a, None).map(|o| o.now),
-            Ok(vec![rows(8, 4)])
-        );
-        assert_eq!(
-            l.orphaned_rows(a, Some(5)).map(|o| o.now),
-            Ok(vec![rows(8, 4)])
-        );
+        assert_eq!(now(&l, a, None), Ok(vec![rows(8, 4)]));
+        assert_eq!(now(&l, a, Some(5)), Ok(vec![rows(8, 4)]));
         assert_eq!(l.orphaned_rows(b, None).map(|o| o.now), Ok(vec![]));
         // Whole pages, neighbours merged in any order.
         assert_eq!(
