@@ -141,10 +141,12 @@ pub enum Error {
         len: usize,
     },
 
-    /// A paged pool's page table cannot hold another sequence within one storage binding.
+    /// A paged pool's page table cannot hold another sequence within one storage binding: its
+    /// `most` rows are taken, by sequences or kept for encoders not yet done with sequences that
+    /// were removed or truncated.
     #[error(
-        "the pool holds {most} sequences, the most its page table can hold in one storage binding; \
-         remove one first"
+        "the pool's page table holds at most {most} sequences in one storage binding, and every \
+         row is taken (by a sequence, or kept for an encoder not yet done); remove one first"
     )]
     TooManySequences { most: usize },
 

@@ -76,7 +76,8 @@
 //! Many sequences share one pool of GPU memory in a [`PagedCache`]: pages of token rows, sequences that
 //! fork by sharing pages (a write into a shared page copies it for the writer, and a copy recorded into
 //! the app's encoder keeps the page until the encoder is done), truncate and removal
-//! that return pages (or zero them too: [`PagedCache::remove_and_scrub`]), an admission check
+//! that return pages (or zero them too: [`PagedCache::remove_and_scrub`]; pages an encoder recorded
+//! over the sequence still reads or writes return once it is done), an admission check
 //! ([`PagedCache::admits`], and [`PagedCache::admits_new`] for a request not yet a sequence), and
 //! attention through the page tables over one sequence ([`Kv::Sequence`]) or a ragged batch of
 //! sequences in one dispatch pair ([`Kv::Batch`]). Whole pages published under the tokens they hold

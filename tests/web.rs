@@ -197,6 +197,7 @@ browser_tests!(paged_bodies:
     many_runs_of_host_rows_land_alike_whichever_way_they_move,
     scrubbing_zeroes_the_rows_no_one_holds,
     a_recorded_copy_keeps_its_page_until_the_encoder_is_done,
+    encoders_keep_what_a_removal_or_truncation_takes,
 );
 
 // tests/snapshot.rs (its Vulkan-to-OpenGL test is native only; here snapshots move between two

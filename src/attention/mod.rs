@@ -625,9 +625,11 @@ impl Attention {
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let mut table = Vec::new();
-        let rows = Rows::of(kv.into(), layer, q.shape[0], &self.facts, &mut table)?;
-        self.record_gqa_rows(encoder, rows, layer, q, out, options)
+        let (kv, mut table) = (kv.into(), Vec::new());
+        let rows = Rows::of(kv, layer, q.shape[0], &self.facts, &mut table)?;
+        self.record_gqa_rows(encoder, rows, layer, q, out, options)?;
+        kv.hold_until_done(encoder);
+        Ok(())
     }
 
     fn record_gqa_rows<'a>(
@@ -699,9 +701,11 @@ impl Attention {
         out: impl Into<Output<'a>>,
         options: &AttentionOptions,
     ) -> Result<()> {
-        let mut table = Vec::new();
-        let rows = Rows::of(kv.into(), layer, q.latent.shape[0], &self.facts, &mut table)?;
-        self.record_mla_rows(encoder, rows, layer, q, out, options)
+        let (kv, mut table) = (kv.into(), Vec::new());
+        let rows = Rows::of(kv, layer, q.latent.shape[0], &self.facts, &mut table)?;
+        self.record_mla_rows(encoder, rows, layer, q, out, options)?;
+        kv.hold_until_done(encoder);
+        Ok(())
     }
 
     fn record_mla_rows<'a>(

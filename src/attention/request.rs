@@ -137,6 +137,18 @@ pub enum Kv<'k> {
     Batch(&'k PagedCache, &'k [(SeqId, usize)]),
 }
 
+impl Kv<'_> {
+    /// Holds a pool's sequences read for `encoder` until its work is done
+    /// ([`PagedCache::remove`] and [`PagedCache::truncate`] keep their pages and table rows for it).
+    pub(super) fn hold_until_done(self, encoder: &mut wgpu::CommandEncoder) {
+        match self {
+            Kv::Cache(_) => {}
+            Kv::Sequence(pool, seq) => pool.hold_until_done(encoder, [seq]),
+            Kv::Batch(pool, batch) => pool.hold_until_done(encoder, batch.iter().map(|&(s, _)| s)),
+        }
+    }
+}
+
 impl<'k> From<&'k KvCache> for Kv<'k> {
     fn from(cache: &'k KvCache) -> Self {
         Kv::Cache(cache)

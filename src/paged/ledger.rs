@@ -79,8 +79,9 @@ pub struct PageLedger {
     pool: u32,
     next_id: u32,
     prefixes: Prefixes,
-    /// Pages recorded copies of shared pages read when their encoders run: each copy counts in
-    /// `refs` as one more holder until [`PageLedger::unpin`].
+    /// Pages recorded copies of shared pages read when their encoders run, and pages sequences let
+    /// go while encoders still read or write them ([`PageLedger::hold`]): each pin counts in `refs`
+    /// as one more holder until [`PageLedger::unpin`].
     pins: BTreeMap<u32, Pin>,
     /// Pinned pages a scrubbing removal or truncation left to their pins: the first row from which
     /// no holder but the pins sees the page, zeroed when the last pin goes.
@@ -158,13 +159,13 @@ impl PageLedger {
         self.refs.len()
     }
 
-    /// Pages that neither a sequence, a published prefix nor a recorded copy holds
+    /// Pages that neither a sequence, a published prefix nor a pin (an encoder) holds
     /// ([`PageLedger::page_refs`]), which appends and imports take.
     pub fn free_pages(&self) -> usize {
         self.free.len()
     }
 
-    /// Pages that are not free: held by a sequence, a published prefix or a recorded copy, the
+    /// Pages that are not free: held by a sequence, a published prefix or a pin (an encoder), the
     /// published pages no sequence holds ([`PageLedger::cached_pages`]) included.
     pub fn pages_in_use(&self) -> usize {
         self.n_pages() - self.free_pages()
@@ -186,7 +187,8 @@ impl PageLedger {
     }
 
     /// Holders of `page`: the sequences whose tables name it, the published prefixes when it is one
-    /// of theirs, and the recorded copies of it whose encoders have not run yet (0 for a free page).
+    /// of theirs, and the encoders not yet done that read it (a recorded copy of it, or one recorded
+    /// over a sequence that let it go; 0 for a free page).
     pub fn page_refs(&self, page: u32) -> Option<u32> {
         self.refs.get(page as usize).copied()
     }
@@ -374,15 +376,39 @@ impl PageLedger {
     /// pool meanwhile, and a write into those rows goes into a private copy
     /// ([`PageLedger::must_copy`]).
     pub(crate) fn pin(&mut self, copy: &PageCopy) {
-        self.refs[copy.from as usize] += 1;
-        let pin = self.pins.entry(copy.from).or_insert_with(|| Pin {
+        self.pin_rows(copy.from, &copy.rows);
+    }
+
+    /// Counts each of `pages` as held by an encoder that reads or writes it when it runs (an
+    /// attention or a recorded GPU append over a sequence that lets the page go before that), until
+    /// [`PageLedger::unpin`]: it does not return to the pool meanwhile, and a zeroing of it waits.
+    /// Unlike [`PageLedger::pin`] it moves no write into a copy: the page's holders write into it
+    /// as before.
+    pub(crate) fn hold(&mut self, pages: &[u32]) {
+        let none = vec![0; self.shapes.len()];
+        for &page in pages {
+            self.pin_rows(page, &none);
+        }
+    }
+
+    /// One more pin of `page`, whose writes below `rows` (per layer) go into a private copy.
+    fn pin_rows(&mut self, page: u32, rows: &[usize]) {
+        self.refs[page as usize] += 1;
+        let pin = self.pins.entry(page).or_insert_with(|| Pin {
             count: 0,
-            rows: vec![0; copy.rows.len()],
+            rows: vec![0; rows.len()],
         });
         pin.count += 1;
-        for (most, &rows) in pin.rows.iter_mut().zip(&copy.rows) {
+        for (most, &rows) in pin.rows.iter_mut().zip(rows) {
             *most = (*most).max(rows);
         }
+    }
+
+    /// The pages `truncate(seq, new_len)` takes from `seq` (every page for `new_len` 0), if it may be
+    /// truncated so.
+    pub(crate) fn pages_past(&self, seq: SeqId, new_len: usize) -> Result<&[u32]> {
+        let keep = self.pages_for(new_len);
+        Ok(&self.truncatable(seq, new_len)?.pages[keep..])
     }
 
     /// Holders of `page` but the pins: the sequences and the published prefixes' trie.
@@ -791,7 +817,7 @@ impl PageLedger {
         self.prefixes.nodes.len()
     }
 
-    /// Published pages no sequence or recorded copy holds: pages eviction can return to the pool (those
+    /// Published pages no sequence or pin holds: pages eviction can return to the pool (those
     /// [`PageLedger::evictable_pages`] counts now).
     pub fn cached_pages(&self) -> usize {
         self.prefixes
@@ -1884,6 +1910,31 @@ mod tests {
             [page]
         );
         assert!(out_of_pages(&l, c));
+    }
+
+    /// A page held for an encoder ([`PageLedger::hold`]) stays out of the pool until its unpin, and
+    /// its holders write into it as before: unlike a recorded copy's pin, a hold moves no write into
+    /// a copy.
+    #[test]
+    fn a_held_page_stays_out_of_the_pool_and_takes_writes_in_place() {
+        let mut l = PageLedger::new(&spec(32), 4, 8);
+        let a = l.add().unwrap();
+        grow(&mut l, a, 6);
+        assert_eq!(l.pages_past(a, 4).unwrap(), &[1]);
+        assert_eq!(l.pages_past(a, 0).unwrap(), &[0, 1]);
+        assert!(matches!(
+            l.pages_past(a, 7),
+            Err(Error::TruncateBeyondLength { new_len: 7, .. })
+        ));
+        l.hold(&[0, 1]);
+        l.truncate(a, 2).unwrap();
+        assert_eq!((l.page_refs(1), l.free_pages()), (Some(1), 6));
+        let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
+        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
+        assert_eq!(plan.copies, [], "row 2 goes into page 0 itself");
+        assert_eq!(l.unpin(&[0, 1]), vec![], "no zeroing waited");
+        assert_eq!((l.page_refs(0), l.page_refs(1)), (Some(1), Some(0)));
+        assert_eq!(l.free_pages(), 7);
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

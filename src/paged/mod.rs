@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 /// (its own ledger is unused): row placement, host and GPU sources, conversion and the device checks
 /// are the single-sequence cache's, applied to the runs a plan gives. Every operation is checked in
 /// full by the ledger before anything is written or recorded, and a refusal changes nothing (but
-/// for the pages of finished recorded copies, which every call returns to the pool first:
+/// for what finished encoders held, which every call returns to the pool first:
 /// [`PagedCache::reclaim`]).
 ///
 /// Ordering, as for [`KvCache`]: host appends reach the GPU at the next queue submission, ahead of the
@@ -41,15 +41,18 @@ use std::collections::BTreeMap;
 /// change where the append stands in its encoder: an
 /// attention recorded before the append reads the pages it was recorded against, one recorded after
 /// it the append's (a host append's entries, like its rows, land ahead of the next submission).
-/// The pages and the table row that `remove` or `truncate` frees go to the next sequence that takes
-/// one, at once, and that sequence's host appends and table entries land ahead of the next
-/// submission: submit an encoder holding GPU appends to a sequence, or attention over it, before
-/// removing or truncating it. Otherwise the appends land in the pages of whichever sequence takes
-/// them next, and the attention reads that sequence's table entries and rows (within the pool: no
-/// access leaves it, but the rows are another sequence's).
+/// An encoder recorded over a sequence (attention over it, or GPU appends to it) reads and writes
+/// its pages and its table row when it runs, so the sequence is held for the encoder until the
+/// encoder's work is done: a `remove` or `truncate` (or a scrubbing form) meanwhile keeps the pages
+/// it takes from the sequence out of the pool, each as one more holder
+/// ([`PageLedger::page_refs`]), with their zeroing waiting, and its table row out of reuse (a
+/// sequence truncated past a page boundary moves to a fresh row). The encoder then reads and writes
+/// what it was recorded against, and no other sequence gets those pages or that row before it ran.
+/// The pages the sequence keeps are written as before: the host appends and the zeroing of a
+/// truncation within a page land ahead of the encoder, as they would in a [`KvCache`].
 ///
 /// The shared page a recorded GPU append copies is read when the encoder runs, so the pool keeps
-/// it, as one more holder ([`PageLedger::page_refs`]), until the encoder's work is done. Meanwhile
+/// it, as one more holder, until the encoder's work is done. Meanwhile
 /// a holder that writes into the rows the copy reads (after a `truncate` into them), or into a page
 /// whose zeroing waits for the copy, writes into a private copy of its own (other writes go into
 /// the page, as before), and when its other
@@ -58,15 +61,16 @@ use std::collections::BTreeMap;
 /// waits for it. wgpu reports the encoder done once its work has finished (natively at a later
 /// poll or submission, in the browser from the event loop), or when the encoder is dropped
 /// unsubmitted; the pool's next call after that, or [`PagedCache::reclaim`], returns the page
-/// (zeroed first where a scrub waited, in a submission of its own). Until then
-/// [`PagedCache::free_pages`] and [`PagedCache::admits`] count it as in use, and it is neither
-/// cached nor evictable.
+/// (zeroed first where a scrub waited, in a submission of its own), and so it returns the pages
+/// and table rows kept for a sequence the encoder held. Until then [`PagedCache::free_pages`] and
+/// [`PagedCache::admits`] count such pages as in use, and they are neither cached nor evictable.
+/// An app that removes sequences after it has read the step's results (a poll) keeps nothing.
 ///
 /// An encoder holding recorded GPU appends must be submitted. The ledger counts a recorded append
 /// as made, and its rows, the copy of a shared page it writes into and the table entries of the
 /// pages it takes are commands of that encoder; no later call writes those entries again. If the
 /// encoder is dropped, [`PagedCache::remove`] the sequences it appended to (truncating them does not
-/// repair their table): attention over them would read pages of other sequences.
+/// repair their table): attention over them would read pages the ledger has not given them.
 pub struct PagedCache {
     /// The pool's buffers: a cache of `page_size · n_pages` rows whose ledger stays empty.
     store: KvCache,
@@ -87,8 +91,10 @@ pub struct PagedCache {
     retired: Vec<(wgpu::Buffer, usize)>,
     table_width: usize,
     /// The table row of each sequence, and the rows free for reuse.
-    table_rows: BTreeMap<SeqId, usize>,
+    table_rows: BTreeMap<SeqId, TableRow>,
     free_rows: Vec<usize>,
+    /// What sequences let go while encoders recorded over them were not done: kept until they are.
+    released: Vec<Released>,
     /// Rows the table buffer holds, and the most one storage binding holds.
     row_capacity: usize,
     most_rows: usize,
@@ -99,12 +105,44 @@ pub struct PagedCache {
     unpinned: Arc<Mutex<Vec<u32>>>,
 }
 
+/// A sequence's table row, and the token each encoder recorded over the sequence holds until its work
+/// is done ([`PagedCache::hold_until_done`]).
+struct TableRow {
+    row: usize,
+    encoders: Arc<()>,
+}
+
+impl TableRow {
+    fn new(row: usize) -> Self {
+        Self {
+            row,
+            encoders: Arc::default(),
+        }
+    }
+
+    /// Whether an encoder recorded over the sequence may not be done yet.
+    fn held(&self) -> bool {
+        Arc::strong_count(&self.encoders) > 1
+    }
+}
+
+/// The pages and the table row a removal or truncation took from a sequence while encoders recorded
+/// over it were not done (the token they hold): pinned ([`PageLedger::hold`]) and kept out of reuse
+/// until they are.
+struct Released {
+    encoders: Arc<()>,
+    pages: Vec<u32>,
+    row: usize,
+}
+
 /// The pages a recorded encoder's copies read, pinned in the ledger ([`PageLedger::pin`]) until the
 /// encoder is done with them: wgpu drops this once the encoder's work has finished, or with the
 /// encoder (or its command buffer) if it is never submitted.
 struct Pins {
     pages: Vec<u32>,
     done: Arc<Mutex<Vec<u32>>>,
+    /// The tokens of the sequences the encoder appends to ([`PagedCache::hold_until_done`]).
+    _sequences: Vec<Arc<()>>,
 }
 
 impl Drop for Pins {
@@ -275,6 +313,7 @@ impl PagedCache {
             table_width,
             table_rows: BTreeMap::new(),
             free_rows: Vec::new(),
+            released: Vec::new(),
             row_capacity: first_rows,
             most_rows,
             scatter: ScatterChoice::Auto,
@@ -290,10 +329,11 @@ impl PagedCache {
     /// Where the rows of `seq` lie, for attention.
     pub(crate) fn paging(&self, seq: SeqId) -> Result<Paging> {
         self.ledger.check_pool(seq)?;
-        let row = *self
+        let row = self
             .table_rows
             .get(&seq)
-            .ok_or(Error::UnknownSequence { seq })?;
+            .ok_or(Error::UnknownSequence { seq })?
+            .row;
         Ok(Paging {
             page_size: self.page_size(),
             table_base: row * self.table_width,
@@ -304,11 +344,18 @@ impl PagedCache {
     /// Whether a sequence can get a table row: a free one, or room to grow the table within the
     /// device's binding limit ([`Error::TooManySequences`] otherwise). Changes nothing.
     fn check_table_row(&self) -> Result<()> {
-        let rows = self.table_rows.len();
-        if self.free_rows.is_empty() && rows == self.most_rows {
-            return Err(Error::TooManySequences { most: rows });
+        if self.free_rows.is_empty() && self.busy_rows() == self.most_rows {
+            return Err(Error::TooManySequences {
+                most: self.most_rows,
+            });
         }
         Ok(())
+    }
+
+    /// Table rows in use: the sequences', and those kept for encoders ([`Released`]). With no free
+    /// row, they are rows `0..busy_rows()`.
+    fn busy_rows(&self) -> usize {
+        self.table_rows.len() + self.released.len()
     }
 
     /// A table row for a new sequence, growing the table when every row is taken. The grown table
@@ -322,15 +369,15 @@ impl PagedCache {
         if let Some(row) = self.free_rows.pop() {
             return Ok(row);
         }
-        let row = self.table_rows.len();
+        let row = self.busy_rows();
         if row == self.row_capacity {
             let rows = (self.row_capacity * 2).min(self.most_rows);
             let table = table_buffer(self.device(), self.table_width, rows)?;
             let mut entries = vec![0u32; self.table_width * self.row_capacity];
             check_staging(self.device(), TABLE, 4 * entries.len() as u64)?;
-            for (&seq, &row) in &self.table_rows {
+            for (&seq, row) in &self.table_rows {
                 let pages = self.ledger.pages(seq).unwrap_or_default();
-                let at = row * self.table_width;
+                let at = row.row * self.table_width;
                 entries[at..at + pages.len()].copy_from_slice(pages);
             }
             self.queue()
@@ -360,9 +407,10 @@ impl PagedCache {
     /// that the commands recorded before the append still read the entries they were recorded
     /// against.
     fn write_table(&mut self, seq: SeqId, from: usize, recorded: Option<Recorded<'_>>) {
-        let (Some(&row), Ok(pages)) = (self.table_rows.get(&seq), self.ledger.pages(seq)) else {
+        let (Some(row), Ok(pages)) = (self.table_rows.get(&seq), self.ledger.pages(seq)) else {
             return;
         };
+        let row = row.row;
         if from < pages.len() {
             let at = ((row * self.table_width + from) * 4) as u64;
             let bytes: &[u8] = bytemuck::cast_slice(&pages[from..]);
@@ -460,13 +508,14 @@ impl PagedCache {
     }
 
     /// Pages that neither a sequence nor a published prefix holds, which appends and imports take.
-    /// A page a recorded GPU append copies is held until the pool's first call after its encoder
-    /// is done (see [`PagedCache`]).
+    /// A page a recorded GPU append copies, or one a removal or truncation kept for an encoder
+    /// recorded over its sequence, is held until the pool's first call after the encoder is done
+    /// (see [`PagedCache`]).
     pub fn free_pages(&self) -> usize {
         self.ledger.free_pages()
     }
 
-    /// Pages that are not free: held by a sequence, a published prefix or a recorded copy (see
+    /// Pages that are not free: held by a sequence, a published prefix or an encoder (see
     /// [`PagedCache`]), the published pages no sequence holds ([`PagedCache::cached_pages`])
     /// included.
     pub fn pages_in_use(&self) -> usize {
@@ -509,7 +558,7 @@ impl PagedCache {
         self.ledger.check_add()?;
         let (seq, made) = self.with_table_row(|pool, row| {
             let (seq, made) = make(&mut pool.ledger)?;
-            pool.table_rows.insert(seq, row);
+            pool.table_rows.insert(seq, TableRow::new(row));
             Ok((seq, made))
         })?;
         self.write_table(seq, 0, None);
@@ -517,19 +566,81 @@ impl PagedCache {
     }
 
     /// Removes `seq`; the pages no other sequence shares return to the pool, but those also
-    /// published as a prefix, which stay cached ([`PagedCache::cached_pages`]) until evicted. Submit
-    /// any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
+    /// published as a prefix, which stay cached ([`PagedCache::cached_pages`]) until evicted. Where
+    /// an encoder recorded over `seq` (attention, GPU appends) may not be done yet, its pages and
+    /// table row return only once it is (see [`PagedCache`]).
     pub fn remove(&mut self, seq: SeqId) -> Result<()> {
-        self.reclaim();
-        self.forget(seq)
+        self.let_go(seq, None, false)
     }
 
-    /// Removes `seq` from the ledger and frees its table row.
-    fn forget(&mut self, seq: SeqId) -> Result<()> {
-        self.ledger.remove(seq)?;
-        if let Some(row) = self.table_rows.remove(&seq) {
-            self.free_rows.push(row);
+    /// Removes `seq` (`new_len` None) or truncates it to `new_len` rows, zeroing the rows that no
+    /// holder keeps where `scrub` says. Where an encoder recorded over `seq` may not be done yet
+    /// ([`PagedCache::hold_until_done`]) and the call takes pages from `seq`, those pages stay
+    /// pinned ([`PageLedger::hold`]) and its table row kept until the encoder is done (a truncated
+    /// sequence moves to a fresh row, written with `Queue::write_buffer`): the encoder reads and
+    /// writes what it was recorded against, and no other sequence gets them meanwhile. Refused as
+    /// [`PagedCache::take_rows`] refuses, or where a truncated sequence finds no fresh row
+    /// ([`Error::TooManySequences`]), changing nothing.
+    fn let_go(&mut self, seq: SeqId, new_len: Option<usize>, scrub: bool) -> Result<()> {
+        self.reclaim();
+        let pages = self.ledger.pages_past(seq, new_len.unwrap_or(0))?.to_vec();
+        let held = self.table_rows.get(&seq).is_some_and(TableRow::held)
+            && (new_len.is_none() || !pages.is_empty());
+        if !held {
+            self.take_rows(seq, new_len, scrub)?;
+            if new_len.is_none() {
+                let row = self.table_rows.remove(&seq);
+                self.free_rows.extend(row.map(|r| r.row));
+            }
+            return Ok(());
         }
+        let commit = |pool: &mut Self, fresh: Option<usize>| {
+            // Pinned first, so that a scrub leaves them to their pins.
+            pool.ledger.hold(&pages);
+            if let Err(e) = pool.take_rows(seq, new_len, scrub) {
+                let runs = pool.ledger.unpin(&pages);
+                debug_assert!(runs.is_empty(), "no zeroing waited for these pins");
+                return Err(e);
+            }
+            let old = match fresh {
+                Some(row) => pool
+                    .table_rows
+                    .insert(seq, TableRow::new(row))
+                    .inspect(|_| pool.write_table(seq, 0, None)),
+                None => pool.table_rows.remove(&seq),
+            };
+            if let Some(old) = old {
+                pool.released.push(Released {
+                    encoders: old.encoders,
+                    pages,
+                    row: old.row,
+                });
+            }
+            Ok(())
+        };
+        match new_len {
+            None => commit(self, None),
+            Some(_) => self.with_table_row(|pool, row| commit(pool, Some(row))),
+        }
+    }
+
+    /// The ledger's part of [`PagedCache::let_go`]: removes or truncates `seq`, first zeroing, in a
+    /// submission of its own, the rows it leaves with no holder where `scrub` says (and leaving
+    /// those of pinned pages to their last unpin). Refused with the ledger's error, or
+    /// [`Error::OutOfMemory`] (or [`Error::DeviceLost`]) where the device cannot make the zeroing's
+    /// parameters, changing nothing.
+    fn take_rows(&mut self, seq: SeqId, new_len: Option<usize>, scrub: bool) -> Result<()> {
+        let mut pinned = Vec::new();
+        if scrub {
+            let orphans = self.ledger.orphaned_rows(seq, new_len)?;
+            self.scrub(&orphans.now)?;
+            pinned = orphans.pinned;
+        }
+        match new_len {
+            None => self.ledger.remove(seq)?,
+            Some(new_len) => self.ledger.truncate(seq, new_len)?,
+        }
+        self.ledger.scrub_when_unpinned(&pinned);
         Ok(())
     }
 
@@ -578,8 +689,8 @@ impl PagedCache {
 
     /// Returns up to `n` published pages that no sequence holds to the pool, least recently published
     /// or matched first (a page goes only after the pages published after it on the same prefix);
-    /// returns how many went, at most [`PagedCache::evictable_pages`]. A page a recorded GPU append
-    /// still copies is not among them (see [`PagedCache`]).
+    /// returns how many went, at most [`PagedCache::evictable_pages`]. A page an encoder not yet
+    /// done still reads is not among them (see [`PagedCache`]).
     pub fn evict_prefixes(&mut self, n: usize) -> usize {
         self.reclaim();
         self.ledger.evict_prefixes(n)
@@ -599,7 +710,7 @@ impl PagedCache {
         Ok(pages.len())
     }
 
-    /// Published pages no sequence (or recorded copy) holds: kept for later requests, and returned
+    /// Published pages no sequence (or encoder) holds: kept for later requests, and returned
     /// to the pool by [`PagedCache::evict_prefixes`] (those [`PagedCache::evictable_pages`]
     /// counts). They are not [`PagedCache::free_pages`].
     pub fn cached_pages(&self) -> usize {
@@ -618,10 +729,12 @@ impl PagedCache {
     /// Rolls `seq` back to `new_len` committed rows, dropping pending rows, with no GPU work; pages
     /// past the new end return to the pool (their bytes stay until overwritten), one by one, but
     /// pages shared with another sequence or published as a prefix, which their other holders keep.
-    /// Submit any encoder holding appends to or attention over `seq` first (see [`PagedCache`]).
+    /// Where an encoder recorded over `seq` (attention, GPU appends) may not be done yet and pages
+    /// go, they return only once it is, and `seq` moves to a fresh table row (see [`PagedCache`]):
+    /// refused with [`Error::TooManySequences`] (or [`Error::OutOfMemory`] where the table would
+    /// grow), changing nothing, where there is none.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        self.reclaim();
-        self.ledger.truncate(seq, new_len)
+        self.let_go(seq, Some(new_len), false)
     }
 
     /// [`PagedCache::truncate`], and the rows it leaves with no holder zeroed in a submission of its
@@ -631,39 +744,36 @@ impl PagedCache {
     /// holder leaves through a scrub as well (a published prefix's pages, when
     /// [`PagedCache::evict_prefixes_and_scrub`] frees them), so a page this sequence alone held
     /// reaches the next sequence, or [`PagedCache::pool_view`], without its rows. A page a recorded
-    /// GPU append still copies is zeroed once the pool lets it go (see [`PagedCache`]). Submit first
-    /// any encoder holding GPU appends to `seq`, or attention over it. Refused with
-    /// [`Error::OutOfMemory`] (or [`Error::DeviceLost`]), changing nothing, where the device cannot
-    /// make the zeroing's parameters.
+    /// GPU append still copies, or an encoder recorded over `seq` may still read, is zeroed once
+    /// the pool lets it go (see [`PagedCache`]). Refused as [`PagedCache::truncate`] is, and with
+    /// [`Error::OutOfMemory`] (or [`Error::DeviceLost`]) where the device cannot make the zeroing's
+    /// parameters, changing nothing.
     pub fn truncate_and_scrub(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
-        self.reclaim();
-        let orphans = self.ledger.orphaned_rows(seq, Some(new_len))?;
-        self.scrub(&orphans.now)?;
-        self.ledger.truncate(seq, new_len)?;
-        self.ledger.scrub_when_unpinned(&orphans.pinned);
-        Ok(())
+        self.let_go(seq, Some(new_len), true)
     }
 
     /// [`PagedCache::remove`], and the pages that return to the pool zeroed in a submission of its
-    /// own: those `seq` alone held (see [`PagedCache::truncate_and_scrub`], also for the encoders to
-    /// submit first).
+    /// own: those `seq` alone held (see [`PagedCache::truncate_and_scrub`], also for the pages kept
+    /// for encoders not yet done).
     pub fn remove_and_scrub(&mut self, seq: SeqId) -> Result<()> {
-        self.reclaim();
-        let orphans = self.ledger.orphaned_rows(seq, None)?;
-        self.scrub(&orphans.now)?;
-        self.forget(seq)?;
-        self.ledger.scrub_when_unpinned(&orphans.pinned);
-        Ok(())
+        self.let_go(seq, None, true)
     }
 
-    /// Returns the pages that recorded GPU appends' copies held to the pool where the encoders are
-    /// done (see [`PagedCache`]). Every call that changes the pool does this first; call it after
+    /// Returns to the pool what encoders held where they are done (see [`PagedCache`]): the pages
+    /// recorded GPU appends' copies read, and the pages and table rows that removals and
+    /// truncations kept for encoders recorded over their sequences. Every call that changes the
+    /// pool does this first; call it after
     /// a poll for [`PagedCache::free_pages`] or [`PagedCache::admits`] to count them. Where a scrub
     /// waited for a page, its rows are zeroed first, in a submission of their own; if the device
     /// refuses the zeroing, those pages stay held, to be returned at a later call.
     pub fn reclaim(&mut self) {
-        let pages =
+        let mut pages =
             std::mem::take(&mut *self.unpinned.lock().unwrap_or_else(PoisonError::into_inner));
+        let done = |r: &mut Released| Arc::strong_count(&r.encoders) == 1;
+        for released in self.released.extract_if(.., done) {
+            pages.extend(released.pages);
+            self.free_rows.push(released.row);
+        }
         let (waiting, plain): (Vec<u32>, Vec<u32>) = pages
             .into_iter()
             .partition(|&page| self.ledger.scrub_waits(page));
@@ -1051,19 +1161,42 @@ impl PagedCache {
             self.commit(plan, Some((&mut *encoder, table)));
         }
         self.keep_staging(staging);
-        let copies: Vec<&PageCopy> = plans.iter().flat_map(|p| &p.copies).collect();
-        if app && !copies.is_empty() {
+        if app {
+            let copies: Vec<&PageCopy> = plans.iter().flat_map(|p| &p.copies).collect();
             for &copy in &copies {
                 self.ledger.pin(copy);
             }
-            let pages = copies.iter().map(|c| c.from).collect();
             let pins = Pins {
-                pages,
+                pages: copies.iter().map(|c| c.from).collect(),
                 done: Arc::clone(&self.unpinned),
+                _sequences: self.tokens(plans.iter().map(|p| p.seq)),
             };
             encoder.on_submitted_work_done(move || drop(pins));
         }
         Ok(())
+    }
+
+    /// Holds `seqs` for `encoder`, which reads or writes their pages and table rows when it runs,
+    /// until its work is done (or it is dropped unsubmitted): a removal or truncation of one of
+    /// them meanwhile keeps what it takes for the encoder ([`PagedCache::let_go`]). Attention
+    /// recorded over a pool's sequences calls this; so do recorded GPU appends.
+    pub(crate) fn hold_until_done(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+        seqs: impl IntoIterator<Item = SeqId>,
+    ) {
+        let tokens = self.tokens(seqs);
+        if !tokens.is_empty() {
+            encoder.on_submitted_work_done(move || drop(tokens));
+        }
+    }
+
+    /// The tokens of `seqs` ([`TableRow`]) for an encoder to hold.
+    fn tokens(&self, seqs: impl IntoIterator<Item = SeqId>) -> Vec<Arc<()>> {
+        seqs.into_iter()
+            .filter_map(|seq| self.table_rows.get(&seq))
+            .map(|row| Arc::clone(&row.encoders))
+            .collect()
     }
 
     /// [`PagedCache::record_append_gpu`] in its own submission.

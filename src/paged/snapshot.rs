@@ -159,7 +159,7 @@ impl PagedCache {
     /// Installs a planned import whose rows are written, in table row `row`.
     fn commit_import(&mut self, plan: ImportPlan, row: usize) -> SeqId {
         self.ledger = plan.ledger;
-        self.table_rows.insert(plan.seq, row);
+        self.table_rows.insert(plan.seq, super::TableRow::new(row));
         self.write_table(plan.seq, 0, None);
         plan.seq
     }

@@ -1674,6 +1674,37 @@ pub async fn paged_pool_sizes_are_checked(g: &Gpu) {
     assert_eq!(pool.ledger(), &before);
     pool.remove(seqs[1]).unwrap();
     pool.add_sequence().unwrap();
+    // With an attention recorded over a sequence of 2 rows (2 pages) and not yet run: its truncation
+    // to 1 row needs a fresh table row, and is refused, changing nothing; its removal keeps its row
+    // for the encoder, so a new sequence is refused until the encoder goes.
+    let ones = [1.0f32, 2.0];
+    let slabs = [
+        HostSlab::f32(&ones, &[2, 1, 1]),
+        HostSlab::f32(&ones, &[2, 1, 1]),
+    ];
+    pool.append(seqs[0], 0, &slabs).unwrap();
+    pool.advance(seqs[0], 2).unwrap();
+    let mut att = Attention::new(&small.device, &small.queue).unwrap();
+    let q = super::f32_buffer(&small.device, &[1.0]).await;
+    let out = super::output(&small.device, 1).await;
+    let mut encoder = small.device.create_command_encoder(&Default::default());
+    let opts = AttentionOptions::default();
+    let kv = Kv::Sequence(&pool, seqs[0]);
+    att.record_gqa(&mut encoder, kv, 0, Queries::new(&q, 1, 1, 1), &out, &opts)
+        .unwrap();
+    let before = pool.ledger().clone();
+    assert_eq!(
+        pool.truncate(seqs[0], 1).unwrap_err(),
+        Error::TooManySequences { most: 4 }
+    );
+    assert_eq!(pool.ledger(), &before);
+    pool.remove(seqs[0]).unwrap();
+    assert_eq!(
+        pool.add_sequence().unwrap_err(),
+        Error::TooManySequences { most: 4 }
+    );
+    drop(encoder);
+    pool.add_sequence().unwrap();
     // Scattered appends within one binding: 40 rows of two 256-byte slots and their map (20.6 KB)
     // would not fit one 16 KiB binding, so the rows move run by run; 4 rows are scattered. Both
     // land (in the browser every append fits, and is scattered).
@@ -3331,4 +3362,186 @@ pub async fn a_recorded_copy_keeps_its_page_until_the_encoder_is_done(g: &Gpu) {
             );
         }
     }
+}
+
+/// Encoders recorded over a sequence read and write the pages and the table row they were recorded
+/// against, also where the sequence is removed or truncated before they run: the pool keeps what the
+/// call takes from the sequence until the encoder's work is done, and no other sequence gets it
+/// meanwhile. An attention recorded over a sequence that is then removed (with a scrub or without),
+/// while a new sequence takes every free page and a table row for rows of its own, reads the
+/// removed sequence's rows; once the encoder is done the pages return (zeroed where the removal
+/// scrubbed). One recorded over a sequence truncated to a page boundary and grown again reads the
+/// rows it was recorded over, not the new ones (the sequence writes its new entries into a fresh
+/// table row). A GPU append recorded into a sequence removed before the encoder runs leaves the next
+/// sequence's rows and table entries alone. An encoder dropped unsubmitted keeps nothing.
+pub async fn encoders_keep_what_a_removal_or_truncation_takes(g: &Gpu) {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 16).unwrap();
+    let opts = AttentionOptions::default();
+    let (k, v) = (values(31, 4 * 4), values(32, 4 * 4));
+    let (ok, ov) = (values(33, 8 * 4), values(34, 8 * 4));
+    let q = values(35, 2 * 4);
+    let qb = super::f32_buffer(&g.device, &q).await;
+    // The first `n` rows of (`k`, `v`) appended to `seq` and committed.
+    let fill = |c: &mut PagedCache, seq, k: &[f32], v: &[f32], n: usize| {
+        let shape = [n, 1, 4];
+        let slabs = [
+            HostSlab::f32(&k[..n * 4], &shape),
+            HostSlab::f32(&v[..n * 4], &shape),
+        ];
+        c.append(seq, 0, &slabs).unwrap();
+        c.advance(seq, n).unwrap();
+    };
+    // Attention of one query (2 heads) over `seq`, recorded into `encoder`.
+    fn record(
+        att: &mut Attention,
+        c: &PagedCache,
+        encoder: &mut wgpu::CommandEncoder,
+        seq: SeqId,
+        (q, out): (&wgpu::Buffer, &wgpu::Buffer),
+    ) {
+        let (kv, q) = (Kv::Sequence(c, seq), Queries::new(q, 1, 2, 4));
+        att.record_gqa(encoder, kv, 0, q, out, &AttentionOptions::default())
+            .unwrap();
+    }
+    // Calls `reclaim` until `free` pages are free (in the browser the encoder's callback comes
+    // from the event loop, which a read lets run).
+    let reclaim_to = async |c: &mut PagedCache, free: usize| {
+        for _ in 0..100 {
+            c.reclaim();
+            if c.free_pages() == free {
+                break;
+            }
+            c.read_pool_words_async(0, 0).await.unwrap();
+        }
+        assert_eq!(c.free_pages(), free, "the encoder's pages returned");
+    };
+    let pool_rows = async |c: &PagedCache, page: u32| {
+        let words = c.read_pool_words_async(0, 0).await.unwrap();
+        let at = page as usize * 2 * 4;
+        words[at..at + 2 * 4].to_vec()
+    };
+    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Attention over `seq` in a submission of its own, against the twin over `(k, v)`.
+    let attend = async |att: &mut Attention,
+                        c: &PagedCache,
+                        seq,
+                        out: &wgpu::Buffer,
+                        (k, v): (&[f32], &[f32]),
+                        what: &str| {
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        record(att, c, &mut encoder, seq, (&qb, out));
+        g.queue.submit([encoder.finish()]);
+        let want = reference::attention_gqa(&q, [1, 2, 4], k, v, 1, 4, &opts);
+        super::assert_close(&super::read_f32(g, out).await, &want, what);
+    };
+    let want = reference::attention_gqa(&q, [1, 2, 4], &k, &v, 1, 4, &opts);
+
+    for scrub in [false, true] {
+        // Pages of 2 rows, 6 of them: `a` takes 2.
+        let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 6).unwrap();
+        let mut att = Attention::with_kernels(super::kernels_for(g));
+        let a = c.add_sequence().unwrap();
+        fill(&mut c, a, &k, &v, 4);
+        let pages_a = c.ledger().pages(a).unwrap().to_vec();
+        let out = super::output(&g.device, 8).await;
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        record(&mut att, &c, &mut encoder, a, (&qb, &out));
+        match scrub {
+            true => c.remove_and_scrub(a).unwrap(),
+            false => c.remove(a).unwrap(),
+        }
+        assert_eq!(c.free_pages(), 4, "scrub {scrub}: a's pages are kept");
+        let b = c.add_sequence().unwrap();
+        fill(&mut c, b, &ok, &ov, 8);
+        assert_eq!(c.free_pages(), 0);
+        g.queue.submit([encoder.finish()]);
+        let what = format!("attention over a sequence removed before it ran, scrub {scrub}");
+        super::assert_close(&super::read_f32(g, &out).await, &want, &what);
+        reclaim_to(&mut c, 2).await;
+        for (i, &page) in pages_a.iter().enumerate() {
+            let rows = match scrub {
+                true => vec![0; 8],
+                false => bits(&k[i * 8..(i + 1) * 8]),
+            };
+            assert_eq!(
+                pool_rows(&c, page).await,
+                rows,
+                "scrub {scrub}: page {page}"
+            );
+        }
+        assert_eq!(c.read_f32_async(b, 0, 0).await.unwrap(), ok);
+
+        // Truncated to its first page and grown again by 2 rows, with every other page taken.
+        let a = c.add_sequence().unwrap();
+        fill(&mut c, a, &k, &v, 4);
+        assert_eq!(c.free_pages(), 0);
+        c.truncate(b, 6).unwrap();
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        record(&mut att, &c, &mut encoder, a, (&qb, &out));
+        let second = c.ledger().pages(a).unwrap()[1];
+        match scrub {
+            true => c.truncate_and_scrub(a, 2).unwrap(),
+            false => c.truncate(a, 2).unwrap(),
+        }
+        assert_eq!(c.free_pages(), 1, "scrub {scrub}: a's second page is kept");
+        fill(&mut c, a, &ok, &ov, 2);
+        assert_ne!(c.ledger().pages(a).unwrap()[1], second);
+        g.queue.submit([encoder.finish()]);
+        let what = format!("attention over a sequence truncated before it ran, scrub {scrub}");
+        super::assert_close(&super::read_f32(g, &out).await, &want, &what);
+        reclaim_to(&mut c, 1).await;
+        let rows = match scrub {
+            true => vec![0; 8],
+            false => bits(&k[8..16]),
+        };
+        assert_eq!(
+            pool_rows(&c, second).await,
+            rows,
+            "scrub {scrub}: a's second page"
+        );
+        let grown = [&k[..8], &ok[..8]].concat();
+        assert_eq!(c.read_f32_async(a, 0, 0).await.unwrap(), grown);
+        // Attention over the grown sequence reads its new table row.
+        let va = [&v[..8], &ov[..8]].concat();
+        attend(&mut att, &c, a, &out, (&grown, &va), "the grown sequence").await;
+
+        // Recorded, then dropped unsubmitted: a removal keeps nothing.
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        record(&mut att, &c, &mut encoder, a, (&qb, &out));
+        drop(encoder);
+        c.remove(a).unwrap();
+        assert_eq!(
+            c.free_pages(),
+            3,
+            "scrub {scrub}: nothing kept for a dropped encoder"
+        );
+    }
+
+    // A GPU append recorded into `a` (its third row, on a page of its own), then `a` removed and a
+    // new sequence given every free page before the encoder runs: the append's row and table entry
+    // go where they were recorded, not into the new sequence's.
+    let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, 2, 6).unwrap();
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let a = c.add_sequence().unwrap();
+    fill(&mut c, a, &k, &v, 2);
+    let row = [
+        super::f32_buffer(&g.device, &k[8..12]).await,
+        super::f32_buffer(&g.device, &v[8..12]).await,
+    ];
+    let slabs = row
+        .each_ref()
+        .map(|buffer| GpuSlab::contiguous(buffer, DType::F32, &[1, 1, 4]));
+    let mut encoder = g.device.create_command_encoder(&Default::default());
+    c.record_append_gpu(&mut encoder, a, 0, &slabs).unwrap();
+    c.advance(a, 1).unwrap();
+    c.remove(a).unwrap();
+    assert_eq!(c.free_pages(), 4, "a's pages are kept for the append");
+    let b = c.add_sequence().unwrap();
+    fill(&mut c, b, &ok, &ov, 8);
+    g.queue.submit([encoder.finish()]);
+    assert_eq!(c.read_f32_async(b, 0, 0).await.unwrap(), ok);
+    assert_eq!(c.read_f32_async(b, 0, 1).await.unwrap(), ov);
+    let out = super::output(&g.device, 8).await;
+    attend(&mut att, &c, b, &out, (&ok, &ov), "the next sequence").await;
+    reclaim_to(&mut c, 2).await;
 }
