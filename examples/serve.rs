@@ -525,6 +525,17 @@ fn run(args: &Args) -> kvgpu::Result<bool> {
             .position(|r| r.id == 0 && (r.written == args.prompt || r.written + 1 == own));
         server.append(&segments)?;
         server.attend(&segments, check)?;
+        // A server reads the step's logits before it knows which requests are done: the step's
+        // work is finished when it removes them, so the pages they held return at once (a removal
+        // before that keeps them for the attention still to run, until the pool's first call after
+        // it is done).
+        server
+            .gpu
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| kvgpu::Error::Device {
+                reason: e.to_string(),
+            })?;
         for r in &mut running {
             r.written += 1;
             decoded += 1;
