@@ -88,8 +88,8 @@ pub struct PageLedger {
     scrub_at_unpin: BTreeMap<u32, usize>,
 }
 
-/// The recorded copies that read a page ([`PageLedger::pin`]): how many, and per layer the rows
-/// they read (the most of any).
+/// The recorded copies and the held encoders that read a page ([`PageLedger::pin`],
+/// [`PageLedger::hold`]): how many, and per layer the rows they read (the most of any).
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Pin {
     count: u32,
@@ -379,16 +379,27 @@ impl PageLedger {
         self.pin_rows(copy.from, &copy.rows);
     }
 
-    /// Counts each of `pages` as held by an encoder that reads or writes it when it runs (an
-    /// attention or a recorded GPU append over a sequence that lets the page go before that), until
-    /// [`PageLedger::unpin`]: it does not return to the pool meanwhile, and a zeroing of it waits.
-    /// Unlike [`PageLedger::pin`] it moves no write into a copy: the page's holders write into it
-    /// as before.
-    pub(crate) fn hold(&mut self, pages: &[u32]) {
-        let none = vec![0; self.shapes.len()];
-        for &page in pages {
-            self.pin_rows(page, &none);
+    /// Pins the pages `truncate(seq, new_len)` takes from `seq` (every page for `new_len` 0) for
+    /// encoders recorded over `seq` that may still read or write them, each with the rows of it
+    /// `seq` sees per layer ([`PageLedger::pin`]), until [`PageLedger::unpin`]: a page does not
+    /// return to the pool meanwhile, its zeroing waits, and its other holders (a fork) write into
+    /// those rows through a private copy. Returns the pages pinned, if `seq` may be truncated so.
+    pub(crate) fn hold(&mut self, seq: SeqId, new_len: usize) -> Result<Vec<u32>> {
+        let keep = self.pages_for(new_len);
+        let s = self.truncatable(seq, new_len)?;
+        let p = self.page_size;
+        let held: Vec<(u32, Vec<usize>)> = (keep..s.pages.len())
+            .map(|i| {
+                let rows = (0..self.shapes.len())
+                    .map(|layer| s.visible(layer).saturating_sub(i * p).min(p))
+                    .collect();
+                (s.pages[i], rows)
+            })
+            .collect();
+        for (page, rows) in &held {
+            self.pin_rows(*page, rows);
         }
+        Ok(held.into_iter().map(|(page, _)| page).collect())
     }
 
     /// One more pin of `page`, whose writes below `rows` (per layer) go into a private copy.
@@ -417,8 +428,9 @@ impl PageLedger {
     }
 
     /// Whether a write into `layer` of `page` from its row `from` on goes into a private copy: the
-    /// page has another holder, a recorded copy still reads row `from` of it, or a zeroing waits
-    /// for its pins ([`PageLedger::scrub_when_unpinned`], which would reach the rows written).
+    /// page has another holder, a pin (a recorded copy, a held encoder) still reads row `from` of
+    /// it, or a zeroing waits for its pins ([`PageLedger::scrub_when_unpinned`], which would reach
+    /// the rows written).
     fn must_copy(&self, page: u32, layer: usize, from: usize) -> bool {
         self.holders(page) > 1
             || self.scrub_waits(page)
@@ -1912,29 +1924,44 @@ mod tests {
         assert!(out_of_pages(&l, c));
     }
 
-    /// A page held for an encoder ([`PageLedger::hold`]) stays out of the pool until its unpin, and
-    /// its holders write into it as before: unlike a recorded copy's pin, a hold moves no write into
-    /// a copy.
+    /// The pages a removal or truncation takes from a sequence, held for its encoders
+    /// ([`PageLedger::hold`]), stay out of the pool until their unpin, and a fork that shares one
+    /// writes into the rows the sequence saw there through a private copy, past them into the page.
     #[test]
-    fn a_held_page_stays_out_of_the_pool_and_takes_writes_in_place() {
+    fn a_held_page_stays_out_of_the_pool_and_keeps_the_rows_its_sequence_saw() {
         let mut l = PageLedger::new(&spec(32), 4, 8);
         let a = l.add().unwrap();
         grow(&mut l, a, 6);
-        assert_eq!(l.pages_past(a, 4).unwrap(), &[1]);
-        assert_eq!(l.pages_past(a, 0).unwrap(), &[0, 1]);
+        assert_eq!(l.pages(a).unwrap(), &[0, 1]);
         assert!(matches!(
-            l.pages_past(a, 7),
+            l.hold(a, 7),
             Err(Error::TruncateBeyondLength { new_len: 7, .. })
         ));
-        l.hold(&[0, 1]);
-        l.truncate(a, 2).unwrap();
+        assert_eq!(l.hold(a, 4).unwrap(), [1]);
+        l.truncate(a, 4).unwrap();
         assert_eq!((l.page_refs(1), l.free_pages()), (Some(1), 6));
+        assert_eq!(l.unpin(&[1]), vec![], "no zeroing waited");
+        assert_eq!((l.page_refs(1), l.free_pages()), (Some(0), 7));
+
+        // A fork of all 6 rows (a has 6 again) shares both pages; a is removed with both held.
+        grow(&mut l, a, 2);
+        let c = l.fork(a, 6).unwrap();
+        assert_eq!(l.hold(a, 0).unwrap(), [0, 1]);
+        l.remove(a).unwrap();
         let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
-        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(plan.copies, [], "row 2 goes into page 0 itself");
-        assert_eq!(l.unpin(&[0, 1]), vec![], "no zeroing waited");
-        assert_eq!((l.page_refs(0), l.page_refs(1)), (Some(1), Some(0)));
-        assert_eq!(l.free_pages(), 7);
+        // c's row 6 lies past a's rows of its second page (4 and 5): into the page itself.
+        let plan = l.plan_append(c, 0, 2, |i| &one[i]).unwrap();
+        assert_eq!(plan.copies, []);
+        // Truncated to 5, its row 5 lies within them: into a private copy.
+        let mut shorter = l.clone();
+        shorter.truncate(c, 5).unwrap();
+        let plan = shorter.plan_append(c, 0, 2, |i| &one[i]).unwrap();
+        assert_eq!(plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(), [1]);
+        assert_eq!(l.unpin(&[0, 1]), vec![]);
+        assert_eq!(
+            (l.page_refs(0), l.page_refs(1), l.free_pages()),
+            (Some(1), Some(1), 6)
+        );
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.

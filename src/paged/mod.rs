@@ -4,7 +4,7 @@ mod ledger;
 mod snapshot;
 
 use std::borrow::Cow;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use crate::cache::{GpuSlab, HOST_ROWS, HostRows, HostSlab, KvCache, Rows, SlotView};
 use crate::error::{Error, Result};
@@ -46,10 +46,12 @@ use std::collections::BTreeMap;
 /// encoder's work is done: a `remove` or `truncate` (or a scrubbing form) meanwhile keeps the pages
 /// it takes from the sequence out of the pool, each as one more holder
 /// ([`PageLedger::page_refs`]), with their zeroing waiting, and its table row out of reuse (a
-/// sequence truncated past a page boundary moves to a fresh row). The encoder then reads and writes
-/// what it was recorded against, and no other sequence gets those pages or that row before it ran.
-/// The pages the sequence keeps are written as before: the host appends and the zeroing of a
-/// truncation within a page land ahead of the encoder, as they would in a [`KvCache`].
+/// sequence truncated past a page boundary moves to a fresh row, and what it keeps stays held for
+/// the encoders recorded before). No other sequence gets those pages or that row before the encoder
+/// ran, and a fork still sharing such a page writes into the rows the sequence saw there through a
+/// private copy. The sequence's own later writes land as they would in a [`KvCache`]: its host
+/// appends into the pages it keeps, and the zeroing of a truncation within a page, land ahead of
+/// the encoder, so submit it before a `truncate` and host append over rows it reads or writes.
 ///
 /// The shared page a recorded GPU append copies is read when the encoder runs, so the pool keeps
 /// it, as one more holder, until the encoder's work is done. Meanwhile
@@ -105,32 +107,60 @@ pub struct PagedCache {
     unpinned: Arc<Mutex<Vec<u32>>>,
 }
 
-/// A sequence's table row, and the token each encoder recorded over the sequence holds until its work
-/// is done ([`PagedCache::hold_until_done`]).
+/// A sequence's table row, and the tokens of the encoders recorded over the sequence
+/// ([`PagedCache::hold_until_done`]).
 struct TableRow {
     row: usize,
-    encoders: Arc<()>,
+    tokens: Tokens,
 }
 
 impl TableRow {
     fn new(row: usize) -> Self {
         Self {
             row,
-            encoders: Arc::default(),
+            tokens: Tokens::default(),
         }
     }
+}
 
-    /// Whether an encoder recorded over the sequence may not be done yet.
+/// The token each encoder recorded over a sequence holds until its work is done (`now`), and the
+/// tokens of the table rows a truncation moved the sequence from (`before`, each held by its
+/// [`Released`] and its encoders), whose encoders read the pages the sequence kept too.
+#[derive(Default)]
+struct Tokens {
+    now: Arc<()>,
+    before: Vec<Weak<()>>,
+}
+
+impl Tokens {
+    /// Whether an encoder recorded over the sequence, through this row or an earlier one, may not
+    /// be done yet.
     fn held(&self) -> bool {
-        Arc::strong_count(&self.encoders) > 1
+        Arc::strong_count(&self.now) > 1 || self.before.iter().any(|t| t.strong_count() > 1)
+    }
+
+    /// Whether every encoder holding these tokens is done: `now` is held here alone, and the
+    /// earlier tokens by their [`Released`] at most.
+    fn done(&self) -> bool {
+        Arc::strong_count(&self.now) == 1 && self.before.iter().all(|t| t.strong_count() <= 1)
+    }
+
+    /// The tokens of a fresh row that these tokens' sequence moves to: the earlier ones still held,
+    /// and this row's.
+    fn moved(&self) -> Self {
+        let before = self.before.iter().filter(|t| t.strong_count() > 1).cloned();
+        Self {
+            now: Arc::default(),
+            before: before.chain([Arc::downgrade(&self.now)]).collect(),
+        }
     }
 }
 
 /// The pages and the table row a removal or truncation took from a sequence while encoders recorded
-/// over it were not done (the token they hold): pinned ([`PageLedger::hold`]) and kept out of reuse
-/// until they are.
+/// over it were not done (the tokens they hold): pinned ([`PageLedger::hold`]) and kept out of
+/// reuse until they are.
 struct Released {
-    encoders: Arc<()>,
+    tokens: Tokens,
     pages: Vec<u32>,
     row: usize,
 }
@@ -575,17 +605,18 @@ impl PagedCache {
 
     /// Removes `seq` (`new_len` None) or truncates it to `new_len` rows, zeroing the rows that no
     /// holder keeps where `scrub` says. Where an encoder recorded over `seq` may not be done yet
-    /// ([`PagedCache::hold_until_done`]) and the call takes pages from `seq`, those pages stay
-    /// pinned ([`PageLedger::hold`]) and its table row kept until the encoder is done (a truncated
-    /// sequence moves to a fresh row, written with `Queue::write_buffer`): the encoder reads and
-    /// writes what it was recorded against, and no other sequence gets them meanwhile. Refused as
+    /// ([`PagedCache::hold_until_done`], through its row or an earlier one) and the call takes
+    /// pages from `seq`, those pages stay pinned with the rows `seq` saw ([`PageLedger::hold`]) and
+    /// its table row kept until the encoder is done (a truncated sequence moves to a fresh row,
+    /// written with `Queue::write_buffer`, its tokens remembering the old row's: [`Tokens`]): no
+    /// other sequence gets them meanwhile, nor writes into those rows. Refused as
     /// [`PagedCache::take_rows`] refuses, or where a truncated sequence finds no fresh row
     /// ([`Error::TooManySequences`]), changing nothing.
     fn let_go(&mut self, seq: SeqId, new_len: Option<usize>, scrub: bool) -> Result<()> {
         self.reclaim();
-        let pages = self.ledger.pages_past(seq, new_len.unwrap_or(0))?.to_vec();
-        let held = self.table_rows.get(&seq).is_some_and(TableRow::held)
-            && (new_len.is_none() || !pages.is_empty());
+        let taken = self.ledger.pages_past(seq, new_len.unwrap_or(0))?.len();
+        let held = self.table_rows.get(&seq).is_some_and(|r| r.tokens.held())
+            && (new_len.is_none() || taken > 0);
         if !held {
             self.take_rows(seq, new_len, scrub)?;
             if new_len.is_none() {
@@ -596,25 +627,29 @@ impl PagedCache {
         }
         let commit = |pool: &mut Self, fresh: Option<usize>| {
             // Pinned first, so that a scrub leaves them to their pins.
-            pool.ledger.hold(&pages);
+            let pages = pool.ledger.hold(seq, new_len.unwrap_or(0))?;
             if let Err(e) = pool.take_rows(seq, new_len, scrub) {
                 let runs = pool.ledger.unpin(&pages);
                 debug_assert!(runs.is_empty(), "no zeroing waited for these pins");
                 return Err(e);
             }
-            let old = match fresh {
-                Some(row) => pool
-                    .table_rows
-                    .insert(seq, TableRow::new(row))
-                    .inspect(|_| pool.write_table(seq, 0, None)),
-                None => pool.table_rows.remove(&seq),
+            let old = match (fresh, pool.table_rows.get_mut(&seq)) {
+                (Some(row), Some(old)) => {
+                    let tokens = old.tokens.moved();
+                    Some(std::mem::replace(old, TableRow { row, tokens }))
+                }
+                (Some(_), None) => None,
+                (None, _) => pool.table_rows.remove(&seq),
             };
-            if let Some(old) = old {
-                pool.released.push(Released {
-                    encoders: old.encoders,
+            pool.write_table(seq, 0, None);
+            match old {
+                Some(old) => pool.released.push(Released {
+                    tokens: old.tokens,
                     pages,
                     row: old.row,
-                });
+                }),
+                // The ledger and the table rows name the same sequences: not reached.
+                None => drop(pool.ledger.unpin(&pages)),
             }
             Ok(())
         };
@@ -648,7 +683,6 @@ impl PagedCache {
     /// pages are shared, and a page either side later writes into is copied for the writer first.
     /// Starting a conversation from a cached system prompt is `fork(prompt, prompt_len)`.
     pub fn fork(&mut self, parent: SeqId, at_len: usize) -> Result<SeqId> {
-        self.reclaim();
         // Checked first, so that a refused fork does not grow the page table.
         self.ledger.check_fork(parent, at_len)?;
         self.open_sequence(|l| l.fork(parent, at_len).map(|child| (child, ())))
@@ -769,7 +803,7 @@ impl PagedCache {
     pub fn reclaim(&mut self) {
         let mut pages =
             std::mem::take(&mut *self.unpinned.lock().unwrap_or_else(PoisonError::into_inner));
-        let done = |r: &mut Released| Arc::strong_count(&r.encoders) == 1;
+        let done = |r: &mut Released| r.tokens.done();
         for released in self.released.extract_if(.., done) {
             pages.extend(released.pages);
             self.free_rows.push(released.row);
@@ -1195,7 +1229,7 @@ impl PagedCache {
     fn tokens(&self, seqs: impl IntoIterator<Item = SeqId>) -> Vec<Arc<()>> {
         seqs.into_iter()
             .filter_map(|seq| self.table_rows.get(&seq))
-            .map(|row| Arc::clone(&row.encoders))
+            .map(|row| Arc::clone(&row.tokens.now))
             .collect()
     }
 
