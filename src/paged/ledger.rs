@@ -379,27 +379,33 @@ impl PageLedger {
         self.pin_rows(copy.from, &copy.rows);
     }
 
-    /// Pins the pages `truncate(seq, new_len)` takes from `seq` (every page for `new_len` 0) for
-    /// encoders recorded over `seq` that may still read or write them, each with the rows of it
-    /// `seq` sees per layer ([`PageLedger::pin`]), until [`PageLedger::unpin`]: a page does not
-    /// return to the pool meanwhile, its zeroing waits, and its other holders (a fork) write into
-    /// those rows through a private copy. Returns the pages pinned, if `seq` may be truncated so.
-    pub(crate) fn hold(&mut self, seq: SeqId, new_len: usize) -> Result<Vec<u32>> {
-        let keep = self.pages_for(new_len);
-        let s = self.truncatable(seq, new_len)?;
+    /// Pins every page of `seq` for encoders recorded over it that may still read or write them
+    /// (before `seq` is removed or truncated), each with the rows of it `seq` sees per layer, as
+    /// [`PageLedger::pin`] does for a recorded copy, until [`PageLedger::unpin`]: a page does not
+    /// return to the pool meanwhile, its zeroing waits, and every holder, `seq` too, writes into
+    /// those rows through a private copy. Returns the pages pinned.
+    pub(crate) fn hold(&mut self, seq: SeqId) -> Result<Vec<u32>> {
+        let s = self.seq(seq)?;
         let p = self.page_size;
-        let held: Vec<(u32, Vec<usize>)> = (keep..s.pages.len())
-            .map(|i| {
+        let held: Vec<(u32, Vec<usize>)> = (s.pages.iter().enumerate())
+            .map(|(i, &page)| {
                 let rows = (0..self.shapes.len())
                     .map(|layer| s.visible(layer).saturating_sub(i * p).min(p))
                     .collect();
-                (s.pages[i], rows)
+                (page, rows)
             })
             .collect();
         for (page, rows) in &held {
             self.pin_rows(*page, rows);
         }
         Ok(held.into_iter().map(|(page, _)| page).collect())
+    }
+
+    /// Whether removing `seq` (`new_len` None) or truncating it to `new_len` rows drops a row it
+    /// sees, committed or pending, if it may be truncated so.
+    pub(crate) fn drops_rows(&self, seq: SeqId, new_len: Option<usize>) -> Result<bool> {
+        let s = self.truncatable(seq, new_len.unwrap_or(0))?;
+        Ok(new_len.is_none_or(|n| (0..self.shapes.len()).any(|layer| s.visible(layer) > n)))
     }
 
     /// One more pin of `page`, whose writes below `rows` (per layer) go into a private copy.
@@ -413,13 +419,6 @@ impl PageLedger {
         for (most, &rows) in pin.rows.iter_mut().zip(rows) {
             *most = (*most).max(rows);
         }
-    }
-
-    /// The pages `truncate(seq, new_len)` takes from `seq` (every page for `new_len` 0), if it may be
-    /// truncated so.
-    pub(crate) fn pages_past(&self, seq: SeqId, new_len: usize) -> Result<&[u32]> {
-        let keep = self.pages_for(new_len);
-        Ok(&self.truncatable(seq, new_len)?.pages[keep..])
     }
 
     /// Holders of `page` but the pins: the sequences and the published prefixes' trie.
@@ -1924,31 +1923,42 @@ mod tests {
         assert!(out_of_pages(&l, c));
     }
 
-    /// The pages a removal or truncation takes from a sequence, held for its encoders
-    /// ([`PageLedger::hold`]), stay out of the pool until their unpin, and a fork that shares one
-    /// writes into the rows the sequence saw there through a private copy, past them into the page.
+    /// A sequence's pages held for its encoders ([`PageLedger::hold`]) stay out of the pool until
+    /// their unpin, and every holder, the sequence itself and a fork sharing a page, writes into the
+    /// rows the sequence saw there through a private copy, past them into the page.
     #[test]
-    fn a_held_page_stays_out_of_the_pool_and_keeps_the_rows_its_sequence_saw() {
+    fn held_pages_stay_out_of_the_pool_and_keep_the_rows_their_sequence_saw() {
         let mut l = PageLedger::new(&spec(32), 4, 8);
         let a = l.add().unwrap();
         grow(&mut l, a, 6);
         assert_eq!(l.pages(a).unwrap(), &[0, 1]);
         assert!(matches!(
-            l.hold(a, 7),
+            l.drops_rows(a, Some(7)),
             Err(Error::TruncateBeyondLength { new_len: 7, .. })
         ));
-        assert_eq!(l.hold(a, 4).unwrap(), [1]);
-        l.truncate(a, 4).unwrap();
+        assert!(!l.drops_rows(a, Some(6)).unwrap());
+        assert!(l.drops_rows(a, Some(5)).unwrap() && l.drops_rows(a, None).unwrap());
+        // Held, then truncated to 3: page 1 stays out of the pool, and a's row 3 goes into a copy
+        // of page 0 (the encoder reads its rows 0-3).
+        assert_eq!(l.hold(a).unwrap(), [0, 1]);
+        l.truncate(a, 3).unwrap();
         assert_eq!((l.page_refs(1), l.free_pages()), (Some(1), 6));
-        assert_eq!(l.unpin(&[1]), vec![], "no zeroing waited");
-        assert_eq!((l.page_refs(1), l.free_pages()), (Some(0), 7));
+        let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
+        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
+        assert_eq!(plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(), [0]);
+        assert_eq!(l.unpin(&[0, 1]), vec![], "no zeroing waited");
+        assert_eq!(
+            (l.page_refs(0), l.page_refs(1), l.free_pages()),
+            (Some(1), Some(0), 7)
+        );
+        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
+        assert_eq!(plan.copies, [], "unheld, into the page itself");
 
         // A fork of all 6 rows (a has 6 again) shares both pages; a is removed with both held.
-        grow(&mut l, a, 2);
+        grow(&mut l, a, 3);
         let c = l.fork(a, 6).unwrap();
-        assert_eq!(l.hold(a, 0).unwrap(), [0, 1]);
+        assert_eq!(l.hold(a).unwrap(), [0, 1]);
         l.remove(a).unwrap();
-        let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
         // c's row 6 lies past a's rows of its second page (4 and 5): into the page itself.
         let plan = l.plan_append(c, 0, 2, |i| &one[i]).unwrap();
         assert_eq!(plan.copies, []);

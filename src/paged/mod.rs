@@ -43,15 +43,13 @@ use std::collections::BTreeMap;
 /// it the append's (a host append's entries, like its rows, land ahead of the next submission).
 /// An encoder recorded over a sequence (attention over it, or GPU appends to it) reads and writes
 /// its pages and its table row when it runs, so the sequence is held for the encoder until the
-/// encoder's work is done: a `remove` or `truncate` (or a scrubbing form) meanwhile keeps the pages
-/// it takes from the sequence out of the pool, each as one more holder
-/// ([`PageLedger::page_refs`]), with their zeroing waiting, and its table row out of reuse (a
-/// sequence truncated past a page boundary moves to a fresh row, and what it keeps stays held for
-/// the encoders recorded before). No other sequence gets those pages or that row before the encoder
-/// ran, and a fork still sharing such a page writes into the rows the sequence saw there through a
-/// private copy. The sequence's own later writes land as they would in a [`KvCache`]: its host
-/// appends into the pages it keeps, and the zeroing of a truncation within a page, land ahead of
-/// the encoder, so submit it before a `truncate` and host append over rows it reads or writes.
+/// encoder's work is done: a `remove` or `truncate` (or a scrubbing form) meanwhile pins every page
+/// of the sequence, each as one more holder ([`PageLedger::page_refs`]), with the rows the sequence
+/// saw there, and keeps its table row out of reuse (a truncated sequence moves to a fresh row).
+/// Until the encoder is done no other sequence gets those pages or that row, their zeroing waits,
+/// and every write into those rows (a fork's that still shares a page, or the truncated sequence's
+/// own as it grows again) goes into a private copy: the encoder reads and writes what it was
+/// recorded against. A truncation that drops no row holds nothing.
 ///
 /// The shared page a recorded GPU append copies is read when the encoder runs, so the pool keeps
 /// it, as one more holder, until the encoder's work is done. Meanwhile
@@ -605,18 +603,19 @@ impl PagedCache {
 
     /// Removes `seq` (`new_len` None) or truncates it to `new_len` rows, zeroing the rows that no
     /// holder keeps where `scrub` says. Where an encoder recorded over `seq` may not be done yet
-    /// ([`PagedCache::hold_until_done`], through its row or an earlier one) and the call takes
-    /// pages from `seq`, those pages stay pinned with the rows `seq` saw ([`PageLedger::hold`]) and
-    /// its table row kept until the encoder is done (a truncated sequence moves to a fresh row,
-    /// written with `Queue::write_buffer`, its tokens remembering the old row's: [`Tokens`]): no
-    /// other sequence gets them meanwhile, nor writes into those rows. Refused as
+    /// ([`PagedCache::hold_until_done`], through its row or an earlier one) and the call drops rows
+    /// of `seq`, every page of `seq` stays pinned with the rows `seq` saw there
+    /// ([`PageLedger::hold`]: no one writes into them, `seq` included, but through a private copy)
+    /// and its table row kept, until the encoder is done; a truncated sequence moves to a fresh
+    /// row, written with `Queue::write_buffer`, its tokens remembering the old row's ([`Tokens`]).
+    /// The encoder reads and writes what it was recorded against. Refused as
     /// [`PagedCache::take_rows`] refuses, or where a truncated sequence finds no fresh row
-    /// ([`Error::TooManySequences`]), changing nothing.
+    /// ([`Error::TooManySequences`], or [`Error::OutOfMemory`] for a grown table), changing
+    /// nothing.
     fn let_go(&mut self, seq: SeqId, new_len: Option<usize>, scrub: bool) -> Result<()> {
         self.reclaim();
-        let taken = self.ledger.pages_past(seq, new_len.unwrap_or(0))?.len();
-        let held = self.table_rows.get(&seq).is_some_and(|r| r.tokens.held())
-            && (new_len.is_none() || taken > 0);
+        let drops = self.ledger.drops_rows(seq, new_len)?;
+        let held = drops && self.table_rows.get(&seq).is_some_and(|r| r.tokens.held());
         if !held {
             self.take_rows(seq, new_len, scrub)?;
             if new_len.is_none() {
@@ -626,11 +625,15 @@ impl PagedCache {
             return Ok(());
         }
         let commit = |pool: &mut Self, fresh: Option<usize>| {
-            // Pinned first, so that a scrub leaves them to their pins.
-            let pages = pool.ledger.hold(seq, new_len.unwrap_or(0))?;
+            // Pinned first, so that a scrub leaves them to their pins; a refused scrub puts the
+            // ledger back (an unpin would leave the pins' rows raised).
+            let before = scrub.then(|| pool.ledger.clone());
+            let pages = pool.ledger.hold(seq)?;
             if let Err(e) = pool.take_rows(seq, new_len, scrub) {
-                let runs = pool.ledger.unpin(&pages);
-                debug_assert!(runs.is_empty(), "no zeroing waited for these pins");
+                match before {
+                    Some(ledger) => pool.ledger = ledger,
+                    None => drop(pool.ledger.unpin(&pages)),
+                }
                 return Err(e);
             }
             let old = match (fresh, pool.table_rows.get_mut(&seq)) {
@@ -763,8 +766,9 @@ impl PagedCache {
     /// Rolls `seq` back to `new_len` committed rows, dropping pending rows, with no GPU work; pages
     /// past the new end return to the pool (their bytes stay until overwritten), one by one, but
     /// pages shared with another sequence or published as a prefix, which their other holders keep.
-    /// Where an encoder recorded over `seq` (attention, GPU appends) may not be done yet and pages
-    /// go, they return only once it is, and `seq` moves to a fresh table row (see [`PagedCache`]):
+    /// Where an encoder recorded over `seq` (attention, GPU appends) may not be done yet and rows
+    /// go, the pages that go return only once it is, `seq` writes into the rows it had through
+    /// private copies until then, and `seq` moves to a fresh table row (see [`PagedCache`]):
     /// refused with [`Error::TooManySequences`] (or [`Error::OutOfMemory`] where the table would
     /// grow), changing nothing, where there is none.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {

@@ -3372,9 +3372,9 @@ pub async fn a_recorded_copy_keeps_its_page_until_the_encoder_is_done(g: &Gpu) {
 /// removed sequence's rows; once the encoder is done the pages return (zeroed where the removal
 /// scrubbed). One recorded over a sequence truncated to a page boundary and grown again reads the
 /// rows it was recorded over, not the new ones (the sequence writes its new entries into a fresh
-/// table row). One recorded over a sequence truncated twice and then removed reads its rows too,
-/// while a fork writes into a page they share (into a private copy, since the encoder reads that
-/// row). A GPU append recorded into a sequence removed before the encoder runs leaves the next
+/// table row). One recorded over a sequence truncated (twice, or within its last page) and then
+/// removed reads its rows too, while a fork writes into a page they share (into a private copy,
+/// since the encoder reads that row). A GPU append recorded into a sequence removed before the encoder runs leaves the next
 /// sequence's rows and table entries alone. An encoder dropped unsubmitted keeps nothing.
 pub async fn encoders_keep_what_a_removal_or_truncation_takes(g: &Gpu) {
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 16).unwrap();
@@ -3519,40 +3519,44 @@ pub async fn encoders_keep_what_a_removal_or_truncation_takes(g: &Gpu) {
         );
     }
 
+    // Truncated (twice: the second call through a fresh table row; or within its last page), then
+    // removed, before the encoder runs: the encoder reads the rows it was recorded against. A fork
+    // made before sharing a page then writes into a row of it that the encoder reads (through a
+    // private copy), and a new sequence takes every free page.
     for scrub in [false, true] {
-        // Truncated twice, then removed, before the encoder runs: the pages each call takes stay as
-        // the encoder was recorded against them. A fork sharing the first page then writes into a
-        // row of it that the encoder reads (through a private copy), and a new sequence takes
-        // every free page.
-        let mut c = PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 6).unwrap();
-        let mut att = Attention::with_kernels(super::kernels_for(g));
-        let a = c.add_sequence().unwrap();
-        fill(&mut c, a, &k, &v, 4);
-        let out = super::output(&g.device, 8).await;
-        let mut encoder = g.device.create_command_encoder(&Default::default());
-        record(&mut att, &c, &mut encoder, a, (&qb, &out));
-        let fork = c.fork(a, 1).unwrap();
-        for new_len in [2, 0] {
-            match scrub {
-                true => c.truncate_and_scrub(a, new_len).unwrap(),
-                false => c.truncate(a, new_len).unwrap(),
+        for (lens, at) in [(&[2, 0][..], 1), (&[1, 0], 1), (&[3], 3)] {
+            let mut c =
+                PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 2, 6).unwrap();
+            let mut att = Attention::with_kernels(super::kernels_for(g));
+            let a = c.add_sequence().unwrap();
+            fill(&mut c, a, &k, &v, 4);
+            let out = super::output(&g.device, 8).await;
+            let mut encoder = g.device.create_command_encoder(&Default::default());
+            record(&mut att, &c, &mut encoder, a, (&qb, &out));
+            let fork = c.fork(a, at).unwrap();
+            for &new_len in lens {
+                match scrub {
+                    true => c.truncate_and_scrub(a, new_len).unwrap(),
+                    false => c.truncate(a, new_len).unwrap(),
+                }
             }
+            match scrub {
+                true => c.remove_and_scrub(a).unwrap(),
+                false => c.remove(a).unwrap(),
+            }
+            let what = format!("scrub {scrub}, truncated to {lens:?}, a fork of {at} rows");
+            assert_eq!(c.free_pages(), 4, "{what}: a's pages are kept");
+            fill(&mut c, fork, &ok[4..], &ov[4..], 1);
+            let b = c.add_sequence().unwrap();
+            fill(&mut c, b, &ok, &ov, 6);
+            assert_eq!(c.free_pages(), 0, "{what}: the fork's row went into a copy");
+            g.queue.submit([encoder.finish()]);
+            super::assert_close(&super::read_f32(g, &out).await, &want, &what);
+            let fork_pages = c.ledger().pages(fork).unwrap().len();
+            reclaim_to(&mut c, 6 - 3 - fork_pages).await;
+            let fork_k = [&k[..4 * at], &ok[4..8]].concat();
+            assert_eq!(c.read_f32_async(fork, 0, 0).await.unwrap(), fork_k);
         }
-        match scrub {
-            true => c.remove_and_scrub(a).unwrap(),
-            false => c.remove(a).unwrap(),
-        }
-        assert_eq!(c.free_pages(), 4, "scrub {scrub}: a's pages are kept");
-        fill(&mut c, fork, &ok[4..], &ov[4..], 1);
-        let b = c.add_sequence().unwrap();
-        fill(&mut c, b, &ok, &ov, 6);
-        assert_eq!(c.free_pages(), 0);
-        g.queue.submit([encoder.finish()]);
-        let what = format!("attention over a sequence truncated twice and removed, scrub {scrub}");
-        super::assert_close(&super::read_f32(g, &out).await, &want, &what);
-        reclaim_to(&mut c, 2).await;
-        let fork_k = [&k[..4], &ok[4..8]].concat();
-        assert_eq!(c.read_f32_async(fork, 0, 0).await.unwrap(), fork_k);
     }
 
     // A GPU append recorded into `a` (its third row, on a page of its own), then `a` removed and a
