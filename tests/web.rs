@@ -198,6 +198,7 @@ browser_tests!(paged_bodies:
     scrubbing_zeroes_the_rows_no_one_holds,
     a_recorded_copy_keeps_its_page_until_the_encoder_is_done,
     encoders_keep_what_a_removal_or_truncation_takes,
+    a_recorded_step_of_writers_from_different_rows_is_admitted_whole,
 );
 
 // tests/snapshot.rs (its Vulkan-to-OpenGL test is native only; here snapshots move between two

@@ -1,6 +1,7 @@
 //! The host ledger of a paged pool, [`PageLedger`].
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
 use crate::error::{Error, Result};
 use crate::ledger::{SeqId, check_layer, slab_rows, slot_shapes_of};
@@ -908,9 +909,11 @@ impl PageLedger {
     /// Whether appending `n` more rows to every layer of each `(seq, n)` fits at once, pages and
     /// lengths both; a sequence named twice takes the sum of its counts. Refuses with the first
     /// length past `max_seq_len` in id order, else with the pages the whole growth lacks. Changes
-    /// nothing. Where a page a recorded copy still reads has several writers and one writes into the
-    /// rows the copy reads (or a zeroing waits for the copy), each writer counts a private copy
-    /// (which one writes last, and where, depends on the order of the appends).
+    /// nothing. Where several writers of a page do not all write from the same row of it, or one
+    /// writes into the rows a pin reads (a recorded copy, a held encoder) or into a page whose
+    /// zeroing waits, each writer counts a private copy: which one writes last, and where, depends
+    /// on the order of the appends, and in a recorded step an earlier writer's copy pins the page
+    /// with the rows it read, so a later writer below them copies it too.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         let mut per_seq: BTreeMap<SeqId, usize> = BTreeMap::new();
         for &(seq, n) in growth {
@@ -918,9 +921,11 @@ impl PageLedger {
             let total = per_seq.entry(seq).or_default();
             *total = total.saturating_add(n);
         }
-        // Held pages written into: how many writers, and whether one writes below the rows a
-        // recorded copy reads (or into a page whose zeroing waits for its pins).
-        let mut writers: BTreeMap<u32, (u32, bool)> = BTreeMap::new();
+        // Held pages written into: how many writers, whether one writes below the rows a pin
+        // reads (or into a page whose zeroing waits for its pins), and the row of the page each
+        // layer of the first writer writes from (None where they differ between writers).
+        type Starts = Option<Vec<Option<usize>>>;
+        let mut writers: BTreeMap<u32, (u32, bool, Starts)> = BTreeMap::new();
         let mut needed = 0usize;
         for (&seq, &n) in &per_seq {
             let s = &self.seqs[&seq];
@@ -958,23 +963,38 @@ impl PageLedger {
             needed = needed.saturating_add(end.saturating_sub(s.pages.len()));
             for (i, &page) in s.pages.iter().enumerate().take(end).skip(first) {
                 let p = self.page_size;
+                // Per layer, the row of the page its first write lands on, if it writes here.
+                let starts: Vec<Option<usize>> = (0..self.shapes.len())
+                    .map(|l| {
+                        let v = s.visible(l);
+                        (!self.shapes[l].is_empty() && v < (i + 1) * p)
+                            .then(|| v.max(i * p) - i * p)
+                    })
+                    .collect();
                 let below = self.scrub_waits(page)
                     || self.pins.get(&page).is_some_and(|pin| {
-                        (0..self.shapes.len()).any(|l| {
-                            let v = s.visible(l);
-                            !self.shapes[l].is_empty()
-                                && v < (i + 1) * p
-                                && v.max(i * p) - i * p < pin.rows[l]
-                        })
+                        (starts.iter().zip(&pin.rows)).any(|(s, &rows)| s.is_some_and(|s| s < rows))
                     });
-                let w = writers.entry(page).or_default();
-                *w = (w.0 + 1, w.1 || below);
+                match writers.entry(page) {
+                    Entry::Vacant(e) => {
+                        e.insert((1, below, Some(starts)));
+                    }
+                    Entry::Occupied(mut e) => {
+                        let (n, b, first) = e.get_mut();
+                        *n += 1;
+                        *b |= below;
+                        if first.as_ref() != Some(&starts) {
+                            *first = None;
+                        }
+                    }
+                }
             }
         }
         // Each writer of a page copies it but the last one holding it; every writer copies where one
-        // writes below a recorded copy's rows (the order of the writes, layer by layer, decides
-        // which writer is last, and whether it writes below them).
-        for (&page, &(n, below)) in &writers {
+        // writes below a pin's rows, or where they write from different rows (the order of the
+        // writes, layer by layer, decides which writer is last, and whether it writes below them).
+        for (&page, (n, below, starts)) in &writers {
+            let (n, below) = (*n, *below || starts.is_none());
             let copies = if below || self.holders(page) > n {
                 n
             } else {
@@ -2206,7 +2226,7 @@ mod tests {
         let mut l = PageLedger::new(&spec(64), 4, 4);
         let a = l.add().unwrap();
         grow(&mut l, a, 6);
-        let b = l.fork(a, 5).unwrap();
+        let b = l.fork(a, 6).unwrap();
         let c = l.add().unwrap();
         grow(&mut l, c, 4);
         assert_eq!(l.free_pages(), 1);
@@ -2217,6 +2237,16 @@ mod tests {
             l.admits(&[(a, 1), (b, 1), (c, 1)]),
             Err(Error::OutOfPages { needed: 2, free: 1 })
         );
+        // Writers from different rows of the page (b at its row 1, a at its row 2): each counts a
+        // copy. Recorded, a's copy would pin the page with rows 0-1 of it (in every layer), and
+        // b's rows in the next layer would go into a copy of their own.
+        l.truncate(b, 5).unwrap();
+        for step in [[(a, 1), (b, 1)], [(b, 1), (a, 1)]] {
+            assert_eq!(
+                l.admits(&step),
+                Err(Error::OutOfPages { needed: 2, free: 1 })
+            );
+        }
     }
 
     /// A sequence named twice in an admission takes the sum of its counts.

@@ -34,9 +34,10 @@ use std::collections::BTreeMap;
 /// that gives the writer its private page, so the copy sees every earlier host append and every
 /// command submitted before it. A recorded GPU append into a shared page records its copy, and the
 /// pool keeps the shared page for it until the encoder is done (below). Submit an encoder holding
-/// GPU appends to a sequence before host appends to it or its forks once it has been forked: the
-/// host append's private copy of the shared page and its table entry land first, and the recorded
-/// append's table entry, copied later, points the sequence back at the shared page. The table entries a
+/// GPU appends to a sequence before host appends to it or its forks once it has been forked or
+/// truncated: the host append's private copy of a shared (or held, below) page and its table entry
+/// land first, so the copy lacks the recorded append's rows, or the recorded append's table entry,
+/// copied later, points the sequence back at the shared page. The table entries a
 /// recorded GPU append changes are copied into the table by a command recorded with it, so they
 /// change where the append stands in its encoder: an
 /// attention recorded before the append reads the pages it was recorded against, one recorded after
@@ -858,9 +859,11 @@ impl PagedCache {
     /// the first sequence (by id) that would pass `max_seq_len`, or else [`Error::OutOfPages`] for
     /// the whole growth. The appends would be refused too, but where both problems exist they may
     /// name the other one first (they meet them in their own order). One count is cautious: where a
-    /// page a recorded copy still reads (see [`PagedCache`]) has several writers in the growth and
-    /// one of them writes into the rows the copy reads (or a scrub waits for the copy), each writer
-    /// counts a private copy. Changes nothing.
+    /// shared page has several writers in the growth that do not all write from the same row of it,
+    /// or one of them writes into the rows a recorded copy or a held encoder still reads (see
+    /// [`PagedCache`]; or a scrub waits for them), each writer counts a private copy (in a recorded
+    /// step the first writer's copy pins the page, and a later writer below its rows copies it
+    /// too; host appends take one copy fewer). Changes nothing.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         self.ledger.admits(growth)
     }

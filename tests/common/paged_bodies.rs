@@ -3587,3 +3587,54 @@ pub async fn encoders_keep_what_a_removal_or_truncation_takes(g: &Gpu) {
     attend(&mut att, &c, b, &out, (&ok, &ov), "the next sequence").await;
     reclaim_to(&mut c, 2).await;
 }
+
+/// A recorded step of a parent and its fork that write from different rows of the page they share:
+/// the first writer's copy pins the page with the rows it read, so the fork's rows in the next
+/// layer, below them, go into a copy of their own. Admission counts a copy for each writer: with
+/// one free page the step is refused before anything is written, with two it lands whole.
+pub async fn a_recorded_step_of_writers_from_different_rows_is_admitted_whole(g: &Gpu) {
+    let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4); 2], DType::F32, 16).unwrap();
+    let (k, v) = (values(41, 3 * 4), values(42, 3 * 4));
+    let (sk, sv) = (values(43, 2 * 4), values(44, 2 * 4));
+    let step_k = super::f32_buffer(&g.device, &sk).await;
+    let step_v = super::f32_buffer(&g.device, &sv).await;
+    let slabs = [
+        GpuSlab::contiguous(&step_k, DType::F32, &[2, 1, 4]),
+        GpuSlab::contiguous(&step_v, DType::F32, &[2, 1, 4]),
+    ];
+    for n_pages in [2, 3] {
+        // A parent of 3 rows in one page of 4; its fork shares the page at 2 rows.
+        let mut c =
+            PagedCache::with_kernels(super::kernels_for(g), spec.clone(), 4, n_pages).unwrap();
+        let parent = c.add_sequence().unwrap();
+        for layer in 0..2 {
+            let shape = [3, 1, 4];
+            let host = [HostSlab::f32(&k, &shape), HostSlab::f32(&v, &shape)];
+            c.append(parent, layer, &host).unwrap();
+        }
+        c.advance(parent, 3).unwrap();
+        let fork = c.fork(parent, 2).unwrap();
+        let step = [(parent, 1), (fork, 1)];
+        if n_pages == 2 {
+            let needed = Error::OutOfPages { needed: 2, free: 1 };
+            assert_eq!(c.admits(&step).unwrap_err(), needed);
+            continue;
+        }
+        c.admits(&step).unwrap();
+        let mut encoder = g.device.create_command_encoder(&Default::default());
+        for layer in 0..2 {
+            c.record_append_gpu_batch(&mut encoder, layer, &step, &slabs)
+                .unwrap_or_else(|e| panic!("layer {layer} of an admitted step: {e}"));
+        }
+        c.advance_batch(&step).unwrap();
+        g.queue.submit([encoder.finish()]);
+        for layer in 0..2 {
+            for (seq, n, at) in [(parent, 3, 0), (fork, 2, 4)] {
+                let want_k = [&k[..n * 4], &sk[at..at + 4]].concat();
+                let want_v = [&v[..n * 4], &sv[at..at + 4]].concat();
+                assert_eq!(c.read_f32_async(seq, layer, 0).await.unwrap(), want_k);
+                assert_eq!(c.read_f32_async(seq, layer, 1).await.unwrap(), want_v);
+            }
+        }
+    }
+}
