@@ -1850,15 +1850,12 @@ mod tests {
         l.pin(&copy);
         l.pin(&copy);
         assert_eq!((l.page_refs(1), l.free_pages()), (Some(3), 6));
-        let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
         // a's row 6 goes into the page, after the rows the copies read; after a truncation to 5,
         // its row 5 goes into a copy of it, and admission counts that copy.
-        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(plan.copies, []);
+        assert_eq!(copied_by_a_row(&l, a), []);
         let mut shorter = l.clone();
         shorter.truncate(a, 5).unwrap();
-        let plan = shorter.plan_append(a, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(), [1]);
+        assert_eq!(copied_by_a_row(&shorter, a), [1]);
         // With every free page taken by sequences of their own.
         let full = |l: &PageLedger| {
             let mut full = l.clone();
@@ -1935,11 +1932,7 @@ mod tests {
         assert_eq!(orphans.pinned, [(page, 2)]);
         l.truncate(c, 2).unwrap();
         l.scrub_when_unpinned(&orphans.pinned);
-        let plan = l.plan_append(c, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(
-            plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(),
-            [page]
-        );
+        assert_eq!(copied_by_a_row(&l, c), [page]);
         assert!(out_of_pages(&l, c));
     }
 
@@ -1963,16 +1956,13 @@ mod tests {
         assert_eq!(l.hold(a).unwrap(), [0, 1]);
         l.truncate(a, 3).unwrap();
         assert_eq!((l.page_refs(1), l.free_pages()), (Some(1), 6));
-        let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
-        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(), [0]);
+        assert_eq!(copied_by_a_row(&l, a), [0]);
         assert_eq!(l.unpin(&[0, 1]), vec![], "no zeroing waited");
         assert_eq!(
             (l.page_refs(0), l.page_refs(1), l.free_pages()),
             (Some(1), Some(0), 7)
         );
-        let plan = l.plan_append(a, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(plan.copies, [], "unheld, into the page itself");
+        assert_eq!(copied_by_a_row(&l, a), [], "unheld, into the page itself");
 
         // A fork of all 6 rows (a has 6 again) shares both pages; a is removed with both held.
         grow(&mut l, a, 3);
@@ -1980,18 +1970,23 @@ mod tests {
         assert_eq!(l.hold(a).unwrap(), [0, 1]);
         l.remove(a).unwrap();
         // c's row 6 lies past a's rows of its second page (4 and 5): into the page itself.
-        let plan = l.plan_append(c, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(plan.copies, []);
+        assert_eq!(copied_by_a_row(&l, c), []);
         // Truncated to 5, its row 5 lies within them: into a private copy.
         let mut shorter = l.clone();
         shorter.truncate(c, 5).unwrap();
-        let plan = shorter.plan_append(c, 0, 2, |i| &one[i]).unwrap();
-        assert_eq!(plan.copies.iter().map(|c| c.from).collect::<Vec<_>>(), [1]);
+        assert_eq!(copied_by_a_row(&shorter, c), [1]);
         assert_eq!(l.unpin(&[0, 1]), vec![]);
         assert_eq!(
             (l.page_refs(0), l.page_refs(1), l.free_pages()),
             (Some(1), Some(1), 6)
         );
+    }
+
+    /// The pages a one-row append to layer 0 of `seq` would copy first (planned, not made).
+    fn copied_by_a_row(l: &PageLedger, seq: SeqId) -> Vec<u32> {
+        let one: Vec<Vec<usize>> = l.shapes[0].iter().map(|t| [&[1][..], t].concat()).collect();
+        let plan = l.plan_append(seq, 0, one.len(), |i| &one[i]).unwrap();
+        plan.copies.iter().map(|c| c.from).collect()
     }
 
     /// Appends `n` rows to every layer with slots of `seq` and commits them.
