@@ -921,7 +921,7 @@ impl PageLedger {
             let total = per_seq.entry(seq).or_default();
             *total = total.saturating_add(n);
         }
-        // Held pages written into: how many writers, whether one writes below the rows a pin
+        // Pages written into: how many writers, whether one writes below the rows a pin
         // reads (or into a page whose zeroing waits for its pins), and the row of the page each
         // layer of the first writer writes from (None where they differ between writers).
         type Starts = Option<Vec<Option<usize>>>;

@@ -860,10 +860,10 @@ impl PagedCache {
     /// the whole growth. The appends would be refused too, but where both problems exist they may
     /// name the other one first (they meet them in their own order). One count is cautious: where a
     /// shared page has several writers in the growth that do not all write from the same row of it,
-    /// or one of them writes into the rows a recorded copy or a held encoder still reads (see
-    /// [`PagedCache`]; or a scrub waits for them), each writer counts a private copy (in a recorded
-    /// step the first writer's copy pins the page, and a later writer below its rows copies it
-    /// too; host appends take one copy fewer). Changes nothing.
+    /// each writer counts a private copy (in a recorded step the first writer's copy pins the page,
+    /// and a later writer below its rows copies it too; host appends take one copy fewer there).
+    /// So does each writer where one of them writes into the rows a recorded copy or a held encoder
+    /// still reads (see [`PagedCache`]), or into a page whose zeroing waits. Changes nothing.
     pub fn admits(&self, growth: &[(SeqId, usize)]) -> Result<()> {
         self.ledger.admits(growth)
     }
