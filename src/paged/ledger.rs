@@ -1347,6 +1347,40 @@ mod tests {
         copies.len()
     }
 
+    /// A quarter of the time where removing `seq` (`new_len` None) or truncating it drops rows, holds
+    /// every page of it as for an encoder recorded over it ([`PageLedger::hold`]), each pin with
+    /// the rows of the page `seq` sees and those rows' values now; returns how many pages.
+    fn hold_sometimes(
+        l: &mut PageLedger,
+        pool: &Pool,
+        pinned: &mut Pinned,
+        (seq, new_len): (SeqId, Option<usize>),
+        rng: &mut crate::reference::Xorshift,
+    ) -> usize {
+        if rng.below(4) != 0 || l.drops_rows(seq, new_len) != Ok(true) {
+            return 0;
+        }
+        let (s, p) = (&l.seqs[&seq], l.page_size);
+        let held: Vec<PageCopy> = (s.pages.iter().enumerate())
+            .map(|(index, &page)| PageCopy {
+                index,
+                from: page,
+                to: page,
+                rows: (0..l.shapes.len())
+                    .map(|layer| s.visible(layer).saturating_sub(index * p).min(p))
+                    .collect(),
+            })
+            .collect();
+        assert_eq!(
+            l.hold(seq).unwrap(),
+            held.iter().map(|h| h.from).collect::<Vec<_>>()
+        );
+        for h in &held {
+            pinned.push((h.clone(), copied_rows(pool, p, h)));
+        }
+        held.len()
+    }
+
     thread_local! {
         /// Private page copies the random test's plans made.
         static COPIES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
@@ -1362,6 +1396,8 @@ mod tests {
         let mut matched = 0;
         // Pages pinned as if by recorded copies, and unpins that returned rows a scrub left.
         let (mut pins, mut scrubbed) = (0, 0);
+        // Pages held as if for encoders recorded over sequences removed or truncated.
+        let mut holds = 0;
         for seed in 1..=40u64 {
             let mut rng = crate::reference::Xorshift::new(seed);
             let mut l = PageLedger::new(&spec, page_size, n_pages);
@@ -1439,6 +1475,7 @@ mod tests {
                         // Half the time with a scrub: what pins hold waits for them.
                         let seq = pick(&mut rng);
                         let scrub = rng.below(2) == 0;
+                        holds += hold_sometimes(&mut l, &pool, &mut pinned, (seq, None), &mut rng);
                         let orphans = l.orphaned_rows(seq, None);
                         l.remove(seq).map(|()| {
                             model.remove(&seq);
@@ -1466,6 +1503,8 @@ mod tests {
                         let len = l.len(seq).unwrap_or(0);
                         let new_len = rng.below(len + 2);
                         let scrub = rng.below(2) == 0;
+                        let at = (seq, Some(new_len));
+                        holds += hold_sometimes(&mut l, &pool, &mut pinned, at, &mut rng);
                         let orphans = l.orphaned_rows(seq, Some(new_len));
                         l.truncate(seq, new_len).map(|()| {
                             for rows in model.get_mut(&seq).unwrap() {
@@ -1724,12 +1763,18 @@ mod tests {
         let copies = COPIES.with(|c| c.get());
         eprintln!(
             "{copies} page copies; {out_of_pages} of 40 runs ran out of pages; {matched} sequences \
-             started from published pages; {pins} pins, {scrubbed} scrubs at an unpin"
+             started from published pages; {pins} pins, {holds} held pages, {scrubbed} scrubs at an \
+             unpin"
         );
         assert!(
-            copies > 100 && out_of_pages > 10 && matched > 100 && pins > 20 && scrubbed > 3,
+            copies > 100
+                && out_of_pages > 10
+                && matched > 100
+                && pins > 20
+                && holds > 50
+                && scrubbed > 3,
             "{copies} copies, {out_of_pages} full pools, {matched} sequences from published pages, \
-             {pins} pins, {scrubbed} scrubs at an unpin"
+             {pins} pins, {holds} held pages, {scrubbed} scrubs at an unpin"
         );
     }
 
