@@ -387,14 +387,8 @@ impl PageLedger {
     /// those rows through a private copy. Returns the pages pinned.
     pub(crate) fn hold(&mut self, seq: SeqId) -> Result<Vec<u32>> {
         let s = self.seq(seq)?;
-        let p = self.page_size;
         let held: Vec<(u32, Vec<usize>)> = (s.pages.iter().enumerate())
-            .map(|(i, &page)| {
-                let rows = (0..self.shapes.len())
-                    .map(|layer| s.visible(layer).saturating_sub(i * p).min(p))
-                    .collect();
-                (page, rows)
-            })
+            .map(|(i, &page)| (page, self.rows_seen(s, i)))
             .collect();
         for (page, rows) in &held {
             self.pin_rows(*page, rows);
@@ -407,6 +401,17 @@ impl PageLedger {
     pub(crate) fn drops_rows(&self, seq: SeqId, new_len: Option<usize>) -> Result<bool> {
         let s = self.truncatable(seq, new_len.unwrap_or(0))?;
         Ok(new_len.is_none_or(|n| (0..self.shapes.len()).any(|layer| s.visible(layer) > n)))
+    }
+
+    /// Per layer, the rows of its page `i` that `s` sees (0 for a layer without slots).
+    fn rows_seen(&self, s: &Sequence, i: usize) -> Vec<usize> {
+        let p = self.page_size;
+        (0..self.shapes.len())
+            .map(|l| match self.shapes[l].is_empty() {
+                true => 0,
+                false => s.visible(l).saturating_sub(i * p).min(p),
+            })
+            .collect()
     }
 
     /// One more pin of `page`, whose writes below `rows` (per layer) go into a private copy.
@@ -627,17 +632,11 @@ impl PageLedger {
                 page
             } else if self.must_copy(s.pages[i], layer, from(i)) {
                 let to = taken.next().expect("counted");
-                let rows = (0..self.shapes.len())
-                    .map(|l| match self.shapes[l].is_empty() {
-                        true => 0,
-                        false => s.visible(l).saturating_sub(i * p).min(p),
-                    })
-                    .collect();
                 plan.copies.push(PageCopy {
                     index: i,
                     from: s.pages[i],
                     to,
-                    rows,
+                    rows: self.rows_seen(s, i),
                 });
                 to
             } else {

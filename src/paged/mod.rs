@@ -1220,7 +1220,8 @@ impl PagedCache {
     /// Holds `seqs` for `encoder`, which reads or writes their pages and table rows when it runs,
     /// until its work is done (or it is dropped unsubmitted): a removal or truncation of one of
     /// them meanwhile keeps what it takes for the encoder ([`PagedCache::let_go`]). Attention
-    /// recorded over a pool's sequences calls this; so do recorded GPU appends.
+    /// recorded over a pool's sequences calls this; recorded GPU appends hold theirs through their
+    /// [`Pins`].
     pub(crate) fn hold_until_done(
         &self,
         encoder: &mut wgpu::CommandEncoder,
