@@ -81,6 +81,10 @@ pub(crate) const LANE_FLOATS_ALONE: usize = 800;
 /// DeepSeek-V2-Lite's decode at 512 rows took 0.60-0.71 of the time of 32 workgroups, at 4k
 /// 0.92-0.99.
 const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
+/// Queries per team on CPU adapters, the most first ([`StreamKey::queries`]). Calls of 2 or 3
+/// queries keep decode's kernel: each team size is one more kernel for [`crate::Attention::prepare`]
+/// to compile (about 1.2 s each for Llama-3-8B on lavapipe with an empty shader cache).
+const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
 /// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
@@ -297,6 +301,14 @@ pub(crate) struct Dispatch {
 }
 
 impl Dispatch {
+    /// Queries per pass-1 workgroup: its grid's second dimension is the pair's queries over this.
+    pub(crate) fn queries_per_team(&self) -> u32 {
+        match self.kernel {
+            Pass1::Stream(key) => key.queries,
+            Pass1::Tiled { .. } => 1,
+        }
+    }
+
     /// The parameters of every pair, in order.
     pub(crate) fn pairs(&self) -> impl Iterator<Item = AttnParams> + '_ {
         let n_q = self.params.n_q as usize;
@@ -605,7 +617,31 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     // row's stride. On lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4 KV heads per
     // team than with 1 (docs/benchmarks.md). GPUs keep one, for more workgroups.
     let team_floats = stream::lane_floats(s.dtypes, lanes as usize, heads, dims, s.v_from_a, rows);
+    // Several queries of one cache or one pool sequence (chunked prefill, verification) on a CPU
+    // adapter: a team of one KV head with all of its query heads takes as many of them as fit the
+    // same budget, so each row it loads serves every one. Loads, not arithmetic, set the pace
+    // there: a query per team loaded every row once per query.
+    let queries = match sum {
+        TeamSum::Subgroup | TeamSum::Shared if dev.cpu && s.ragged.is_none() && heads == group => {
+            QUERIES_PER_TEAM
+                .into_iter()
+                .find(|&n| {
+                    n <= s.n_q
+                        && stream::lane_floats(
+                            s.dtypes,
+                            lanes as usize,
+                            n * heads,
+                            dims,
+                            s.v_from_a,
+                            rows,
+                        ) <= most
+                })
+                .unwrap_or(1)
+        }
+        _ => 1,
+    };
     let kvs = match sum {
+        _ if queries > 1 => 1,
         TeamSum::Subgroup if dev.cpu && heads == group => KV_HEADS_PER_TEAM
             .into_iter()
             .find(|&n| s.n_kv.is_multiple_of(n) && n * team_floats <= most)
@@ -625,6 +661,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         // serves calls with and without a cap (fewer cold compiles on GL).
         soft_cap: s.soft_cap > 0.0 || !(dev.cpu && sum == TeamSum::Subgroup),
         step_rows,
+        queries: queries as u32,
         // A CPU adapter loads a storage vector component by component, lane by lane: 64-bit
         // components halve that. GPUs keep 32-bit words (their 16-byte loads are one instruction).
         wide: dev.cpu && dev.int64,
@@ -686,7 +723,7 @@ fn plan_stream(s: &CallShape, dev: &DeviceFacts, key: StreamKey) -> Result<Dispa
     // sequence's end is a workgroup with no row (on GL a batch of 128 sequences of mean 308 rows ran
     // 1.19-1.24x the contiguous call with 4 chunks each, 1.05-1.15x with 1).
     let want = target
-        .div_ceil(teams * s.n_q)
+        .div_ceil(teams * s.n_q.div_ceil(key.queries as usize))
         .max(match key.sum {
             TeamSum::Alone => ragged_chunks(s, rows, teams, target / width),
             _ => ragged_chunks(s, rows, teams / width, target / width),
@@ -1098,6 +1135,65 @@ mod tests {
         fn n_chunks(&self) -> usize {
             self.params.n_chunks as usize
         }
+    }
+
+    /// Teams of several queries ([`StreamKey::queries`]): on CPU adapters, for calls of one cache
+    /// or one pool sequence, as many of a call's queries as fit the register budget beside a whole
+    /// group of heads (Llama-3-8B f32: 4 x 4 heads x 32 floats + 32 of the row = 544 of 656), one KV
+    /// head per team; none for decode, ragged batches, one-invocation teams or GPUs. The grid's
+    /// query dimension counts teams of queries, so a call of 7 takes two.
+    #[test]
+    fn cpu_teams_take_several_queries_of_one_sequence() {
+        let key = |s: &CallShape, dev: &DeviceFacts| match plan(s, dev).unwrap().kernel {
+            Pass1::Stream(k) => (k.queries, k.kvs, k.heads),
+            other => panic!("{s:?}: {other:?}"),
+        };
+        let llama = |dtype, n_q| gqa(dtype, n_q, 32, 8, 128, 4096);
+        assert_eq!(key(&llama(DType::F32, 1), &LAVAPIPE), (1, 4, 4));
+        assert_eq!(key(&llama(DType::F32, 3), &LAVAPIPE), (1, 4, 4));
+        for n_q in [4, 7, 8, 64] {
+            assert_eq!(key(&llama(DType::F16, n_q), &LAVAPIPE), (4, 1, 4), "{n_q}");
+        }
+        // Small heads fit 8 queries (8 x 4 heads x (8 + 8) floats + 16).
+        assert_eq!(
+            key(&gqa(DType::F32, 8, 32, 8, 64, 4096), &LAVAPIPE),
+            (8, 1, 4)
+        );
+        // The workgroup memory kernel too, within its own budget (8 lanes: 344 floats, which
+        // Llama-3-8B's four queries would pass).
+        let shared = DeviceFacts {
+            choice: KernelChoice::StreamShared,
+            ..LAVAPIPE
+        };
+        assert_eq!(key(&llama(DType::F32, 8), &shared), (1, 1, 4));
+        assert_eq!(key(&gqa(DType::F32, 8, 8, 8, 64, 4096), &shared), (8, 1, 1));
+        // None elsewhere.
+        let alone = DeviceFacts {
+            choice: KernelChoice::StreamAlone,
+            ..LAVAPIPE
+        };
+        assert_eq!(key(&llama(DType::F32, 8), &alone).0, 1);
+        assert_eq!(key(&llama(DType::F32, 8), &GPU).0, 1);
+        let ragged = CallShape {
+            paging: Some(Paging {
+                page_size: 16,
+                table_base: 0,
+                n_pages: 512,
+            }),
+            ragged: Some(Ragged { lo: 0, seen: 4096 }),
+            ..llama(DType::F32, 8)
+        };
+        assert_eq!(key(&ragged, &LAVAPIPE).0, 1);
+        let paged = CallShape {
+            ragged: None,
+            ..ragged
+        };
+        assert_eq!(key(&paged, &LAVAPIPE).0, 4);
+        // MLA's teams fill the budget with heads (8 of DeepSeek-V2-Lite's 16, two rows).
+        assert_eq!(key(&mla(DType::F32, 8, 4096), &LAVAPIPE), (1, 1, 8));
+        let d = plan(&llama(DType::F32, 7), &LAVAPIPE).unwrap();
+        assert_eq!(d.queries_per_team(), 4);
+        assert_eq!(d.pairs().map(|p| p.q_count.div_ceil(4)).sum::<u32>(), 2);
     }
 
     /// Which KV heads a team takes and whether its kernel has the logit cap: lavapipe's subgroup

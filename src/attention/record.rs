@@ -222,7 +222,8 @@ impl Attention {
             pass.set_bind_group(1, &io, &[]);
             pass.set_bind_group(2, &params.group, &[params.offset]);
             let (chunks, teams) = dispatch.pass1;
-            pass.dispatch_workgroups(chunks, pair.q_count, teams);
+            let queries = pair.q_count.div_ceil(dispatch.queries_per_team());
+            pass.dispatch_workgroups(chunks, queries, teams);
             if let Some(reduce) = &reduce {
                 pass.set_pipeline(self.kernels.attention_reduce(dispatch.reduce_lanes));
                 pass.set_bind_group(0, reduce, &[]);

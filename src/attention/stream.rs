@@ -3,7 +3,9 @@
 //!
 //! One workgroup is one *team* of `lanes` invocations; it takes one chunk of the visible rows, one KV
 //! head and `heads` of the query heads that share it, for one query (on CPU adapters with
-//! subgroups, `kvs` consecutive KV heads with all of their query heads: [`StreamKey::kvs`]). The
+//! subgroups, `kvs` consecutive KV heads with all of their query heads: [`StreamKey::kvs`]; on CPU
+//! adapters, for a call of several queries of one sequence, `queries` of them with one KV head's
+//! query heads: [`StreamKey::queries`]). The
 //! lanes split every row between them in 16-byte loads (`vec4<u32>`: four f32, eight 16-bit,
 //! sixteen q8_0 or fp8 elements; q4_0 in 8-byte loads of sixteen, so that a head of 128 still spans
 //! eight lanes; the block types also load the vector holding that vector's scale; on CPU adapters
@@ -105,6 +107,12 @@ pub(crate) struct StreamKey {
     /// `plan::LANE_FLOATS_TWO_ROWS`, and for GQA over a contiguous f32 cache on GPUs,
     /// `plan::GPU_STEP_ROWS`; 4 ran slower there).
     pub step_rows: u32,
+    /// Consecutive queries per team (1, 2, 4 or 8; more than 1 only for calls of one cache or one
+    /// pool sequence, whose queries are the last rows in order, and with one KV head per team):
+    /// each row a team loads serves the scores and values of every query it holds, so chunked
+    /// prefill and verification read the rows once per team of queries instead of once per query.
+    /// A query's rows past its own (causal) or before its window are masked out of its softmax.
+    pub queries: u32,
     pub sum: TeamSum,
     /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
     /// `u64`; f32 and 16-bit slices of whole pairs of steps two vectors at once, `vec4<u64>`) and
@@ -418,6 +426,14 @@ impl Gen {
         let k = self.key;
         // The team's query heads: `heads` for each of its `kvs` KV heads, consecutive from `h0`.
         let th = k.heads * k.kvs;
+        // Its queries: `queries` consecutive ones from `qi`, each with the same heads. Pair
+        // `t = qq * th + h` is query `qi + qq`'s head `h0 + h`; its registers are named by `t`.
+        let qt = k.queries;
+        let pairs = || (0..qt * th).map(move |t| (t, t / th, t % th));
+        debug_assert!(
+            qt == 1 || (k.rows != RowMode::Ragged && k.sum != TeamSum::Alone && k.kvs == 1),
+            "{k:?}"
+        );
         let a = self.slice(0, k.d_a);
         let b = self.slice(1, k.d_b);
         let v = self.slice(2, k.d_v);
@@ -428,6 +444,9 @@ impl Gen {
         line!(self, "const LANES: u32 = {}u;", k.lanes);
         line!(self, "const HT: u32 = {}u;", k.heads);
         line!(self, "const KVS: u32 = {}u;", k.kvs);
+        if qt > 1 {
+            line!(self, "const QT: u32 = {qt}u;");
+        }
         line!(self, "const NEG: f32 = -3.4028234e38;");
         line!(self, "const ROWS: u32 = {}u;", k.rows.code());
         if k.rows == RowMode::Ragged && k.sum == TeamSum::Shared {
@@ -449,7 +468,7 @@ impl Gen {
             line!(
                 self,
                 "var<workgroup> sums: array<f32, {}>;",
-                2 * k.heads * k.lanes
+                2 * k.heads * qt * k.lanes
             );
         }
         self.unpack(&a, &b, &v);
@@ -485,13 +504,21 @@ impl Gen {
         };
         line!(self, "    let kv = {team} / max(p.n_batches, 1u) * KVS;");
         line!(self, "    let batch = {team} % max(p.n_batches, 1u);");
-        line!(self, "    let local = wg.y;");
+        if qt > 1 {
+            line!(self, "    let local = wg.y * QT;");
+        } else {
+            line!(self, "    let local = wg.y;");
+        }
         line!(self, "    let qi = p.q_first + local;");
         line!(
             self,
             "    if chunk >= p.n_chunks || kv >= p.n_kv || local >= p.q_count || !in_bounds() {{ return; }}"
         );
         line!(self, "    let h0 = kv * p.group + batch * HT;");
+        if qt > 1 {
+            // The team's queries that the call has: `qi .. qi + nq`.
+            line!(self, "    let nq = min(QT, p.q_count - local);");
+        }
         if k.rows == RowMode::Ragged {
             // The query's own row and first page-table entry, read from the query table once and
             // shared, so that the row loop stays in uniform control flow (shaders/shared/rows.wgsl).
@@ -553,9 +580,11 @@ impl Gen {
         } else {
             line!(self, "    let c_start = p.lo + chunk * p.chunk_len;");
             line!(self, "    let start = max(c_start, first);");
+            // Up to the last query's own row (`last` is the first query's).
+            let seen = if qt > 1 { "nq" } else { "1u" };
             line!(
                 self,
-                "    let end = min(min(p.visible, c_start + p.chunk_len), last + 1u);"
+                "    let end = min(min(p.visible, c_start + p.chunk_len), last + {seen});"
             );
         }
         line!(
@@ -581,20 +610,31 @@ impl Gen {
             }
             let view = if q == "q_a" { "p.view_a" } else { "p.view_b" };
             line!(self, "    let {q}_se = {view}.w;");
-            for h in 0..th {
+            for (t, qq, h) in pairs() {
+                let query = if qq == 0 {
+                    "qi".to_string()
+                } else {
+                    format!("qi + {qq}u")
+                };
                 line!(
                     self,
-                    "    let {q}{h}_base = view_at({view}, qi, h0 + {h}u, 0u);"
+                    "    let {q}{t}_base = view_at({view}, {query}, h0 + {h}u, 0u);"
                 );
                 for j in 0..s.steps() {
-                    let names = s.parts(&format!("{q}{h}_"), j);
+                    let names = s.parts(&format!("{q}{t}_"), j);
                     let guard = self.guard(s, j);
+                    // A query the call does not have is left 0 (its results are not written).
+                    let guard = if qq == 0 {
+                        guard
+                    } else {
+                        format!("{qq}u < nq && {guard}")
+                    };
                     let (parts, u) = (s.n_parts(), s.u());
                     for (c, name) in names.iter().enumerate() {
                         let e = |i: u32| -> String {
                             let i = parts * i + c as u32;
                             format!(
-                                "{q}[{q}{h}_base + (({}) * {u}u + {i}u) * {q}_se]",
+                                "{q}[{q}{t}_base + (({}) * {u}u + {i}u) * {q}_se]",
                                 s.vec_of(j)
                             )
                         };
@@ -611,12 +651,12 @@ impl Gen {
                 }
             }
         }
-        // Running max and sum per head, and the lane's accumulators.
-        for h in 0..th {
-            line!(self, "    var m{h} = NEG;");
-            line!(self, "    var l{h} = 0.0;");
+        // Running max and sum per head and query, and the lane's accumulators.
+        for t in 0..qt * th {
+            line!(self, "    var m{t} = NEG;");
+            line!(self, "    var l{t} = 0.0;");
             for j in 0..v.steps() {
-                for name in v.parts(&format!("o{h}_"), j) {
+                for name in v.parts(&format!("o{t}_"), j) {
                     line!(self, "    var {name} = vec4<f32>(0.0);");
                 }
             }
@@ -660,25 +700,43 @@ impl Gen {
         line!(self, "    }}");
         // Results: (max, sum) per head from lane 0, each lane's share of the unnormalised output
         // (normalised where it is the output: `p.direct`).
+        // Pair t's results: query qq's are `qq * n_heads` after the first query's, and only
+        // the queries the call has write theirs.
+        let out = |qq: u32, h: u32| match qq {
+            0 => format!("out0 + {h}u"),
+            _ => format!("out0 + {qq}u * p.n_heads + {h}u"),
+        };
+        let has = |qq: u32| match qq {
+            0 => String::new(),
+            _ => format!("{qq}u < nq && "),
+        };
         line!(self, "    if lane == 0u {{");
-        for h in 0..th {
-            line!(self, "        stats[2u * (out0 + {h}u)] = m{h};");
-            line!(self, "        stats[2u * (out0 + {h}u) + 1u] = l{h};");
+        for (t, qq, h) in pairs() {
+            let (o, has) = (out(qq, h), has(qq));
+            if has.is_empty() {
+                line!(self, "        stats[2u * ({o})] = m{t};");
+                line!(self, "        stats[2u * ({o}) + 1u] = l{t};");
+            } else {
+                line!(
+                    self,
+                    "        if {qq}u < nq {{ stats[2u * ({o})] = m{t}; stats[2u * ({o}) + 1u] = l{t}; }}"
+                );
+            }
         }
         line!(self, "    }}");
-        for h in 0..th {
+        for (t, qq, h) in pairs() {
             // Where this call's one chunk is the whole result (`p.direct`), the output itself, as
             // the reduce would write it (its one weight is exp(0) = 1): 0 where no row was seen.
             line!(
                 self,
-                "    let inv{h} = select(1.0, select(0.0, 1.0 / l{h}, l{h} > 0.0), p.direct != 0u);"
+                "    let inv{t} = select(1.0, select(0.0, 1.0 / l{t}, l{t} > 0.0), p.direct != 0u);"
             );
-            line!(self, "    let o{h}_base = (out0 + {h}u) * {}u;", k.d_v);
+            line!(self, "    let o{t}_base = ({}) * {}u;", out(qq, h), k.d_v);
             for j in 0..v.steps() {
-                let guard = self.guard(&v, j);
+                let guard = format!("{}{}", has(qq), self.guard(&v, j));
                 // In vectors of 4: d_v and u are multiples of 4 in every streaming shape.
-                let at = format!("(o{h}_base + ({}) * {}u) / 4u", v.vec_of(j), v.u());
-                let names = v.parts(&format!("o{h}_"), j);
+                let at = format!("(o{t}_base + ({}) * {}u) / 4u", v.vec_of(j), v.u());
+                let names = v.parts(&format!("o{t}_"), j);
                 let parts = v.n_parts();
                 let mut body = String::new();
                 // A scaled fp8 slot's values are its numbers times the scale: once, on the sums.
@@ -689,7 +747,7 @@ impl Gen {
                 };
                 let elem = |i: u32| {
                     let (name, c) = (&names[(i % parts) as usize], i / parts);
-                    format!("{name}[{c}]{scale} * inv{h}")
+                    format!("{name}[{c}]{scale} * inv{t}")
                 };
                 for g in 0..v.u() / 4 {
                     let [e0, e1, e2, e3] = [0, 1, 2, 3].map(|i| elem(4 * g + i));
@@ -1111,6 +1169,28 @@ impl Gen {
                 }
             }
         };
+        // Which of the iteration's rows each of the team's queries sees: its own row and those
+        // before it, within its window (the first query's rows are `last` and before).
+        // (A team of one query needs none: its rows end at its own.)
+        let masked = if k.queries > 1 { k.queries } else { 0 };
+        for qq in 0..masked {
+            for i in 0..k.step_rows {
+                let (row, x) = match i {
+                    0 => ("r".to_string(), String::new()),
+                    _ => (format!("(r + {i}u)"), format!("_{i}")),
+                };
+                // (A query the call does not have needs no mask: its results are not written.)
+                let mut cond = Vec::new();
+                if i > 0 {
+                    cond.push(format!("has{i}"));
+                }
+                cond.push(format!("{row} <= last + {qq}u"));
+                cond.push(format!(
+                    "(p.window == 0u || last + {qq}u - {row} < p.window)"
+                ));
+                line!(self, "        let vq{qq}{x} = {};", cond.join(" && "));
+            }
+        }
         // A team of several KV heads takes each of them in turn.
         debug_assert!(k.kvs == 1 || k.sum == TeamSum::Subgroup, "{k:?}");
         for kk in 0..k.kvs {
@@ -1141,7 +1221,12 @@ impl Gen {
             0 => u.to_string(),
             _ => format!("({u} + {}u)", kk * s.loads()),
         };
-        let heads = kk * k.heads..(kk + 1) * k.heads;
+        // The (pair, query, head) of each head of this KV head, for each of the team's queries
+        // (with several queries, one KV head: pair `qq * heads + h`).
+        let th = k.heads * k.kvs;
+        let heads: Vec<(u32, u32, u32)> = (0..k.queries)
+            .flat_map(|qq| (kk * k.heads..(kk + 1) * k.heads).map(move |h| (qq * th + h, qq, h)))
+            .collect();
         let load_v = |g: &mut Gen| {
             for (sr, tag, _) in &rows {
                 load(g, v, &base("uv", v), "rvv", tag, sr);
@@ -1154,7 +1239,7 @@ impl Gen {
         if !k.v_from_a && !late_v {
             load_v(self);
         }
-        for h in heads.clone() {
+        for &(h, _, _) in &heads {
             let mut sums = vec![Vec::new(); rows.len()];
             for (s, q, c) in [(a, "q_a", "x"), (b, "q_b", "y")] {
                 // Each row's products, in the same order.
@@ -1211,7 +1296,7 @@ impl Gen {
         }
         match k.sum {
             TeamSum::Subgroup => {
-                for h in heads.clone() {
+                for &(h, _, _) in &heads {
                     for (_, _, x) in &rows {
                         line!(self, "        s{h}{x} = subgroupAdd(s{h}{x});");
                     }
@@ -1220,12 +1305,16 @@ impl Gen {
             TeamSum::Alone => {}
             TeamSum::Shared => {
                 debug_assert!(k.step_rows == 1, "{k:?}");
-                line!(self, "        let sb = par * {}u;", k.heads * k.lanes);
-                for h in heads.clone() {
+                line!(
+                    self,
+                    "        let sb = par * {}u;",
+                    k.heads * k.queries * k.lanes
+                );
+                for &(h, _, _) in &heads {
                     line!(self, "        sums[sb + {}u + lane] = s{h};", h * k.lanes);
                 }
                 line!(self, "        workgroupBarrier();");
-                for h in heads.clone() {
+                for &(h, _, _) in &heads {
                     let terms: Vec<String> = (0..k.lanes)
                         .map(|l| format!("sums[sb + {}u]", h * k.lanes + l))
                         .collect();
@@ -1235,7 +1324,7 @@ impl Gen {
             }
         }
         let xv = |tag: &str| format!("{}{tag}", if k.v_from_a { "xa" } else { "xv" });
-        for h in heads.clone() {
+        for &(h, qq, _) in &heads {
             for (_, _, x) in &rows {
                 line!(self, "        s{h}{x} *= p.scale;");
                 if k.soft_cap {
@@ -1245,13 +1334,25 @@ impl Gen {
                     );
                 }
             }
-            // The iteration's largest score: row i's only where the chunk has it.
-            let top = if k.step_rows > 1 {
-                line!(self, "        var mx{h} = s{h};");
+            // The iteration's largest score: row i's only where the chunk has it (and, for a team
+            // of several queries, where the query sees it: `vq`, which holds `has` too).
+            let masked = k.queries > 1;
+            let seen = |i: u32| match (masked, i) {
+                (true, 0) => format!("vq{qq}"),
+                (true, _) => format!("vq{qq}_{i}"),
+                (false, _) => format!("has{i}"),
+            };
+            let top = if k.step_rows > 1 || masked {
+                if masked {
+                    line!(self, "        var mx{h} = select(NEG, s{h}, {});", seen(0));
+                } else {
+                    line!(self, "        var mx{h} = s{h};");
+                }
                 for i in 1..k.step_rows {
                     line!(
                         self,
-                        "        mx{h} = select(mx{h}, max(mx{h}, s{h}_{i}), has{i});"
+                        "        mx{h} = select(mx{h}, max(mx{h}, s{h}_{i}), {});",
+                        seen(i)
                     );
                 }
                 format!("mx{h}")
@@ -1268,13 +1369,23 @@ impl Gen {
                 }
             }
             line!(self, "        }}");
-            line!(self, "        let e{h} = exp(s{h} - m{h});");
+            if masked {
+                // Exactly 0 for a row the query does not see.
+                line!(
+                    self,
+                    "        let e{h} = select(0.0, exp(s{h} - m{h}), {});",
+                    seen(0)
+                );
+            } else {
+                line!(self, "        let e{h} = exp(s{h} - m{h});");
+            }
             line!(self, "        l{h} += e{h};");
             for i in 1..k.step_rows {
                 // Exactly 0 without row i, whose registers are then 0 too.
                 line!(
                     self,
-                    "        let e{h}_{i} = select(0.0, exp(s{h}_{i} - m{h}), has{i});"
+                    "        let e{h}_{i} = select(0.0, exp(s{h}_{i} - m{h}), {});",
+                    seen(i)
                 );
                 line!(self, "        l{h} += e{h}_{i};");
             }
@@ -1284,7 +1395,7 @@ impl Gen {
         }
         if late_v {
             load_v(self);
-            for h in heads.clone() {
+            for &(h, _, _) in &heads {
                 self.accumulate(v, &rows, &xv, h);
             }
         }
@@ -1402,6 +1513,7 @@ mod tests {
                                     v_from_a,
                                     soft_cap: rows == RowMode::Paged,
                                     step_rows: 1,
+                                    queries: 1,
                                     // 64-bit loads for two of the three row modes.
                                     wide: rows != RowMode::Paged,
                                     sum,
@@ -1442,6 +1554,7 @@ mod tests {
                         v_from_a: false,
                         soft_cap: rows == RowMode::Contiguous,
                         step_rows: 1,
+                        queries: 1,
                         wide,
                         sum: TeamSum::Subgroup,
                         rows,
@@ -1473,6 +1586,7 @@ mod tests {
             v_from_a: false,
             soft_cap: false,
             step_rows: 1,
+            queries: 1,
             wide,
             sum: TeamSum::Subgroup,
             rows: RowMode::Contiguous,
@@ -1553,6 +1667,7 @@ mod tests {
                         v_from_a,
                         soft_cap: rows != RowMode::Contiguous,
                         step_rows,
+                        queries: 1,
                         wide,
                         sum: TeamSum::Subgroup,
                         rows,
@@ -1564,6 +1679,64 @@ mod tests {
             }
         }
         assert_eq!(checked, 210);
+    }
+
+    /// Teams of several queries ([`StreamKey::queries`]) for every storage type, both sums that
+    /// take them, both row modes, one and two rows per iteration (MLA), narrow rows and the cap
+    /// among them.
+    #[test]
+    fn kernels_of_several_queries_validate() {
+        let mut checked = 0;
+        for dtype in DType::STORAGE {
+            let u = per_vec(dtype) as u32;
+            for (queries, heads, d_a, d_b, d_v, v_from_a, step_rows) in [
+                (2, 4, 128, 0, 128, false, 1),
+                (4, 1, 3 * u, 0, u, false, 1),
+                (8, 2, 64, 0, 32, false, 1),
+                (4, 4, u, u, u, true, 2),
+            ] {
+                for sum in [TeamSum::Subgroup, TeamSum::Shared] {
+                    for (rows, wide) in [RowMode::Contiguous, RowMode::Paged]
+                        .into_iter()
+                        .flat_map(|r| [(r, false), (r, true)])
+                    {
+                        if (0..3).any(|i| [d_a, d_b, d_v][i] % per_vec(dtype) as u32 != 0) {
+                            continue;
+                        }
+                        let narrow = [dtype.block().is_some() && rows == RowMode::Paged; 3];
+                        let key = StreamKey {
+                            dtypes: [dtype; 3],
+                            lanes: 8,
+                            heads,
+                            kvs: 1,
+                            d_a,
+                            d_b,
+                            d_v,
+                            v_from_a,
+                            soft_cap: wide,
+                            step_rows: if sum == TeamSum::Subgroup {
+                                step_rows
+                            } else {
+                                1
+                            },
+                            queries,
+                            wide,
+                            sum,
+                            rows,
+                            narrow,
+                        };
+                        let text = source(&key, PRELUDE, ROWS);
+                        assert!(
+                            text.contains(&format!("const QT: u32 = {queries}u;")),
+                            "{key:?}"
+                        );
+                        validate(&key);
+                        checked += 1;
+                    }
+                }
+            }
+        }
+        assert!(checked >= 200, "{checked} kernels");
     }
 
     /// Slots of different types side by side: each type's unpacking is declared once (f16 and bf16,
@@ -1611,6 +1784,7 @@ mod tests {
                         } else {
                             1
                         },
+                        queries: 1,
                         wide,
                         sum,
                         rows,

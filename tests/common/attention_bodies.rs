@@ -1764,7 +1764,11 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             }
             c.advance(5).unwrap();
             let what = format!("{types:?} {kernel:?} after prepare");
-            one_gqa_query(g, &mut att, &c, 0, [128, 64], 310, &what).await;
+            // Decode, and chunks of 4 and 5 queries (teams of 4 queries on CPU adapters).
+            for n_q in [1, 4, 5] {
+                let what = format!("{n_q} queries, {what}");
+                one_gqa_query(g, &mut att, &c, 0, [128, 64], n_q, 310, &what).await;
+            }
             let options = AttentionOptions::default();
             // MLA (layer 2) and the odd GQA layer 3, where there is one.
             let (ql, qr) = (values(311, 4 * 32), values(312, 4 * 8));
@@ -1790,7 +1794,7 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             assert_close(&read_f32(g, &out).await, &want, &format!("MLA, {what}"));
             if n_layers == 4 {
                 let what = format!("odd, {what}");
-                one_gqa_query(g, &mut att, &c, 3, [33, 17], 313, &what).await;
+                one_gqa_query(g, &mut att, &c, 3, [33, 17], 1, 313, &what).await;
             }
             // Nothing new was needed for those calls (nothing else runs on the shared registry
             // meanwhile: the suite's tests run one at a time).
@@ -1820,6 +1824,7 @@ pub async fn auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused(g: &
         &c,
         0,
         [8, 8],
+        1,
         141,
         "Auto, streaming kernel refused",
     )
@@ -1868,24 +1873,26 @@ pub async fn auto_takes_the_tiled_kernel_where_the_streaming_one_is_refused(g: &
 
 /// One query of 4 heads over GQA layer `layer` of `c` (2 KV heads of `d_k` / `d_v` elements),
 /// against the twin over its read-back.
+#[allow(clippy::too_many_arguments)]
 async fn one_gqa_query(
     g: &Gpu,
     att: &mut Attention,
     c: &KvCache,
     layer: usize,
     [d_k, d_v]: [usize; 2],
+    n_q: usize,
     seed: u64,
     what: &str,
 ) {
-    let q = values(seed, 4 * d_k);
+    let q = values(seed, n_q * 4 * d_k);
     let qb = f32_buffer(&g.device, &q).await;
-    let out = output(&g.device, 4 * d_v).await;
+    let out = output(&g.device, n_q * 4 * d_v).await;
     let options = AttentionOptions::default();
-    att.gqa(c, layer, Queries::new(&qb, 1, 4, d_k), &out, &options)
+    att.gqa(c, layer, Queries::new(&qb, n_q, 4, d_k), &out, &options)
         .unwrap();
     let want = reference::attention_gqa(
         &q,
-        [1, 4, d_k],
+        [n_q, 4, d_k],
         &c.read_f32_async(layer, 0).await.unwrap(),
         &c.read_f32_async(layer, 1).await.unwrap(),
         2,
