@@ -157,6 +157,7 @@ browser_tests!(attention_bodies:
     attention_over_4096_rows_splits_the_sequence,
     large_soft_caps_keep_their_precision,
     a_non_finite_element_stays_in_its_head,
+    a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it,
     a_nan_a_head_reads_makes_its_output_nan,
     attention_sees_the_rows_left_by_truncate_and_reset,
     many_calls_with_different_parameters_share_one_encoder,

@@ -437,8 +437,9 @@ impl Attention {
     }
 
     /// Submits one dispatch of each pass-1 pipeline and of the reduce pass, so that drivers that
-    /// compile a pipeline when it first runs do it now. Each gets the parameters of a decode call
-    /// (lavapipe compiles a variant per value of some parameters), but with its query and output
+    /// compile a pipeline when it first runs do it now. Each gets the parameters of the call it was
+    /// planned for (a decode call, or one of 4 or 8 queries over as many rows; lavapipe compiles a
+    /// variant per value of some parameters), but with its query and output
     /// views starting past any binding (`u32::MAX`): every kernel's bounds check fails, and it returns
     /// before touching memory. (Zero strides alone would not do: every element of such a view is
     /// element 0, which fits the 16-byte bindings, and a kernel would run its whole pass.)

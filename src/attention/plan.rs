@@ -83,7 +83,7 @@ pub(crate) const LANE_FLOATS_ALONE: usize = 800;
 const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
 /// Queries per team on CPU adapters, the most first ([`StreamKey::queries`]). Calls of 2 or 3
 /// queries keep decode's kernel: each team size is one more kernel for [`crate::Attention::prepare`]
-/// to compile (about 1.2 s each for Llama-3-8B on lavapipe with an empty shader cache).
+/// to compile (about 1.8 s for Llama-3-8B's on lavapipe with an empty shader cache).
 const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
@@ -301,12 +301,15 @@ pub(crate) struct Dispatch {
 }
 
 impl Dispatch {
-    /// Queries per pass-1 workgroup: its grid's second dimension is the pair's queries over this.
-    pub(crate) fn queries_per_team(&self) -> u32 {
-        match self.kernel {
+    /// The workgroups of pass 1 for a pair of `q_count` queries: (chunks, teams of queries, KV
+    /// heads x head batches), a team of queries holding [`StreamKey::queries`] of them.
+    pub(crate) fn pass1_grid(&self, q_count: u32) -> (u32, u32, u32) {
+        let queries = match self.kernel {
             Pass1::Stream(key) => key.queries,
             Pass1::Tiled { .. } => 1,
-        }
+        };
+        let (chunks, teams) = self.pass1;
+        (chunks, q_count.div_ceil(queries), teams)
     }
 
     /// The parameters of every pair, in order.
@@ -621,23 +624,24 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     // adapter: a team of one KV head with all of its query heads takes as many of them as fit the
     // same budget, so each row it loads serves every one. Loads, not arithmetic, set the pace
     // there: a query per team loaded every row once per query.
+    // (Lavapipe's subgroup teams only: OpenGL's one-invocation teams hold whole rows, and teams of
+    // several queries summing through workgroup memory ran Llama-3-8B's chunked prefill 2.7 to 7.3
+    // times slower there than one-invocation teams of one query.)
     let queries = match sum {
-        TeamSum::Subgroup | TeamSum::Shared if dev.cpu && s.ragged.is_none() && heads == group => {
-            QUERIES_PER_TEAM
-                .into_iter()
-                .find(|&n| {
-                    n <= s.n_q
-                        && stream::lane_floats(
-                            s.dtypes,
-                            lanes as usize,
-                            n * heads,
-                            dims,
-                            s.v_from_a,
-                            rows,
-                        ) <= most
-                })
-                .unwrap_or(1)
-        }
+        TeamSum::Subgroup if dev.cpu && s.ragged.is_none() && heads == group => QUERIES_PER_TEAM
+            .into_iter()
+            .find(|&n| {
+                n <= s.n_q
+                    && stream::lane_floats(
+                        s.dtypes,
+                        lanes as usize,
+                        n * heads,
+                        dims,
+                        s.v_from_a,
+                        rows,
+                    ) <= most
+            })
+            .unwrap_or(1),
         _ => 1,
     };
     let kvs = match sum {
@@ -1137,11 +1141,12 @@ mod tests {
         }
     }
 
-    /// Teams of several queries ([`StreamKey::queries`]): on CPU adapters, for calls of one cache
-    /// or one pool sequence, as many of a call's queries as fit the register budget beside a whole
-    /// group of heads (Llama-3-8B f32: 4 x 4 heads x 32 floats + 32 of the row = 544 of 656), one KV
-    /// head per team; none for decode, ragged batches, one-invocation teams or GPUs. The grid's
-    /// query dimension counts teams of queries, so a call of 7 takes two.
+    /// Teams of several queries ([`StreamKey::queries`]): on CPU adapters with subgroups, for calls
+    /// of one cache or one pool sequence, as many of a call's queries (8 or 4) as fit the register
+    /// budget beside a whole group of heads (Llama-3-8B f32: 4 x 4 heads x 32 floats + 32 of the
+    /// row = 544 of 656), one KV head per team; none for calls of fewer than 4 queries, ragged
+    /// batches, the other sums or GPUs. The grid's query dimension counts teams of queries, so a
+    /// call of 7 takes two.
     #[test]
     fn cpu_teams_take_several_queries_of_one_sequence() {
         let key = |s: &CallShape, dev: &DeviceFacts| match plan(s, dev).unwrap().kernel {
@@ -1159,20 +1164,12 @@ mod tests {
             key(&gqa(DType::F32, 8, 32, 8, 64, 4096), &LAVAPIPE),
             (8, 1, 4)
         );
-        // The workgroup memory kernel too, within its own budget (8 lanes: 344 floats, which
-        // Llama-3-8B's four queries would pass).
-        let shared = DeviceFacts {
-            choice: KernelChoice::StreamShared,
-            ..LAVAPIPE
-        };
-        assert_eq!(key(&llama(DType::F32, 8), &shared), (1, 1, 4));
-        assert_eq!(key(&gqa(DType::F32, 8, 8, 8, 64, 4096), &shared), (8, 1, 1));
-        // None elsewhere.
-        let alone = DeviceFacts {
-            choice: KernelChoice::StreamAlone,
-            ..LAVAPIPE
-        };
-        assert_eq!(key(&llama(DType::F32, 8), &alone).0, 1);
+        // None elsewhere: the other sums (even a shape that would fit), GPUs, ragged batches.
+        for choice in [KernelChoice::StreamShared, KernelChoice::StreamAlone] {
+            let dev = DeviceFacts { choice, ..LAVAPIPE };
+            assert_eq!(key(&llama(DType::F32, 8), &dev).0, 1);
+            assert_eq!(key(&gqa(DType::F32, 8, 8, 8, 64, 4096), &dev).0, 1);
+        }
         assert_eq!(key(&llama(DType::F32, 8), &GPU).0, 1);
         let ragged = CallShape {
             paging: Some(Paging {
@@ -1189,11 +1186,15 @@ mod tests {
             ..ragged
         };
         assert_eq!(key(&paged, &LAVAPIPE).0, 4);
-        // MLA's teams fill the budget with heads (8 of DeepSeek-V2-Lite's 16, two rows).
+        // DeepSeek-V2-Lite's MLA teams fill the budget with heads (8 of its 16, two rows).
         assert_eq!(key(&mla(DType::F32, 8, 4096), &LAVAPIPE), (1, 1, 8));
         let d = plan(&llama(DType::F32, 7), &LAVAPIPE).unwrap();
-        assert_eq!(d.queries_per_team(), 4);
-        assert_eq!(d.pairs().map(|p| p.q_count.div_ceil(4)).sum::<u32>(), 2);
+        let (chunks, teams) = d.pass1;
+        assert_eq!(d.pass1_grid(7), (chunks, 2, teams));
+        assert_eq!(d.pass1_grid(8), (chunks, 2, teams));
+        assert_eq!(d.pass1_grid(9), (chunks, 3, teams));
+        let decode = plan(&llama(DType::F32, 1), &LAVAPIPE).unwrap();
+        assert_eq!(decode.pass1_grid(7).1, 7);
     }
 
     /// Which KV heads a team takes and whether its kernel has the logit cap: lavapipe's subgroup

@@ -221,8 +221,7 @@ impl Attention {
             pass.set_bind_group(0, cache.attention_group(layer, job.kind), &[]);
             pass.set_bind_group(1, &io, &[]);
             pass.set_bind_group(2, &params.group, &[params.offset]);
-            let (chunks, teams) = dispatch.pass1;
-            let queries = pair.q_count.div_ceil(dispatch.queries_per_team());
+            let (chunks, queries, teams) = dispatch.pass1_grid(pair.q_count);
             pass.dispatch_workgroups(chunks, queries, teams);
             if let Some(reduce) = &reduce {
                 pass.set_pipeline(self.kernels.attention_reduce(dispatch.reduce_lanes));

@@ -1,26 +1,24 @@
 //! The row-streaming attention kernel (pass 1), generated per shape. Pure: WGSL text from a
 //! [`StreamKey`], no wgpu object.
 //!
-//! One workgroup is one *team* of `lanes` invocations; it takes one chunk of the visible rows, one KV
-//! head and `heads` of the query heads that share it, for one query (on CPU adapters with
-//! subgroups, `kvs` consecutive KV heads with all of their query heads: [`StreamKey::kvs`]; on CPU
-//! adapters, for a call of several queries of one sequence, `queries` of them with one KV head's
-//! query heads: [`StreamKey::queries`]). The
-//! lanes split every row between them in 16-byte loads (`vec4<u32>`: four f32, eight 16-bit,
-//! sixteen q8_0 or fp8 elements; q4_0 in 8-byte loads of sixteen, so that a head of 128 still spans
-//! eight lanes; the block types also load the vector holding that vector's scale; on CPU adapters
-//! with 64-bit integers the same bytes as two 64-bit words, [`StreamKey::wide`]), lane `l` taking
-//! the vectors `l, l + lanes, l + 2 lanes, ...` of the head's slice (in 64-bit words, f32 and
-//! 16-bit slices whose steps pair up take two adjacent vectors per load instead: `2l, 2l + 1,
-//! 2 lanes + 2l, ...`), so each lane keeps only its own elements of the queries and of the output
-//! in registers. Per row, each lane's partial dot products
-//! are summed over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes`
-//! invocations, else through workgroup memory with one barrier per row; or not at all, where a team
-//! is one invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, side by side
-//! on one row's KV heads where there are enough: [`TeamSum::Alone`], for CPU adapters without
-//! subgroups), and an online softmax folds the row's values into the accumulators, rescaling only
-//! when a head's maximum grows. MLA takes its values from the latent vectors it has just loaded for
-//! the scores.
+//! One workgroup is one *team* of `lanes` invocations; it takes one chunk of the visible rows, one
+//! KV head and `heads` of the query heads that share it, for one query (on CPU adapters with
+//! subgroups, `kvs` consecutive KV heads with all of their query heads, [`StreamKey::kvs`], or for
+//! a call of several queries of one sequence `queries` of them with one KV head's query heads,
+//! [`StreamKey::queries`]). The lanes split every row between them in 16-byte loads (`vec4<u32>`:
+//! four f32, eight 16-bit, sixteen q8_0 or fp8 elements; q4_0 in 8-byte loads of sixteen, so that a
+//! head of 128 still spans eight lanes; the block types also load the vector holding that vector's
+//! scale; on CPU adapters with 64-bit integers the same bytes as two 64-bit words,
+//! [`StreamKey::wide`]), lane `l` taking the vectors `l, l + lanes, l + 2 lanes, ...` of the head's
+//! slice (in 64-bit words, f32 and 16-bit slices whose steps pair up take two adjacent vectors per
+//! load instead: `2l, 2l + 1, 2 lanes + 2l, ...`), so each lane keeps only its own elements of the
+//! queries and of the output in registers. Per row, each lane's partial dot products are summed
+//! over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes` invocations,
+//! else through workgroup memory with one barrier per row; or not at all, where a team is one
+//! invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, side by side on one
+//! row's KV heads where there are enough: [`TeamSum::Alone`], for CPU adapters without subgroups),
+//! and an online softmax folds the row's values into the accumulators, rescaling only when a head's
+//! maximum grows. MLA takes its values from the latent vectors it has just loaded for the scores.
 //!
 //! Every loop over elements and heads is unrolled in the generated text: the only loop left walks the
 //! chunk's rows, so an invocation runs one loop iteration per row, or per two rows where the key
@@ -107,8 +105,9 @@ pub(crate) struct StreamKey {
     /// `plan::LANE_FLOATS_TWO_ROWS`, and for GQA over a contiguous f32 cache on GPUs,
     /// `plan::GPU_STEP_ROWS`; 4 ran slower there).
     pub step_rows: u32,
-    /// Consecutive queries per team (1, 2, 4 or 8; more than 1 only for calls of one cache or one
-    /// pool sequence, whose queries are the last rows in order, and with one KV head per team):
+    /// Consecutive queries per team (1, 4 or 8; more than 1 only with [`TeamSum::Subgroup`], for
+    /// calls of one cache or one pool sequence, whose queries are the last rows in order, and with
+    /// one KV head per team):
     /// each row a team loads serves the scores and values of every query it holds, so chunked
     /// prefill and verification read the rows once per team of queries instead of once per query.
     /// A query's rows past its own (causal) or before its window are masked out of its softmax.
@@ -431,7 +430,7 @@ impl Gen {
         let qt = k.queries;
         let pairs = || (0..qt * th).map(move |t| (t, t / th, t % th));
         debug_assert!(
-            qt == 1 || (k.rows != RowMode::Ragged && k.sum != TeamSum::Alone && k.kvs == 1),
+            qt == 1 || (k.rows != RowMode::Ragged && k.sum == TeamSum::Subgroup && k.kvs == 1),
             "{k:?}"
         );
         let a = self.slice(0, k.d_a);
@@ -468,7 +467,7 @@ impl Gen {
             line!(
                 self,
                 "var<workgroup> sums: array<f32, {}>;",
-                2 * k.heads * qt * k.lanes
+                2 * k.heads * k.lanes
             );
         }
         self.unpack(&a, &b, &v);
@@ -1305,11 +1304,7 @@ impl Gen {
             TeamSum::Alone => {}
             TeamSum::Shared => {
                 debug_assert!(k.step_rows == 1, "{k:?}");
-                line!(
-                    self,
-                    "        let sb = par * {}u;",
-                    k.heads * k.queries * k.lanes
-                );
+                line!(self, "        let sb = par * {}u;", k.heads * k.lanes);
                 for &(h, _, _) in &heads {
                     line!(self, "        sums[sb + {}u + lane] = s{h};", h * k.lanes);
                 }
@@ -1390,26 +1385,35 @@ impl Gen {
                 line!(self, "        l{h} += e{h}_{i};");
             }
             if !late_v {
-                self.accumulate(v, &rows, &xv, h);
+                self.accumulate(v, &rows, &xv, (h, qq));
             }
         }
         if late_v {
             load_v(self);
-            for &(h, _, _) in &heads {
-                self.accumulate(v, &rows, &xv, h);
+            for &(h, qq, _) in &heads {
+                self.accumulate(v, &rows, &xv, (h, qq));
             }
         }
     }
 
-    /// Head `h`'s accumulators take the rows' values (`xv` of each row's tag) times their weights,
-    /// each accumulator's products in adjacent statements.
+    /// Pair `h`'s accumulators take the rows' values (`xv` of each row's tag) times their weights,
+    /// each accumulator's products in adjacent statements. In a team of several queries, only the
+    /// rows query `qq` sees (`vq`): a weight of 0 would not keep an infinite or NaN value of a row
+    /// the query does not see out of its output (0 x inf is NaN), and the team has loaded that row
+    /// for its other queries. One row per iteration: a branch, the same for the whole team; more:
+    /// each row's value selected.
     fn accumulate(
         &mut self,
         v: &Slice,
         rows: &[(String, String, String)],
         xv: &dyn Fn(&str) -> String,
-        h: u32,
+        (h, qq): (u32, u32),
     ) {
+        let masked = self.key.queries > 1;
+        let branch = masked && rows.len() == 1;
+        if branch {
+            line!(self, "        if vq{qq} {{");
+        }
         for j in 0..v.steps() {
             let os = v.parts(&format!("o{h}_"), j);
             let xs: Vec<Vec<String>> = rows
@@ -1418,13 +1422,17 @@ impl Gen {
                 .collect();
             for (i, o) in os.iter().enumerate() {
                 for ((_, _, x), xs) in rows.iter().zip(&xs) {
-                    line!(
-                        self,
-                        "        {o} = fma(vec4<f32>(e{h}{x}), {}, {o});",
-                        xs[i]
-                    );
+                    let value = if masked && !branch {
+                        format!("select(vec4<f32>(0.0), {}, vq{qq}{x})", xs[i])
+                    } else {
+                        xs[i].clone()
+                    };
+                    line!(self, "        {o} = fma(vec4<f32>(e{h}{x}), {value}, {o});");
                 }
             }
+        }
+        if branch {
+            line!(self, "        }}");
         }
     }
 }
@@ -1681,62 +1689,66 @@ mod tests {
         assert_eq!(checked, 210);
     }
 
-    /// Teams of several queries ([`StreamKey::queries`]) for every storage type, both sums that
-    /// take them, both row modes, one and two rows per iteration (MLA), narrow rows and the cap
-    /// among them.
+    /// Teams of several queries ([`StreamKey::queries`], subgroup sums) for every storage type,
+    /// both row modes they serve, one and two rows per iteration (MLA), narrow rows and the cap
+    /// among them; each leaves out the values of rows a query does not see, and the same key with
+    /// one query per team has no mask.
     #[test]
     fn kernels_of_several_queries_validate() {
         let mut checked = 0;
         for dtype in DType::STORAGE {
             let u = per_vec(dtype) as u32;
             for (queries, heads, d_a, d_b, d_v, v_from_a, step_rows) in [
-                (2, 4, 128, 0, 128, false, 1),
-                (4, 1, 3 * u, 0, u, false, 1),
+                (4, 4, 128, 0, 128, false, 1),
+                (8, 1, 3 * u, 0, u, false, 1),
                 (8, 2, 64, 0, 32, false, 1),
                 (4, 4, u, u, u, true, 2),
             ] {
-                for sum in [TeamSum::Subgroup, TeamSum::Shared] {
-                    for (rows, wide) in [RowMode::Contiguous, RowMode::Paged]
-                        .into_iter()
-                        .flat_map(|r| [(r, false), (r, true)])
-                    {
-                        if (0..3).any(|i| [d_a, d_b, d_v][i] % per_vec(dtype) as u32 != 0) {
-                            continue;
-                        }
-                        let narrow = [dtype.block().is_some() && rows == RowMode::Paged; 3];
-                        let key = StreamKey {
-                            dtypes: [dtype; 3],
-                            lanes: 8,
-                            heads,
-                            kvs: 1,
-                            d_a,
-                            d_b,
-                            d_v,
-                            v_from_a,
-                            soft_cap: wide,
-                            step_rows: if sum == TeamSum::Subgroup {
-                                step_rows
-                            } else {
-                                1
-                            },
-                            queries,
-                            wide,
-                            sum,
-                            rows,
-                            narrow,
-                        };
-                        let text = source(&key, PRELUDE, ROWS);
-                        assert!(
-                            text.contains(&format!("const QT: u32 = {queries}u;")),
-                            "{key:?}"
-                        );
-                        validate(&key);
-                        checked += 1;
+                for (rows, wide) in [RowMode::Contiguous, RowMode::Paged]
+                    .into_iter()
+                    .flat_map(|r| [(r, false), (r, true)])
+                {
+                    if (0..3).any(|i| [d_a, d_b, d_v][i] % per_vec(dtype) as u32 != 0) {
+                        continue;
                     }
+                    let narrow = [dtype.block().is_some() && rows == RowMode::Paged; 3];
+                    let key = StreamKey {
+                        dtypes: [dtype; 3],
+                        lanes: 8,
+                        heads,
+                        kvs: 1,
+                        d_a,
+                        d_b,
+                        d_v,
+                        v_from_a,
+                        soft_cap: wide,
+                        step_rows,
+                        queries,
+                        wide,
+                        sum: TeamSum::Subgroup,
+                        rows,
+                        narrow,
+                    };
+                    let text = source(&key, PRELUDE, ROWS);
+                    assert!(
+                        text.contains(&format!("const QT: u32 = {queries}u;")),
+                        "{key:?}"
+                    );
+                    // Values of rows a query does not see are left out, not weighted by 0.
+                    let left_out = match key.step_rows {
+                        1 => "if vq0 {",
+                        _ => "select(vec4<f32>(0.0), ",
+                    };
+                    assert!(text.contains(left_out), "{key:?}");
+                    // One query per team: no masks.
+                    let single = source(&StreamKey { queries: 1, ..key }, PRELUDE, ROWS);
+                    assert!(!single.contains("vq0") && !single.contains("QT"), "{key:?}");
+                    validate(&key);
+                    checked += 1;
                 }
             }
         }
-        assert!(checked >= 200, "{checked} kernels");
+        assert_eq!(checked, 112);
     }
 
     /// Slots of different types side by side: each type's unpacking is declared once (f16 and bf16,

@@ -734,6 +734,90 @@ pub async fn a_non_finite_element_stays_in_its_head(g: &Gpu) {
     }
 }
 
+/// A row holding infinities and NaN in its keys and values changes only the outputs of the queries
+/// that see it, as in the twin: not those of earlier queries (causal), nor of later ones whose window
+/// starts past it, though a team of several queries (CPU adapters) loads the row for all of them and
+/// gives it a weight of 0 for those (0 x inf is NaN: the value is left out, not weighted). 7
+/// queries (teams of 4 and 3) over 65 rows with a window of 32, on every kernel: the row of query 3
+/// (queries 0 to 2 checked), then the first row of query 0's window (queries 1 to 6 checked).
+pub async fn a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    // `gqa_matches`' case 4 in f32 (its pipelines).
+    let case = Gqa {
+        n_kv: 4,
+        group: 1,
+        d_k: 64,
+        d_v: 64,
+        visible: 65,
+        n_q: 7,
+        window: Some(32),
+        soft_cap: Some(20.0),
+    };
+    let (rows, n_q, n_heads) = (case.visible, case.n_q, case.n_kv * case.group);
+    let last0 = rows - n_q;
+    for kernel in kernels(g) {
+        att.set_kernel(kernel);
+        for (poisoned, checked) in [(last0 + 3, 0..3), (last0 + 1 - 32, 1..n_q)] {
+            let mut k = values(44, rows * case.n_kv * case.d_k);
+            let mut v = values(45, rows * case.n_kv * case.d_v);
+            for (data, d) in [(&mut k, case.d_k), (&mut v, case.d_v)] {
+                let row = poisoned * case.n_kv * d;
+                for (i, x) in data[row..row + case.n_kv * d].iter_mut().enumerate() {
+                    *x = if i % 2 == 0 { f32::INFINITY } else { f32::NAN };
+                }
+            }
+            let mut c = cache_on(
+                g,
+                CacheSpec::new(
+                    vec![LayerSpec::kv(case.n_kv, case.d_k, case.d_v)],
+                    DType::F32,
+                    rows,
+                )
+                .unwrap(),
+            );
+            let shapes = [[rows, case.n_kv, case.d_k], [rows, case.n_kv, case.d_v]];
+            c.append(
+                0,
+                &[HostSlab::f32(&k, &shapes[0]), HostSlab::f32(&v, &shapes[1])],
+            )
+            .unwrap();
+            let q = values(46, n_q * n_heads * case.d_k);
+            let qb = f32_buffer(&g.device, &q).await;
+            let out = output(&g.device, n_q * n_heads * case.d_v).await;
+            let options = AttentionOptions {
+                window: case.window,
+                soft_cap: case.soft_cap,
+                scale: None,
+            };
+            let result = att.gqa(
+                &c,
+                0,
+                Queries::new(&qb, n_q, n_heads, case.d_k),
+                &out,
+                &options,
+            );
+            assert!(ran(g, result, &att, &c, &out).await, "{kernel:?}");
+            let want = reference::attention_gqa(
+                &q,
+                [n_q, n_heads, case.d_k],
+                &k,
+                &v,
+                case.n_kv,
+                case.d_v,
+                &options,
+            );
+            let per_query = n_heads * case.d_v;
+            let of = |x: &[f32]| x[checked.start * per_query..checked.end * per_query].to_vec();
+            assert!(
+                want.iter().any(|x| !x.is_finite()),
+                "the row is seen by some query"
+            );
+            let what = format!("{kernel:?}, row {poisoned} non-finite, queries {checked:?}");
+            assert_close(&of(&read_f32(g, &out).await), &of(&want), &what);
+        }
+    }
+}
+
 /// One check of [`a_non_finite_element_stays_in_its_head`], KV head `clean` the clean one; whether
 /// the kernel took the shape.
 async fn non_finite_beside(
@@ -1760,38 +1844,42 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             }
             assert_eq!(att.prepare(&c, 4).unwrap(), 0, "{kernel:?} {types:?}");
             for l in (0..n_layers).filter(|&l| l != 1) {
-                append_random(&mut c, l, 5, 300 + l as u64);
+                append_random(&mut c, l, 9, 300 + l as u64);
             }
-            c.advance(5).unwrap();
+            c.advance(9).unwrap();
             let what = format!("{types:?} {kernel:?} after prepare");
-            // Decode, and chunks of 4 and 5 queries (teams of 4 queries on CPU adapters).
-            for n_q in [1, 4, 5] {
+            // Decode, and chunks of 4, 5 and 8 queries (on CPU adapters teams of 4, and of 8 where
+            // they fit: layer 0's f32 heads).
+            for n_q in [1, 4, 5, 8] {
                 let what = format!("{n_q} queries, {what}");
                 one_gqa_query(g, &mut att, &c, 0, [128, 64], n_q, 310, &what).await;
             }
             let options = AttentionOptions::default();
-            // MLA (layer 2) and the odd GQA layer 3, where there is one.
-            let (ql, qr) = (values(311, 4 * 32), values(312, 4 * 8));
-            let (qlb, qrb) = (
-                f32_buffer(&g.device, &ql).await,
-                f32_buffer(&g.device, &qr).await,
-            );
-            let out = output(&g.device, 4 * 32).await;
-            let queries = MlaQueries {
-                latent: Queries::new(&qlb, 1, 4, 32),
-                rope: Queries::new(&qrb, 1, 4, 8),
-            };
-            att.mla(&c, 2, queries, &out, &options).unwrap();
-            let want = reference::attention_mla(
-                &ql,
-                &qr,
-                [1, 4, 32],
-                &c.read_f32_async(2, 0).await.unwrap(),
-                &c.read_f32_async(2, 1).await.unwrap(),
-                8,
-                &options,
-            );
-            assert_close(&read_f32(g, &out).await, &want, &format!("MLA, {what}"));
+            // MLA (layer 2), decode and a chunk of 8, and the odd GQA layer 3, where there is one.
+            for n_q in [1, 8] {
+                let (ql, qr) = (values(311, n_q * 4 * 32), values(312, n_q * 4 * 8));
+                let (qlb, qrb) = (
+                    f32_buffer(&g.device, &ql).await,
+                    f32_buffer(&g.device, &qr).await,
+                );
+                let out = output(&g.device, n_q * 4 * 32).await;
+                let queries = MlaQueries {
+                    latent: Queries::new(&qlb, n_q, 4, 32),
+                    rope: Queries::new(&qrb, n_q, 4, 8),
+                };
+                att.mla(&c, 2, queries, &out, &options).unwrap();
+                let want = reference::attention_mla(
+                    &ql,
+                    &qr,
+                    [n_q, 4, 32],
+                    &c.read_f32_async(2, 0).await.unwrap(),
+                    &c.read_f32_async(2, 1).await.unwrap(),
+                    8,
+                    &options,
+                );
+                let what = format!("MLA, {n_q} queries, {what}");
+                assert_close(&read_f32(g, &out).await, &want, &what);
+            }
             if n_layers == 4 {
                 let what = format!("odd, {what}");
                 one_gqa_query(g, &mut att, &c, 3, [33, 17], 1, 313, &what).await;

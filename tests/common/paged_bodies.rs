@@ -3055,8 +3055,8 @@ pub async fn a_source_appended_again_across_a_page_binds_its_own_row_map(g: &Gpu
 
 /// `Attention::prepare_paged` builds every pipeline the calls over a pool's sequences then use, one
 /// sequence at a time and in batches, under the adapter's plans and a GPU's: on a registry of its
-/// own, the calls that follow (a decode query and a chunk of 3, with a window, over several chunks
-/// of rows) build none. Against the twins.
+/// own, the calls that follow (a decode query and chunks of 3 and 8, with a window, over several
+/// chunks of rows; on CPU adapters 8 queries take teams of several) build none. Against the twins.
 pub async fn prepare_paged_builds_what_the_calls_use(g: &Gpu) {
     let (spec, dims) = gqa_mla_spec(DType::F32, 64);
     let mut c = PagedCache::with_kernels(super::kernels_for(g), spec, PAGE, 30).unwrap();
@@ -3078,7 +3078,7 @@ pub async fn prepare_paged_builds_what_the_calls_use(g: &Gpu) {
         assert!(built > 0 && held >= built, "{built} built, {held} held");
         let what = format!("GPU plans {gpu_plan}");
         for &(seq, rows) in &seqs {
-            for n_q in [1, 3] {
+            for n_q in [1, 3, 8] {
                 let what = format!("{what}, {seq:?} n_q {n_q}");
                 check_sequence(g, &c, &mut att, (seq, rows), dims, n_q, &options, &what).await;
             }
