@@ -282,12 +282,11 @@ impl Attention {
     /// one was built before). Attentions of one registry may prepare on several threads at once: each
     /// pipeline is built once, by the first call that needs it, while the others build theirs. It
     /// builds the kernels of decode and of calls of several queries (chunked prefill, verification:
-    /// on CPU adapters teams of 4 and 8 queries take their own kernels, so lavapipe compiles
-    /// Llama-3-8B's for about 3.9 s with an empty shader cache instead of 2.0), and of calls without
-    /// a logit soft-cap: on CPU adapters with subgroups
-    /// (lavapipe) a call with one takes its own kernel, compiled when first used. Other layers are
-    /// skipped; a head count that does not divide into a GQA layer's KV heads
-    /// is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
+    /// on CPU adapters with subgroups teams of 4 and 8 queries take their own kernels, so lavapipe
+    /// compiles Llama-3-8B's for 4.1-4.5 s with an empty shader cache instead of 2.0-2.3), and of
+    /// calls without a logit soft-cap: on CPU adapters with subgroups (lavapipe) a call with one
+    /// takes its own kernel, compiled when first used. Other layers are skipped; a head count that
+    /// does not divide into a GQA layer's KV heads is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
     /// [`Error::AttentionRequest`], both before anything is built. A generated kernel the device
     /// refuses is [`Error::AttentionRequest`] too under a forced kernel ([`KernelChoice::Auto`]
     /// builds the tiled kernel instead), found as it is built, and the pipelines built before it

@@ -81,9 +81,9 @@ pub(crate) const LANE_FLOATS_ALONE: usize = 800;
 /// DeepSeek-V2-Lite's decode at 512 rows took 0.60-0.71 of the time of 32 workgroups, at 4k
 /// 0.92-0.99.
 const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
-/// Queries per team on CPU adapters, the most first ([`StreamKey::queries`]). Calls of 2 or 3
+/// Queries per team on CPU adapters with subgroups, the most first ([`StreamKey::queries`]). Calls of 2 or 3
 /// queries keep decode's kernel: each team size is one more kernel for [`crate::Attention::prepare`]
-/// to compile (about 1.8 s for Llama-3-8B's on lavapipe with an empty shader cache).
+/// to compile (about 2 s for Llama-3-8B's on lavapipe with an empty shader cache).
 const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
@@ -289,7 +289,8 @@ pub(crate) struct Dispatch {
     pub params: AttnParams,
     pub kernel: Pass1,
     /// Workgroups of pass 1 (chunks, KV heads x head batches: its grid is chunks x the pair's
-    /// queries x teams) and of the reduce per query (its grid is that x the pair's queries).
+    /// teams of queries x teams, [`Dispatch::pass1_grid`]) and of the reduce per query (its grid is
+    /// that x the pair's queries).
     pub pass1: (u32, u32),
     pub pass2: u32,
     /// Invocations per reduce workgroup, one of [`REDUCE_LANES`].
@@ -1186,6 +1187,23 @@ mod tests {
             ..ragged
         };
         assert_eq!(key(&paged, &LAVAPIPE).0, 4);
+        // The shapes of `a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it`: teams of
+        // 4 queries (7 of them), one row per iteration for GQA and two for MLA.
+        let steps = |s: &CallShape| match plan(s, &LAVAPIPE).unwrap().kernel {
+            Pass1::Stream(k) => (k.queries, k.step_rows),
+            other => panic!("{s:?}: {other:?}"),
+        };
+        let windowed = |s: CallShape| CallShape { window: 32, ..s };
+        assert_eq!(steps(&windowed(gqa(DType::F32, 7, 4, 4, 64, 65))), (4, 1));
+        let small_mla = CallShape {
+            d_a: 32,
+            d_b: 8,
+            d_v: 32,
+            row_words: [32, 8, 32],
+            v_from_a: true,
+            ..gqa(DType::F32, 7, 4, 1, 32, 65)
+        };
+        assert_eq!(steps(&windowed(small_mla)), (4, 2));
         // DeepSeek-V2-Lite's MLA teams fill the budget with heads (8 of its 16, two rows).
         assert_eq!(key(&mla(DType::F32, 8, 4096), &LAVAPIPE), (1, 1, 8));
         let d = plan(&llama(DType::F32, 7), &LAVAPIPE).unwrap();

@@ -1220,11 +1220,11 @@ impl Gen {
             0 => u.to_string(),
             _ => format!("({u} + {}u)", kk * s.loads()),
         };
-        // The (pair, query, head) of each head of this KV head, for each of the team's queries
-        // (with several queries, one KV head: pair `qq * heads + h`).
+        // The (pair, query) of each head of this KV head, for each of the team's queries (with
+        // several queries, one KV head: pair `qq * heads + h`).
         let th = k.heads * k.kvs;
-        let heads: Vec<(u32, u32, u32)> = (0..k.queries)
-            .flat_map(|qq| (kk * k.heads..(kk + 1) * k.heads).map(move |h| (qq * th + h, qq, h)))
+        let heads: Vec<(u32, u32)> = (0..k.queries)
+            .flat_map(|qq| (kk * k.heads..(kk + 1) * k.heads).map(move |h| (qq * th + h, qq)))
             .collect();
         let load_v = |g: &mut Gen| {
             for (sr, tag, _) in &rows {
@@ -1238,7 +1238,7 @@ impl Gen {
         if !k.v_from_a && !late_v {
             load_v(self);
         }
-        for &(h, _, _) in &heads {
+        for &(h, _) in &heads {
             let mut sums = vec![Vec::new(); rows.len()];
             for (s, q, c) in [(a, "q_a", "x"), (b, "q_b", "y")] {
                 // Each row's products, in the same order.
@@ -1295,7 +1295,7 @@ impl Gen {
         }
         match k.sum {
             TeamSum::Subgroup => {
-                for &(h, _, _) in &heads {
+                for &(h, _) in &heads {
                     for (_, _, x) in &rows {
                         line!(self, "        s{h}{x} = subgroupAdd(s{h}{x});");
                     }
@@ -1305,11 +1305,11 @@ impl Gen {
             TeamSum::Shared => {
                 debug_assert!(k.step_rows == 1, "{k:?}");
                 line!(self, "        let sb = par * {}u;", k.heads * k.lanes);
-                for &(h, _, _) in &heads {
+                for &(h, _) in &heads {
                     line!(self, "        sums[sb + {}u + lane] = s{h};", h * k.lanes);
                 }
                 line!(self, "        workgroupBarrier();");
-                for &(h, _, _) in &heads {
+                for &(h, _) in &heads {
                     let terms: Vec<String> = (0..k.lanes)
                         .map(|l| format!("sums[sb + {}u]", h * k.lanes + l))
                         .collect();
@@ -1319,7 +1319,7 @@ impl Gen {
             }
         }
         let xv = |tag: &str| format!("{}{tag}", if k.v_from_a { "xa" } else { "xv" });
-        for &(h, qq, _) in &heads {
+        for &(h, qq) in &heads {
             for (_, _, x) in &rows {
                 line!(self, "        s{h}{x} *= p.scale;");
                 if k.soft_cap {
@@ -1390,7 +1390,7 @@ impl Gen {
         }
         if late_v {
             load_v(self);
-            for &(h, qq, _) in &heads {
+            for &(h, qq) in &heads {
                 self.accumulate(v, &rows, &xv, (h, qq));
             }
         }

@@ -736,84 +736,100 @@ pub async fn a_non_finite_element_stays_in_its_head(g: &Gpu) {
 
 /// A row holding infinities and NaN in its keys and values changes only the outputs of the queries
 /// that see it, as in the twin: not those of earlier queries (causal), nor of later ones whose window
-/// starts past it, though a team of several queries (CPU adapters) loads the row for all of them and
-/// gives it a weight of 0 for those (0 x inf is NaN: the value is left out, not weighted). 7
-/// queries (teams of 4 and 3) over 65 rows with a window of 32, on every kernel: the row of query 3
-/// (queries 0 to 2 checked), then the first row of query 0's window (queries 1 to 6 checked).
+/// starts past it, though a team of several queries (lavapipe) loads the row for all of them (0 x inf
+/// is NaN: its values are left out for them, not weighted by 0), and the outputs of the queries that
+/// see it are non-finite. 7 queries (teams of 4 and 3) over 65 rows with a window of 32, on every
+/// kernel: the row of query 3 (queries 0 to 2 clean), then the first row of query 0's window
+/// (queries 1 to 6 clean). GQA (one row per loop iteration) and MLA of 4 heads (two rows per
+/// iteration on lavapipe, where the values of the second row are selected).
 pub async fn a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    // `gqa_matches`' case 4 in f32 (its pipelines).
-    let case = Gqa {
-        n_kv: 4,
-        group: 1,
-        d_k: 64,
-        d_v: 64,
-        visible: 65,
-        n_q: 7,
-        window: Some(32),
-        soft_cap: Some(20.0),
-    };
-    let (rows, n_q, n_heads) = (case.visible, case.n_q, case.n_kv * case.group);
+    let (rows, n_q, n_heads, window) = (65, 7, 4, 32);
     let last0 = rows - n_q;
+    let options = AttentionOptions {
+        window: Some(window),
+        soft_cap: Some(20.0),
+        scale: None,
+    };
+    // GQA: `gqa_matches`' case 4 in f32 (its pipelines); MLA: `prepare`'s layer of 32 + 8.
+    let (d, r, p) = (64, 32, 8);
     for kernel in kernels(g) {
         att.set_kernel(kernel);
-        for (poisoned, checked) in [(last0 + 3, 0..3), (last0 + 1 - 32, 1..n_q)] {
-            let mut k = values(44, rows * case.n_kv * case.d_k);
-            let mut v = values(45, rows * case.n_kv * case.d_v);
-            for (data, d) in [(&mut k, case.d_k), (&mut v, case.d_v)] {
-                let row = poisoned * case.n_kv * d;
-                for (i, x) in data[row..row + case.n_kv * d].iter_mut().enumerate() {
+        for (poisoned, clean) in [(last0 + 3, 0..3), (last0 + 1 - window, 1..n_q)] {
+            let poison = |data: &mut [f32], width: usize| {
+                let row = &mut data[poisoned * width..(poisoned + 1) * width];
+                for (i, x) in row.iter_mut().enumerate() {
                     *x = if i % 2 == 0 { f32::INFINITY } else { f32::NAN };
                 }
-            }
-            let mut c = cache_on(
-                g,
-                CacheSpec::new(
-                    vec![LayerSpec::kv(case.n_kv, case.d_k, case.d_v)],
-                    DType::F32,
-                    rows,
-                )
-                .unwrap(),
-            );
-            let shapes = [[rows, case.n_kv, case.d_k], [rows, case.n_kv, case.d_v]];
-            c.append(
-                0,
-                &[HostSlab::f32(&k, &shapes[0]), HostSlab::f32(&v, &shapes[1])],
-            )
-            .unwrap();
-            let q = values(46, n_q * n_heads * case.d_k);
-            let qb = f32_buffer(&g.device, &q).await;
-            let out = output(&g.device, n_q * n_heads * case.d_v).await;
-            let options = AttentionOptions {
-                window: case.window,
-                soft_cap: case.soft_cap,
-                scale: None,
             };
-            let result = att.gqa(
-                &c,
-                0,
-                Queries::new(&qb, n_q, n_heads, case.d_k),
-                &out,
-                &options,
-            );
+            let what = format!("{kernel:?}, row {poisoned} non-finite");
+            // GQA over 4 KV heads of 64, every one poisoned.
+            let (mut k, mut v) = (values(44, rows * 4 * d), values(45, rows * 4 * d));
+            poison(&mut k, 4 * d);
+            poison(&mut v, 4 * d);
+            let spec = CacheSpec::new(vec![LayerSpec::kv(4, d, d)], DType::F32, rows).unwrap();
+            let mut c = cache_on(g, spec);
+            let shape = [rows, 4, d];
+            let slabs = [HostSlab::f32(&k, &shape), HostSlab::f32(&v, &shape)];
+            c.append(0, &slabs).unwrap();
+            let q = values(46, n_q * n_heads * d);
+            let qb = f32_buffer(&g.device, &q).await;
+            let out = output(&g.device, n_q * n_heads * d).await;
+            let queries = Queries::new(&qb, n_q, n_heads, d);
+            let result = att.gqa(&c, 0, queries, &out, &options);
             assert!(ran(g, result, &att, &c, &out).await, "{kernel:?}");
-            let want = reference::attention_gqa(
-                &q,
-                [n_q, n_heads, case.d_k],
-                &k,
-                &v,
-                case.n_kv,
-                case.d_v,
-                &options,
+            let want = reference::attention_gqa(&q, [n_q, n_heads, d], &k, &v, 4, d, &options);
+            let got = read_f32(g, &out).await;
+            only_the_queries_that_see_it(&got, &want, &clean, &format!("GQA, {what}"));
+            // MLA: the latent and the rope row.
+            let (mut latent, mut rope) = (values(47, rows * r), values(48, rows * p));
+            poison(&mut latent, r);
+            poison(&mut rope, p);
+            let spec = CacheSpec::new(vec![LayerSpec::mla(r, p)], DType::F32, rows).unwrap();
+            let mut c = cache_on(g, spec);
+            let shapes = [[rows, r], [rows, p]];
+            let slabs = [
+                HostSlab::f32(&latent, &shapes[0]),
+                HostSlab::f32(&rope, &shapes[1]),
+            ];
+            c.append(0, &slabs).unwrap();
+            let (ql, qr) = (values(49, n_q * n_heads * r), values(50, n_q * n_heads * p));
+            let (qlb, qrb) = (
+                f32_buffer(&g.device, &ql).await,
+                f32_buffer(&g.device, &qr).await,
             );
-            let per_query = n_heads * case.d_v;
-            let of = |x: &[f32]| x[checked.start * per_query..checked.end * per_query].to_vec();
-            assert!(
-                want.iter().any(|x| !x.is_finite()),
-                "the row is seen by some query"
-            );
-            let what = format!("{kernel:?}, row {poisoned} non-finite, queries {checked:?}");
-            assert_close(&of(&read_f32(g, &out).await), &of(&want), &what);
+            let out = output(&g.device, n_q * n_heads * r).await;
+            let queries = MlaQueries {
+                latent: Queries::new(&qlb, n_q, n_heads, r),
+                rope: Queries::new(&qrb, n_q, n_heads, p),
+            };
+            let result = att.mla(&c, 0, queries, &out, &options);
+            assert!(ran(g, result, &att, &c, &out).await, "{kernel:?}");
+            let want =
+                reference::attention_mla(&ql, &qr, [n_q, n_heads, r], &latent, &rope, p, &options);
+            let got = read_f32(g, &out).await;
+            only_the_queries_that_see_it(&got, &want, &clean, &format!("MLA, {what}"));
+        }
+    }
+}
+
+/// [`a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it`]'s check of outputs of 7
+/// queries: the `clean` ones match the twin, the others are non-finite in both.
+fn only_the_queries_that_see_it(
+    got: &[f32],
+    want: &[f32],
+    clean: &std::ops::Range<usize>,
+    what: &str,
+) {
+    let per_query = got.len() / 7;
+    let of = |x: &[f32], q: usize| x[q * per_query..(q + 1) * per_query].to_vec();
+    for q in 0..7 {
+        if clean.contains(&q) {
+            assert_close(&of(got, q), &of(want, q), &format!("{what}, query {q}"));
+        } else {
+            let seen = [of(got, q), of(want, q)];
+            let all_non_finite = seen.iter().flatten().all(|x| !x.is_finite());
+            assert!(all_non_finite, "{what}, query {q} sees the row: {seen:?}");
         }
     }
 }
@@ -1848,8 +1864,8 @@ pub async fn prepare_builds_the_pipelines_of_every_attention_layer_once(g: &Gpu)
             }
             c.advance(9).unwrap();
             let what = format!("{types:?} {kernel:?} after prepare");
-            // Decode, and chunks of 4, 5 and 8 queries (on CPU adapters teams of 4, and of 8 where
-            // they fit: layer 0's f32 heads).
+            // Decode, and chunks of 4, 5 and 8 queries (on lavapipe teams of 4, and of 8: layer 0's
+            // heads fit them).
             for n_q in [1, 4, 5, 8] {
                 let what = format!("{n_q} queries, {what}");
                 one_gqa_query(g, &mut att, &c, 0, [128, 64], n_q, 310, &what).await;
