@@ -1094,6 +1094,20 @@ mod tests {
         }
     }
 
+    /// `s` over a pool of `n_pages` pages of `page_size` rows: one sequence (`seen` None), or a
+    /// ragged batch whose queries see `seen` rows together.
+    fn pooled(s: CallShape, page_size: usize, n_pages: usize, seen: Option<usize>) -> CallShape {
+        CallShape {
+            paging: Some(Paging {
+                page_size,
+                table_base: 0,
+                n_pages,
+            }),
+            ragged: seen.map(|seen| Ragged { lo: 0, seen }),
+            ..s
+        }
+    }
+
     fn mla(dtype: DType, n_q: usize, visible: usize) -> CallShape {
         let per_word = if dtype == DType::F32 { 1 } else { 2 };
         CallShape {
@@ -1172,20 +1186,9 @@ mod tests {
             assert_eq!(key(&gqa(DType::F32, 8, 8, 8, 64, 4096), &dev).0, 1);
         }
         assert_eq!(key(&llama(DType::F32, 8), &GPU).0, 1);
-        let ragged = CallShape {
-            paging: Some(Paging {
-                page_size: 16,
-                table_base: 0,
-                n_pages: 512,
-            }),
-            ragged: Some(Ragged { lo: 0, seen: 4096 }),
-            ..llama(DType::F32, 8)
-        };
+        let ragged = pooled(llama(DType::F32, 8), 16, 512, Some(4096));
         assert_eq!(key(&ragged, &LAVAPIPE).0, 1);
-        let paged = CallShape {
-            ragged: None,
-            ..ragged
-        };
+        let paged = pooled(llama(DType::F32, 8), 16, 512, None);
         assert_eq!(key(&paged, &LAVAPIPE).0, 4);
         // The shapes of `a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it`: teams of
         // 4 queries (7 of them), one row per iteration for GQA and two for MLA.
@@ -1314,14 +1317,7 @@ mod tests {
             let rows = if dtype == DType::F32 { 2 } else { 1 };
             assert_eq!((workgroups(&d), key(&d).step_rows), (4096, rows), "{dtype}");
             assert_eq!(d.reduce_lanes, REDUCE_SPLIT_LANES);
-            let paged = CallShape {
-                paging: Some(Paging {
-                    page_size: 64,
-                    table_base: 0,
-                    n_pages: 512,
-                }),
-                ..llama
-            };
+            let paged = pooled(llama, 64, 512, None);
             let d = plan(&paged, &GPU).unwrap();
             assert_eq!((workgroups(&d), key(&d).step_rows), (4096, 1), "{dtype}");
             let d = plan(&mla(dtype, 1, 32_768), &GPU).unwrap();
@@ -1477,16 +1473,7 @@ mod tests {
             let batch = CallShape {
                 n_q: 128,
                 visible: 8192,
-                paging: Some(Paging {
-                    page_size: 16,
-                    table_base: 0,
-                    n_pages: 4096,
-                }),
-                ragged: Some(Ragged {
-                    lo: 0,
-                    seen: 39_486,
-                }),
-                ..decode
+                ..pooled(decode, 16, 4096, Some(39_486))
             };
             let lanes = if dev.cpu { 8 } else { REDUCE_SPLIT_LANES };
             for s in [decode, batch, mla(DType::F16, 1, 4096)] {
@@ -1567,18 +1554,12 @@ mod tests {
     fn a_batch_leaves_room_for_its_query_table() {
         let mut planned = 0;
         for dev in devices() {
-            let s = CallShape {
-                paging: Some(Paging {
-                    page_size: 16,
-                    table_base: 0,
-                    n_pages: 1024,
-                }),
-                ragged: Some(Ragged {
-                    lo: 0,
-                    seen: 2 * (8192 * 8193 / 2),
-                }),
-                ..gqa(DType::F32, 16_384, 1024, 1, 1, 8192)
-            };
+            let s = pooled(
+                gqa(DType::F32, 16_384, 1024, 1, 1, 8192),
+                16,
+                1024,
+                Some(2 * (8192 * 8193 / 2)),
+            );
             let Ok(p) = plan(&s, &dev) else { continue };
             let table = QUERY_TABLE_BYTES * s.n_q as u64;
             assert!(
@@ -1592,15 +1573,7 @@ mod tests {
         }
         assert!(planned >= 4, "{planned} plans");
         // A table alone as large as the binding is refused, naming it (a device of 64 KiB bindings).
-        let s = CallShape {
-            paging: Some(Paging {
-                page_size: 16,
-                table_base: 0,
-                n_pages: 512,
-            }),
-            ragged: Some(Ragged { lo: 0, seen: 8192 }),
-            ..gqa(DType::F32, 8192, 1, 1, 4, 8192)
-        };
+        let s = pooled(gqa(DType::F32, 8192, 1, 1, 4, 8192), 16, 512, Some(8192));
         let small = DeviceFacts {
             max_binding: 1 << 16,
             ..LAVAPIPE
