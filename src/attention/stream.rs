@@ -107,10 +107,10 @@ pub(crate) struct StreamKey {
     pub step_rows: u32,
     /// Consecutive queries per team (1, 4 or 8; more than 1 only with [`TeamSum::Subgroup`], for
     /// calls of one cache or one pool sequence, whose queries are the last rows in order, and with
-    /// one KV head per team):
-    /// each row a team loads serves the scores and values of every query it holds, so chunked
-    /// prefill and verification read the rows once per team of queries instead of once per query.
-    /// A query's rows past its own (causal) or before its window are masked out of its softmax.
+    /// one KV head per team): each row a team loads serves the scores and values of every query it
+    /// holds, so chunked prefill and verification read the rows once per team of queries instead
+    /// of once per query. A query's rows past its own (causal) or before its window are left out
+    /// of its softmax and its values.
     pub queries: u32,
     pub sum: TeamSum,
     /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
