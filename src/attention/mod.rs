@@ -186,10 +186,6 @@ type RetiredGroups = (GroupCache<IoKey>, GroupCache<OutKey>);
 const GROUPS: usize = 256;
 const PIN_BYTES: u64 = 32 << 20;
 
-/// Query counts whose kernels [`Attention::prepare`] builds: decode, and the counts at which the
-/// planner's teams of several queries change (`plan::QUERIES_PER_TEAM`).
-const PREPARED_QUERIES: [usize; 3] = [1, 4, 8];
-
 /// GQA / MHA and MLA attention over a [`KvCache`], for one device. Owns the pass-1 scratch buffers and
 /// bind-group caches for queries and outputs; any number of calls may be recorded into one encoder,
 /// where they run in order and share the scratch safely.
@@ -271,22 +267,23 @@ impl Attention {
         &self.kernels
     }
 
-    /// Compiles, ahead of the first call, the pipelines attention needs for every attention layer of
-    /// `cache` (GQA / MHA layers with slots K `[n_kv, d_k]` and V `[n_kv, d_v]`, MLA layers with
-    /// `compressed_kv [r]` and `k_pe [p]`) with `n_heads` query heads, under the kernel choice in force.
-    /// A software adapter compiles shaders for up to seconds each (more on OpenGL with a cold shader
-    /// cache), and some drivers only when a pipeline first runs: `prepare` builds each pipeline and
-    /// submits one dispatch of it that returns at once, touching no memory, then waits for the device
-    /// (natively; in the browser the submission runs on its own). Call it while loading a model so the
-    /// first token does not wait. Returns how many pass-1 pipelines it built itself (0 when every
-    /// one was built before). Attentions of one registry may prepare on several threads at once: each
-    /// pipeline is built once, by the first call that needs it, while the others build theirs. It
-    /// builds the kernels of decode and of calls of several queries (chunked prefill, verification:
-    /// on CPU adapters with subgroups teams of 4 and 8 queries take their own kernels, so lavapipe
-    /// compiles Llama-3-8B's for 4.1-4.5 s with an empty shader cache instead of 2.0-2.3), and of
-    /// calls without a logit soft-cap: on CPU adapters with subgroups (lavapipe) a call with one
-    /// takes its own kernel, compiled when first used. Other layers are skipped; a head count that
-    /// does not divide into a GQA layer's KV heads is refused with [`Error::HeadGroups`], a shape the forced kernel cannot take with
+    /// Compiles, ahead of the first call, the pipelines attention needs for every attention layer
+    /// of `cache` (GQA / MHA layers with slots K `[n_kv, d_k]` and V `[n_kv, d_v]`, MLA layers with
+    /// `compressed_kv [r]` and `k_pe [p]`) with `n_heads` query heads, under the kernel choice in
+    /// force. A software adapter compiles shaders for up to seconds each (more on OpenGL with a
+    /// cold shader cache), and some drivers only when a pipeline first runs: `prepare` builds each
+    /// pipeline and submits one dispatch of it that returns at once, touching no memory, then waits
+    /// for the device (natively; in the browser the submission runs on its own). Call it while
+    /// loading a model so the first token does not wait. Returns how many pass-1 pipelines it built
+    /// itself (0 when every one was built before). Attentions of one registry may prepare on
+    /// several threads at once: each pipeline is built once, by the first call that needs it, while
+    /// the others build theirs. It builds the kernels of decode and of calls of several queries
+    /// (chunked prefill, verification: on CPU adapters with subgroups teams of 4 and 8 queries take
+    /// their own kernels, so lavapipe compiles Llama-3-8B's for 4.1-4.5 s with an empty shader
+    /// cache instead of 2.0-2.3), and of calls without a logit soft-cap: on CPU adapters with
+    /// subgroups (lavapipe) a call with one takes its own kernel, compiled when first used. Other
+    /// layers are skipped; a head count that does not divide into a GQA layer's KV heads is refused
+    /// with [`Error::HeadGroups`], a shape the forced kernel cannot take with
     /// [`Error::AttentionRequest`], both before anything is built. A generated kernel the device
     /// refuses is [`Error::AttentionRequest`] too under a forced kernel ([`KernelChoice::Auto`]
     /// builds the tiled kernel instead), found as it is built, and the pipelines built before it
@@ -346,15 +343,15 @@ impl Attention {
             // Decode, and the calls of several queries (chunked prefill, verification) of one cache
             // or sequence, where the planner takes teams of several queries for them: each kernel
             // once.
-            let counts = |ragged: Option<plan::Ragged>| match ragged {
-                None => &PREPARED_QUERIES[..],
-                Some(_) => &PREPARED_QUERIES[..1],
+            let counts = |ragged: Option<plan::Ragged>| {
+                let teams = match ragged {
+                    None => &plan::QUERIES_PER_TEAM[..],
+                    Some(_) => &[],
+                };
+                std::iter::once(1).chain(teams.iter().copied())
             };
             let mut kernels = Vec::new();
-            for (ragged, n_q) in modes
-                .iter()
-                .flat_map(|&r| counts(r).iter().map(move |&n| (r, n)))
-            {
+            for (ragged, n_q) in modes.iter().flat_map(|&r| counts(r).map(move |n| (r, n))) {
                 let shape = plan::CallShape {
                     dtypes: slots.dtypes,
                     scales: slots.scales,

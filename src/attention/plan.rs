@@ -81,10 +81,11 @@ pub(crate) const LANE_FLOATS_ALONE: usize = 800;
 /// DeepSeek-V2-Lite's decode at 512 rows took 0.60-0.71 of the time of 32 workgroups, at 4k
 /// 0.92-0.99.
 const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
-/// Queries per team on CPU adapters with subgroups, the most first ([`StreamKey::queries`]). Calls of 2 or 3
-/// queries keep decode's kernel: each team size is one more kernel for [`crate::Attention::prepare`]
-/// to compile (about 2 s for Llama-3-8B's on lavapipe with an empty shader cache).
-const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
+/// Queries per team on CPU adapters with subgroups, the most first ([`StreamKey::queries`]).
+/// [`crate::Attention::prepare`] builds the kernels of calls of each of these counts beside
+/// decode's. Calls of 2 or 3 queries keep decode's kernel: each team size is one more kernel to
+/// compile (about 2 s for Llama-3-8B's on lavapipe with an empty shader cache).
+pub(crate) const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
 /// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
@@ -1209,6 +1210,18 @@ mod tests {
         assert_eq!(steps(&windowed(small_mla)), (4, 2));
         // DeepSeek-V2-Lite's MLA teams fill the budget with heads (8 of its 16, two rows).
         assert_eq!(key(&mla(DType::F32, 8, 4096), &LAVAPIPE), (1, 1, 8));
+        // The shapes of `many_queries_over_the_longest_context_a_slot_holds_see_every_row` on
+        // lavapipe (16 queries, 4 heads on one KV head, d = 64, as many rows as a 128 MiB slot
+        // holds): teams of 8 queries, whose row loop stays within the loop budget.
+        for (dtype, rows) in [(DType::F32, 1 << 19), (DType::F16, 1 << 20)] {
+            let s = gqa(dtype, 16, 4, 1, 64, rows);
+            let d = plan(&s, &LAVAPIPE).unwrap();
+            assert!(
+                matches!(d.kernel, Pass1::Stream(k) if k.queries == 8),
+                "{d:?}"
+            );
+            assert!(worst_iterations(&s, &d) < LOOP_BUDGET, "{d:?}");
+        }
         let d = plan(&llama(DType::F32, 7), &LAVAPIPE).unwrap();
         let (chunks, teams) = d.pass1;
         assert_eq!(d.pass1_grid(7), (chunks, 2, teams));

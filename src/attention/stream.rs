@@ -73,6 +73,15 @@ impl StreamKey {
             _ => self.lanes,
         }
     }
+
+    /// The team's (pair, query, head) triples. Its query heads are `heads` for each of its `kvs` KV
+    /// heads, consecutive from `h0`; its queries `queries` consecutive ones from `qi`, each with the
+    /// same heads. Pair `t = qq * th + h` (`th` heads per query) is query `qi + qq`'s head `h0 + h`,
+    /// and its registers are named by `t`.
+    fn pairs(self) -> impl Iterator<Item = (u32, u32, u32)> {
+        let th = self.heads * self.kvs;
+        (0..self.queries * th).map(move |t| (t, t / th, t % th))
+    }
 }
 
 /// Everything a generated kernel is specialised for.
@@ -423,12 +432,7 @@ impl Gen {
 
     fn all(&mut self) {
         let k = self.key;
-        // The team's query heads: `heads` for each of its `kvs` KV heads, consecutive from `h0`.
-        let th = k.heads * k.kvs;
-        // Its queries: `queries` consecutive ones from `qi`, each with the same heads. Pair
-        // `t = qq * th + h` is query `qi + qq`'s head `h0 + h`; its registers are named by `t`.
-        let qt = k.queries;
-        let pairs = || (0..qt * th).map(move |t| (t, t / th, t % th));
+        let (qt, pairs) = (k.queries, move || k.pairs());
         debug_assert!(
             qt == 1 || (k.rows != RowMode::Ragged && k.sum == TeamSum::Subgroup && k.kvs == 1),
             "{k:?}"
@@ -595,7 +599,7 @@ impl Gen {
             // empty result, which the reduce skips, and loads no query (no barrier follows). One
             // that writes the output itself (`p.direct`, one chunk) goes on and writes zeros.
             line!(self, "    if start >= end && p.direct == 0u {{");
-            for h in 0..th {
+            for (_, _, h) in pairs() {
                 line!(self, "        stats[2u * (out0 + {h}u)] = NEG;");
                 line!(self, "        stats[2u * (out0 + {h}u) + 1u] = 0.0;");
             }
@@ -651,7 +655,7 @@ impl Gen {
             }
         }
         // Running max and sum per head and query, and the lane's accumulators.
-        for t in 0..qt * th {
+        for (t, _, _) in pairs() {
             line!(self, "    var m{t} = NEG;");
             line!(self, "    var l{t} = 0.0;");
             for j in 0..v.steps() {
@@ -711,15 +715,17 @@ impl Gen {
         };
         line!(self, "    if lane == 0u {{");
         for (t, qq, h) in pairs() {
-            let (o, has) = (out(qq, h), has(qq));
-            if has.is_empty() {
-                line!(self, "        stats[2u * ({o})] = m{t};");
-                line!(self, "        stats[2u * ({o}) + 1u] = l{t};");
-            } else {
-                line!(
-                    self,
-                    "        if {qq}u < nq {{ stats[2u * ({o})] = m{t}; stats[2u * ({o}) + 1u] = l{t}; }}"
-                );
+            let o = out(qq, h);
+            let (m, l) = (
+                format!("stats[2u * ({o})] = m{t};"),
+                format!("stats[2u * ({o}) + 1u] = l{t};"),
+            );
+            match qq {
+                0 => {
+                    line!(self, "        {m}");
+                    line!(self, "        {l}");
+                }
+                _ => line!(self, "        if {qq}u < nq {{ {m} {l} }}"),
             }
         }
         line!(self, "    }}");
@@ -1220,11 +1226,11 @@ impl Gen {
             0 => u.to_string(),
             _ => format!("({u} + {}u)", kk * s.loads()),
         };
-        // The (pair, query) of each head of this KV head, for each of the team's queries (with
-        // several queries, one KV head: pair `qq * heads + h`).
-        let th = k.heads * k.kvs;
-        let heads: Vec<(u32, u32)> = (0..k.queries)
-            .flat_map(|qq| (kk * k.heads..(kk + 1) * k.heads).map(move |h| (qq * th + h, qq)))
+        // The (pair, query) of each head of this KV head, for each of the team's queries.
+        let heads: Vec<(u32, u32)> = k
+            .pairs()
+            .filter(|&(_, _, h)| h / k.heads == kk)
+            .map(|(t, qq, _)| (t, qq))
             .collect();
         let load_v = |g: &mut Gen| {
             for (sr, tag, _) in &rows {
