@@ -30,7 +30,16 @@ impl Attention {
         let layer = job.layer;
         let cache = rows.store;
         let (dispatch, views) = self.plan(rows, &job, options)?;
-        // The pipeline first: it does not need the scratch. Auto takes the tiled kernel where the
+        let (q_a, out) = (job.q_a.buffer, job.out.buffer);
+        let q_b = job.q_b.map_or(q_a, |q| q.buffer);
+        // Buffers a browser has not verified are refused before a pipeline is built (seconds, and
+        // kept in the registry).
+        for (buffer, which) in [(q_a, "query"), (q_b, "query"), (out, "output")] {
+            crate::verify::known_or_refused(&self.device, buffer, layer, || {
+                format!("{which} buffer")
+            })?;
+        }
+        // Then the pipeline: it does not need the scratch. Auto takes the tiled kernel where the
         // device refused the streaming one (a generated kernel it could not compile: kept refused
         // in the registry, so later calls plan it and fall back at once). A forced kernel's
         // refusal is returned after the buffers' checks.
@@ -48,9 +57,6 @@ impl Attention {
         dispatch.params.view_a = views.q_a.view;
         dispatch.params.view_b = views.q_b.view;
         dispatch.params.view_out = views.out.view;
-        let q_a = job.q_a.buffer;
-        let q_b = job.q_b.map_or(q_a, |q| q.buffer);
-        let out = job.out.buffer;
         dispatch.params.direct =
             u32::from(writes_directly(&dispatch, views.out.view, out, [q_a, q_b]));
         // A batch's query table lies in the stats scratch after the partial results: per query its
@@ -63,11 +69,6 @@ impl Attention {
             }
             None => (Vec::new(), 0),
         };
-        for (buffer, which) in [(q_a, "query"), (q_b, "query"), (out, "output")] {
-            crate::verify::known_or_refused(&self.device, buffer, layer, || {
-                format!("{which} buffer")
-            })?;
-        }
         let partial =
             partial.map_err(|detail| plan::refused_at(layer)((AttentionLimit::Kernel, detail)))?;
         let pairs: Vec<_> = dispatch.pairs().collect();

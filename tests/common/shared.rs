@@ -1021,8 +1021,9 @@ pub async fn many_queries_over_a_long_context_see_every_row(
 /// Buffers the app makes through `kvgpu::create_buffer` / `create_buffer_init` are taken by the
 /// synchronous calls without `verify_buffer`, in a browser too: a GPU append source, and attention's
 /// queries and output, against the twin; descriptors wgpu would refuse are refused first. A buffer of the same contents made with the device's own
-/// `create_buffer_init` is refused there as unverified, with the cache unchanged (natively every
-/// call checks its buffers itself and takes it).
+/// `create_buffer_init` is refused there as unverified, with the cache unchanged, and as attention's
+/// query or output before any pipeline is built (natively every call checks its buffers itself and
+/// takes it).
 pub async fn buffers_made_through_kvgpu_need_no_verifying(g: &Gpu) {
     let web = cfg!(target_arch = "wasm32");
     let spec = CacheSpec::new(vec![LayerSpec::kv(1, 4, 4)], DType::F32, 4).unwrap();
@@ -1083,9 +1084,26 @@ pub async fn buffers_made_through_kvgpu_need_no_verifying(g: &Gpu) {
     );
     assert!(readable.is_ok(), "{readable:?}");
     let options = AttentionOptions::default();
-    let mut att = Attention::for_cache(&c);
+    // A fresh registry: an unverified query or output is refused before any pipeline is built.
+    let mut att = Attention::new(&g.device, &g.queue).unwrap();
+    if web {
+        let plain_q = g
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                contents: bytemuck::cast_slice(&q_rows),
+                ..init
+            });
+        for (q, o) in [(&plain_q, &out), (&q, &plain)] {
+            let e = att
+                .gqa(&c, 0, Queries::new(q, 1, 1, 4), o, &options)
+                .unwrap_err();
+            assert!(matches!(e, Error::UnverifiedBuffer { layer: 0, .. }), "{e}");
+            assert_eq!(att.kernels().attention_pipelines(), 0);
+        }
+    }
     att.gqa(&c, 0, Queries::new(&q, 1, 1, 4), &out, &options)
         .unwrap();
+    assert!(att.kernels().attention_pipelines() > 0);
     let want = reference::attention_gqa(&q_rows, [1, 1, 4], &rows, &rows, 1, 4, &options);
     assert_close(
         &read_f32(g, &out).await,
