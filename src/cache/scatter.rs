@@ -94,7 +94,8 @@ impl KvCache {
     /// Uploads checked host slabs of `map.len()` rows and their map in one write, and records one
     /// scattered dispatch per slot. `false`, with no dispatch recorded, when the upload would not fit
     /// one storage binding, this process has no room for its host bytes, or a slot's dispatch could
-    /// not bind it: the caller then moves the rows run by run. An upload the device cannot hold
+    /// not bind it (found before anything is written, and the upload's place given back): the
+    /// caller then moves the rows run by run. An upload the device cannot hold
     /// ([`UploadRing::reserve`](crate::kernels::UploadRing::reserve),
     /// [`check_staging`](crate::kernels::check_staging)) is refused with
     /// [`crate::Error::OutOfMemory`], and records nothing.
@@ -108,10 +109,13 @@ impl KvCache {
         // The map, then each slot's rows as stored, every part on a 16-byte boundary: sized first,
         // so that an upload too large for one binding, or one the device cannot hold, is not built
         // (a long prefill's upload takes as many bytes again on the host).
+        let mut starts = Vec::with_capacity(slabs.len());
         let size = self.slots[layer][..slabs.len()]
             .iter()
             .fold(4 * map.len() as u64, |at, sb| {
-                at.next_multiple_of(16) + map.len() as u64 * sb.placement.row_bytes
+                let start = at.next_multiple_of(16);
+                starts.push(start);
+                start + map.len() as u64 * sb.placement.row_bytes
             })
             .next_multiple_of(16);
         if size > self.max_binding {
@@ -133,7 +137,7 @@ impl KvCache {
         if !room {
             return Ok(false);
         }
-        // Binding and recording below cannot fail once the parameters and the upload are made.
+        let mark = self.upload_mark();
         let upload = self
             .rewinding(|c| {
                 let upload = c.uploads.reserve(UPLOAD, size)?;
@@ -142,27 +146,14 @@ impl KvCache {
                 Ok(upload)
             })
             .inspect_err(|_| trim(&mut self.upload_bytes))?;
-        let mut bytes = std::mem::take(&mut self.upload_bytes);
-        bytes.extend_from_slice(bytemuck::cast_slice(map));
-        let mut starts = Vec::with_capacity(slabs.len());
-        for (slot, slab) in slabs.iter().enumerate() {
-            bytes.resize(bytes.len().next_multiple_of(16), 0);
-            starts.push(bytes.len() as u64);
-            let sb = &self.slots[layer][slot];
-            bytes.extend_from_slice(sb.stored(slab.data, &mut self.scratch));
-        }
-        bytes.resize(bytes.len().next_multiple_of(16), 0);
-        debug_assert_eq!(bytes.len() as u64, size);
-        upload.write(&self.queue, &bytes);
-        self.upload_bytes = bytes;
-        trim(&mut self.upload_bytes);
-        trim(&mut self.scratch);
-        let size = upload.buffer.size();
+        // Every slot's dispatch is bound before the upload is written, so that one that could not
+        // bind it gives its place in the upload ring back. (The upload buffer is this device's own,
+        // and known as such in the browser, so binding it does not fail.)
+        let bind_size = upload.buffer.size();
         let mut scatters = Vec::with_capacity(slabs.len());
-        for (slot, start) in starts.into_iter().enumerate() {
-            let sb = &self.slots[layer][slot];
-            let row_words = sb.placement.row_bytes / 4;
-            // The rows were converted (or quantized) on the host, padding included: whatever the
+        for (slot, &start) in starts.iter().enumerate() {
+            let row_words = self.slots[layer][slot].placement.row_bytes / 4;
+            // The rows are converted (or quantized) on the host, padding included: whatever the
             // storage type, the kernel moves their words as f32 elements, bit for bit.
             let mut params = WriteParams {
                 src_offset: ((upload.offset + start) / 4) as u32,
@@ -181,15 +172,16 @@ impl KvCache {
             let job = SourceJob::Kernel {
                 params,
                 bind_offset: 0,
-                bind_size: size,
+                bind_size,
                 vec4,
             };
             let slab = GpuSlab::contiguous(&upload.buffer, DType::F32, &[]);
-            // The upload buffer is this device's own (and known as such in the browser), so binding
-            // it does not fail; if it did, no slot's dispatch is recorded.
             let Ok((Some(group), kept)) =
                 self.prepare_source(layer, slot, &slab, &job, Some(&upload.buffer))
             else {
+                self.upload_rewind(mark);
+                trim(&mut self.upload_bytes);
+                trim(&mut self.scratch);
                 return Ok(false);
             };
             scatters.push(Scatter {
@@ -201,6 +193,20 @@ impl KvCache {
                 kept,
             });
         }
+        let mut bytes = std::mem::take(&mut self.upload_bytes);
+        bytes.extend_from_slice(bytemuck::cast_slice(map));
+        for (slot, (slab, &start)) in slabs.iter().zip(&starts).enumerate() {
+            bytes.resize(bytes.len().next_multiple_of(16), 0);
+            debug_assert_eq!(bytes.len() as u64, start);
+            let sb = &self.slots[layer][slot];
+            bytes.extend_from_slice(sb.stored(slab.data, &mut self.scratch));
+        }
+        bytes.resize(bytes.len().next_multiple_of(16), 0);
+        debug_assert_eq!(bytes.len() as u64, size);
+        upload.write(&self.queue, &bytes);
+        self.upload_bytes = bytes;
+        trim(&mut self.upload_bytes);
+        trim(&mut self.scratch);
         self.record_scatters(encoder, scatters);
         Ok(true)
     }
