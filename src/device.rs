@@ -108,7 +108,7 @@ impl Gpu {
 }
 
 /// The features of `adapter` that [`Gpu::open`] requests, for a device an app makes itself:
-/// `SUBGROUP` (attention sums a row's dot products with `subgroupAdd`) and `SHADER_INT64` (attention
+/// `SUBGROUP` (attention sums a row's dot products across a subgroup) and `SHADER_INT64` (attention
 /// on a CPU adapter loads its rows in 64-bit words), which kvgpu's kernels use where the device has
 /// them; `TIMESTAMP_QUERY` (the benchmarks' GPU timings) and `SHADER_F16` (for the app's own
 /// kernels; kvgpu's use none). kvgpu runs without any of them.

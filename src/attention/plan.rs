@@ -148,7 +148,7 @@ pub(crate) const ATTENTION_STORAGE_BUFFERS: u32 = 8;
 /// `compressed_kv` and `k_pe` widths) a whole number of vectors of its slot's storage (4 f32, 8 f16
 /// or bf16, 16 q8_0, q4_0 or fp8 elements), rows of whole 16-byte vectors (q8_0 and q4_0 rows,
 /// whose scales follow the values, may end inside one), and few enough floats per lane for a team
-/// of one query head. It sums with `subgroupAdd` when the device has subgroups of one fixed size.
+/// of one query head. It sums across a subgroup when the device has subgroups of one fixed size.
 /// The tiled kernel takes every other shape, and the calls whose streaming kernel the device
 /// refuses (a generated kernel it cannot compile: the refusal is kept, so later calls fall back at
 /// once).
@@ -167,8 +167,8 @@ pub enum KernelChoice {
     Tiled,
     /// The generated streaming kernel, its lanes summing through workgroup memory.
     StreamShared,
-    /// The generated streaming kernel with `subgroupAdd` (needs `wgpu::Features::SUBGROUP` and one
-    /// subgroup size).
+    /// The generated streaming kernel summing across a subgroup (`subgroupAdd`, or steps of
+    /// `subgroupShuffleXor` on CPU adapters; needs `wgpu::Features::SUBGROUP` and one subgroup size).
     StreamSubgroup,
     /// The generated streaming kernel with one invocation per team: each reads whole rows of its
     /// own chunk, so there is nothing to sum between invocations (any adapter; what CPU adapters
@@ -672,6 +672,8 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         // components halve that. GPUs keep 32-bit words (their 16-byte loads are one instruction).
         wide: dev.cpu && dev.int64,
         sum,
+        // A CPU adapter sums a `subgroupAdd` lane by lane; shuffles in steps cost less there.
+        shuffles: dev.cpu && sum == TeamSum::Subgroup && lanes.is_power_of_two(),
         rows: s.row_mode(),
         narrow,
     })
@@ -1155,6 +1157,39 @@ mod tests {
         fn n_chunks(&self) -> usize {
             self.params.n_chunks as usize
         }
+    }
+
+    /// A CPU adapter's subgroup teams sum by shuffles ([`StreamKey::shuffles`]); GPUs and the other
+    /// sums do not. Llama-3-8B's decode and DeepSeek-V2-Lite's MLA on lavapipe, and every kernel
+    /// over a grid of shapes on both devices, each kernel forced.
+    #[test]
+    fn cpu_subgroup_teams_shuffle_their_sums() {
+        for dtype in [DType::F32, DType::F16] {
+            let d = plan(&gqa(dtype, 1, 32, 8, 128, 4096), &LAVAPIPE).unwrap();
+            let Pass1::Stream(key) = d.kernel else {
+                panic!("{:?}", d.kernel)
+            };
+            assert!(key.sum == TeamSum::Subgroup && key.shuffles, "{key:?}");
+        }
+        let mut shuffled = 0;
+        for dev in devices() {
+            for shape in [
+                gqa(DType::F32, 1, 32, 8, 128, 4096),
+                gqa(DType::F16, 5, 8, 2, 64, 300),
+            ] {
+                let Ok(Dispatch {
+                    kernel: Pass1::Stream(key),
+                    ..
+                }) = plan(&shape, &dev)
+                else {
+                    continue;
+                };
+                let want = dev.cpu && key.sum == TeamSum::Subgroup;
+                assert_eq!(key.shuffles, want, "{dev:?}: {key:?}");
+                shuffled += usize::from(key.shuffles);
+            }
+        }
+        assert!(shuffled >= 2, "{shuffled}");
     }
 
     /// Teams of several queries ([`StreamKey::queries`]): on CPU adapters with subgroups, for calls

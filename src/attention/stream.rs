@@ -13,7 +13,8 @@
 //! slice (in 64-bit words, f32 and 16-bit slices whose steps pair up take two adjacent vectors per
 //! load instead: `2l, 2l + 1, 2 lanes + 2l, ...`), so each lane keeps only its own elements of the
 //! queries and of the output in registers. Per row, each lane's partial dot products are summed
-//! over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes` invocations,
+//! over the team (`subgroupAdd` where the adapter has subgroups of exactly `lanes` invocations, on
+//! CPU adapters `log2(lanes)` steps of `subgroupShuffleXor` instead, [`StreamKey::shuffles`];
 //! else through workgroup memory with one barrier per row; or not at all, where a team is one
 //! invocation reading whole rows and a workgroup holds [`ALONE_TEAMS`] of them, side by side on one
 //! row's KV heads where there are enough: [`TeamSum::Alone`], for CPU adapters without subgroups),
@@ -39,7 +40,8 @@ use crate::codec::DType;
 /// How the lanes of a team add up their partial dot products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum TeamSum {
-    /// `subgroupAdd`: the adapter's subgroups have exactly `lanes` invocations.
+    /// `subgroupAdd`, or steps of `subgroupShuffleXor` ([`StreamKey::shuffles`]): the adapter's
+    /// subgroups have exactly `lanes` invocations.
     Subgroup,
     /// Workgroup memory and one barrier per row: any adapter.
     Shared,
@@ -122,6 +124,13 @@ pub(crate) struct StreamKey {
     /// of its softmax and its values.
     pub queries: u32,
     pub sum: TeamSum,
+    /// With [`TeamSum::Subgroup`] over a power-of-two `lanes`: the team's sums are `log2(lanes)`
+    /// steps of `subgroupShuffleXor`, each lane adding its partner's partial sum, instead of one
+    /// `subgroupAdd` (every lane ends with the same bits, since addition commutes). For CPU
+    /// adapters: lavapipe runs a `subgroupAdd` as a loop over the lanes, and Llama-3-8B's decode
+    /// took 0.84-0.85 (f32) and 0.86-0.93 (f16) of its time with the steps at 4k
+    /// (docs/benchmarks.md). GPUs keep `subgroupAdd` (the steps not measured there).
+    pub shuffles: bool,
     /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
     /// `u64`; f32 and 16-bit slices of whole pairs of steps two vectors at once, `vec4<u64>`) and
     /// split into 32-bit words after the load (CPU adapters with `wgpu::Features::SHADER_INT64`): a
@@ -1303,7 +1312,18 @@ impl Gen {
             TeamSum::Subgroup => {
                 for &(h, _) in &heads {
                     for (_, _, x) in &rows {
-                        line!(self, "        s{h}{x} = subgroupAdd(s{h}{x});");
+                        if k.shuffles {
+                            let mut step = 1;
+                            while step < k.lanes {
+                                line!(
+                                    self,
+                                    "        s{h}{x} += subgroupShuffleXor(s{h}{x}, {step}u);"
+                                );
+                                step *= 2;
+                            }
+                        } else {
+                            line!(self, "        s{h}{x} = subgroupAdd(s{h}{x});");
+                        }
                     }
                 }
             }
@@ -1531,6 +1551,9 @@ mod tests {
                                     // 64-bit loads for two of the three row modes.
                                     wide: rows != RowMode::Paged,
                                     sum,
+                                    // Shuffled sums for two of the three, at every lane count.
+                                    shuffles: sum == TeamSum::Subgroup
+                                        && rows != RowMode::Contiguous,
                                     rows,
                                     narrow,
                                 };
@@ -1571,6 +1594,7 @@ mod tests {
                         queries: 1,
                         wide,
                         sum: TeamSum::Subgroup,
+                        shuffles: wide,
                         rows,
                         narrow,
                     };
@@ -1582,6 +1606,53 @@ mod tests {
             }
         }
         assert!(checked >= 90, "{checked} kernels");
+    }
+
+    /// Shuffled sums ([`StreamKey::shuffles`]) take `log2(lanes)` steps of `subgroupShuffleXor` per
+    /// score (masks 1, 2, 4, ...) and no `subgroupAdd`; the others one `subgroupAdd` each. Both
+    /// validate.
+    #[test]
+    fn shuffled_sums_take_a_step_per_halving() {
+        for (lanes, masks) in [(8, &[1, 2, 4][..]), (32, &[1, 2, 4, 8, 16][..])] {
+            for (heads, step_rows) in [(4, 1), (2, 2)] {
+                for shuffles in [false, true] {
+                    let key = StreamKey {
+                        dtypes: [DType::F32; 3],
+                        lanes,
+                        heads,
+                        kvs: 1,
+                        d_a: 128,
+                        d_b: 0,
+                        d_v: 128,
+                        v_from_a: false,
+                        soft_cap: false,
+                        step_rows,
+                        queries: 1,
+                        wide: false,
+                        sum: TeamSum::Subgroup,
+                        shuffles,
+                        rows: RowMode::Contiguous,
+                        narrow: [false; 3],
+                    };
+                    let text = source(&key, PRELUDE, ROWS);
+                    let scores = (heads * step_rows) as usize;
+                    let (adds, xors) = (
+                        text.matches("subgroupAdd(").count(),
+                        text.matches("subgroupShuffleXor(").count(),
+                    );
+                    if shuffles {
+                        assert_eq!((adds, xors), (0, scores * masks.len()), "{key:?}");
+                        for mask in masks {
+                            let step = format!("s0 += subgroupShuffleXor(s0, {mask}u);");
+                            assert!(text.contains(&step), "{key:?}: no `{step}`");
+                        }
+                    } else {
+                        assert_eq!((adds, xors), (scores, 0), "{key:?}");
+                    }
+                    validate(&key);
+                }
+            }
+        }
     }
 
     /// 64-bit kernels take two steps per load where an f32 or 16-bit slice has whole pairs of them
@@ -1603,6 +1674,7 @@ mod tests {
             queries: 1,
             wide,
             sum: TeamSum::Subgroup,
+            shuffles: wide,
             rows: RowMode::Contiguous,
             narrow: [false; 3],
         };
@@ -1684,6 +1756,7 @@ mod tests {
                         queries: 1,
                         wide,
                         sum: TeamSum::Subgroup,
+                        shuffles: wide,
                         rows,
                         narrow,
                     };
@@ -1732,6 +1805,7 @@ mod tests {
                         queries,
                         wide,
                         sum: TeamSum::Subgroup,
+                        shuffles: wide,
                         rows,
                         narrow,
                     };
@@ -1805,6 +1879,7 @@ mod tests {
                         queries: 1,
                         wide,
                         sum,
+                        shuffles: sum == TeamSum::Subgroup && wide,
                         rows,
                         narrow,
                     };
