@@ -4,18 +4,18 @@
 //! into the caller's encoder. A streaming call of one chunk whose output is laid out as its partial
 //! results writes the output in pass 1 and records no reduce (`record::writes_directly`).
 //!
-//! Pass 1 has two kernels ([`KernelChoice`]). The *streaming* kernel (`stream.rs`, WGSL generated and
-//! compiled once per shape) gives each KV head and chunk a team of lanes that split every row in
-//! vector loads and keep their share of the queries and outputs in registers; it sums a row's dot
-//! products with `subgroupAdd` where the device has subgroups of one size (on CPU adapters in steps
-//! of `subgroupShuffleXor`; request `wgpu::Features::SUBGROUP` when the adapter offers it:
-//! [`crate::Gpu`] does), else through workgroup memory. On CPU adapters with subgroups a team takes several KV heads whole, so that its
-//! lanes read a run of each row; on CPU adapters without them a team is one invocation reading whole
-//! rows (`KernelChoice::StreamAlone`). It takes the shapes whose every head dimension is a whole
-//! number of its slot's vectors (4 f32, 8 f16 or bf16, 16 q8_0, q4_0 or fp8 elements), whose rows
-//! are whole 16-byte vectors (q8_0 and q4_0 rows may end inside one, after their scales), and whose
-//! lanes need few enough floats. The *tiled* kernel (`shaders/attention_partial.wgsl`) takes every
-//! other shape.
+//! Pass 1 has two kernels ([`KernelChoice`]). The *streaming* kernel (`stream.rs`, WGSL generated
+//! and compiled once per shape) gives each KV head and chunk a team of lanes that split every row
+//! in vector loads and keep their share of the queries and outputs in registers; it sums a row's
+//! dot products with `subgroupAdd` where the device has subgroups of one size (on CPU adapters in
+//! steps of `subgroupShuffleXor`; request `wgpu::Features::SUBGROUP` when the adapter offers it:
+//! [`crate::Gpu`] does), else through workgroup memory. On CPU adapters with subgroups a team takes
+//! several KV heads whole, so that its lanes read a run of each row; on CPU adapters without them a
+//! team is one invocation reading whole rows (`KernelChoice::StreamAlone`). It takes the shapes
+//! whose every head dimension is a whole number of its slot's vectors (4 f32, 8 f16 or bf16, 16
+//! q8_0, q4_0 or fp8 elements), whose rows are whole 16-byte vectors (q8_0 and q4_0 rows may end
+//! inside one, after their scales), and whose lanes need few enough floats. The *tiled* kernel
+//! (`shaders/attention_partial.wgsl`) takes every other shape.
 //!
 //! Work is proportional to the visible rows (or the window), never to the capacity. Pipelines are
 //! compiled once per kernel registry ([`crate::Kernels`], shared by the caches and `Attention`s made

@@ -523,7 +523,7 @@ pub(crate) fn plan(s: &CallShape, dev: &DeviceFacts) -> Result<Dispatch, Refusal
         KernelChoice::Auto => {
             // CPU adapters without subgroups (llvmpipe's GL) take one-invocation teams, where a
             // barrier per row cost most of the time; a shape too wide for them (DeepSeek's MLA)
-            // takes lanes over its rows. Lavapipe keeps `subgroupAdd`: one-invocation teams were
+            // takes lanes over its rows. Lavapipe keeps subgroup sums: one-invocation teams were
             // slower there for chunked prefill and MLA. See docs/benchmarks.md.
             let across = match dev.subgroup {
                 Some(_) => TeamSum::Subgroup,

@@ -1313,6 +1313,7 @@ impl Gen {
                 for &(h, _) in &heads {
                     for (_, _, x) in &rows {
                         if k.shuffles {
+                            debug_assert!(k.lanes.is_power_of_two(), "{k:?}");
                             let mut step = 1;
                             while step < k.lanes {
                                 line!(

@@ -34,8 +34,8 @@ fn filled(
 }
 
 /// Every pass-1 kernel this adapter can run: the tiled kernel and the streaming kernel with lanes
-/// summing through workgroup memory or teams of one invocation everywhere, the
-/// streaming kernel with `subgroupAdd` where the device has subgroups of one size. Lavapipe has them
+/// summing through workgroup memory or teams of one invocation everywhere, the streaming kernel
+/// summing across subgroups where the device has subgroups of one size. Lavapipe has them
 /// (subgroups of 8), so the Vulkan run of CI always tests all four; OpenGL and the browser (wgpu's
 /// WebGPU backend does not offer subgroups) have none, which is said, and the refusal is tested.
 pub fn kernels(g: &Gpu) -> Vec<KernelChoice> {
