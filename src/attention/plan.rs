@@ -1160,8 +1160,8 @@ mod tests {
     }
 
     /// A CPU adapter's subgroup teams sum by shuffles ([`StreamKey::shuffles`]); GPUs and the other
-    /// sums do not. Llama-3-8B's decode and DeepSeek-V2-Lite's MLA on lavapipe, and every kernel
-    /// over a grid of shapes on both devices, each kernel forced.
+    /// sums do not. Llama-3-8B's decode on lavapipe (f32 and f16), and two GQA shapes (decode, and
+    /// 5 queries of 16-bit heads of 64) on both devices, on their own choice and each kernel forced.
     #[test]
     fn cpu_subgroup_teams_shuffle_their_sums() {
         for dtype in [DType::F32, DType::F16] {
