@@ -276,8 +276,8 @@ fn readbacks_and_imports_the_device_cannot_stage_are_refused_and_change_nothing(
 /// Host rows converted on the way in (f32 rows into f16 slots, the rows of a step too large for
 /// one upload) take host memory for their stored form besides the writes' staging. That memory is
 /// reserved before the staging is checked: with room for the staging alone the calls are refused
-/// with `OutOfMemory` and change nothing, where wgpu 30 failed to stage the second slot's write and
-/// panicked (the device lost). With room, the same calls append.
+/// with `OutOfMemory`, change nothing and keep none of that memory, where wgpu 30 failed to stage
+/// the second slot's write and panicked (the device lost). With room, the same calls append.
 #[test]
 fn converted_host_rows_are_counted_before_their_staging() {
     let _serial = serial();
@@ -301,6 +301,7 @@ fn converted_host_rows_are_counted_before_their_staging() {
     let mut recorded = cache(spec);
     let mut encoder = g.device.create_command_encoder(&Default::default());
     let refused = |e: Error| assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    let before = address_space();
     {
         let _cap = Cap::room(stored + (16 << 20));
         refused(c.append(0, &slabs).unwrap_err());
@@ -311,6 +312,9 @@ fn converted_host_rows_are_counted_before_their_staging() {
                 .unwrap_err(),
         );
     }
+    // Each refusal let go of its conversion's memory (a slot's worth of f16 rows, 64 MiB or more).
+    let kept = address_space().saturating_sub(before);
+    assert!(kept < 32 << 20, "the refused appends kept {kept} bytes");
     g.queue.submit([encoder.finish()]);
     lost.assert_none();
     assert_eq!(c.visible(0).unwrap(), 0);

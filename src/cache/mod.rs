@@ -620,6 +620,7 @@ impl KvCache {
     pub(crate) fn check_host_rows(&mut self, jobs: &[HostRows<'_, '_>], what: &str) -> Result<()> {
         self.reserve_scratch(jobs)?;
         check_staging(&self.device, what, self.host_rows_bytes(jobs))
+            .inspect_err(|_| trim(&mut self.scratch))
     }
 
     /// Reserves the host memory the largest conversion of `jobs`' rows into their slots' stored
@@ -764,16 +765,20 @@ impl KvCache {
         }
         let total = pieces.iter().sum();
         self.reserve_scratch(jobs)?;
-        check_staging(&self.device, HOST_ROWS, total)?;
-        let uploads = self.rewinding(|c| {
-            let uploads = pieces
-                .iter()
-                .map(|&size| c.uploads.reserve(UPLOAD, size))
-                .collect::<Result<Vec<_>>>()?;
-            // The uploads hold their memory now: the writes' staging must fit beside them.
-            check_staging(&c.device, HOST_ROWS, total)?;
-            Ok(uploads)
-        })?;
+        // A refusal lets go of the conversion's memory, as a finished call does.
+        let uploads = check_staging(&self.device, HOST_ROWS, total)
+            .and_then(|()| {
+                self.rewinding(|c| {
+                    let uploads = pieces
+                        .iter()
+                        .map(|&size| c.uploads.reserve(UPLOAD, size))
+                        .collect::<Result<Vec<_>>>()?;
+                    // The uploads hold their memory now: the writes' staging must fit beside them.
+                    check_staging(&c.device, HOST_ROWS, total)?;
+                    Ok(uploads)
+                })
+            })
+            .inspect_err(|_| trim(&mut self.scratch))?;
         let mut blob = std::mem::take(&mut self.upload_bytes);
         blob.clear();
         let mut next = segments.iter().peekable();

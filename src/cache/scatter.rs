@@ -145,7 +145,10 @@ impl KvCache {
                 c.ring.reserve(slabs.len() as u64)?;
                 Ok(upload)
             })
-            .inspect_err(|_| trim(&mut self.upload_bytes))?;
+            .inspect_err(|_| {
+                trim(&mut self.upload_bytes);
+                trim(&mut self.scratch);
+            })?;
         // Every slot's dispatch is bound before the upload is written, so that one that could not
         // bind it gives its place in the upload ring back. (The upload buffer is this device's own,
         // and known as such in the browser, so binding it does not fail.)
