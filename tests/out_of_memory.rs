@@ -330,6 +330,60 @@ fn converted_host_rows_are_counted_before_their_staging() {
     lost.assert_none();
 }
 
+/// A scattered host append (one upload, one dispatch per slot) of f32 rows into f16 slots,
+/// refused because the device cannot make its upload, keeps none of the host memory it reserved
+/// first: with room for the rows' conversion (a slot's worth, 48 MiB) and the upload's host bytes
+/// (96 MiB) but not for the upload buffer beside them, the append is refused with `OutOfMemory`,
+/// changes nothing and lets both go; with room, it lands.
+#[test]
+fn a_refused_scattered_host_append_keeps_no_conversion_memory() {
+    let _serial = serial();
+    let g = gpu();
+    if !reports_host_memory(g) {
+        return;
+    }
+    let rows = 24_576;
+    let slot = (rows * 8 * 128 * 2) as u64;
+    let spec = CacheSpec::new(vec![LayerSpec::kv(8, 128, 128)], DType::F16, rows).unwrap();
+    assert!(
+        2 * slot < g.limits().max_slot_bytes(),
+        "the upload fits one binding"
+    );
+    let (k, v) = (values(16, rows * 8 * 128), values(17, rows * 8 * 128));
+    let shape = [rows, 8, 128];
+    let slabs = kv(&k, &v, &shape);
+    let lost = Losses::default();
+    lost.watch(&g.device);
+    let mut pool = PagedCache::new(&g.device, &g.queue, spec, 64, rows / 64).unwrap();
+    pool.set_scatter(ScatterChoice::Always);
+    let seq = pool.add_sequence().unwrap();
+    let ledger = pool.ledger().clone();
+    let before = address_space();
+    let e = {
+        let _cap = Cap::room(4 * slot);
+        pool.append(seq, 0, &slabs).unwrap_err()
+    };
+    // Refused at the upload, after the conversion and the upload's host bytes were reserved.
+    assert!(
+        matches!(&e, Error::OutOfMemory { what, .. } if what == "an upload of host rows"),
+        "{e}"
+    );
+    let kept = address_space().saturating_sub(before);
+    assert!(kept < 32 << 20, "the refused append kept {kept} bytes");
+    assert_eq!(
+        pool.ledger(),
+        &ledger,
+        "the refused append changed the pool"
+    );
+    pool.append(seq, 0, &slabs).unwrap();
+    let stored =
+        |x: &[f32]| -> Vec<f32> { x.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect() };
+    let read = |slot| pollster::block_on(pool.read_f32_async(seq, 0, slot)).unwrap();
+    assert!(read(0) == stored(&k), "the keys appended with room");
+    assert!(read(1) == stored(&v), "the values appended with room");
+    lost.assert_none();
+}
+
 /// A readback copies the bytes it maps once, into the words it returns: with room for its staging
 /// buffer and one copy of the slot, `read_words` and the pool's `read_words` return them (a second,
 /// infallible copy into words aborted the process there), and with room for the staging buffer

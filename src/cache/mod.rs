@@ -623,6 +623,12 @@ impl KvCache {
             .inspect_err(|_| trim(&mut self.scratch))
     }
 
+    /// Lets go of the host conversion buffer's memory where it holds more than [`KEEP_HOST_BYTES`]
+    /// (a call refused after [`KvCache::reserve_scratch`]).
+    pub(crate) fn trim_scratch(&mut self) {
+        trim(&mut self.scratch);
+    }
+
     /// Reserves the host memory the largest conversion of `jobs`' rows into their slots' stored
     /// form takes (one job and slot at a time, in the scratch they share): [`Error::OutOfMemory`]
     /// where this process has no room for it, before anything is written. Staging checks made

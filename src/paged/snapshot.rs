@@ -94,12 +94,15 @@ impl PagedCache {
         self.check_table_row()?;
         self.store.check_snapshot_rows(&jobs)?;
         let capacity = self.row_capacity;
-        let row = self.with_table_row(|pool, row| {
-            if pool.row_capacity != capacity {
-                pool.store.check_snapshot_rows(&jobs)?;
-            }
-            pool.store.write_snapshot_rows(&jobs).map(|()| row)
-        })?;
+        let row = self
+            .with_table_row(|pool, row| {
+                if pool.row_capacity != capacity {
+                    pool.store.check_snapshot_rows(&jobs)?;
+                }
+                pool.store.write_snapshot_rows(&jobs).map(|()| row)
+            })
+            // A row the table could not give keeps no conversion memory either.
+            .inspect_err(|_| self.store.trim_scratch())?;
         Ok(self.commit_import(plan, row))
     }
 
