@@ -257,9 +257,8 @@ impl<T> Future for Receiver<T> {
 /// Copies `size` bytes at `offset` of an app's `buffer` to the host: for checking an attention output
 /// or any buffer the app wrote. The buffer needs `COPY_SRC`; `offset` and `size` must be multiples of
 /// 4 inside the buffer. On native this waits for the GPU; in the browser it resolves when the map
-/// callback fires. A buffer mapped for the host is refused with [`Error::Device`]; natively wgpu 30
-/// cannot tell a `map_async` still pending, which wgpu then refuses at submit: finish or drop a
-/// mapping before passing the buffer (kvgpu's other calls take buffers on the same terms).
+/// callback fires. A buffer mapped for the host, or with a `map_async` still pending, is refused
+/// with [`Error::Device`] (kvgpu's other calls take buffers on the same terms).
 pub async fn read_buffer_async(
     device: &wgpu::Device,
     queue: &wgpu::Queue,

@@ -595,9 +595,8 @@ pub enum SourceProblem {
         usage: wgpu::BufferUsages,
         why: CopyBlocker,
     },
-    /// The buffer is mapped for the host, whole or in part; the GPU cannot use it until it is
-    /// unmapped. (In the browser a `map_async` still pending counts too; natively it is not seen:
-    /// wgpu 30 does not tell it.)
+    /// The buffer is mapped for the host, whole or in part, or a `map_async` of it is still
+    /// pending; the GPU cannot use it until it is unmapped.
     #[error("the buffer is mapped for the host; unmap it first")]
     Mapped,
     /// The app destroyed the buffer.
@@ -760,7 +759,8 @@ pub enum BufferProblem {
     /// The output is one of the cache's own slot buffers.
     #[error("it is one of the cache's own slot buffers")]
     IsSlot,
-    /// It is mapped for the host, whole or in part (as [`SourceProblem::Mapped`]).
+    /// It is mapped for the host, whole or in part, or a mapping of it is pending (as
+    /// [`SourceProblem::Mapped`]).
     #[error("it is mapped for the host; unmap it first")]
     Mapped,
     /// The app destroyed it.
