@@ -491,7 +491,8 @@ impl Readback {
         let index = queue.submit([commands]);
         if let Some(e) = scope.pop().await {
             return Err(format!(
-                "the device refused the copy when it was submitted (a destroyed buffer?): {e}"
+                "the device refused the copy when it was submitted (a buffer destroyed, or mapped \
+                 or being mapped for the host?): {e}"
             ));
         }
         let (tx, mapped) = oneshot();

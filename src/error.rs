@@ -759,8 +759,8 @@ pub enum BufferProblem {
     /// The output is one of the cache's own slot buffers.
     #[error("it is one of the cache's own slot buffers")]
     IsSlot,
-    /// It is mapped for the host, whole or in part, or a mapping of it is pending (as
-    /// [`SourceProblem::Mapped`]).
+    /// It is mapped for the host, whole or in part (in the browser also while a mapping of it is
+    /// pending).
     #[error("it is mapped for the host; unmap it first")]
     Mapped,
     /// The app destroyed it.

@@ -2029,10 +2029,11 @@ fn a_buffer_with_an_open_view_is_refused() {
 
 /// A source whose `map_async` is still pending: `read_buffer` returned `Ok` and the submission
 /// panicked inside wgpu ("Buffer ... is still mapped"), and so did `append_gpu`'s. wgpu 30 has no
-/// `map_state`, and a view of a buffer whose mapping is pending fails as for an unmapped one; kvgpu
-/// asks such a buffer through `map_async` now. Both calls are refused as for a mapped buffer and
-/// change nothing, the app's mapping lands as asked, and once it is undone the calls go through
-/// and the buffer maps again for the app (kvgpu's question left no mapping of its own behind).
+/// `map_state`, and a view of a buffer whose mapping is pending fails as for an unmapped one.
+/// A GPU append asks its source through a one-byte `map_async` of its own and refuses it as
+/// mapped, changing nothing; `read_buffer` submits inside an error scope, so wgpu's refusal comes
+/// back as its error. The app's mapping lands as asked, and once it is undone both calls go through
+/// and the buffer maps again for the app (kvgpu's question left nothing behind).
 #[test]
 fn a_buffer_being_mapped_is_refused() {
     let _serial = serial();
@@ -2048,6 +2049,14 @@ fn a_buffer_being_mapped_is_refused() {
         rx
     };
     let mapping = map(&b);
+    let pending = |rx: &std::sync::mpsc::Receiver<_>| {
+        let got = rx.try_recv();
+        assert!(
+            matches!(got, Err(std::sync::mpsc::TryRecvError::Empty)),
+            "the mapping is no longer pending: {got:?}"
+        )
+    };
+    pending(&mapping);
     let e = c.append_gpu(0, &shared::mla_4_2_token(&b, 0)).unwrap_err();
     assert!(
         matches!(
@@ -2060,8 +2069,11 @@ fn a_buffer_being_mapped_is_refused() {
         "{e}"
     );
     assert_eq!(c.ledger(), &ledger);
+    pending(&mapping);
+    // `read_buffer` waits on the device before it submits (which lands the mapping), and wgpu
+    // refuses the submission inside its error scope.
     let e = read_buffer(&g.device, &g.queue, &b, 0, 16).unwrap_err();
-    assert!(e.to_string().contains("mapped"), "{e}");
+    assert!(e.to_string().contains("still mapped"), "{e}");
     g.device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
     assert!(
         matches!(mapping.try_recv(), Ok(Ok(()))),

@@ -208,9 +208,33 @@ impl KvCache {
 
     /// Makes (or finds) the bind group a kernel job needs, and checks that the source belongs to this
     /// device: wgpu refuses a bind group or a copy naming a buffer of another device, and the check
-    /// runs here, inside an error scope, so the caller's encoder never sees the refusal. What it
-    /// made for the cache to keep comes back with it ([`Kept`]), kept once the append is recorded.
+    /// runs here, inside an error scope, so the caller's encoder never sees the refusal. Then, the
+    /// source known to be this device's, a source whose mapping is still pending is refused as a
+    /// mapped one ([`crate::kernels::map_pending`]). What it made for the cache to keep comes back
+    /// with it ([`Kept`]), kept once the append is recorded.
     pub(crate) fn prepare_source(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        slab: &GpuSlab<'_>,
+        job: &SourceJob,
+        map: Option<&wgpu::Buffer>,
+    ) -> Result<(Option<wgpu::BindGroup>, Option<Kept>)> {
+        let prepared = self.bind_source(layer, slot, slab, job, map)?;
+        if !matches!(job, SourceJob::Nothing)
+            && crate::kernels::map_pending(&self.device, slab.buffer)
+        {
+            return Err(Error::SourceLayout {
+                layer,
+                slot,
+                problem: crate::error::SourceProblem::Mapped,
+            });
+        }
+        Ok(prepared)
+    }
+
+    /// [`KvCache::prepare_source`] but for the pending mapping.
+    fn bind_source(
         &mut self,
         layer: usize,
         slot: usize,

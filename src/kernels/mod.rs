@@ -757,7 +757,7 @@ pub(crate) fn queue_belongs_to(device: &wgpu::Device, queue: &wgpu::Queue) -> bo
 pub(crate) enum Held {
     /// Nothing seen: the device may use it.
     No,
-    /// Mapped for the host, whole or in part, or with a mapping pending.
+    /// Mapped for the host, whole or in part (in the browser also while a mapping is pending).
     Mapped,
     /// Destroyed by the app.
     Destroyed,
@@ -766,30 +766,18 @@ pub(crate) enum Held {
     Invalid,
 }
 
-/// Whether `buffer` is mapped for the host (whole or in part, or with a mapping pending), destroyed
-/// or invalid.
+/// Whether `buffer` is mapped for the host (whole or in part), destroyed or invalid.
 ///
 /// In the browser WebGPU tells: a buffer whose `mapState` is not `"unmapped"` is mapped or being
 /// mapped. It has no word for a destroyed buffer, which WebGPU then reports at submit.
 ///
-/// Natively wgpu 30 has no `map_state`: a read view of the whole buffer is asked for
-/// ([`viewed`]), and where that says "not mapped" a buffer the host may map is asked whether a
-/// mapping of it is pending ([`map_pending`]).
+/// Natively wgpu 30 has no `map_state`: a read view of the whole buffer is asked for. wgpu grants it
+/// while the whole is mapped, and refuses it as "not mapped" for a buffer that is not (or whose
+/// mapping is still pending, which is not seen), as destroyed for a destroyed buffer, as invalid for
+/// a buffer whose creation failed, and otherwise for a mapping: out of bounds while only a part is
+/// mapped, or for Rust's aliasing rules while a mutable view is open. Any refusal but the first
+/// three counts as mapped. The hostile tests pin the wording on both native backends.
 pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
-    match viewed(buffer) {
-        Held::No if map_pending(buffer) => Held::Mapped,
-        held => held,
-    }
-}
-
-/// [`held`] as far as a view of the whole buffer tells, natively: wgpu grants one while the whole
-/// is mapped, and refuses it as "not mapped" for a buffer that is not (or whose mapping is still
-/// pending), as destroyed for a destroyed buffer, as invalid for a buffer whose creation failed,
-/// and otherwise for a mapping: out of bounds while only a part is mapped, or for Rust's aliasing
-/// rules while a mutable view is open. Any refusal but the first three counts as mapped. The
-/// hostile tests pin the wording on both native backends. (kvgpu's own buffers are asked this
-/// alone: see [`made_alive`].)
-fn viewed(buffer: &wgpu::Buffer) -> Held {
     #[cfg(target_arch = "wasm32")]
     if let Some(web) = buffer.as_webgpu() {
         // Read as a property, not through a view: a view of the whole of a buffer mapped in part
@@ -825,19 +813,18 @@ fn viewed(buffer: &wgpu::Buffer) -> Held {
     }
 }
 
-/// Whether a mapping of `buffer`, valid, not destroyed and not mapped as far as a view tells
-/// ([`viewed`]), is pending, natively: a device's submission of a buffer in that state is a
-/// validation error, which without an app's handler panics inside wgpu. wgpu 30 tells only
-/// through `map_async`, which refuses a buffer with a mapping mapped or pending at once, calling
-/// back before it returns and reporting nothing to the device. A buffer without it is mapped for
-/// that moment and unmapped again, which aborts only this request (wgpu calls back with an error,
-/// and reports none); the queue's pending writes to it are flushed ahead of the next submission,
-/// where they would land anyway. Only buffers the host may map are asked, in a mode their usage
-/// allows: no other can have a mapping. (An app asking for a mapping of the buffer on another
-/// thread at that moment may see its request refused.) In the browser [`viewed`] has told already.
-fn map_pending(buffer: &wgpu::Buffer) -> bool {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    if cfg!(target_arch = "wasm32") {
+/// Whether a mapping of `buffer`, a buffer of `device` that is valid, not destroyed and not mapped
+/// as far as [`held`] tells, is pending, natively: a submission of such a buffer is a validation
+/// error, which without an app's handler panics inside wgpu, and wgpu 30 has no `map_state` to ask.
+/// It tells through `map_async`, which refuses a buffer with a mapping mapped or pending at once,
+/// before wgpu-core sees the request. Otherwise wgpu-core refuses the request asked here, of one
+/// byte, for its size, before it looks at the buffer's state: nothing is mapped, nothing is queued,
+/// and the unmap that clears wgpu's record of the request is refused too, both inside a
+/// validation scope of `device` (hence a buffer of `device` only: another device's errors go to
+/// that device). Only buffers the host may map are asked, in a mode their usage allows: no other
+/// can have a mapping. In the browser WebGPU's `mapState` has told [`held`] already.
+pub(crate) fn map_pending(device: &wgpu::Device, buffer: &wgpu::Buffer) -> bool {
+    if cfg!(target_arch = "wasm32") || buffer.size() == 0 {
         return false;
     }
     let usage = buffer.usage();
@@ -848,25 +835,11 @@ fn map_pending(buffer: &wgpu::Buffer) -> bool {
     } else {
         return false;
     };
-    // A whole number of words from the start: what `map_async` takes of any buffer.
-    let whole = buffer.size() & !3;
-    if whole == 0 {
-        return false;
-    }
-    let refused = Arc::new(AtomicBool::new(false));
-    let answer = refused.clone();
-    let called = Arc::new(AtomicBool::new(false));
-    let call = called.clone();
-    buffer.slice(..whole).map_async(mode, move |r| {
-        answer.store(r.is_err(), Ordering::SeqCst);
-        call.store(true, Ordering::SeqCst);
-    });
-    // Refused at once: a mapping is there already. Otherwise the request (pending, or granted)
-    // is this call's own to undo.
-    if called.load(Ordering::SeqCst) && refused.load(Ordering::SeqCst) {
+    let (_, reached) = scoped(device, || buffer.slice(0..1).map_async(mode, |_| {}));
+    if reached.is_none() {
         return true;
     }
-    buffer.unmap();
+    let _ = scoped(device, || buffer.unmap());
     false
 }
 
@@ -985,7 +958,7 @@ pub(crate) fn made_alive(made: &impl Made, what: &str) -> crate::Result<()> {
         return Ok(());
     }
     let mut invalid = false;
-    made.each(&mut |b| invalid |= viewed(b) == Held::Invalid);
+    made.each(&mut |b| invalid |= held(b) == Held::Invalid);
     match invalid {
         true => Err(Error::DeviceLost {
             what: what.to_string(),
