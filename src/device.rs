@@ -258,7 +258,8 @@ impl<T> Future for Receiver<T> {
 /// or any buffer the app wrote. The buffer needs `COPY_SRC`; `offset` and `size` must be multiples of
 /// 4 inside the buffer. On native this waits for the GPU; in the browser it resolves when the map
 /// callback fires. A buffer mapped for the host, or with a `map_async` still pending, is refused
-/// with [`Error::Device`] (kvgpu's other calls take buffers on the same terms).
+/// with [`Error::Device`] (kvgpu's other calls refuse such buffers too, but for attention's
+/// queries and outputs, whose pending mappings only the browser sees).
 pub async fn read_buffer_async(
     device: &wgpu::Device,
     queue: &wgpu::Queue,

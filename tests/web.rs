@@ -334,8 +334,8 @@ async fn buffers_made_through_kvgpu_need_no_verifying() {
 /// unmapped. WebGPU's `mapState` tells both. Before, kvgpu asked wgpu for a view of the whole
 /// buffer: a pending mapping passed as unmapped, and for a partial one wgpu's WebGPU backend threw a
 /// JavaScript `RangeError` ("Invalid typed array length") that aborted the module. Natively
-/// tests/hostile.rs checks the partial mapping; a pending one is not seen there (wgpu 30 does not
-/// tell it).
+/// tests/hostile.rs checks both (`a_buffer_being_mapped_is_refused` the pending one, which wgpu 30
+/// tells only through `map_async`).
 #[wasm_bindgen_test]
 async fn a_buffer_mapped_in_part_or_being_mapped_is_refused() {
     use kvgpu::{

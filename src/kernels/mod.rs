@@ -822,7 +822,10 @@ pub(crate) fn held(buffer: &wgpu::Buffer) -> Held {
 /// and the unmap that clears wgpu's record of the request is refused too, both inside a
 /// validation scope of `device` (hence a buffer of `device` only: another device's errors go to
 /// that device). Only buffers the host may map are asked, in a mode their usage allows: no other
-/// can have a mapping. In the browser WebGPU's `mapState` has told [`held`] already.
+/// can have a mapping. In the browser WebGPU's `mapState` has told [`held`] already. wgpu keeps its
+/// record of an app's `map_async` that wgpu-core refused until the app unmaps, so such a buffer
+/// counts as mapped too; and an app asking for a mapping of the buffer on another thread at the
+/// moment kvgpu asks may be refused.
 pub(crate) fn map_pending(device: &wgpu::Device, buffer: &wgpu::Buffer) -> bool {
     if cfg!(target_arch = "wasm32") || buffer.size() == 0 {
         return false;
