@@ -2041,7 +2041,7 @@ fn a_buffer_being_mapped_is_refused() {
     let b = sized(64, U::MAP_WRITE | U::COPY_SRC);
     // Made first: making a cache waits on the device, which lands a pending mapping.
     let mut c = cache(CacheSpec::new(vec![LayerSpec::mla(4, 2)], DType::F32, 4).unwrap());
-    let ledger = c.ledger().clone();
+    let (ledger, words) = (c.ledger().clone(), snapshot(&c));
     let map = |b: &wgpu::Buffer| {
         let (tx, rx) = std::sync::mpsc::channel();
         b.slice(..)
@@ -2074,6 +2074,8 @@ fn a_buffer_being_mapped_is_refused() {
     // refuses the submission inside its error scope.
     let e = read_buffer(&g.device, &g.queue, &b, 0, 16).unwrap_err();
     assert!(e.to_string().contains("still mapped"), "{e}");
+    // Read back only now: a readback waits on the device, which lands the mapping.
+    assert_eq!((c.ledger(), snapshot(&c)), (&ledger, words));
     g.device.poll(wgpu::PollType::wait_indefinitely()).unwrap();
     assert!(
         matches!(mapping.try_recv(), Ok(Ok(()))),
