@@ -571,7 +571,7 @@ impl Attention {
     /// (each KV head, or team of KV heads, times each chunk is a workgroup), or `None` for the
     /// adapter's default: on GPUs 4,096 for values of up to 128 elements, proportionally fewer for
     /// longer values down to 1,024 (1,024 for the tiled kernel); on CPU adapters a few per host
-    /// thread for teams of several KV heads or of two rows per iteration, else a fixed 32 for the
+    /// thread for teams of several KV heads or of several rows per iteration, else a fixed 32 for the
     /// streaming kernels and 16 for the tiled kernel. More chunks give a long context more
     /// parallelism and the reduce pass more partial results to merge. The rows are split into no
     /// more chunks than they make pieces of 16 rows (64 for a team of one invocation), the last

@@ -50,15 +50,22 @@ const STREAM_WORKGROUPS_CPU: usize = 32;
 /// key is one 16-element vector on each of 4 lanes): with 2 heads per team, under the earlier 640,
 /// their attention took 1.03-1.08x the f16 time at 16k; with 4, 0.78-0.86x.
 pub(crate) const LANE_FLOATS: usize = 656;
-/// The same for MLA's subgroup kernel on CPU adapters, which takes two rows per loop iteration
-/// ([`StreamKey::step_rows`] 2; both rows' elements count): DeepSeek-V2-Lite's f32 and f16 latent
-/// rows take 8 heads per team (1,232 floats), so each row is loaded by 2 teams instead of 4, and
-/// each spilled query element and accumulator serves two rows. On lavapipe its decode at 4k took
-/// 0.69-0.81 of the time of 4 heads and one row per iteration (f32, f16; q8_0, q4_0 and bf16
-/// 0.76-0.87), and a first call's compile there took 8-12.6 s against 2-2.6 (an empty shader
-/// cache). Two rows alone gained 5-10%, 8 heads alone 10-13%; 16 heads (one team per row)
-/// compiled for 44 s and ran no faster (docs/benchmarks.md).
-pub(crate) const LANE_FLOATS_TWO_ROWS: usize = 1400;
+/// The same for MLA's subgroup kernel on CPU adapters, which takes [`MLA_CPU_STEP_ROWS`] rows per
+/// loop iteration (every row's elements count): DeepSeek-V2-Lite's latent rows take 8 heads per
+/// team (1,376 floats for f32 and 16-bit storage, 1,472 for q8_0, q4_0 and fp8, whose 64-element
+/// rope key is one 16-element vector on each of 8 lanes), so each row is loaded by 2 teams instead
+/// of 4, and each spilled query element and accumulator serves every row of the iteration. On
+/// lavapipe two rows and 8 heads took 0.69-0.81 of the time of 4 heads and one row (f32, f16;
+/// q8_0, q4_0 and bf16 0.76-0.87; two rows alone gained 5-10%, 8 heads alone 10-13%; 16 heads, one
+/// team per row, compiled for 44 s and ran no faster), and four rows 0.85-0.91 of the time of two
+/// (docs/benchmarks.md).
+pub(crate) const LANE_FLOATS_MLA_CPU: usize = 1472;
+/// Rows of one loop iteration of MLA's subgroup teams on CPU adapters ([`StreamKey::step_rows`]):
+/// on lavapipe DeepSeek-V2-Lite's decode at 4k took 0.85-0.91 of the time of two rows for every
+/// storage type (f32, f16, bf16, q8_0, q4_0, e4m3), and a first call's compile with an empty
+/// shader cache about 1.6-1.9 times as long (15-23 s against 9-12 per storage type;
+/// docs/benchmarks.md).
+pub(crate) const MLA_CPU_STEP_ROWS: u32 = 4;
 /// The same for the kernel that sums through workgroup memory (OpenGL, the browser): its kernels are
 /// kept smaller, since there a cold shader compile is what a first call waits for (Mesa's GL path
 /// took seconds for DeepSeek-V2-Lite's MLA with 4 heads per team).
@@ -77,9 +84,9 @@ pub(crate) const LANE_FLOATS_ALONE: usize = 800;
 /// a row's KV heads or more, and fewer, longer chunks leave less to the reduce. On lavapipe (2
 /// threads, so 8 workgroups instead of 32) Llama-3-8B's decode at 512 rows took 0.88-0.97 ms (f32)
 /// and 0.70-0.82 (f16) against 1.03-1.17 and 0.88-1.17; at 4k the same within the noise
-/// (docs/benchmarks.md). The same for MLA's teams of two rows per iteration (8 heads): on lavapipe
-/// DeepSeek-V2-Lite's decode at 512 rows took 0.60-0.71 of the time of 32 workgroups, at 4k
-/// 0.92-0.99.
+/// (docs/benchmarks.md). The same for MLA's teams of several rows per iteration (8 heads): on
+/// lavapipe, with two rows, DeepSeek-V2-Lite's decode at 512 rows took 0.60-0.71 of the time of 32
+/// workgroups, at 4k 0.92-0.99.
 const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
 /// Queries per team on CPU adapters with subgroups, the most first ([`StreamKey::queries`]).
 /// [`crate::Attention::prepare`] builds the kernels of calls of each of these counts beside
@@ -585,18 +592,19 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         (TeamSum::Alone, _) => 1,
     };
     let group = s.n_heads / s.n_kv;
-    // MLA on a CPU adapter with subgroups: two rows per iteration, and more heads per team. GQA
-    // over a contiguous f32 cache on a GPU with subgroups: GPU_STEP_ROWS rows per iteration.
+    // MLA on a CPU adapter with subgroups: MLA_CPU_STEP_ROWS rows per iteration, and more heads
+    // per team. GQA over a contiguous f32 cache on a GPU with subgroups: GPU_STEP_ROWS rows per
+    // iteration.
     let gpu_rows =
         !dev.cpu && !s.v_from_a && s.paging.is_none() && s.dtypes.iter().all(|&t| t == DType::F32);
     let step_rows = match sum {
-        TeamSum::Subgroup if dev.cpu && s.v_from_a => 2,
+        TeamSum::Subgroup if dev.cpu && s.v_from_a => MLA_CPU_STEP_ROWS,
         TeamSum::Subgroup if gpu_rows => GPU_STEP_ROWS,
         _ => 1,
     };
-    let two_rows = dev.cpu && step_rows == 2;
+    let mla_cpu = dev.cpu && step_rows > 1;
     let most = match sum {
-        TeamSum::Subgroup if two_rows => LANE_FLOATS_TWO_ROWS,
+        TeamSum::Subgroup if mla_cpu => LANE_FLOATS_MLA_CPU,
         TeamSum::Subgroup => LANE_FLOATS,
         TeamSum::Shared if dev.cpu => LANE_FLOATS_SHARED_CPU,
         TeamSum::Shared => LANE_FLOATS_SHARED,
@@ -674,6 +682,8 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         sum,
         // A CPU adapter sums a `subgroupAdd` lane by lane; shuffles in steps cost less there.
         shuffles: dev.cpu && sum == TeamSum::Subgroup && lanes.is_power_of_two(),
+        // The same adapters convert f16 faster with `unpack2x16float` (OpenGL's llvmpipe slower).
+        f16_unpack: dev.cpu && sum == TeamSum::Subgroup,
         rows: s.row_mode(),
         narrow,
     })
@@ -1227,7 +1237,7 @@ mod tests {
         let paged = pooled(llama(DType::F32, 8), 16, 512, None);
         assert_eq!(key(&paged, &LAVAPIPE).0, 4);
         // The shapes of `a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it`: teams of
-        // 4 queries (7 of them), one row per iteration for GQA and two for MLA.
+        // 4 queries (7 of them), one row per iteration for GQA and four for MLA.
         let steps = |s: &CallShape| match plan(s, &LAVAPIPE).unwrap().kernel {
             Pass1::Stream(k) => (k.queries, k.step_rows),
             other => panic!("{s:?}: {other:?}"),
@@ -1242,8 +1252,8 @@ mod tests {
             v_from_a: true,
             ..gqa(DType::F32, 7, 4, 1, 32, 65)
         };
-        assert_eq!(steps(&windowed(small_mla)), (4, 2));
-        // DeepSeek-V2-Lite's MLA teams fill the budget with heads (8 of its 16, two rows).
+        assert_eq!(steps(&windowed(small_mla)), (4, 4));
+        // DeepSeek-V2-Lite's MLA teams fill the budget with heads (8 of its 16, four rows).
         assert_eq!(key(&mla(DType::F32, 8, 4096), &LAVAPIPE), (1, 1, 8));
         // The shapes of `many_queries_over_the_longest_context_a_slot_holds_see_every_row` on
         // lavapipe (16 queries, 4 heads on one KV head, d = 64, as many rows as a 128 MiB slot
@@ -1458,10 +1468,10 @@ mod tests {
             assert_eq!(d.params.team_width, kvs);
             assert_eq!(d.pairs().count(), 1);
         }
-        // DeepSeek's MLA on the CPU adapter: 2 teams of 8 heads that take two rows per iteration,
-        // on the same 4 workgroups per host thread.
+        // DeepSeek's MLA on the CPU adapter: 2 teams of 8 heads that take four rows per
+        // iteration, on the same 4 workgroups per host thread.
         let d = plan(&mla(DType::F16, 1, 4096), &LAVAPIPE).unwrap();
-        assert!(matches!(d.kernel, Pass1::Stream(k) if k.step_rows == 2 && k.heads == 8));
+        assert!(matches!(d.kernel, Pass1::Stream(k) if k.step_rows == 4 && k.heads == 8));
         assert_eq!(d.pass1, (4, 2));
     }
 
@@ -1779,12 +1789,13 @@ mod tests {
         // MLA takes its values from the latent it scores.
         let key = stream(plan(&mla(DType::BF16, 1, 4096), &LAVAPIPE).unwrap()).unwrap();
         assert!(key.v_from_a && key.d_b == 64);
-        // On a CPU adapter, two rows per iteration and eight of its 16 heads per team:
-        // 8 x (72 + 64) + 2 x 72 registers per lane; the same for its quantized rows
-        // (8 x (80 + 64) + 2 x 80). A GPU's teams of 32 lanes keep one row per iteration and as
-        // many heads as LANE_FLOATS_SHARED holds, as the workgroup-memory kernel's do: 4 of 16-bit
-        // rows (4 x (24 + 16) + 24 = 184 floats; 8 would be 344), 8 of f32 (308).
-        assert_eq!((key.heads, key.step_rows), (8, 2));
+        // On a CPU adapter, four rows per iteration and eight of its 16 heads per team:
+        // 8 x (72 + 64) + 4 x 72 registers per lane; the same for its quantized rows
+        // (8 x (80 + 64) + 4 x 80, the whole budget). A GPU's teams of 32 lanes keep one row per
+        // iteration and as many heads as LANE_FLOATS_SHARED holds, as the workgroup-memory
+        // kernel's do: 4 of 16-bit rows (4 x (24 + 16) + 24 = 184 floats; 8 would be 344), 8 of
+        // f32 (308).
+        assert_eq!((key.heads, key.step_rows), (8, 4));
         for (dtype, heads) in [(DType::BF16, 4), (DType::F16, 4), (DType::F32, 8)] {
             let key = stream(plan(&mla(dtype, 1, 4096), &GPU).unwrap()).unwrap();
             assert_eq!(
@@ -1804,7 +1815,9 @@ mod tests {
                 ..mla(DType::F16, 1, 4096)
             };
             let key = stream(plan(&s, &LAVAPIPE).unwrap()).unwrap();
-            assert_eq!((key.heads, key.step_rows), (8, 2), "{dtype}");
+            assert_eq!((key.heads, key.step_rows), (8, 4), "{dtype}");
+            let floats = stream::lane_floats(s.dtypes, 8, 8, [512, 64, 512], true, 4);
+            assert_eq!(floats, LANE_FLOATS_MLA_CPU, "{dtype}");
         }
         // A head of 6 elements is not a whole number of vectors: the tiled kernel, or a refusal
         // when a streaming kernel is forced.

@@ -22,10 +22,10 @@
 //! maximum grows. MLA takes its values from the latent vectors it has just loaded for the scores.
 //!
 //! Every loop over elements and heads is unrolled in the generated text: the only loop left walks the
-//! chunk's rows, so an invocation runs one loop iteration per row, or per two rows where the key
-//! says so ([`StreamKey::step_rows`]: MLA on CPU adapters with subgroups, whose spilled registers
-//! then serve two rows per load, and GQA over a contiguous f32 cache on GPUs with subgroups, which
-//! then wait on the loads of two rows at once; the planner keeps chunks within the software
+//! chunk's rows, so an invocation runs one loop iteration per row, or per several rows where the key
+//! says so ([`StreamKey::step_rows`]: four for MLA on CPU adapters with subgroups, whose spilled
+//! registers then serve four rows per load, and two for GQA over a contiguous f32 cache on GPUs with
+//! subgroups, which then wait on the loads of two rows at once; the planner keeps chunks within the software
 //! adapters' loop budget). The partial results have the layout of
 //! `shaders/attention_partial.wgsl`, so `shaders/attention_reduce.wgsl` merges either kernel's. A
 //! call of one chunk whose output has that layout (`[n_q, n_heads, d_v]`, contiguous, at the start
@@ -112,8 +112,8 @@ pub(crate) struct StreamKey {
     /// Rows of one loop iteration (1, 2 or 4: `r` and `r + 1, ...` where the chunk has them):
     /// each query element and accumulator a lane loads from its spilled registers serves every
     /// row's products, and the rows' loads are in flight together ([`TeamSum::Subgroup`] only: the
-    /// planner asks for 2 for MLA on CPU adapters, where every register is memory,
-    /// `plan::LANE_FLOATS_TWO_ROWS`, and for GQA over a contiguous f32 cache on GPUs,
+    /// planner asks for 4 for MLA on CPU adapters, where every register is memory,
+    /// `plan::MLA_CPU_STEP_ROWS`, and for 2 for GQA over a contiguous f32 cache on GPUs,
     /// `plan::GPU_STEP_ROWS`; 4 ran slower there).
     pub step_rows: u32,
     /// Consecutive queries per team (1, 4 or 8; more than 1 only with [`TeamSum::Subgroup`], for
@@ -131,6 +131,14 @@ pub(crate) struct StreamKey {
     /// took 0.84-0.85 (f32) and 0.86-0.93 (f16) of its time with the steps at 4k
     /// (docs/benchmarks.md). GPUs keep `subgroupAdd` (the steps not measured there).
     pub shuffles: bool,
+    /// f16 elements are converted with `unpack2x16float` instead of the exact integer rebias
+    /// (`f16x4`): both are exact for every f16 code on the adapters tested
+    /// (`attention_reads_every_stored_code_exactly`). For CPU adapters with subgroups: on
+    /// lavapipe Llama-3-8B's f16 decode at 4k took about 0.87 of its time with it, and
+    /// DeepSeek-V2-Lite's 0.88-0.94; on llvmpipe's OpenGL it made GQA slower (1.18 of its time),
+    /// and GPUs keep the integer path until one has measured it (docs/benchmarks.md). Block
+    /// scales keep the integer path.
+    pub f16_unpack: bool,
     /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
     /// `u64`; f32 and 16-bit slices of whole pairs of steps two vectors at once, `vec4<u64>`) and
     /// split into 32-bit words after the load (CPU adapters with `wgpu::Features::SHADER_INT64`): a
@@ -855,6 +863,18 @@ impl Gen {
                     "fn odd_bf16(w: vec4<u32>) -> vec4<f32> {{ return bitcast<vec4<f32>>(w & vec4<u32>(0xffff0000u)); }}"
                 );
             }
+            // The adapter's conversion (no shader-f16 needed).
+            DType::F16 if self.key.f16_unpack => {
+                for (name, half) in [("even", "x"), ("odd", "y")] {
+                    let parts =
+                        ["x", "y", "z", "w"].map(|c| format!("unpack2x16float(w.{c}).{half}"));
+                    line!(
+                        self,
+                        "fn {name}_f16(w: vec4<u32>) -> vec4<f32> {{ return vec4<f32>({}); }}",
+                        parts.join(", ")
+                    );
+                }
+            }
             DType::F16 => {
                 // Exact for every f16 (subnormals, infinities and NaN included), no shader-f16 needed.
                 self.rebias_x4("f16x4", 0x7fff, 13, 112, 0x400, 0x7c00, 15);
@@ -1556,6 +1576,7 @@ mod tests {
                                     shuffles: sum == TeamSum::Subgroup
                                         && rows != RowMode::Contiguous,
                                     rows,
+                                    f16_unpack: rows == RowMode::Ragged,
                                     narrow,
                                 };
                                 validate(&key);
@@ -1597,6 +1618,7 @@ mod tests {
                         sum: TeamSum::Subgroup,
                         shuffles: wide,
                         rows,
+                        f16_unpack: wide,
                         narrow,
                     };
                     if (0..3).all(|i| [d_k, 0, d_v][i] % per_vec(key.dtypes[i]) as u32 == 0) {
@@ -1633,6 +1655,7 @@ mod tests {
                         sum: TeamSum::Subgroup,
                         shuffles,
                         rows: RowMode::Contiguous,
+                        f16_unpack: false,
                         narrow: [false; 3],
                     };
                     let text = source(&key, PRELUDE, ROWS);
@@ -1677,6 +1700,7 @@ mod tests {
             sum: TeamSum::Subgroup,
             shuffles: wide,
             rows: RowMode::Contiguous,
+            f16_unpack: false,
             narrow: [false; 3],
         };
         // (storage, head size, the slots' binding in 64-bit words): steps of 8 lanes.
@@ -1709,9 +1733,9 @@ mod tests {
     }
 
     /// Kernels that take several rows per iteration ([`StreamKey::step_rows`]): MLA as the planner
-    /// asks for it on CPU adapters (8 heads, within its budget, two rows), GQA with teams of several
-    /// KV heads (two rows), and GQA in GPU teams (one KV head, 32 lanes) of four rows, the
-    /// generator's general case, for every storage type and row mode, narrow rows, shared scale
+    /// asks for it on CPU adapters (8 heads, within its budget, four rows) and with two rows, GQA
+    /// with teams of several KV heads (two rows), and GQA in GPU teams (one KV head, 32 lanes) of
+    /// four rows, the generator's general case, for every storage type and row mode, narrow rows, shared scale
     /// vectors and the cap among them.
     #[test]
     fn kernels_of_several_rows_validate() {
@@ -1719,7 +1743,7 @@ mod tests {
         for dtype in DType::STORAGE {
             let u = per_vec(dtype) as u32;
             for (kvs, heads, d_a, d_b, d_v, v_from_a, lanes, step_rows) in [
-                (1, 8, 512, 64, 512, true, 8, 2),
+                (1, 8, 512, 64, 512, true, 8, 4),
                 (1, 2, u, u, u, true, 8, 2),
                 (4, 4, 128, 0, 128, false, 8, 2),
                 (2, 1, 3 * u, 0, u, false, 8, 2),
@@ -1735,7 +1759,7 @@ mod tests {
                     step_rows as usize,
                 );
                 assert!(
-                    floats * kvs as usize <= plan::LANE_FLOATS_TWO_ROWS,
+                    floats * kvs as usize <= plan::LANE_FLOATS_MLA_CPU,
                     "{floats}"
                 );
                 for (rows, wide) in [RowMode::Contiguous, RowMode::Paged, RowMode::Ragged]
@@ -1759,6 +1783,7 @@ mod tests {
                         sum: TeamSum::Subgroup,
                         shuffles: wide,
                         rows,
+                        f16_unpack: !wide,
                         narrow,
                     };
                     validate(&key);
@@ -1808,6 +1833,7 @@ mod tests {
                         sum: TeamSum::Subgroup,
                         shuffles: wide,
                         rows,
+                        f16_unpack: !wide,
                         narrow,
                     };
                     let text = source(&key, PRELUDE, ROWS);
@@ -1873,7 +1899,7 @@ mod tests {
                         soft_cap: false,
                         // As the planner asks on CPU adapters.
                         step_rows: if mla && sum == TeamSum::Subgroup {
-                            2
+                            4
                         } else {
                             1
                         },
@@ -1882,6 +1908,7 @@ mod tests {
                         sum,
                         shuffles: sum == TeamSum::Subgroup && wide,
                         rows,
+                        f16_unpack: sum == TeamSum::Subgroup && !wide,
                         narrow,
                     };
                     validate(&key);

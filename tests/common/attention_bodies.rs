@@ -436,7 +436,7 @@ const PLAN_MLA: Mla = Mla {
 
 /// The subgroup kernels a CPU adapter runs on a device without 64-bit integers, which load 32-bit
 /// words: on lavapipe, which has them (`Gpu` asks for them), every other test of this suite runs the
-/// kernels of 64-bit loads. GQA with teams of 2 KV heads, DeepSeek's MLA with two rows per
+/// kernels of 64-bit loads. GQA with teams of 2 KV heads, DeepSeek's MLA with four rows per
 /// iteration, every storage type, against the twins.
 pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     let info = g.adapter.get_info();
@@ -740,8 +740,8 @@ pub async fn a_non_finite_element_stays_in_its_head(g: &Gpu) {
 /// is NaN: its values are left out for them, not weighted by 0), and the outputs of the queries that
 /// see it are non-finite. 7 queries (teams of 4 and 3) over 65 rows with a window of 32, on every
 /// kernel: the row of query 3 (queries 0 to 2 clean), then the first row of query 0's window
-/// (queries 1 to 6 clean). GQA (one row per loop iteration) and MLA of 4 heads (two rows per
-/// iteration on lavapipe, where the values of the second row are selected).
+/// (queries 1 to 6 clean). GQA (one row per loop iteration) and MLA of 4 heads (four rows per
+/// iteration on lavapipe, where the values of the rows after the first are selected).
 pub async fn a_non_finite_row_stays_out_of_the_queries_that_do_not_see_it(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
     let (rows, n_q, n_heads, window) = (65, 7, 4, 32);
@@ -1671,10 +1671,10 @@ pub async fn scales_and_soft_caps_at_the_edge_of_f32_match_the_twin(g: &Gpu) {
 /// Scores that rise by 100 from each row to the next, and scores near -200, over 5 rows with queries
 /// that see 3, 4 and 5 of them, on every kernel: GQA (f32, 2 KV heads of 128) under a GPU's plans,
 /// where teams with subgroups take two rows per loop iteration for f32, and DeepSeek's MLA (f32 and
-/// f16) under the adapter's own, where a CPU adapter's subgroup teams do. A two-row step's running
-/// max must be the larger of its two rows' scores (with the first row's alone, the second row's
-/// weight `exp(100)` overflows), and must leave out a second row the chunk does not have (its
-/// score of 0 would zero the weights of scores below -87). Against the twins.
+/// f16) under the adapter's own, where a CPU adapter's subgroup teams take four. A step's running
+/// max must be the largest of its rows' scores (with the first row's alone, a later row's weight
+/// `exp(100)` overflows), and must leave out the rows the chunk does not have (a score of 0 would
+/// zero the weights of scores below -87). Against the twins.
 pub async fn steep_and_deep_scores_match_the_twin(g: &Gpu) {
     let (rows, n_q) = (5, 3);
     // Element 0 of row i's key (GQA) or latent (MLA); the queries are 1 there and 0 elsewhere, and
