@@ -53,18 +53,20 @@ pub(crate) const LANE_FLOATS: usize = 656;
 /// The same for MLA's subgroup kernel on CPU adapters, which takes [`MLA_CPU_STEP_ROWS`] rows per
 /// loop iteration (every row's elements count): DeepSeek-V2-Lite's latent rows take 8 heads per
 /// team (1,376 floats for f32 and 16-bit storage, 1,472 for q8_0, q4_0 and fp8, whose 64-element
-/// rope key is one 16-element vector on each of 8 lanes), so each row is loaded by 2 teams instead
-/// of 4, and each spilled query element and accumulator serves every row of the iteration. On
+/// rope key is four 16-element vectors, one vector's registers on each of the 8 lanes), so each
+/// row is loaded by 2 teams instead of 4, and each spilled query element and accumulator serves
+/// every row of the iteration. On
 /// lavapipe two rows and 8 heads took 0.69-0.81 of the time of 4 heads and one row (f32, f16;
 /// q8_0, q4_0 and bf16 0.76-0.87; two rows alone gained 5-10%, 8 heads alone 10-13%; 16 heads, one
-/// team per row, compiled for 44 s and ran no faster), and four rows 0.85-0.91 of the time of two
+/// team per row, compiled for 44 s and ran no faster), and four rows 0.79-0.91 of the time of two
 /// (docs/benchmarks.md).
 pub(crate) const LANE_FLOATS_MLA_CPU: usize = 1472;
 /// Rows of one loop iteration of MLA's subgroup teams on CPU adapters ([`StreamKey::step_rows`]):
-/// on lavapipe DeepSeek-V2-Lite's decode at 4k took 0.85-0.91 of the time of two rows for every
+/// on lavapipe DeepSeek-V2-Lite's decode at 4k took 0.79-0.91 of the time of two rows for every
 /// storage type (f32, f16, bf16, q8_0, q4_0, e4m3), and a first call's compile with an empty
-/// shader cache about 1.6-1.9 times as long (15-23 s against 9-12 per storage type;
-/// docs/benchmarks.md).
+/// shader cache 1.5-1.9 times as long (15-23 s against 9-12 per storage type;
+/// docs/benchmarks.md). Where four rows would leave a team fewer heads than two (subgroups of 4
+/// lanes), it takes two.
 pub(crate) const MLA_CPU_STEP_ROWS: u32 = 4;
 /// The same for the kernel that sums through workgroup memory (OpenGL, the browser): its kernels are
 /// kept smaller, since there a cold shader compile is what a first call waits for (Mesa's GL path
@@ -597,7 +599,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     // iteration.
     let gpu_rows =
         !dev.cpu && !s.v_from_a && s.paging.is_none() && s.dtypes.iter().all(|&t| t == DType::F32);
-    let step_rows = match sum {
+    let mut step_rows = match sum {
         TeamSum::Subgroup if dev.cpu && s.v_from_a => MLA_CPU_STEP_ROWS,
         TeamSum::Subgroup if gpu_rows => GPU_STEP_ROWS,
         _ => 1,
@@ -610,7 +612,6 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         TeamSum::Shared => LANE_FLOATS_SHARED,
         TeamSum::Alone => LANE_FLOATS_ALONE,
     };
-    let rows = step_rows as usize;
     // A GPU's lane holds its floats in registers (255 at most on NVIDIA's) and spills the rest to
     // memory: there a subgroup team takes as many heads as fit the workgroup-memory kernel's budget,
     // and one head up to the subgroup budget. On an H200 DeepSeek-V2-Lite's MLA in teams of 8 (f32)
@@ -621,10 +622,21 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         TeamSum::Subgroup if !dev.cpu => most.min(LANE_FLOATS_SHARED),
         _ => most,
     };
-    let heads = HEAD_BATCHES.into_iter().find(|&h| {
-        let floats = stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a, rows);
-        group.is_multiple_of(h) && (floats <= heads_within || (h == 1 && floats <= most))
-    })?;
+    let heads_at = |rows: usize| {
+        HEAD_BATCHES.into_iter().find(|&h| {
+            let floats = stream::lane_floats(s.dtypes, lanes as usize, h, dims, s.v_from_a, rows);
+            group.is_multiple_of(h) && (floats <= heads_within || (h == 1 && floats <= most))
+        })
+    };
+    let mut heads = heads_at(step_rows as usize);
+    // MLA's teams on a CPU adapter take two rows per iteration where four would leave them fewer
+    // heads (subgroups of 4 lanes hold twice a lane's elements of every row) or none: each row is
+    // then loaded by no more teams than before four rows (not measured on such an adapter).
+    if mla_cpu && step_rows > 2 && heads_at(2) > heads {
+        (step_rows, heads) = (2, heads_at(2));
+    }
+    let heads = heads?;
+    let rows = step_rows as usize;
     // On a CPU adapter a subgroup team takes whole groups of several KV heads, within the same
     // register budget: its lanes then read a run of the row instead of one head's slice at the
     // row's stride. On lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4 KV heads per
@@ -1818,6 +1830,28 @@ mod tests {
             assert_eq!((key.heads, key.step_rows), (8, 4), "{dtype}");
             let floats = stream::lane_floats(s.dtypes, 8, 8, [512, 64, 512], true, 4);
             assert_eq!(floats, LANE_FLOATS_MLA_CPU, "{dtype}");
+        }
+        // Subgroups of 4 lanes: four rows would leave 2 heads per team (4 x (144 + 128) + 4 x
+        // 144 = 1,664 floats for 4), two rows keep 4 (1,376).
+        let narrow = DeviceFacts {
+            subgroup: Some(4),
+            ..LAVAPIPE
+        };
+        for dtype in DType::ALL {
+            let key = stream(plan(&mla(dtype, 1, 4096), &narrow).unwrap()).unwrap();
+            assert_eq!((key.heads, key.step_rows, key.lanes), (4, 2, 4), "{dtype}");
+        }
+        // f16 through `unpack2x16float` in the subgroup kernels of CPU adapters only: OpenGL's
+        // kernels (workgroup memory, one invocation) and GPUs keep the integer conversion.
+        let f16_unpack = |dev: &DeviceFacts| {
+            let d = plan(&llama, dev).unwrap();
+            (stream(d).unwrap().f16_unpack, d.kernel)
+        };
+        assert!(f16_unpack(&LAVAPIPE).0);
+        assert!(!f16_unpack(&GPU).0);
+        for choice in [KernelChoice::StreamShared, KernelChoice::StreamAlone] {
+            let (unpack, kernel) = f16_unpack(&DeviceFacts { choice, ..LAVAPIPE });
+            assert!(!unpack, "{kernel:?}");
         }
         // A head of 6 elements is not a whole number of vectors: the tiled kernel, or a refusal
         // when a streaming kernel is forced.

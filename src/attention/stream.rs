@@ -113,7 +113,7 @@ pub(crate) struct StreamKey {
     /// each query element and accumulator a lane loads from its spilled registers serves every
     /// row's products, and the rows' loads are in flight together ([`TeamSum::Subgroup`] only: the
     /// planner asks for 4 for MLA on CPU adapters, where every register is memory,
-    /// `plan::MLA_CPU_STEP_ROWS`, and for 2 for GQA over a contiguous f32 cache on GPUs,
+    /// `plan::MLA_CPU_STEP_ROWS`, and 2 for GQA over a contiguous f32 cache on GPUs,
     /// `plan::GPU_STEP_ROWS`; 4 ran slower there).
     pub step_rows: u32,
     /// Consecutive queries per team (1, 4 or 8; more than 1 only with [`TeamSum::Subgroup`], for
@@ -1296,9 +1296,9 @@ impl Gen {
                 }
                 // In statements of at most `TERMS` products, left to right as one sum: naga walks
                 // an expression recursively, and a whole row's (144 products for MLA in f32 on
-                // one-invocation teams) overflowed a debug build's thread stack. Two rows take
-                // one product each per statement, alternating, so that a query vector's two uses
-                // are adjacent.
+                // one-invocation teams) overflowed a debug build's thread stack. Several rows take
+                // one product each per statement, alternating, so that a query vector's uses are
+                // adjacent.
                 let per = if k.step_rows > 1 { 1 } else { TERMS };
                 let n = terms[0].len().div_ceil(per);
                 for i in 0..n {
@@ -1795,7 +1795,7 @@ mod tests {
     }
 
     /// Teams of several queries ([`StreamKey::queries`], subgroup sums) for every storage type,
-    /// both row modes they serve, one and two rows per iteration (MLA), narrow rows and the cap
+    /// both row modes they serve, one, two and four rows per iteration (MLA), narrow rows and the cap
     /// among them; each leaves out the values of rows a query does not see, and the same key with
     /// one query per team has no mask.
     #[test]
@@ -1808,6 +1808,7 @@ mod tests {
                 (8, 1, 3 * u, 0, u, false, 1),
                 (8, 2, 64, 0, 32, false, 1),
                 (4, 4, u, u, u, true, 2),
+                (4, 4, u, u, u, true, 4),
             ] {
                 for (rows, wide) in [RowMode::Contiguous, RowMode::Paged]
                     .into_iter()
@@ -1855,7 +1856,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, 112);
+        assert_eq!(checked, 140);
     }
 
     /// Slots of different types side by side: each type's unpacking is declared once (f16 and bf16,
