@@ -55,11 +55,10 @@ pub(crate) const LANE_FLOATS: usize = 656;
 /// team (1,376 floats for f32 and 16-bit storage, 1,472 for q8_0, q4_0 and fp8, whose 64-element
 /// rope key is four 16-element vectors, one vector's registers on each of the 8 lanes), so each
 /// row is loaded by 2 teams instead of 4, and each spilled query element and accumulator serves
-/// every row of the iteration. On
-/// lavapipe two rows and 8 heads took 0.69-0.81 of the time of 4 heads and one row (f32, f16;
-/// q8_0, q4_0 and bf16 0.76-0.87; two rows alone gained 5-10%, 8 heads alone 10-13%; 16 heads, one
-/// team per row, compiled for 44 s and ran no faster), and four rows 0.79-0.91 of the time of two
-/// (docs/benchmarks.md).
+/// every row of the iteration. On lavapipe two rows and 8 heads took 0.69-0.81 of the time of 4
+/// heads and one row (f32, f16; q8_0, q4_0 and bf16 0.76-0.87; two rows alone gained 5-10%, 8
+/// heads alone 10-13%; 16 heads, one team per row, compiled for 44 s and ran no faster), and four
+/// rows 0.79-0.91 of the time of two (docs/benchmarks.md).
 pub(crate) const LANE_FLOATS_MLA_CPU: usize = 1472;
 /// Rows of one loop iteration of MLA's subgroup teams on CPU adapters ([`StreamKey::step_rows`]):
 /// on lavapipe DeepSeek-V2-Lite's decode at 4k took 0.79-0.91 of the time of two rows for every
@@ -632,8 +631,11 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     // MLA's teams on a CPU adapter take two rows per iteration where four would leave them fewer
     // heads (subgroups of 4 lanes hold twice a lane's elements of every row) or none: each row is
     // then loaded by no more teams than before four rows (not measured on such an adapter).
-    if mla_cpu && step_rows > 2 && heads_at(2) > heads {
-        (step_rows, heads) = (2, heads_at(2));
+    if mla_cpu && step_rows > 2 {
+        let two = heads_at(2);
+        if two > heads {
+            (step_rows, heads) = (2, two);
+        }
     }
     let heads = heads?;
     let rows = step_rows as usize;

@@ -22,11 +22,11 @@
 //! maximum grows. MLA takes its values from the latent vectors it has just loaded for the scores.
 //!
 //! Every loop over elements and heads is unrolled in the generated text: the only loop left walks the
-//! chunk's rows, so an invocation runs one loop iteration per row, or per several rows where the key
-//! says so ([`StreamKey::step_rows`]: four for MLA on CPU adapters with subgroups, whose spilled
-//! registers then serve four rows per load, and two for GQA over a contiguous f32 cache on GPUs with
-//! subgroups, which then wait on the loads of two rows at once; the planner keeps chunks within the software
-//! adapters' loop budget). The partial results have the layout of
+//! chunk's rows, so an invocation runs one loop iteration per row, or per several rows where the
+//! key says so ([`StreamKey::step_rows`]: four for MLA on CPU adapters with subgroups, whose
+//! spilled registers then serve four rows per load, and two for GQA over a contiguous f32 cache on
+//! GPUs with subgroups, which then wait on the loads of two rows at once; the planner keeps chunks
+//! within the software adapters' loop budget). The partial results have the layout of
 //! `shaders/attention_partial.wgsl`, so `shaders/attention_reduce.wgsl` merges either kernel's. A
 //! call of one chunk whose output has that layout (`[n_q, n_heads, d_v]`, contiguous, at the start
 //! of its binding) binds it in their place: pass 1 writes the normalised output, and no reduce runs
