@@ -32,6 +32,7 @@ common::shared_tests!(attention_bodies, serial: serial;
     gpu_plans_match_the_reference,
     cpu_plans_of_32_bit_loads_match_the_reference,
     attention_reads_every_stored_code_exactly,
+    fp8_nan_codes_read_as_nan,
     attention_over_4096_rows_splits_the_sequence,
     large_soft_caps_keep_their_precision,
     a_non_finite_element_stays_in_its_head,

@@ -132,12 +132,14 @@ pub(crate) struct StreamKey {
     /// (docs/benchmarks.md). GPUs keep `subgroupAdd` (the steps not measured there).
     pub shuffles: bool,
     /// f16 elements are converted with `unpack2x16float` instead of the exact integer rebias
-    /// (`f16x4`): both are exact for every f16 code on the adapters tested
-    /// (`attention_reads_every_stored_code_exactly`). For CPU adapters with subgroups: on
-    /// lavapipe Llama-3-8B's f16 decode at 4k took about 0.87 of its time with it, and
-    /// DeepSeek-V2-Lite's 0.88-0.94; on llvmpipe's OpenGL it made GQA slower (1.18 of its time),
-    /// and GPUs keep the integer path until one has measured it (docs/benchmarks.md). Block
-    /// scales keep the integer path.
+    /// (`f16x4`), and fp8 ones too, two bytes of a word at once as f16 codes (`Gen::fp8_halves`):
+    /// both ways are exact for every code on the adapters tested
+    /// (`attention_reads_every_stored_code_exactly`, `fp8_nan_codes_read_as_nan`). For CPU
+    /// adapters with subgroups: on lavapipe Llama-3-8B's f16 decode at 4k took about 0.87 of its
+    /// time with it, and DeepSeek-V2-Lite's 0.88-0.94; e5m2 took 0.81-0.85 (GQA) and about 0.94
+    /// (MLA), e4m3 0.77-1.01 (GQA) and about 0.95 (MLA). On llvmpipe's OpenGL it made GQA over
+    /// f16 slower (1.18 of its time), and GPUs keep the integer path until one has measured it
+    /// (docs/benchmarks.md). Block scales keep the integer path.
     pub f16_unpack: bool,
     /// The slots' vectors are bound and loaded as 64-bit words (`vec2<u64>`, q4_0's 8 bytes as one
     /// `u64`; f32 and 16-bit slices of whole pairs of steps two vectors at once, `vec4<u64>`) and
@@ -330,6 +332,24 @@ impl Slice {
     fn last_lanes(&self) -> Option<u32> {
         let rem = self.vecs % self.lanes;
         (rem != 0).then_some(rem)
+    }
+}
+
+/// Byte `c` of each of the four words `w` of an fp8 vector as f32, through the functions of
+/// `Gen::fp8_halves` ([`StreamKey::f16_unpack`]).
+fn fp8_part(dtype: DType, c: u32) -> String {
+    let name = if dtype == DType::F8E5M2 {
+        "e5m2"
+    } else {
+        "e4m3"
+    };
+    let half = if c < 2 { "lo" } else { "hi" };
+    let bytes = if c.is_multiple_of(2) { "02" } else { "13" };
+    let part = format!("f16_{half}({name}_{bytes}(w))");
+    if dtype == DType::F8E5M2 {
+        part
+    } else {
+        format!("{part} * 256.0")
     }
 }
 
@@ -849,6 +869,9 @@ impl Gen {
             DType::Q8_0 | DType::Q4_0 => {
                 self.rebias_x4("f16x4", 0x7fff, 13, 112, 0x400, 0x7c00, 15)
             }
+            // Through the adapter's f16 conversion: two bytes of each word at once, as the halves
+            // of two f16 codes.
+            DType::F8E4M3 | DType::F8E5M2 if self.key.f16_unpack => self.fp8_halves(dtype),
             // e4m3: 0x7f (with either sign) is NaN. e5m2, the top byte of an f16: 0x7c is infinity,
             // 0x7d-0x7f NaN.
             DType::F8E4M3 => self.rebias_x4("e4m3x4", 0x7f, 20, 120, 8, 0x7f, 7),
@@ -888,6 +911,59 @@ impl Gen {
                 );
             }
         }
+    }
+
+    /// The fp8 functions of [`StreamKey::f16_unpack`]: `{e4m3,e5m2}_02(w)` and `_13(w)` turn bytes 0
+    /// and 2 (1 and 3) of each of four words into two f16 codes per word, and `f16_lo` / `f16_hi`
+    /// convert the low / high halves, so that byte c of the words is `f16_lo(_02(w))` for c = 0,
+    /// `f16_lo(_13(w))` for 1, `f16_hi(_02(w))` for 2 and `f16_hi(_13(w))` for 3 ([`fp8_part`]).
+    /// e5m2 is the top byte of an f16, infinities and NaN included. An e4m3 code's sign, exponent
+    /// and mantissa go to f16's bits 15, 10-13 and 7-9: an f16 of 2^-8 times its value (exact,
+    /// subnormals included: both formats' subnormals are their mantissa times the smallest
+    /// normal's exponent), which [`fp8_part`] multiplies by 256; its NaN code (magnitude 0x7f, the
+    /// one whose magnitude plus one reaches bit 7) also gets f16's top exponent bit, which makes it
+    /// an f16 NaN.
+    fn fp8_halves(&mut self, dtype: DType) {
+        if !self.out.contains("fn f16_lo(") {
+            for (name, half) in [("lo", "x"), ("hi", "y")] {
+                let parts = ["x", "y", "z", "w"].map(|c| format!("unpack2x16float(h.{c}).{half}"));
+                line!(
+                    self,
+                    "fn f16_{name}(h: vec4<u32>) -> vec4<f32> {{ return vec4<f32>({}); }}",
+                    parts.join(", ")
+                );
+            }
+        }
+        if dtype == DType::F8E5M2 {
+            line!(
+                self,
+                "fn e5m2_02(w: vec4<u32>) -> vec4<u32> {{ return (w << vec4<u32>(8u)) & vec4<u32>(0xff00ff00u); }}"
+            );
+            line!(
+                self,
+                "fn e5m2_13(w: vec4<u32>) -> vec4<u32> {{ return w & vec4<u32>(0xff00ff00u); }}"
+            );
+            return;
+        }
+        line!(self, "fn e4m3_f16(x: vec4<u32>) -> vec4<u32> {{");
+        line!(self, "    let m = x & vec4<u32>(0x007f007fu);");
+        line!(
+            self,
+            "    let nan = (m + vec4<u32>(0x00010001u)) & vec4<u32>(0x00800080u);"
+        );
+        line!(
+            self,
+            "    return ((m | nan) << vec4<u32>(7u)) | ((x & vec4<u32>(0x00800080u)) << vec4<u32>(8u));"
+        );
+        line!(self, "}}");
+        line!(
+            self,
+            "fn e4m3_02(w: vec4<u32>) -> vec4<u32> {{ return e4m3_f16(w); }}"
+        );
+        line!(
+            self,
+            "fn e4m3_13(w: vec4<u32>) -> vec4<u32> {{ return e4m3_f16(w >> vec4<u32>(8u)); }}"
+        );
     }
 
     /// An exact unpacking of four small floats (f16 or fp8, one per component: sign at bit
@@ -1186,6 +1262,7 @@ impl Gen {
                                 4 * c,
                                 4 * c + 16
                             ),
+                            _ if k.f16_unpack => fp8_part(s.dtype, c),
                             DType::F8E5M2 => {
                                 format!("e5m2x4((w >> vec4<u32>({}u)) & vec4<u32>(0xffu))", 8 * c)
                             }

@@ -2579,6 +2579,28 @@ fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
     Some(if b & 0x80 != 0 { -mag } else { mag })
 }
 
+/// Rows and key width of [`attention_reads_every_stored_code_exactly`] and
+/// [`fp8_nan_codes_read_as_nan`].
+const ROWS: usize = 64;
+const D_K: usize = 16;
+
+/// Their keys and queries, `ROWS` of each: row i's key has 512 i in its first element (0 elsewhere)
+/// and every query 1 there, so query i's score for row j is 512 j and its weights of the rows
+/// before its own are exactly 0 (a softmax over scores 128 and more apart, at the scale 1/4).
+fn code_keys_and_queries() -> (Vec<f32>, Vec<f32>) {
+    let keys = (0..ROWS * D_K)
+        .map(|i| {
+            if i % D_K == 0 {
+                (i / D_K) as f32 * 512.0
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let q = (0..ROWS * D_K).map(|i| f32::from(i % D_K == 0)).collect();
+    (keys, q)
+}
+
 /// Attention reads every stored code exactly: every finite f16, bf16, e4m3 and e5m2 code, and q8_0 /
 /// q4_0 blocks whose f16 scales run from zero through f16's subnormals to its large normals, in V
 /// rows of 256 (where q8_0's scale vectors are shared by a team's steps and q4_0 is read in vectors
@@ -2590,19 +2612,8 @@ fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
 /// for bit but for the sign of a zero (the output sums weighted values from +0, so a -0 code comes
 /// out +0), and bf16's codes below f32's normals may read as zero where the adapter flushes them.
 pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
-    const ROWS: usize = 64;
-    const D_K: usize = 16;
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    let keys: Vec<f32> = (0..ROWS * D_K)
-        .map(|i| {
-            if i % D_K == 0 {
-                (i / D_K) as f32 * 512.0
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    let q: Vec<f32> = (0..ROWS * D_K).map(|i| f32::from(i % D_K == 0)).collect();
+    let (keys, q) = code_keys_and_queries();
     let qb = f32_buffer(&g.device, &q).await;
     let f16_codes: Vec<half::f16> = (0..=u16::MAX)
         .filter(|b| b & 0x7c00 != 0x7c00)
@@ -2726,4 +2737,74 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
             );
         }
     }
+}
+
+/// fp8's NaN codes read as NaN, on every kernel: e4m3's NaN (0x7f with either sign, the code
+/// below which its largest number 448 lies) and e5m2's (0x7f with either sign; an append keeps a NaN
+/// as those, and saturates infinities, so e5m2's infinity codes are never stored). Beside them every
+/// finite code, as [`attention_reads_every_stored_code_exactly`] reads them, with its shapes, keys and
+/// queries (its pipelines): the last row holds every code's value (NaN for a NaN code, of its
+/// sign), the rows before it zeros, and the last query weighs the last row by exactly 1 and the
+/// others by exactly 0, so its output is that row as stored; the queries before it do not see it
+/// (on lavapipe, teams of several queries load it for them all), and theirs are zeros.
+pub async fn fp8_nan_codes_read_as_nan(g: &Gpu) {
+    const D_V: usize = 256;
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let (keys, q) = code_keys_and_queries();
+    let qb = f32_buffer(&g.device, &q).await;
+    let shapes = [[ROWS, 1, D_K], [ROWS, 1, D_V]];
+    let mut checks = 0;
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        let e4m3 = dtype == DType::F8E4M3;
+        let sign = |b: u8| if b & 0x80 == 0 { 1.0 } else { -1.0 };
+        let mut v = vec![0.0f32; (ROWS - 1) * D_V];
+        // e5m2's infinity codes as infinities (stored as its largest numbers).
+        let special = |b: u8| match b & 0x7f {
+            0x7c if !e4m3 => f32::INFINITY,
+            _ => f32::NAN,
+        };
+        v.extend((0..=u8::MAX).map(|b| fp8_value(b, e4m3).unwrap_or(special(b).copysign(sign(b)))));
+        let layer = stored_as(LayerSpec::kv(1, D_K, D_V), [DType::F32, dtype]);
+        for kernel in kernels(g) {
+            att.set_kernel(kernel);
+            let mut c = cache_on(
+                g,
+                CacheSpec::new(vec![layer.clone()], DType::F32, ROWS).unwrap(),
+            );
+            let slabs = [
+                HostSlab::f32(&keys, &shapes[0]),
+                HostSlab::f32(&v, &shapes[1]),
+            ];
+            c.append(0, &slabs).unwrap();
+            let stored = c.read_f32_async(0, 1).await.unwrap();
+            let last = &stored[(ROWS - 1) * D_V..];
+            let nans = last.iter().filter(|x| x.is_nan()).count();
+            assert_eq!(nans, if e4m3 { 2 } else { 6 }, "{dtype}: NaN codes stored");
+            let out = output(&g.device, ROWS * D_V).await;
+            let queries = Queries::new(&qb, ROWS, 1, D_K);
+            let result = att.gqa(&c, 0, queries, &out, &AttentionOptions::default());
+            if !ran(g, result, &att, &c, &out).await {
+                continue;
+            }
+            let got = read_f32(g, &out).await;
+            let (before, got) = got.split_at((ROWS - 1) * D_V);
+            assert!(
+                before.iter().all(|&x| x == 0.0),
+                "{dtype} {kernel:?}: a query before the last row read something but zeros"
+            );
+            for (i, (&x, &w)) in got.iter().zip(last).enumerate() {
+                let same = if w.is_nan() {
+                    x.is_nan()
+                } else {
+                    x.to_bits() == w.to_bits() || (x == 0.0 && w == 0.0)
+                };
+                assert!(
+                    same,
+                    "{dtype} {kernel:?}: element {i} read as {x:e}, stored {w:e}"
+                );
+            }
+            checks += 1;
+        }
+    }
+    assert!(checks >= 2, "{checks} kernels ran");
 }
