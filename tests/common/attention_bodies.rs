@@ -2740,71 +2740,78 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
 }
 
 /// fp8's NaN codes read as NaN, on every kernel: e4m3's NaN (0x7f with either sign, the code
-/// below which its largest number 448 lies) and e5m2's (0x7f with either sign; an append keeps a NaN
-/// as those, and saturates infinities, so e5m2's infinity codes are never stored). Beside them every
-/// finite code, as [`attention_reads_every_stored_code_exactly`] reads them, with its shapes, keys and
-/// queries (its pipelines): the last row holds every code's value (NaN for a NaN code, of its
-/// sign), the rows before it zeros, and the last query weighs the last row by exactly 1 and the
-/// others by exactly 0, so its output is that row as stored; the queries before it do not see it
-/// (on lavapipe, teams of several queries load it for them all), and theirs are zeros.
+/// after its largest number 448) and e5m2's (0x7f with either sign; an append keeps a NaN as those,
+/// and saturates infinities, so e5m2's infinity codes are never stored). Beside them every finite
+/// code, as [`attention_reads_every_stored_code_exactly`] reads them, with its shapes, keys and
+/// queries (its pipelines): the last row holds every code's value (NaN for a NaN code, of its sign),
+/// the rows before it zeros, and the last query weighs the last row by exactly 1 and the others by
+/// exactly 0, so its output is that row as stored; the queries before it do not see it (on
+/// lavapipe, teams of several queries load it for them all), and theirs are zeros. Four caches per
+/// kernel, the codes rotated by 0 to 3 elements, so that each NaN code lies in each byte of a word
+/// once (a kernel may unpack a word's bytes differently).
 pub async fn fp8_nan_codes_read_as_nan(g: &Gpu) {
     const D_V: usize = 256;
     let mut att = Attention::with_kernels(super::kernels_for(g));
     let (keys, q) = code_keys_and_queries();
     let qb = f32_buffer(&g.device, &q).await;
     let shapes = [[ROWS, 1, D_K], [ROWS, 1, D_V]];
+    let all = kernels(g);
     let mut checks = 0;
     for dtype in [DType::F8E4M3, DType::F8E5M2] {
         let e4m3 = dtype == DType::F8E4M3;
         let sign = |b: u8| if b & 0x80 == 0 { 1.0 } else { -1.0 };
-        let mut v = vec![0.0f32; (ROWS - 1) * D_V];
         // e5m2's infinity codes as infinities (stored as its largest numbers).
         let special = |b: u8| match b & 0x7f {
             0x7c if !e4m3 => f32::INFINITY,
             _ => f32::NAN,
         };
-        v.extend((0..=u8::MAX).map(|b| fp8_value(b, e4m3).unwrap_or(special(b).copysign(sign(b)))));
+        let value = |b: u8| fp8_value(b, e4m3).unwrap_or(special(b).copysign(sign(b)));
         let layer = stored_as(LayerSpec::kv(1, D_K, D_V), [DType::F32, dtype]);
-        for kernel in kernels(g) {
+        for &kernel in &all {
             att.set_kernel(kernel);
-            let mut c = cache_on(
-                g,
-                CacheSpec::new(vec![layer.clone()], DType::F32, ROWS).unwrap(),
-            );
-            let slabs = [
-                HostSlab::f32(&keys, &shapes[0]),
-                HostSlab::f32(&v, &shapes[1]),
-            ];
-            c.append(0, &slabs).unwrap();
-            let stored = c.read_f32_async(0, 1).await.unwrap();
-            let last = &stored[(ROWS - 1) * D_V..];
-            let nans = last.iter().filter(|x| x.is_nan()).count();
-            assert_eq!(nans, if e4m3 { 2 } else { 6 }, "{dtype}: NaN codes stored");
-            let out = output(&g.device, ROWS * D_V).await;
-            let queries = Queries::new(&qb, ROWS, 1, D_K);
-            let result = att.gqa(&c, 0, queries, &out, &AttentionOptions::default());
-            if !ran(g, result, &att, &c, &out).await {
-                continue;
-            }
-            let got = read_f32(g, &out).await;
-            let (before, got) = got.split_at((ROWS - 1) * D_V);
-            assert!(
-                before.iter().all(|&x| x == 0.0),
-                "{dtype} {kernel:?}: a query before the last row read something but zeros"
-            );
-            for (i, (&x, &w)) in got.iter().zip(last).enumerate() {
-                let same = if w.is_nan() {
-                    x.is_nan()
-                } else {
-                    x.to_bits() == w.to_bits() || (x == 0.0 && w == 0.0)
-                };
-                assert!(
-                    same,
-                    "{dtype} {kernel:?}: element {i} read as {x:e}, stored {w:e}"
+            for turn in 0..4 {
+                let mut v = vec![0.0f32; (ROWS - 1) * D_V];
+                v.extend((0..D_V).map(|e| value((e + turn) as u8)));
+                let spec = CacheSpec::new(vec![layer.clone()], DType::F32, ROWS).unwrap();
+                let mut c = cache_on(g, spec);
+                let slabs = [
+                    HostSlab::f32(&keys, &shapes[0]),
+                    HostSlab::f32(&v, &shapes[1]),
+                ];
+                c.append(0, &slabs).unwrap();
+                let stored = c.read_f32_async(0, 1).await.unwrap();
+                let last = &stored[(ROWS - 1) * D_V..];
+                let nans: Vec<usize> = (0..D_V).filter(|&e| last[e].is_nan()).collect();
+                assert_eq!(
+                    nans.len(),
+                    if e4m3 { 2 } else { 6 },
+                    "{dtype}: NaN codes stored"
                 );
+                let out = output(&g.device, ROWS * D_V).await;
+                let queries = Queries::new(&qb, ROWS, 1, D_K);
+                let result = att.gqa(&c, 0, queries, &out, &AttentionOptions::default());
+                assert!(ran(g, result, &att, &c, &out).await, "{dtype} {kernel:?}");
+                let got = read_f32(g, &out).await;
+                let (before, got) = got.split_at((ROWS - 1) * D_V);
+                assert!(
+                    before.iter().all(|&x| x == 0.0),
+                    "{dtype} {kernel:?}: a query before the last row read something but zeros"
+                );
+                for (e, (&x, &w)) in got.iter().zip(last).enumerate() {
+                    let same = if w.is_nan() {
+                        x.is_nan()
+                    } else {
+                        x.to_bits() == w.to_bits() || (x == 0.0 && w == 0.0)
+                    };
+                    assert!(
+                        same,
+                        "{dtype} {kernel:?}, turn {turn}: element {e} read as {x:e}, stored {w:e}"
+                    );
+                }
+                checks += 1;
             }
-            checks += 1;
         }
     }
-    assert!(checks >= 2, "{checks} kernels ran");
+    // Every kernel took the shape, each time.
+    assert_eq!(checks, 2 * 4 * all.len(), "checks that ran");
 }
