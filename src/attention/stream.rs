@@ -336,6 +336,16 @@ impl Slice {
     }
 }
 
+/// The WGSL function `name` of four words `arg`: the f16 in half `half` of each (`x` the low half,
+/// `y` the high one) as f32, through `unpack2x16float` ([`StreamKey::f16_unpack`]).
+fn f16_halves_fn(name: &str, arg: &str, half: &str) -> String {
+    let parts = ["x", "y", "z", "w"].map(|c| format!("unpack2x16float({arg}.{c}).{half}"));
+    format!(
+        "fn {name}({arg}: vec4<u32>) -> vec4<f32> {{ return vec4<f32>({}); }}",
+        parts.join(", ")
+    )
+}
+
 /// Byte `c` of each of the four words `w` of an fp8 vector as f32, through the functions of
 /// `Gen::fp8_halves` ([`StreamKey::f16_unpack`]).
 fn fp8_part(dtype: DType, c: u32) -> String {
@@ -889,15 +899,8 @@ impl Gen {
             }
             // The adapter's conversion (no shader-f16 needed).
             DType::F16 if self.key.f16_unpack => {
-                for (name, half) in [("even", "x"), ("odd", "y")] {
-                    let parts =
-                        ["x", "y", "z", "w"].map(|c| format!("unpack2x16float(w.{c}).{half}"));
-                    line!(
-                        self,
-                        "fn {name}_f16(w: vec4<u32>) -> vec4<f32> {{ return vec4<f32>({}); }}",
-                        parts.join(", ")
-                    );
-                }
+                line!(self, "{}", f16_halves_fn("even_f16", "w", "x"));
+                line!(self, "{}", f16_halves_fn("odd_f16", "w", "y"));
             }
             DType::F16 => {
                 // Exact for every f16 (subnormals, infinities and NaN included), no shader-f16 needed.
@@ -926,14 +929,8 @@ impl Gen {
     /// an f16 NaN.
     fn fp8_halves(&mut self, dtype: DType) {
         if !self.out.contains("fn f16_lo(") {
-            for (name, half) in [("lo", "x"), ("hi", "y")] {
-                let parts = ["x", "y", "z", "w"].map(|c| format!("unpack2x16float(h.{c}).{half}"));
-                line!(
-                    self,
-                    "fn f16_{name}(h: vec4<u32>) -> vec4<f32> {{ return vec4<f32>({}); }}",
-                    parts.join(", ")
-                );
-            }
+            line!(self, "{}", f16_halves_fn("f16_lo", "h", "x"));
+            line!(self, "{}", f16_halves_fn("f16_hi", "h", "y"));
         }
         if dtype == DType::F8E5M2 {
             line!(

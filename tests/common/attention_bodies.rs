@@ -2579,6 +2579,15 @@ fn fp8_value(b: u8, e4m3: bool) -> Option<f32> {
     Some(if b & 0x80 != 0 { -mag } else { mag })
 }
 
+/// Whether an attention output `got` is the value `stored` it should have read: its bits, but a zero
+/// of either sign for a zero (the output sums weighted values from +0) and any NaN for a NaN.
+fn read_as_stored(got: f32, stored: f32) -> bool {
+    if stored.is_nan() {
+        return got.is_nan();
+    }
+    got.to_bits() == stored.to_bits() || (got == 0.0 && stored == 0.0)
+}
+
 /// Rows and key width of [`attention_reads_every_stored_code_exactly`] and
 /// [`fp8_nan_codes_read_as_nan`].
 const ROWS: usize = 64;
@@ -2710,10 +2719,7 @@ pub async fn attention_reads_every_stored_code_exactly(g: &Gpu) {
                 // WGSL lets arithmetic flush f32's subnormals to zero (SwiftShader does): bf16 codes
                 // below f32's smallest normal may come out as zero, and nothing else may differ.
                 let flushed = |i: usize| got[i] == 0.0 && stored[i].is_subnormal();
-                // Bits compared, but a zero of either sign for a zero.
-                let same = |i: usize| {
-                    got[i].to_bits() == stored[i].to_bits() || (got[i] == 0.0 && stored[i] == 0.0)
-                };
+                let same = |i: usize| read_as_stored(got[i], stored[i]);
                 let wrong: Vec<usize> = (0..got.len())
                     .filter(|&i| !same(i) && !flushed(i))
                     .collect();
@@ -2781,12 +2787,8 @@ pub async fn fp8_nan_codes_read_as_nan(g: &Gpu) {
                 c.append(0, &slabs).unwrap();
                 let stored = c.read_f32_async(0, 1).await.unwrap();
                 let last = &stored[(ROWS - 1) * D_V..];
-                let nans: Vec<usize> = (0..D_V).filter(|&e| last[e].is_nan()).collect();
-                assert_eq!(
-                    nans.len(),
-                    if e4m3 { 2 } else { 6 },
-                    "{dtype}: NaN codes stored"
-                );
+                let nans = last.iter().filter(|x| x.is_nan()).count();
+                assert_eq!(nans, if e4m3 { 2 } else { 6 }, "{dtype}: NaN codes stored");
                 let out = output(&g.device, ROWS * D_V).await;
                 let queries = Queries::new(&qb, ROWS, 1, D_K);
                 let result = att.gqa(&c, 0, queries, &out, &AttentionOptions::default());
@@ -2798,13 +2800,8 @@ pub async fn fp8_nan_codes_read_as_nan(g: &Gpu) {
                     "{dtype} {kernel:?}: a query before the last row read something but zeros"
                 );
                 for (e, (&x, &w)) in got.iter().zip(last).enumerate() {
-                    let same = if w.is_nan() {
-                        x.is_nan()
-                    } else {
-                        x.to_bits() == w.to_bits() || (x == 0.0 && w == 0.0)
-                    };
                     assert!(
-                        same,
+                        read_as_stored(x, w),
                         "{dtype} {kernel:?}, turn {turn}: element {e} read as {x:e}, stored {w:e}"
                     );
                 }
