@@ -22,6 +22,7 @@ common::shared_tests!(attention_bodies, serial: serial;
     quantized_attention_over_4096_rows_splits_the_sequence,
     quantized_gpu_plans_match_the_reference,
     wide_unaligned_fp8_heads_stay_within_the_loop_budget,
+    fp8_nan_codes_in_keys_make_their_scores_nan,
 );
 
 common::shared_tests!(quant_bodies, serial: serial;

@@ -148,6 +148,7 @@ browser_tests!(source_bodies:
 browser_tests!(attention_bodies:
     attention_reads_every_stored_code_exactly,
     fp8_nan_codes_read_as_nan,
+    fp8_nan_codes_in_keys_make_their_scores_nan,
     gpu_plans_match_the_reference,
     cpu_plans_of_32_bit_loads_match_the_reference,
     quantized_storage_matches_the_reference,

@@ -134,8 +134,9 @@ pub(crate) struct StreamKey {
     /// f16 elements are converted with `unpack2x16float` instead of the exact integer rebias
     /// (`f16x4`), and fp8 ones too, two bytes of a word at once as f16 codes (`Gen::fp8_halves`):
     /// both ways read every finite code exactly and the NaN codes an append stores as NaN on the
-    /// adapters tested (`attention_reads_every_stored_code_exactly`, `fp8_nan_codes_read_as_nan`;
-    /// e5m2's infinity codes, which no append stores, are an f16's own). For CPU
+    /// adapters tested (`attention_reads_every_stored_code_exactly`, `fp8_nan_codes_read_as_nan`,
+    /// and in keys and MLA's latent `fp8_nan_codes_in_keys_make_their_scores_nan`; e5m2's infinity
+    /// codes, which no append stores, are an f16's own). For CPU
     /// adapters with subgroups: on lavapipe Llama-3-8B's f16 decode at 4k took about 0.87 of its
     /// time with it, and DeepSeek-V2-Lite's 0.88-0.94; e5m2 took 0.81-0.85 (GQA) and about 0.94
     /// (MLA), e4m3 0.77-1.01 (GQA) and about 0.95 (MLA). On llvmpipe's OpenGL it made GQA over

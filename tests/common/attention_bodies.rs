@@ -962,10 +962,6 @@ pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
         let qb = f32_buffer(&g.device, &q).await;
         let want =
             reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, case.n_kv, d_v, &options);
-        for (i, head) in want.chunks(d_v).enumerate() {
-            let all_nan = head.iter().all(|x| x.is_nan());
-            assert_eq!(all_nan, nan_head(i), "the twin's head {i}");
-        }
         for &kernel in kernels {
             att.set_kernel(kernel);
             let out = output(&g.device, n_q * n_heads * d_v).await;
@@ -974,20 +970,8 @@ pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
             if !ran(g, result, &att, &c, &out).await {
                 continue;
             }
-            let got = read_f32(g, &out).await;
             let what = format!("{kernel:?}, as for a GPU {gpu_plan}, aiming for {target:?}");
-            for (i, (got, want)) in got.chunks(d_v).zip(want.chunks(d_v)).enumerate() {
-                let (qi, h) = (i / n_heads, i % n_heads);
-                if nan_head(i) {
-                    let finite = got.iter().filter(|x| !x.is_nan()).count();
-                    assert_eq!(
-                        finite, 0,
-                        "{what}: query {qi} head {h} has {finite} elements not NaN: {got:?}"
-                    );
-                } else {
-                    assert_close(got, want, &format!("{what}: query {qi} head {h}"));
-                }
-            }
+            assert_nan_heads(&read_f32(g, &out).await, &want, d_v, nan_head, &what);
             checks += 1;
         }
     }
@@ -2811,4 +2795,158 @@ pub async fn fp8_nan_codes_read_as_nan(g: &Gpu) {
     }
     // Every kernel took the shape, each time.
     assert_eq!(checks, 2 * 4 * all.len(), "checks that ran");
+}
+
+/// An fp8 NaN code in a key (GQA), in MLA's latent or in its rope key makes the scores that read it
+/// NaN, and so every element of those heads' outputs, on every kernel. The heads and queries that
+/// do not read it match the twin. The code is what an append stores for a NaN (0x7f, and 0xff for a
+/// negative one), in each byte of a word in turn, one KV head or slot at a time, in a row that the
+/// windows of the last three queries leave out. [`fp8_nan_codes_read_as_nan`] reads the codes as
+/// values. The shapes and options are those of `quantized_storage_matches_the_reference` (its
+/// pipelines).
+pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    let (rows, n_q, n_kv, d) = (65, 7, 4, 64);
+    let (r, p) = (512, 64);
+    // Queries 0 to 3 see the row (windows of 32 and 20 ending at rows 58 to 64).
+    let (gqa_row, mla_row, seen) = (30, 42, |qi: usize| qi <= 3);
+    let gqa_options = AttentionOptions {
+        window: Some(32),
+        soft_cap: Some(20.0),
+        scale: None,
+    };
+    let mla_options = AttentionOptions {
+        window: Some(20),
+        soft_cap: Some(30.0),
+        scale: Some(0.07),
+    };
+    let q = values(150, n_q * n_kv * d);
+    let (ql, qr) = (values(151, n_q * n_kv * r), values(152, n_q * n_kv * p));
+    let (qb, qlb, qrb) = (
+        f32_buffer(&g.device, &q).await,
+        f32_buffer(&g.device, &ql).await,
+        f32_buffer(&g.device, &qr).await,
+    );
+    let all = kernels(g);
+    let (mut checks, mut mla_checks) = (0, 0);
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        for turn in 0..8 {
+            // Byte `(turn + turn / 4) % 4` of word `turn`: every byte with each sign.
+            let e = 4 * turn + (turn + turn / 4) % 4;
+            let nan = if turn < 4 { f32::NAN } else { -f32::NAN };
+            // GQA: KV head `turn % 4` (query head `turn % 4` of every query: groups of 1).
+            let head = turn % 4;
+            let (mut k, v) = (values(153, rows * n_kv * d), values(154, rows * n_kv * d));
+            k[(gqa_row * n_kv + head) * d + e] = nan;
+            let layer = stored_as(LayerSpec::kv(n_kv, d, d), [dtype; 2]);
+            let mut c = cache_on(g, CacheSpec::new(vec![layer], dtype, rows).unwrap());
+            let shape = [rows, n_kv, d];
+            c.append(0, &[HostSlab::f32(&k, &shape), HostSlab::f32(&v, &shape)])
+                .unwrap();
+            c.advance(rows).unwrap();
+            let keys = c.read_f32_async(0, 0).await.unwrap();
+            assert_eq!(keys.iter().filter(|x| x.is_nan()).count(), 1, "{dtype}");
+            let want = reference::attention_gqa(
+                &q,
+                [n_q, n_kv, d],
+                &keys,
+                &c.read_f32_async(0, 1).await.unwrap(),
+                n_kv,
+                d,
+                &gqa_options,
+            );
+            let nan_head = |i: usize| seen(i / n_kv) && i % n_kv == head;
+            for &kernel in &all {
+                att.set_kernel(kernel);
+                let out = output(&g.device, n_q * n_kv * d).await;
+                let queries = Queries::new(&qb, n_q, n_kv, d);
+                let result = att.gqa(&c, 0, queries, &out, &gqa_options);
+                assert!(ran(g, result, &att, &c, &out).await, "{dtype} {kernel:?}");
+                let what = format!("{dtype} {kernel:?}, GQA key element {e} NaN");
+                assert_nan_heads(&read_f32(g, &out).await, &want, d, nan_head, &what);
+                checks += 1;
+            }
+            // MLA: the latent in even turns, the rope key in odd ones (every head reads both).
+            let (mut latent, mut rope) = (values(155, rows * r), values(156, rows * p));
+            match turn % 2 {
+                0 => latent[mla_row * r + e] = nan,
+                _ => rope[mla_row * p + e] = nan,
+            }
+            let layer = stored_as(LayerSpec::mla(r, p), [dtype; 2]);
+            let mut c = cache_on(g, CacheSpec::new(vec![layer], dtype, rows).unwrap());
+            let shapes = [[rows, r], [rows, p]];
+            let slabs = [
+                HostSlab::f32(&latent, &shapes[0]),
+                HostSlab::f32(&rope, &shapes[1]),
+            ];
+            c.append(0, &slabs).unwrap();
+            c.advance(rows).unwrap();
+            let stored = [
+                c.read_f32_async(0, 0).await.unwrap(),
+                c.read_f32_async(0, 1).await.unwrap(),
+            ];
+            let nans: usize = stored
+                .iter()
+                .map(|s| s.iter().filter(|x| x.is_nan()).count())
+                .sum();
+            assert_eq!(nans, 1, "{dtype}");
+            let want = reference::attention_mla(
+                &ql,
+                &qr,
+                [n_q, n_kv, r],
+                &stored[0],
+                &stored[1],
+                p,
+                &mla_options,
+            );
+            let slot = ["latent", "rope key"][turn % 2];
+            for &kernel in &all {
+                att.set_kernel(kernel);
+                let out = output(&g.device, n_q * n_kv * r).await;
+                let queries = MlaQueries {
+                    latent: Queries::new(&qlb, n_q, n_kv, r),
+                    rope: Queries::new(&qrb, n_q, n_kv, p),
+                };
+                // (One-invocation teams refuse MLA's heads: `ran` checks the refusal.)
+                let result = att.mla(&c, 0, queries, &out, &mla_options);
+                if !ran(g, result, &att, &c, &out).await {
+                    continue;
+                }
+                let what = format!("{dtype} {kernel:?}, MLA {slot} element {e} NaN");
+                let nan_head = |i: usize| seen(i / n_kv);
+                assert_nan_heads(&read_f32(g, &out).await, &want, r, nan_head, &what);
+                mla_checks += 1;
+            }
+        }
+    }
+    // Every kernel took every GQA call, and the tiled kernel at least every MLA call.
+    assert_eq!(checks, 2 * 8 * all.len(), "GQA checks that ran");
+    assert!(mla_checks >= 2 * 8, "{mla_checks} MLA checks ran");
+}
+
+/// Heads of `d` outputs: those `nan_head` names are NaN in the twin (`want`) and every element of
+/// them in `got`; the others match the twin.
+fn assert_nan_heads(
+    got: &[f32],
+    want: &[f32],
+    d: usize,
+    nan_head: impl Fn(usize) -> bool,
+    what: &str,
+) {
+    for (i, (got, want)) in got.chunks(d).zip(want.chunks(d)).enumerate() {
+        assert_eq!(
+            want.iter().all(|x| x.is_nan()),
+            nan_head(i),
+            "{what}: the twin's head {i}"
+        );
+        if nan_head(i) {
+            let finite = got.iter().filter(|x| !x.is_nan()).count();
+            assert_eq!(
+                finite, 0,
+                "{what}: head {i} has {finite} elements not NaN: {got:?}"
+            );
+        } else {
+            assert_close(got, want, &format!("{what}: head {i}"));
+        }
+    }
 }
