@@ -1183,6 +1183,105 @@ mod tests {
         }
     }
 
+    /// Every streaming kernel the planner asks for over a grid of calls validates, its key fields
+    /// combined as the planner combines them (stream.rs's tests set each field by hand, and miss
+    /// combinations such as teams of several queries with 64-bit loads and the f16 conversion):
+    /// GQA with teams of several KV heads and with `d_v` below `d_k` (q8_0 and q4_0 rows that end
+    /// inside a vector), MLA over a latent of 64 and a rope key of 32, one query and seven, every
+    /// storage type and three mixed pairs, with and without a cap, over contiguous rows, a page
+    /// table and a ragged batch, as planned for lavapipe (with and without 64-bit integers),
+    /// llvmpipe's OpenGL and a GPU. Small heads: each kernel costs naga tens of milliseconds here.
+    #[test]
+    #[cfg(not(target_arch = "wasm32"))]
+    fn every_kernel_the_planner_asks_for_validates() {
+        let devices = [
+            LAVAPIPE,
+            DeviceFacts {
+                int64: false,
+                ..LAVAPIPE
+            },
+            DeviceFacts {
+                subgroup: None,
+                int64: false,
+                ..LAVAPIPE
+            },
+            GPU,
+        ];
+        use DType::*;
+        let mut types: Vec<[DType; 2]> = DType::STORAGE.iter().map(|&t| [t, t]).collect();
+        types.extend([[F16, BF16], [Q8_0, Q4_0], [F8E4M3, F32]]);
+        let mut keys = std::collections::HashSet::new();
+        let mut planned = 0;
+        // (heads, KV heads, d_a, d_b, d_v): GQA, and MLA where d_b > 0.
+        for (n_heads, n_kv, d_a, d_b, d_v) in
+            [(8, 4, 64, 0, 64), (8, 2, 64, 0, 32), (4, 1, 64, 32, 64)]
+        {
+            let mla = d_b > 0;
+            for [t_a, t_v] in &types {
+                // GQA: keys in slots a and b (one slot read as both), values in v. MLA: the
+                // latent as slots a and v, the rope key as b.
+                let dtypes = if mla {
+                    [*t_a, *t_v, *t_a]
+                } else {
+                    [*t_a, *t_a, *t_v]
+                };
+                let words = |t: DType, d: usize| t.row_bytes(n_kv * d).unwrap() as usize / 4;
+                let (a, v) = (words(dtypes[0], d_a), words(dtypes[2], d_v));
+                let b = if mla { words(dtypes[1], d_b) } else { a };
+                let s = CallShape {
+                    dtypes,
+                    d_b,
+                    d_v,
+                    row_words: [a, b, v],
+                    v_from_a: mla,
+                    ..gqa(dtypes[0], 1, n_heads, n_kv, d_a, 4096)
+                };
+                for n_q in [1, 7] {
+                    for soft_cap in [0.0, 30.0] {
+                        let s = CallShape { n_q, soft_cap, ..s };
+                        for s in [s, pooled(s, 16, 256, None), pooled(s, 16, 256, Some(3000))] {
+                            for dev in devices {
+                                if let Ok(d) = plan(&s, &dev)
+                                    && let Pass1::Stream(key) = d.kernel
+                                {
+                                    keys.insert(key);
+                                    planned += 1;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for key in &keys {
+            stream::tests::validate(key);
+        }
+        // Every field the planner sets took more than one value.
+        let values = |f: &dyn Fn(&StreamKey) -> u32| {
+            keys.iter()
+                .map(f)
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+        };
+        for (name, n) in [
+            ("lanes", values(&|k| k.lanes)),
+            ("heads", values(&|k| k.heads)),
+            ("kvs", values(&|k| k.kvs)),
+            ("step_rows", values(&|k| k.step_rows)),
+            ("queries", values(&|k| k.queries)),
+            ("sum", values(&|k| k.sum as u32)),
+            ("rows", values(&|k| k.rows as u32)),
+            ("wide", values(&|k| u32::from(k.wide))),
+            ("shuffles", values(&|k| u32::from(k.shuffles))),
+            ("f16_unpack", values(&|k| u32::from(k.f16_unpack))),
+            ("soft_cap", values(&|k| u32::from(k.soft_cap))),
+            ("narrow", values(&|k| u32::from(k.narrow.contains(&true)))),
+        ] {
+            assert!(n > 1, "{name}: one value over {} keys", keys.len());
+        }
+        assert!(keys.len() > 500, "{} keys of {planned} plans", keys.len());
+    }
+
     /// A CPU adapter's subgroup teams sum by shuffles ([`StreamKey::shuffles`]); GPUs and the other
     /// sums do not. Llama-3-8B's decode on lavapipe (f32 and f16), and two GQA shapes (decode, and
     /// 5 queries of 16-bit heads of 64) on both devices, on their own choice and each kernel forced.

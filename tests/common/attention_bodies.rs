@@ -955,13 +955,12 @@ pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
         // And query head 2 (of KV head 0) of the last query.
         let mut q = values(63, n_q * n_heads * d_k);
         q[((n_q - 1) * n_heads + 2) * d_k + 7] = f32::NAN;
-        let nan_head = |i: usize| {
-            let (qi, h) = (i / n_heads, i % n_heads);
-            (qi == n_q - 1 && h == 2) || h / case.group == 1
-        };
+        let nan_head = |qi: usize, h: usize| (qi == n_q - 1 && h == 2) || h / case.group == 1;
         let qb = f32_buffer(&g.device, &q).await;
         let want =
             reference::attention_gqa(&q, [n_q, n_heads, d_k], &k, &v, case.n_kv, d_v, &options);
+        let dims = [n_heads, d_v];
+        assert_nan_heads(&want, &want, dims, nan_head, "the twin");
         for &kernel in kernels {
             att.set_kernel(kernel);
             let out = output(&g.device, n_q * n_heads * d_v).await;
@@ -971,7 +970,7 @@ pub async fn a_nan_a_head_reads_makes_its_output_nan(g: &Gpu) {
                 continue;
             }
             let what = format!("{kernel:?}, as for a GPU {gpu_plan}, aiming for {target:?}");
-            assert_nan_heads(&read_f32(g, &out).await, &want, d_v, nan_head, &what);
+            assert_nan_heads(&read_f32(g, &out).await, &want, dims, nan_head, &what);
             checks += 1;
         }
     }
@@ -2797,16 +2796,18 @@ pub async fn fp8_nan_codes_read_as_nan(g: &Gpu) {
     assert_eq!(checks, 2 * 4 * all.len(), "checks that ran");
 }
 
-/// An fp8 NaN code in a key (GQA), in MLA's latent or in its rope key makes the scores that read it
-/// NaN, and so every element of those heads' outputs, on every kernel. The heads and queries that
-/// do not read it match the twin. The code is what an append stores for a NaN (0x7f, and 0xff for a
-/// negative one), in each byte of a word in turn, one KV head or slot at a time, in a row that the
-/// windows of the last three queries leave out. [`fp8_nan_codes_read_as_nan`] reads the codes as
-/// values. The shapes and options are those of `quantized_storage_matches_the_reference` (its
-/// pipelines).
+/// An fp8 NaN code in a key (GQA), in MLA's latent (its keys and values) or in its rope key makes
+/// every element of the outputs of the heads that read it NaN, on every kernel that takes the
+/// shape (one-invocation teams refuse MLA's); the heads and queries that do not read it match the
+/// twin. The code is what an append stores for a NaN (0x7f) and for a negative one (0xff), in a
+/// row that the windows of the last three queries leave out, one KV head or slot at a time: GQA's
+/// keys take it in every byte of a word with each sign, the latent and the rope key each in every
+/// byte (two of them with each sign). [`fp8_nan_codes_read_as_nan`] reads the codes as values.
+/// The shapes and options are those of `quantized_storage_matches_the_reference` (its pipelines).
 pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
     let mut att = Attention::with_kernels(super::kernels_for(g));
-    let (rows, n_q, n_kv, d) = (65, 7, 4, 64);
+    // GQA in groups of one: query head h reads KV head h.
+    let (rows, n_q, n_heads, d) = (65, 7, 4, 64);
     let (r, p) = (512, 64);
     // Queries 0 to 3 see the row (windows of 32 and 20 ending at rows 58 to 64).
     let (gqa_row, mla_row, seen) = (30, 42, |qi: usize| qi <= 3);
@@ -2820,8 +2821,11 @@ pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
         soft_cap: Some(30.0),
         scale: Some(0.07),
     };
-    let q = values(150, n_q * n_kv * d);
-    let (ql, qr) = (values(151, n_q * n_kv * r), values(152, n_q * n_kv * p));
+    let q = values(150, n_q * n_heads * d);
+    let (ql, qr) = (
+        values(151, n_q * n_heads * r),
+        values(152, n_q * n_heads * p),
+    );
     let (qb, qlb, qrb) = (
         f32_buffer(&g.device, &q).await,
         f32_buffer(&g.device, &ql).await,
@@ -2833,45 +2837,75 @@ pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
         for turn in 0..8 {
             // Byte `(turn + turn / 4) % 4` of word `turn`: every byte with each sign.
             let e = 4 * turn + (turn + turn / 4) % 4;
-            let nan = if turn < 4 { f32::NAN } else { -f32::NAN };
-            // GQA: KV head `turn % 4` (query head `turn % 4` of every query: groups of 1).
+            let negative = turn >= 4;
+            let nan = if negative { -f32::NAN } else { f32::NAN };
+            // Stored as a NaN of that sign, there and nowhere else.
+            let stored_once = |stored: &[f32], at: usize| {
+                let nans: Vec<usize> = (0..stored.len()).filter(|&i| stored[i].is_nan()).collect();
+                assert_eq!(nans, [at], "{dtype}, turn {turn}: NaN stored");
+                assert_eq!(
+                    stored[at].is_sign_negative(),
+                    negative,
+                    "{dtype}, turn {turn}"
+                );
+            };
+            // GQA: KV head `turn % 4`.
             let head = turn % 4;
-            let (mut k, v) = (values(153, rows * n_kv * d), values(154, rows * n_kv * d));
-            k[(gqa_row * n_kv + head) * d + e] = nan;
-            let layer = stored_as(LayerSpec::kv(n_kv, d, d), [dtype; 2]);
+            let (mut k, v) = (
+                values(153, rows * n_heads * d),
+                values(154, rows * n_heads * d),
+            );
+            let at = (gqa_row * n_heads + head) * d + e;
+            k[at] = nan;
+            let layer = stored_as(LayerSpec::kv(n_heads, d, d), [dtype; 2]);
             let mut c = cache_on(g, CacheSpec::new(vec![layer], dtype, rows).unwrap());
-            let shape = [rows, n_kv, d];
+            let shape = [rows, n_heads, d];
             c.append(0, &[HostSlab::f32(&k, &shape), HostSlab::f32(&v, &shape)])
                 .unwrap();
             c.advance(rows).unwrap();
             let keys = c.read_f32_async(0, 0).await.unwrap();
-            assert_eq!(keys.iter().filter(|x| x.is_nan()).count(), 1, "{dtype}");
+            stored_once(&keys, at);
             let want = reference::attention_gqa(
                 &q,
-                [n_q, n_kv, d],
+                [n_q, n_heads, d],
                 &keys,
                 &c.read_f32_async(0, 1).await.unwrap(),
-                n_kv,
+                n_heads,
                 d,
                 &gqa_options,
             );
-            let nan_head = |i: usize| seen(i / n_kv) && i % n_kv == head;
+            let nan_head = |qi: usize, h: usize| seen(qi) && h == head;
+            let what = format!("{dtype}, GQA key element {e} NaN");
+            assert_nan_heads(
+                &want,
+                &want,
+                [n_heads, d],
+                nan_head,
+                &format!("the twin, {what}"),
+            );
             for &kernel in &all {
                 att.set_kernel(kernel);
-                let out = output(&g.device, n_q * n_kv * d).await;
-                let queries = Queries::new(&qb, n_q, n_kv, d);
+                let out = output(&g.device, n_q * n_heads * d).await;
+                let queries = Queries::new(&qb, n_q, n_heads, d);
                 let result = att.gqa(&c, 0, queries, &out, &gqa_options);
                 assert!(ran(g, result, &att, &c, &out).await, "{dtype} {kernel:?}");
-                let what = format!("{dtype} {kernel:?}, GQA key element {e} NaN");
-                assert_nan_heads(&read_f32(g, &out).await, &want, d, nan_head, &what);
+                let got = read_f32(g, &out).await;
+                assert_nan_heads(
+                    &got,
+                    &want,
+                    [n_heads, d],
+                    nan_head,
+                    &format!("{kernel:?}, {what}"),
+                );
                 checks += 1;
             }
             // MLA: the latent in even turns, the rope key in odd ones (every head reads both).
             let (mut latent, mut rope) = (values(155, rows * r), values(156, rows * p));
-            match turn % 2 {
-                0 => latent[mla_row * r + e] = nan,
-                _ => rope[mla_row * p + e] = nan,
-            }
+            let (slot, at) = match turn % 2 {
+                0 => (0, mla_row * r + e),
+                _ => (1, mla_row * p + e),
+            };
+            [&mut latent, &mut rope][slot][at] = nan;
             let layer = stored_as(LayerSpec::mla(r, p), [dtype; 2]);
             let mut c = cache_on(g, CacheSpec::new(vec![layer], dtype, rows).unwrap());
             let shapes = [[rows, r], [rows, p]];
@@ -2885,68 +2919,86 @@ pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
                 c.read_f32_async(0, 0).await.unwrap(),
                 c.read_f32_async(0, 1).await.unwrap(),
             ];
-            let nans: usize = stored
-                .iter()
-                .map(|s| s.iter().filter(|x| x.is_nan()).count())
-                .sum();
-            assert_eq!(nans, 1, "{dtype}");
+            stored_once(&stored[slot], at);
+            assert!(!stored[1 - slot].iter().any(|x| x.is_nan()), "{dtype}");
             let want = reference::attention_mla(
                 &ql,
                 &qr,
-                [n_q, n_kv, r],
+                [n_q, n_heads, r],
                 &stored[0],
                 &stored[1],
                 p,
                 &mla_options,
             );
-            let slot = ["latent", "rope key"][turn % 2];
+            let nan_head = |qi: usize, _| seen(qi);
+            let what = format!(
+                "{dtype}, MLA {} element {e} NaN",
+                ["latent", "rope key"][slot]
+            );
+            assert_nan_heads(
+                &want,
+                &want,
+                [n_heads, r],
+                nan_head,
+                &format!("the twin, {what}"),
+            );
             for &kernel in &all {
                 att.set_kernel(kernel);
-                let out = output(&g.device, n_q * n_kv * r).await;
+                let out = output(&g.device, n_q * n_heads * r).await;
                 let queries = MlaQueries {
-                    latent: Queries::new(&qlb, n_q, n_kv, r),
-                    rope: Queries::new(&qrb, n_q, n_kv, p),
+                    latent: Queries::new(&qlb, n_q, n_heads, r),
+                    rope: Queries::new(&qrb, n_q, n_heads, p),
                 };
-                // (One-invocation teams refuse MLA's heads: `ran` checks the refusal.)
+                // (`ran` checks a forced kernel's refusal of the shape.)
                 let result = att.mla(&c, 0, queries, &out, &mla_options);
                 if !ran(g, result, &att, &c, &out).await {
                     continue;
                 }
-                let what = format!("{dtype} {kernel:?}, MLA {slot} element {e} NaN");
-                let nan_head = |i: usize| seen(i / n_kv);
-                assert_nan_heads(&read_f32(g, &out).await, &want, r, nan_head, &what);
+                let got = read_f32(g, &out).await;
+                assert_nan_heads(
+                    &got,
+                    &want,
+                    [n_heads, r],
+                    nan_head,
+                    &format!("{kernel:?}, {what}"),
+                );
                 mla_checks += 1;
             }
         }
     }
-    // Every kernel took every GQA call, and the tiled kernel at least every MLA call.
-    assert_eq!(checks, 2 * 8 * all.len(), "GQA checks that ran");
-    assert!(mla_checks >= 2 * 8, "{mla_checks} MLA checks ran");
+    // Every kernel took every GQA call, and every kernel but one-invocation teams every MLA call.
+    let takes_mla = all
+        .iter()
+        .filter(|&&k| k != KernelChoice::StreamAlone)
+        .count();
+    assert_eq!((checks, mla_checks), (2 * 8 * all.len(), 2 * 8 * takes_mla));
 }
 
-/// Heads of `d` outputs: those `nan_head` names are NaN in the twin (`want`) and every element of
-/// them in `got`; the others match the twin.
+/// Outputs of `[n_heads, d]` per query: every element of the heads `nan_head(query, head)` names is
+/// NaN in `got`, and the other heads match the twin's (`want`), which are finite. With the twin's
+/// outputs as `got`, it checks that they are NaN exactly there.
 fn assert_nan_heads(
     got: &[f32],
     want: &[f32],
-    d: usize,
-    nan_head: impl Fn(usize) -> bool,
+    [n_heads, d]: [usize; 2],
+    nan_head: impl Fn(usize, usize) -> bool,
     what: &str,
 ) {
+    assert_eq!(got.len(), want.len(), "{what}");
     for (i, (got, want)) in got.chunks(d).zip(want.chunks(d)).enumerate() {
-        assert_eq!(
-            want.iter().all(|x| x.is_nan()),
-            nan_head(i),
-            "{what}: the twin's head {i}"
-        );
-        if nan_head(i) {
+        let (qi, h) = (i / n_heads, i % n_heads);
+        if nan_head(qi, h) {
             let finite = got.iter().filter(|x| !x.is_nan()).count();
             assert_eq!(
                 finite, 0,
-                "{what}: head {i} has {finite} elements not NaN: {got:?}"
+                "{what}: query {qi} head {h} has {finite} elements not NaN: {got:?}"
             );
         } else {
-            assert_close(got, want, &format!("{what}: head {i}"));
+            assert!(
+                want.iter().all(|x| x.is_finite()),
+                "{what}: the twin's query {qi} head {h} is not finite"
+            );
+            assert_close(got, want, &format!("{what}: query {qi} head {h}"));
         }
     }
 }
