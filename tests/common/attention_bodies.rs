@@ -2876,13 +2876,8 @@ pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
             );
             let nan_head = |qi: usize, h: usize| seen(qi) && h == head;
             let what = format!("{dtype}, GQA key element {e} NaN");
-            assert_nan_heads(
-                &want,
-                &want,
-                [n_heads, d],
-                nan_head,
-                &format!("the twin, {what}"),
-            );
+            let dims = [n_heads, d];
+            assert_nan_heads(&want, &want, dims, nan_head, &format!("the twin, {what}"));
             for &kernel in &all {
                 att.set_kernel(kernel);
                 let out = output(&g.device, n_q * n_heads * d).await;
@@ -2890,13 +2885,8 @@ pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
                 let result = att.gqa(&c, 0, queries, &out, &gqa_options);
                 assert!(ran(g, result, &att, &c, &out).await, "{dtype} {kernel:?}");
                 let got = read_f32(g, &out).await;
-                assert_nan_heads(
-                    &got,
-                    &want,
-                    [n_heads, d],
-                    nan_head,
-                    &format!("{kernel:?}, {what}"),
-                );
+                let what = format!("{kernel:?}, {what}");
+                assert_nan_heads(&got, &want, dims, nan_head, &what);
                 checks += 1;
             }
             // MLA: the latent in even turns, the rope key in odd ones (every head reads both).
@@ -2935,13 +2925,8 @@ pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
                 "{dtype}, MLA {} element {e} NaN",
                 ["latent", "rope key"][slot]
             );
-            assert_nan_heads(
-                &want,
-                &want,
-                [n_heads, r],
-                nan_head,
-                &format!("the twin, {what}"),
-            );
+            let dims = [n_heads, r];
+            assert_nan_heads(&want, &want, dims, nan_head, &format!("the twin, {what}"));
             for &kernel in &all {
                 att.set_kernel(kernel);
                 let out = output(&g.device, n_q * n_heads * r).await;
@@ -2955,13 +2940,8 @@ pub async fn fp8_nan_codes_in_keys_make_their_scores_nan(g: &Gpu) {
                     continue;
                 }
                 let got = read_f32(g, &out).await;
-                assert_nan_heads(
-                    &got,
-                    &want,
-                    [n_heads, r],
-                    nan_head,
-                    &format!("{kernel:?}, {what}"),
-                );
+                let what = format!("{kernel:?}, {what}");
+                assert_nan_heads(&got, &want, dims, nan_head, &what);
                 mla_checks += 1;
             }
         }
