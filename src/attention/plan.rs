@@ -1190,7 +1190,8 @@ mod tests {
     /// inside a vector), MLA over a latent of 64 and a rope key of 32, one query and seven, every
     /// storage type and three mixed pairs, with and without a cap, over contiguous rows, a page
     /// table and a ragged batch, as planned for lavapipe (with and without 64-bit integers),
-    /// llvmpipe's OpenGL and a GPU. Small heads: each kernel costs naga tens of milliseconds here.
+    /// llvmpipe's OpenGL and a GPU with and without subgroups. Small heads: each kernel costs naga
+    /// tens of milliseconds here.
     #[test]
     #[cfg(not(target_arch = "wasm32"))]
     fn every_kernel_the_planner_asks_for_validates() {
@@ -1206,6 +1207,12 @@ mod tests {
                 ..LAVAPIPE
             },
             GPU,
+            // A browser's WebGPU without the subgroups feature.
+            DeviceFacts {
+                subgroup: None,
+                int64: false,
+                ..GPU
+            },
         ];
         use DType::*;
         let mut types: Vec<[DType; 2]> = DType::STORAGE.iter().map(|&t| [t, t]).collect();
