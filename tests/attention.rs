@@ -31,6 +31,7 @@ common::shared_tests!(attention_bodies, serial: serial;
     gqa_matches_the_reference_for_every_dtype,
     gpu_plans_match_the_reference,
     cpu_plans_of_32_bit_loads_match_the_reference,
+    plans_of_the_other_mesa_match_the_reference,
     attention_reads_every_stored_code_exactly,
     fp8_nan_codes_read_as_nan,
     attention_over_4096_rows_splits_the_sequence,

@@ -151,6 +151,7 @@ browser_tests!(attention_bodies:
     fp8_nan_codes_in_keys_make_their_scores_nan,
     gpu_plans_match_the_reference,
     cpu_plans_of_32_bit_loads_match_the_reference,
+    plans_of_the_other_mesa_match_the_reference,
     quantized_storage_matches_the_reference,
     mixed_storage_matches_the_reference,
     quantized_attention_over_4096_rows_splits_the_sequence,

@@ -96,6 +96,14 @@ const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
 pub(crate) const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
+/// The first Mesa whose lavapipe runs GQA faster in teams of one KV head than of several. Mesa
+/// 22.3.6's loads a storage vector lane by lane, component by component, so a team that reads a
+/// run of the row saves loads: there Llama-3-8B's decode at 4k took 0.69 of the time of teams of
+/// one KV head. Mesa 25.0.7's loads cost less (a plain stream of 16-byte vectors read 1.5 times
+/// faster), and its code for the bigger teams more: there teams of 4 KV heads took 1.3-2.2 times
+/// the time of teams of one (f32, f16, bf16 and q8_0; docs/benchmarks.md). The versions between
+/// were not measured, and keep 22.3's teams.
+pub(crate) const MESA_ONE_KV_HEAD: (u32, u32) = (25, 0);
 /// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
 /// team loads its queries and writes its partial output once per chunk, whole heads of both.
 const ALONE_MIN_ROWS: usize = 64;
@@ -133,6 +141,9 @@ pub(crate) struct DeviceFacts {
     pub subgroup: Option<u32>,
     /// The device has `wgpu::Features::SHADER_INT64`.
     pub int64: bool,
+    /// The version of Mesa whose driver the adapter is (lavapipe, llvmpipe's OpenGL), where its
+    /// driver information says so.
+    pub mesa: Option<(u32, u32)>,
     /// `max_storage_buffers_per_shader_stage` and `max_bind_groups`: pass 1 binds
     /// [`ATTENTION_STORAGE_BUFFERS`] in three groups.
     pub storage_buffers: u32,
@@ -641,8 +652,9 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     let rows = step_rows as usize;
     // On a CPU adapter a subgroup team takes whole groups of several KV heads, within the same
     // register budget: its lanes then read a run of the row instead of one head's slice at the
-    // row's stride. On lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4 KV heads per
-    // team than with 1 (docs/benchmarks.md). GPUs keep one, for more workgroups.
+    // row's stride. On Mesa 22.3.6's lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4
+    // KV heads per team than with 1 (docs/benchmarks.md); from Mesa 25.0 on it runs faster with one
+    // ([`MESA_ONE_KV_HEAD`]). GPUs keep one, for more workgroups.
     let team_floats = stream::lane_floats(s.dtypes, lanes as usize, heads, dims, s.v_from_a, rows);
     // Several queries of one cache or one pool sequence (chunked prefill, verification) on a CPU
     // adapter: a team of one KV head with all of its query heads takes as many of them as fit the
@@ -670,7 +682,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     };
     let kvs = match sum {
         _ if queries > 1 => 1,
-        TeamSum::Subgroup if dev.cpu && heads == group => KV_HEADS_PER_TEAM
+        TeamSum::Subgroup if dev.cpu && heads == group && !one_kv_head(dev) => KV_HEADS_PER_TEAM
             .into_iter()
             .find(|&n| s.n_kv.is_multiple_of(n) && n * team_floats <= most)
             .unwrap_or(1),
@@ -701,6 +713,12 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
         rows: s.row_mode(),
         narrow,
     })
+}
+
+/// A CPU adapter whose subgroup teams take one KV head each: lavapipe from
+/// [`MESA_ONE_KV_HEAD`] on.
+fn one_kv_head(dev: &DeviceFacts) -> bool {
+    dev.mesa.is_some_and(|v| v >= MESA_ONE_KV_HEAD)
 }
 
 /// The first row any query can see, and how many rows the queries see from there.
@@ -1053,6 +1071,7 @@ mod tests {
         cores: 2,
         subgroup: Some(8),
         int64: true,
+        mesa: Some((22, 3)),
         storage_buffers: 16,
         bind_groups: 8,
         workgroup_bytes: 32 << 10,
@@ -1067,6 +1086,7 @@ mod tests {
         cores: 16,
         subgroup: Some(32),
         int64: true,
+        mesa: None,
         storage_buffers: 8,
         bind_groups: 4,
         workgroup_bytes: 16 << 10,
@@ -1197,6 +1217,11 @@ mod tests {
     fn every_kernel_the_planner_asks_for_validates() {
         let devices = [
             LAVAPIPE,
+            // Teams of one KV head (lavapipe from Mesa 25.0 on).
+            DeviceFacts {
+                mesa: Some(MESA_ONE_KV_HEAD),
+                ..LAVAPIPE
+            },
             DeviceFacts {
                 int64: false,
                 ..LAVAPIPE
@@ -1593,6 +1618,73 @@ mod tests {
         let d = plan(&mla(DType::F16, 1, 4096), &LAVAPIPE).unwrap();
         assert!(matches!(d.kernel, Pass1::Stream(k) if k.step_rows == 4 && k.heads == 8));
         assert_eq!(d.pass1, (4, 2));
+    }
+
+    /// Lavapipe's GQA teams take one KV head each from Mesa 25.0 on, several before it and where
+    /// the driver does not say its version; nothing else in the plan moves: MLA, chunked prefill's
+    /// teams of several queries, OpenGL's one-invocation teams and GPUs plan as before.
+    #[test]
+    fn lavapipe_from_mesa_25_takes_one_kv_head_per_team() {
+        let llama = |dtype, n_q| gqa(dtype, n_q, 32, 8, 128, 4096);
+        for dtype in DType::ALL {
+            for (mesa, kvs, wgs) in [
+                (Some((22, 3)), 4, 8),
+                (Some((24, 3)), 4, 8),
+                (None, 4, 8),
+                (Some((25, 0)), 1, 32),
+                (Some((26, 1)), 1, 32),
+            ] {
+                let dev = DeviceFacts { mesa, ..LAVAPIPE };
+                let d = plan(&llama(dtype, 1), &dev).unwrap();
+                let Pass1::Stream(key) = d.kernel else {
+                    panic!("{dtype} {mesa:?}: {d:?}")
+                };
+                assert_eq!((key.kvs, key.heads), (kvs, 4), "{dtype} {mesa:?}");
+                assert_eq!(d.pass1.0 * d.pass1.1, wgs, "{dtype} {mesa:?}");
+                let before = DeviceFacts {
+                    mesa: Some((22, 3)),
+                    ..dev
+                };
+                // The key but for its KV heads is 22.3's.
+                let Pass1::Stream(old) = plan(&llama(dtype, 1), &before).unwrap().kernel else {
+                    unreachable!()
+                };
+                assert_eq!(
+                    StreamKey {
+                        kvs: old.kvs,
+                        ..key
+                    },
+                    old,
+                    "{dtype} {mesa:?}"
+                );
+                for (s, other) in [
+                    (llama(dtype, 8), "8 queries"),
+                    (mla(dtype, 1, 4096), "MLA"),
+                    (mla(dtype, 8, 4096), "MLA, 8 queries"),
+                ] {
+                    for (a, b) in [
+                        (dev, before),
+                        (
+                            DeviceFacts {
+                                subgroup: None,
+                                ..dev
+                            },
+                            DeviceFacts {
+                                subgroup: None,
+                                ..before
+                            },
+                        ),
+                        (DeviceFacts { mesa, ..GPU }, GPU),
+                    ] {
+                        assert_eq!(
+                            format!("{:?}", plan(&s, &a)),
+                            format!("{:?}", plan(&s, &b)),
+                            "{dtype} {mesa:?}, {other}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -698,6 +698,13 @@ impl Kernels {
         .then_some(n)
     }
 
+    /// The version of Mesa whose driver the adapter is (llvmpipe's OpenGL, lavapipe), as its
+    /// driver information names it; `None` for other drivers and where the platform does not say
+    /// (a browser's WebGPU).
+    pub(crate) fn mesa_version(&self) -> Option<(u32, u32)> {
+        mesa_version_in(&self.device.adapter_info().driver_info)
+    }
+
     /// The reduce pipeline with workgroups of `lanes` invocations (one of [`REDUCE_LANES`]).
     pub(crate) fn attention_reduce(&self, lanes: u32) -> &wgpu::ComputePipeline {
         let kernels = self.attention();
@@ -982,10 +989,37 @@ fn poll_now<F: std::future::Future>(future: F) -> Option<F::Output> {
     }
 }
 
+/// Mesa's major and minor version in an adapter's driver information: `Mesa 25.0.7-2~bpo12+1
+/// (LLVM 15.0.6)` from lavapipe, `4.5 (Core Profile) Mesa 22.3.6` from llvmpipe's OpenGL.
+fn mesa_version_in(info: &str) -> Option<(u32, u32)> {
+    let (_, rest) = info.split_once("Mesa ")?;
+    let mut parts = rest.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
 #[cfg(test)]
 mod tests {
     use super::wgsl::WGSL_LAYOUTS;
     use super::*;
+
+    /// Mesa's version as lavapipe and llvmpipe's OpenGL write it, and nothing from other drivers.
+    #[test]
+    fn mesa_versions_are_read_from_the_driver_information() {
+        for (info, want) in [
+            ("Mesa 25.0.7-2~bpo12+1 (LLVM 15.0.6)", Some((25, 0))),
+            ("Mesa 22.3.6 (LLVM 15.0.6)", Some((22, 3))),
+            ("4.5 (Core Profile) Mesa 22.3.6", Some((22, 3))),
+            ("Mesa 24.10", Some((24, 10))),
+            ("Mesa 25", None),
+            ("Mesa DRI Intel(R) Graphics", None),
+            ("570.86.16", None),
+            ("", None),
+        ] {
+            assert_eq!(mesa_version_in(info), want, "{info:?}");
+        }
+    }
 
     /// A value is made once per key and shared; a forgotten one (a refusal for want of memory) is
     /// made again by the next call; `count` counts the values made that pass its test.

@@ -473,6 +473,46 @@ pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     .await;
 }
 
+/// Lavapipe's GQA teams of one KV head (Mesa 25.0 on) and of several (before it): this machine's
+/// lavapipe runs one kind in every other test of this suite, and this test plans as for the other
+/// Mesa (`Attention::plan_as_for_mesa`), for every storage type, against the twins. MLA and calls
+/// of several queries plan the same on both.
+pub async fn plans_of_the_other_mesa_match_the_reference(g: &Gpu) {
+    let info = g.adapter.get_info();
+    if info.device_type != wgpu::DeviceType::Cpu
+        || !kernels(g).contains(&KernelChoice::StreamSubgroup)
+    {
+        super::skipped(&format!(
+            "{:?} is not a CPU adapter with subgroups, whose teams are the same on every Mesa",
+            info.backend
+        ));
+        return;
+    }
+    // Mesa's version as lavapipe writes it: "Mesa 22.3.6 (LLVM 15.0.6)".
+    let major = info
+        .driver_info
+        .split_once("Mesa ")
+        .and_then(|(_, v)| v.split('.').next()?.parse::<u32>().ok());
+    let (other, teams) = match major {
+        Some(v) if v >= 25 => ((22, 3), "several KV heads"),
+        _ => ((25, 0), "one KV head"),
+    };
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    att.plan_as_for_mesa(Some(other));
+    check_kernels(
+        g,
+        &mut att,
+        &[KernelChoice::StreamSubgroup],
+        &PLAN_CASES,
+        &DType::STORAGE,
+        PLAN_MLA,
+        &[],
+        95,
+        &format!("as for Mesa {}.{} (teams of {teams})", other.0, other.1),
+    )
+    .await;
+}
+
 /// The GQA `cases` for `gqa_types` (as [`storage_pairs`] pairs them) and `mla` for each of
 /// `mla_types`, on each of `kernels` (every kernel of the adapter: [`kernels`]), against the twins
 /// (seeds from `seed`).
