@@ -10,8 +10,8 @@
 //! dot products with `subgroupAdd` where the device has subgroups of one size (on CPU adapters in
 //! steps of `subgroupShuffleXor`; request `wgpu::Features::SUBGROUP` when the adapter offers it:
 //! [`crate::Gpu`] does), else through workgroup memory. On CPU adapters with subgroups a team takes
-//! several KV heads whole, so that its lanes read a run of each row (one on lavapipe from Mesa 25.0
-//! on, whose loads cost less and whose code for those teams more); on CPU adapters without them a
+//! several KV heads whole, so that its lanes read a run of each row (one over 16-bit and narrower
+//! storage on lavapipe from Mesa 25.0 on, whose loads cost less); on CPU adapters without them a
 //! team is one invocation reading whole rows (`KernelChoice::StreamAlone`). It takes the shapes
 //! whose every head dimension is a whole number of its slot's vectors (4 f32, 8 f16 or bf16, 16
 //! q8_0, q4_0 or fp8 elements), whose rows are whole 16-byte vectors (q8_0 and q4_0 rows may end

@@ -96,13 +96,15 @@ const KV_TEAM_WORKGROUPS_PER_CORE: usize = 4;
 pub(crate) const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
-/// The first Mesa whose lavapipe runs GQA faster in teams of one KV head than of several. Mesa
-/// 22.3.6's loads a storage vector lane by lane, component by component, so a team that reads a
-/// run of the row saves loads: there Llama-3-8B's decode at 4k took 0.69 of the time of teams of
-/// one KV head. Mesa 25.0.7's loads cost less (a plain stream of 16-byte vectors read 1.5 times
-/// faster), and its code for the bigger teams more: there teams of 4 KV heads took 1.3-2.2 times
-/// the time of teams of one (f32, f16, bf16 and q8_0; docs/benchmarks.md). The versions between
-/// were not measured, and keep 22.3's teams.
+/// The first Mesa whose lavapipe runs GQA over 16-bit and narrower storage faster in teams of one
+/// KV head than of several. Mesa 22.3.6's loads a storage vector lane by lane, component by
+/// component, so a team that reads a run of the row saves loads: there Llama-3-8B's decode at 4k
+/// took 0.69 of the time of teams of one KV head. Mesa 25.0.7's loads cost less (a plain stream of
+/// 16-byte vectors read 1.5 times faster): there teams of one KV head took 0.71-0.85 of the time
+/// of teams of 4 over f16, bf16 and q8_0, wherever the buffers lay. Over f32 (rows of 4 KiB) they
+/// took 0.45-0.65 of it in some processes and 1.2-1.4 times it in others, where the cache's
+/// buffers had been allocated after others (docs/benchmarks.md): f32 keeps the teams of several.
+/// The versions between were not measured, and keep 22.3's teams.
 pub(crate) const MESA_ONE_KV_HEAD: (u32, u32) = (25, 0);
 /// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
 /// team loads its queries and writes its partial output once per chunk, whole heads of both.
@@ -654,7 +656,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     // register budget: its lanes then read a run of the row instead of one head's slice at the
     // row's stride. On Mesa 22.3.6's lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4
     // KV heads per team than with 1 (docs/benchmarks.md); from Mesa 25.0 on it runs faster with one
-    // ([`MESA_ONE_KV_HEAD`]). GPUs keep one, for more workgroups.
+    // over 16-bit and narrower storage ([`MESA_ONE_KV_HEAD`]). GPUs keep one, for more workgroups.
     let team_floats = stream::lane_floats(s.dtypes, lanes as usize, heads, dims, s.v_from_a, rows);
     // Several queries of one cache or one pool sequence (chunked prefill, verification) on a CPU
     // adapter: a team of one KV head with all of its query heads takes as many of them as fit the
@@ -682,7 +684,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     };
     let kvs = match sum {
         _ if queries > 1 => 1,
-        TeamSum::Subgroup if dev.cpu && heads == group && !one_kv_head(dev) => KV_HEADS_PER_TEAM
+        TeamSum::Subgroup if dev.cpu && heads == group && !one_kv_head(s, dev) => KV_HEADS_PER_TEAM
             .into_iter()
             .find(|&n| s.n_kv.is_multiple_of(n) && n * team_floats <= most)
             .unwrap_or(1),
@@ -715,10 +717,10 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     })
 }
 
-/// A CPU adapter whose subgroup teams take one KV head each: lavapipe from
-/// [`MESA_ONE_KV_HEAD`] on.
-fn one_kv_head(dev: &DeviceFacts) -> bool {
-    dev.mesa.is_some_and(|v| v >= MESA_ONE_KV_HEAD)
+/// Whether a CPU adapter's subgroup teams take one KV head each: on lavapipe from
+/// [`MESA_ONE_KV_HEAD`] on, where no slot is f32.
+fn one_kv_head(s: &CallShape, dev: &DeviceFacts) -> bool {
+    dev.mesa.is_some_and(|v| v >= MESA_ONE_KV_HEAD) && !s.dtypes.contains(&DType::F32)
 }
 
 /// The first row any query can see, and how many rows the queries see from there.
@@ -1620,19 +1622,22 @@ mod tests {
         assert_eq!(d.pass1, (4, 2));
     }
 
-    /// Lavapipe's GQA teams take one KV head each from Mesa 25.0 on, several before it and where
-    /// the driver does not say its version; nothing else in the plan moves: MLA, chunked prefill's
-    /// teams of several queries, OpenGL's one-invocation teams and GPUs plan as before.
+    /// Lavapipe's GQA teams take one KV head each from Mesa 25.0 on (but over f32), several before
+    /// it and where the driver does not say its version; nothing else in the plan moves: MLA,
+    /// chunked prefill's teams of several queries, OpenGL's one-invocation teams and GPUs plan as
+    /// before. A mixed pair with an f32 slot keeps the teams of several too.
     #[test]
     fn lavapipe_from_mesa_25_takes_one_kv_head_per_team() {
         let llama = |dtype, n_q| gqa(dtype, n_q, 32, 8, 128, 4096);
         for dtype in DType::ALL {
+            // f32 keeps teams of several KV heads on every Mesa.
+            let (one, wgs_one) = if dtype == DType::F32 { (4, 8) } else { (1, 32) };
             for (mesa, kvs, wgs) in [
                 (Some((22, 3)), 4, 8),
                 (Some((24, 3)), 4, 8),
                 (None, 4, 8),
-                (Some((25, 0)), 1, 32),
-                (Some((26, 1)), 1, 32),
+                (Some((25, 0)), one, wgs_one),
+                (Some((26, 1)), one, wgs_one),
             ] {
                 let dev = DeviceFacts { mesa, ..LAVAPIPE };
                 let d = plan(&llama(dtype, 1), &dev).unwrap();
@@ -1656,6 +1661,21 @@ mod tests {
                     },
                     old,
                     "{dtype} {mesa:?}"
+                );
+                // A mixed pair with an f32 slot: as on 22.3.
+                let mixed = CallShape {
+                    dtypes: [dtype, dtype, DType::F32],
+                    row_words: [
+                        llama(dtype, 1).row_words[0],
+                        llama(dtype, 1).row_words[0],
+                        1024,
+                    ],
+                    ..llama(dtype, 1)
+                };
+                assert_eq!(
+                    format!("{:?}", plan(&mixed, &dev)),
+                    format!("{:?}", plan(&mixed, &before)),
+                    "{dtype} {mesa:?}, values in f32"
                 );
                 for (s, other) in [
                     (llama(dtype, 8), "8 queries"),

@@ -473,10 +473,11 @@ pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     .await;
 }
 
-/// Lavapipe's GQA teams of one KV head (Mesa 25.0 on) and of several (before it): this machine's
-/// lavapipe runs one kind in every other test of this suite, and this test plans as for the other
-/// Mesa (`Attention::plan_as_for_mesa`), for every storage type, against the twins. MLA and calls
-/// of several queries plan the same on both.
+/// Lavapipe's GQA teams of one KV head (Mesa 25.0 on, but over f32) and of several (before it):
+/// this machine's lavapipe runs one kind in every other test of this suite, and this test plans as
+/// for the other Mesa (`Attention::plan_as_for_mesa`), for every storage type (f32 and the pairs
+/// with an f32 slot plan the same on both), against the twins. MLA and calls of several queries
+/// plan the same on both.
 pub async fn plans_of_the_other_mesa_match_the_reference(g: &Gpu) {
     let info = g.adapter.get_info();
     if info.device_type != wgpu::DeviceType::Cpu
