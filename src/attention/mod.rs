@@ -10,8 +10,8 @@
 //! dot products with `subgroupAdd` where the device has subgroups of one size (on CPU adapters in
 //! steps of `subgroupShuffleXor`; request `wgpu::Features::SUBGROUP` when the adapter offers it:
 //! [`crate::Gpu`] does), else through workgroup memory. On CPU adapters with subgroups a team takes
-//! several KV heads whole, so that its lanes read a run of each row (one over 16-bit and narrower
-//! storage on lavapipe from Mesa 25.0 on, whose loads cost less); on CPU adapters without them a
+//! several KV heads whole, so that its lanes read a run of each row (one where no slot is f32 on
+//! lavapipe from Mesa 25.0 on, whose loads cost less); on CPU adapters without them a
 //! team is one invocation reading whole rows (`KernelChoice::StreamAlone`). It takes the shapes
 //! whose every head dimension is a whole number of its slot's vectors (4 f32, 8 f16 or bf16, 16
 //! q8_0, q4_0 or fp8 elements), whose rows are whole 16-byte vectors (q8_0 and q4_0 rows may end
@@ -629,12 +629,15 @@ impl Attention {
     }
 
     /// Plans later calls as for the Mesa `version` (`Some`), or as the adapter's driver information
-    /// says (`None`): lavapipe's teams take one KV head each from Mesa 25.0 on and several before,
-    /// so that the tests can check both kinds of kernel against the CPU twins on the one lavapipe a
-    /// machine has. Not for apps.
+    /// says (`None`), and returns the version planned for until then: lavapipe's GQA teams take
+    /// one KV head each from Mesa 25.0 on where no slot is f32, and several before, so that the
+    /// tests can check both kinds of kernel against the CPU twins on the one lavapipe a machine
+    /// has. Not for apps.
     #[doc(hidden)]
-    pub fn plan_as_for_mesa(&mut self, version: Option<(u32, u32)>) {
+    pub fn plan_as_for_mesa(&mut self, version: Option<(u32, u32)>) -> Option<(u32, u32)> {
+        let was = self.facts.mesa;
         self.facts.mesa = version.or_else(|| self.kernels.mesa_version());
+        was
     }
 
     /// Records GQA / MHA attention of `layer` (slots K `[n_kv_heads, d_k]` and V `[n_kv_heads, d_v]`)

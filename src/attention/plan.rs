@@ -97,14 +97,17 @@ pub(crate) const QUERIES_PER_TEAM: [usize; 2] = [8, 4];
 /// KV heads per subgroup team on CPU adapters, the most first ([`StreamKey::kvs`]).
 const KV_HEADS_PER_TEAM: [usize; 3] = [8, 4, 2];
 /// The first Mesa whose lavapipe runs GQA over 16-bit and narrower storage faster in teams of one
-/// KV head than of several. Mesa 22.3.6's loads a storage vector lane by lane, component by
-/// component, so a team that reads a run of the row saves loads: there Llama-3-8B's decode at 4k
-/// took 0.69 of the time of teams of one KV head. Mesa 25.0.7's loads cost less (a plain stream of
-/// 16-byte vectors read 1.5 times faster): there teams of one KV head took 0.71-0.85 of the time
-/// of teams of 4 over f16, bf16 and q8_0, wherever the buffers lay. Over f32 (rows of 4 KiB) they
-/// took 0.45-0.65 of it in some processes and 1.2-1.4 times it in others, where the cache's
-/// buffers had been allocated after others (docs/benchmarks.md): f32 keeps the teams of several.
-/// The versions between were not measured, and keep 22.3's teams.
+/// KV head than of several. Mesa 22.3.6's lavapipe loads a storage vector lane by lane, component
+/// by component, so a team that reads a run of the row saves loads: there Llama-3-8B's decode at 4k
+/// took about half the time of teams of one KV head when teams of several came in (0.69 of it in a
+/// probe on 2026-12-07). Mesa 25.0.7's lavapipe loads faster (a plain stream of 32-byte vectors
+/// read 1.4-1.5 times faster): there teams of one KV head, in the fixed 32 workgroups of such teams
+/// instead of 4 per host thread (2 threads measured), took 0.71-0.85 of the time of teams of 4
+/// over f16 and q8_0 wherever the cache's buffers lay, and 0.76 over bf16; q4_0 and fp8 were not
+/// measured and follow them. Over f32 (rows of 4 KiB) they took 0.45-0.67 of it where the cache's
+/// buffers were allocated first and 1.2-1.4 times it where they came after a 128 MiB buffer
+/// (docs/benchmarks.md): f32 keeps the teams of several. Mesa 23 and 24, Mesa before 22.3 and
+/// drivers that do not say their version were not measured, and keep 22.3's teams.
 pub(crate) const MESA_ONE_KV_HEAD: (u32, u32) = (25, 0);
 /// Fewest rows of a chunk of the kernel whose teams are one invocation, where the rows allow: each
 /// team loads its queries and writes its partial output once per chunk, whole heads of both.
@@ -656,7 +659,7 @@ pub(crate) fn stream_key(s: &CallShape, dev: &DeviceFacts, sum: TeamSum) -> Opti
     // register budget: its lanes then read a run of the row instead of one head's slice at the
     // row's stride. On Mesa 22.3.6's lavapipe Llama-3-8B's decode at 4k ran 2 times faster with 4
     // KV heads per team than with 1 (docs/benchmarks.md); from Mesa 25.0 on it runs faster with one
-    // over 16-bit and narrower storage ([`MESA_ONE_KV_HEAD`]). GPUs keep one, for more workgroups.
+    // where no slot is f32 ([`MESA_ONE_KV_HEAD`]). GPUs keep one, for more workgroups.
     let team_floats = stream::lane_floats(s.dtypes, lanes as usize, heads, dims, s.v_from_a, rows);
     // Several queries of one cache or one pool sequence (chunked prefill, verification) on a CPU
     // adapter: a team of one KV head with all of its query heads takes as many of them as fit the
@@ -1096,10 +1099,16 @@ mod tests {
         target: None,
     };
 
-    /// Both devices with each kernel forced, and on their own choice.
+    /// The devices (lavapipe of Mesa 22.3 and of 25.0, a GPU) with each kernel forced, and on their
+    /// own choice.
     fn devices() -> Vec<DeviceFacts> {
         let mut all = Vec::new();
-        for dev in [LAVAPIPE, GPU] {
+        // Lavapipe of Mesa 25.0 too: teams of one KV head over 16-bit and narrower storage.
+        let lavapipe_25 = DeviceFacts {
+            mesa: Some(MESA_ONE_KV_HEAD),
+            ..LAVAPIPE
+        };
+        for dev in [LAVAPIPE, lavapipe_25, GPU] {
             for choice in [
                 KernelChoice::Auto,
                 KernelChoice::Tiled,
@@ -1622,16 +1631,30 @@ mod tests {
         assert_eq!(d.pass1, (4, 2));
     }
 
-    /// Lavapipe's GQA teams take one KV head each from Mesa 25.0 on (but over f32), several before
-    /// it and where the driver does not say its version; nothing else in the plan moves: MLA,
-    /// chunked prefill's teams of several queries, OpenGL's one-invocation teams and GPUs plan as
-    /// before. A mixed pair with an f32 slot keeps the teams of several too.
+    /// Lavapipe's GQA teams take one KV head each from Mesa 25.0 on where no slot is f32, several
+    /// before it and where the driver does not say its version (Llama-3-8B's decode, every storage
+    /// type and a mixed pair with f32 values); nothing else in the plan moves: MLA, chunked
+    /// prefill's teams of several queries, OpenGL's one-invocation teams and GPUs plan as before.
     #[test]
     fn lavapipe_from_mesa_25_takes_one_kv_head_per_team() {
-        let llama = |dtype, n_q| gqa(dtype, n_q, 32, 8, 128, 4096);
-        for dtype in DType::ALL {
-            // f32 keeps teams of several KV heads on every Mesa.
-            let (one, wgs_one) = if dtype == DType::F32 { (4, 8) } else { (1, 32) };
+        let llama = |[t_k, t_v]: [DType; 2], n_q| {
+            let words = |t: DType| t.row_bytes(8 * 128).unwrap() as usize / 4;
+            CallShape {
+                dtypes: [t_k, t_k, t_v],
+                row_words: [words(t_k), words(t_k), words(t_v)],
+                ..gqa(t_k, n_q, 32, 8, 128, 4096)
+            }
+        };
+        let mut types: Vec<[DType; 2]> = DType::STORAGE.iter().map(|&t| [t, t]).collect();
+        types.push([DType::F16, DType::F32]);
+        for pair in types {
+            // f32 keeps teams of several KV heads on every Mesa: 4 of them in 8 workgroups, where
+            // teams of one take the fixed 32.
+            let (one, wgs_one) = if pair.contains(&DType::F32) {
+                (4, 8)
+            } else {
+                (1, 32)
+            };
             for (mesa, kvs, wgs) in [
                 (Some((22, 3)), 4, 8),
                 (Some((24, 3)), 4, 8),
@@ -1640,66 +1663,47 @@ mod tests {
                 (Some((26, 1)), one, wgs_one),
             ] {
                 let dev = DeviceFacts { mesa, ..LAVAPIPE };
-                let d = plan(&llama(dtype, 1), &dev).unwrap();
-                let Pass1::Stream(key) = d.kernel else {
-                    panic!("{dtype} {mesa:?}: {d:?}")
-                };
-                assert_eq!((key.kvs, key.heads), (kvs, 4), "{dtype} {mesa:?}");
-                assert_eq!(d.pass1.0 * d.pass1.1, wgs, "{dtype} {mesa:?}");
                 let before = DeviceFacts {
                     mesa: Some((22, 3)),
                     ..dev
                 };
-                // The key but for its KV heads is 22.3's.
-                let Pass1::Stream(old) = plan(&llama(dtype, 1), &before).unwrap().kernel else {
-                    unreachable!()
+                let d = plan(&llama(pair, 1), &dev).unwrap();
+                let (Pass1::Stream(key), Pass1::Stream(old)) =
+                    (d.kernel, plan(&llama(pair, 1), &before).unwrap().kernel)
+                else {
+                    panic!("{pair:?} {mesa:?}: {d:?}")
                 };
+                assert_eq!((key.kvs, key.heads), (kvs, 4), "{pair:?} {mesa:?}");
+                assert_eq!(d.pass1.0 * d.pass1.1, wgs, "{pair:?} {mesa:?}");
+                // The key but for its KV heads is 22.3's.
                 assert_eq!(
                     StreamKey {
                         kvs: old.kvs,
                         ..key
                     },
                     old,
-                    "{dtype} {mesa:?}"
+                    "{pair:?} {mesa:?}"
                 );
-                // A mixed pair with an f32 slot: as on 22.3.
-                let mixed = CallShape {
-                    dtypes: [dtype, dtype, DType::F32],
-                    row_words: [
-                        llama(dtype, 1).row_words[0],
-                        llama(dtype, 1).row_words[0],
-                        1024,
-                    ],
-                    ..llama(dtype, 1)
+                let gl = |d: DeviceFacts| DeviceFacts {
+                    subgroup: None,
+                    int64: false,
+                    ..d
                 };
-                assert_eq!(
-                    format!("{:?}", plan(&mixed, &dev)),
-                    format!("{:?}", plan(&mixed, &before)),
-                    "{dtype} {mesa:?}, values in f32"
-                );
-                for (s, other) in [
-                    (llama(dtype, 8), "8 queries"),
-                    (mla(dtype, 1, 4096), "MLA"),
-                    (mla(dtype, 8, 4096), "MLA, 8 queries"),
+                for (s, what) in [
+                    (llama(pair, 1), "decode"),
+                    (llama(pair, 8), "8 queries"),
+                    (mla(pair[0], 1, 4096), "MLA"),
+                    (mla(pair[0], 8, 4096), "MLA, 8 queries"),
                 ] {
-                    for (a, b) in [
-                        (dev, before),
-                        (
-                            DeviceFacts {
-                                subgroup: None,
-                                ..dev
-                            },
-                            DeviceFacts {
-                                subgroup: None,
-                                ..before
-                            },
-                        ),
-                        (DeviceFacts { mesa, ..GPU }, GPU),
-                    ] {
+                    let mut pairs = vec![(gl(dev), gl(before)), (DeviceFacts { mesa, ..GPU }, GPU)];
+                    if what != "decode" {
+                        pairs.push((dev, before));
+                    }
+                    for (a, b) in pairs {
                         assert_eq!(
                             format!("{:?}", plan(&s, &a)),
                             format!("{:?}", plan(&s, &b)),
-                            "{dtype} {mesa:?}, {other}"
+                            "{pair:?} {mesa:?}, {what}"
                         );
                     }
                 }

@@ -96,9 +96,9 @@ pub(crate) struct StreamKey {
     /// Query heads per team and KV head (dividing the group).
     pub heads: u32,
     /// Consecutive KV heads per team, each with all of its group's query heads where more than one
-    /// ([`TeamSum::Subgroup`] on CPU adapters; on lavapipe from Mesa 25.0 on over f32 only): the
-    /// team's lanes then read a run of whole heads of each row side by side, instead of one head's
-    /// slice at a row's stride.
+    /// ([`TeamSum::Subgroup`] on CPU adapters; on lavapipe from Mesa 25.0 on where a slot is
+    /// f32): the team's lanes then read a run of whole heads of each row side by side, instead of
+    /// one head's slice at a row's stride.
     pub kvs: u32,
     pub d_a: u32,
     pub d_b: u32,

@@ -436,8 +436,9 @@ const PLAN_MLA: Mla = Mla {
 
 /// The subgroup kernels a CPU adapter runs on a device without 64-bit integers, which load 32-bit
 /// words: on lavapipe, which has them (`Gpu` asks for them), every other test of this suite runs the
-/// kernels of 64-bit loads. GQA with teams of 2 KV heads, DeepSeek's MLA with four rows per
-/// iteration, every storage type, against the twins.
+/// kernels of 64-bit loads. GQA with teams of 2 KV heads (of one over 16-bit and narrower storage
+/// on Mesa 25.0's lavapipe), DeepSeek's MLA with four rows per iteration, every storage type,
+/// against the twins.
 pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     let info = g.adapter.get_info();
     if info.backend == wgpu::Backend::Vulkan && info.name.contains("llvmpipe") {
@@ -473,11 +474,11 @@ pub async fn cpu_plans_of_32_bit_loads_match_the_reference(g: &Gpu) {
     .await;
 }
 
-/// Lavapipe's GQA teams of one KV head (Mesa 25.0 on, but over f32) and of several (before it):
-/// this machine's lavapipe runs one kind in every other test of this suite, and this test plans as
-/// for the other Mesa (`Attention::plan_as_for_mesa`), for every storage type (f32 and the pairs
-/// with an f32 slot plan the same on both), against the twins. MLA and calls of several queries
-/// plan the same on both.
+/// Lavapipe's GQA teams of one KV head (Mesa 25.0 on, where no slot is f32) and of several
+/// (before it): this machine's lavapipe runs one kind in every other test of this suite, and this
+/// test plans as for the other Mesa (`Attention::plan_as_for_mesa`). Decode over 1,000 rows, and
+/// over 700 with a window and a soft-cap, for every storage type (f32 and the pairs with an f32
+/// slot plan the same on both), against the twins; first, that the switch changes the kernel.
 pub async fn plans_of_the_other_mesa_match_the_reference(g: &Gpu) {
     let info = g.adapter.get_info();
     if info.device_type != wgpu::DeviceType::Cpu
@@ -489,22 +490,37 @@ pub async fn plans_of_the_other_mesa_match_the_reference(g: &Gpu) {
         ));
         return;
     }
-    // Mesa's version as lavapipe writes it: "Mesa 22.3.6 (LLVM 15.0.6)".
-    let major = info
-        .driver_info
-        .split_once("Mesa ")
-        .and_then(|(_, v)| v.split('.').next()?.parse::<u32>().ok());
-    let (other, teams) = match major {
-        Some(v) if v >= 25 => ((22, 3), "several KV heads"),
+    let mut att = Attention::with_kernels(super::kernels_for(g));
+    // The version the library read from the driver; the planner's line is Mesa 25.0.
+    let own = att.plan_as_for_mesa(None);
+    let (other, teams) = match own {
+        Some(v) if v >= (25, 0) => ((22, 3), "several KV heads"),
         _ => ((25, 0), "one KV head"),
     };
-    let mut att = Attention::with_kernels(super::kernels_for(g));
+    // In a registry of its own, the other Mesa's decode kernel for 2 KV heads of 128 in f16 is one
+    // pipeline more than the adapter's own plan built.
+    let spec = CacheSpec::new(vec![LayerSpec::kv(2, 128, 128)], DType::F16, 16).unwrap();
+    let c = cache_on(g, spec);
+    let mut fresh = Attention::new(&g.device, &g.queue).unwrap();
+    fresh.set_kernel(KernelChoice::StreamSubgroup);
+    assert!(fresh.prepare(&c, 8).unwrap() > 0);
+    assert_eq!(fresh.plan_as_for_mesa(Some(other)), own);
+    assert_eq!(
+        fresh.prepare(&c, 8).unwrap(),
+        1,
+        "as for Mesa {other:?}, from {own:?}"
+    );
     att.plan_as_for_mesa(Some(other));
+    #[rustfmt::skip]
+    let cases = [
+        PLAN_CASES[0],
+        Gqa { n_kv: 2, group: 4, d_k: 128, d_v: 128, visible: 700, n_q: 1, window: Some(300), soft_cap: Some(30.0) },
+    ];
     check_kernels(
         g,
         &mut att,
         &[KernelChoice::StreamSubgroup],
-        &PLAN_CASES,
+        &cases,
         &DType::STORAGE,
         PLAN_MLA,
         &[],
