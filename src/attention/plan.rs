@@ -1083,6 +1083,11 @@ mod tests {
         choice: KernelChoice::Auto,
         target: None,
     };
+    /// Lavapipe of Mesa 25.0: teams of one KV head where no slot is f32.
+    const LAVAPIPE_25: DeviceFacts = DeviceFacts {
+        mesa: Some(MESA_ONE_KV_HEAD),
+        ..LAVAPIPE
+    };
     const GPU: DeviceFacts = DeviceFacts {
         max_workgroups: 65535,
         max_binding: 2 << 30,
@@ -1103,12 +1108,7 @@ mod tests {
     /// own choice.
     fn devices() -> Vec<DeviceFacts> {
         let mut all = Vec::new();
-        // Lavapipe of Mesa 25.0 too: teams of one KV head over 16-bit and narrower storage.
-        let lavapipe_25 = DeviceFacts {
-            mesa: Some(MESA_ONE_KV_HEAD),
-            ..LAVAPIPE
-        };
-        for dev in [LAVAPIPE, lavapipe_25, GPU] {
+        for dev in [LAVAPIPE, LAVAPIPE_25, GPU] {
             for choice in [
                 KernelChoice::Auto,
                 KernelChoice::Tiled,
@@ -1228,11 +1228,7 @@ mod tests {
     fn every_kernel_the_planner_asks_for_validates() {
         let devices = [
             LAVAPIPE,
-            // Teams of one KV head (lavapipe from Mesa 25.0 on).
-            DeviceFacts {
-                mesa: Some(MESA_ONE_KV_HEAD),
-                ..LAVAPIPE
-            },
+            LAVAPIPE_25,
             DeviceFacts {
                 int64: false,
                 ..LAVAPIPE
