@@ -321,17 +321,11 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    // Packed words. A slice that starts or ends inside a word takes that element alone (`half_a`):
-    // the word's other half is the next or previous head's, or row padding, and an infinity or NaN
-    // there would make a zero query element's product NaN.
-    var e = 0u;
-    if (e0 & 1u) == 1u && d > 0u {
-        half_a(base, e0, q0, 0u, acc);
-        e = 1u;
-    }
-    // Whole words from element e (e0 + e is even), two per step (four elements), then one.
-    let whole = e + ((d - e) & ~1u);
-    for (; e + 4u <= whole; e += 4u) {
+    // Packed words: two per step (four elements) from the first element whose word it starts.
+    let odd = select(0u, 1u, (e0 & 1u) == 1u && d > 0u);
+    let steps = (d - odd) / 4u;
+    for (var step = 0u; step < steps; step++) {
+        let e = odd + 4u * step;
         let w = (e0 + e) >> 1u;
         var x: array<vec4<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
@@ -348,24 +342,14 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             }
         }
     }
-    if e < whole {
-        let w = (e0 + e) >> 1u;
-        var x: array<vec2<f32>, 8>;
-        for (var k = 0u; k < RPL; k++) {
-            let word = slot_a[base[k] + w];
-            x[k] = vec2<f32>(half_at(DTYPE_A, word, false), half_at(DTYPE_A, word, true));
-        }
-        for (var h = 0u; h < HB; h++) {
-            let at = q0 + h * sh + e * se;
-            let q = vec2<f32>(q_a[at], q_a[at + se]);
-            for (var k = 0u; k < RPL; k++) {
-                (*acc)[k * HB + h] += dot(q, x[k]);
-            }
-        }
-        e += 2u;
-    }
-    if e < d {
-        half_a(base, e0, q0, e, acc);
+    // The elements the steps leave, an odd first one and up to three at the end, one at a time
+    // (`half_a`), in one loop so that its unrolled body is compiled once: a slice that starts or
+    // ends inside a word takes that element alone, since the word's other half is the next or
+    // previous head's, or row padding, and an infinity or NaN there would make a zero query
+    // element's product NaN.
+    let done = odd + 4u * steps;
+    for (var j = 0u; j < odd + d - done; j++) {
+        half_a(base, e0, q0, select(done + j - odd, 0u, j < odd), acc);
     }
 }
 
@@ -455,17 +439,11 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    // Packed words. A slice that starts or ends inside a word takes that element alone (`half_b`):
-    // the word's other half is the next or previous head's, or row padding, and an infinity or NaN
-    // there would make a zero query element's product NaN.
-    var e = 0u;
-    if (e0 & 1u) == 1u && d > 0u {
-        half_b(base, e0, q0, 0u, acc);
-        e = 1u;
-    }
-    // Whole words from element e (e0 + e is even), two per step (four elements), then one.
-    let whole = e + ((d - e) & ~1u);
-    for (; e + 4u <= whole; e += 4u) {
+    // Packed words: two per step (four elements) from the first element whose word it starts.
+    let odd = select(0u, 1u, (e0 & 1u) == 1u && d > 0u);
+    let steps = (d - odd) / 4u;
+    for (var step = 0u; step < steps; step++) {
+        let e = odd + 4u * step;
         let w = (e0 + e) >> 1u;
         var x: array<vec4<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
@@ -482,24 +460,14 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
             }
         }
     }
-    if e < whole {
-        let w = (e0 + e) >> 1u;
-        var x: array<vec2<f32>, 8>;
-        for (var k = 0u; k < RPL; k++) {
-            let word = slot_b[base[k] + w];
-            x[k] = vec2<f32>(half_at(DTYPE_B, word, false), half_at(DTYPE_B, word, true));
-        }
-        for (var h = 0u; h < HB; h++) {
-            let at = q0 + h * sh + e * se;
-            let q = vec2<f32>(q_b[at], q_b[at + se]);
-            for (var k = 0u; k < RPL; k++) {
-                (*acc)[k * HB + h] += dot(q, x[k]);
-            }
-        }
-        e += 2u;
-    }
-    if e < d {
-        half_b(base, e0, q0, e, acc);
+    // The elements the steps leave, an odd first one and up to three at the end, one at a time
+    // (`half_b`), in one loop so that its unrolled body is compiled once: a slice that starts or
+    // ends inside a word takes that element alone, since the word's other half is the next or
+    // previous head's, or row padding, and an infinity or NaN there would make a zero query
+    // element's product NaN.
+    let done = odd + 4u * steps;
+    for (var j = 0u; j < odd + d - done; j++) {
+        half_b(base, e0, q0, select(done + j - odd, 0u, j < odd), acc);
     }
 }
 
@@ -532,6 +500,14 @@ fn row_fits(t: u32, elems: u32, rw: u32) -> bool {
     }
     let scales = (elems / 32u + 1u) / 2u;
     return elems % 32u == 0u && elems / select(4u, 8u, t == Q4_0) + scales <= rw;
+}
+
+// A score with the call's soft-cap, if it has one.
+fn capped(s: f32) -> f32 {
+    if p.soft_cap > 0.0 {
+        return p.soft_cap * tanh_safe(s / p.soft_cap);
+    }
+    return s;
 }
 
 // Every index this dispatch can touch is inside its binding; checked once, up front, on uniform values.
@@ -617,28 +593,31 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
                 let t = lid + k * TILE;
                 if t < n {
                     for (var h = 0u; h < HB; h++) {
-                        var s = acc[k * HB + h] * p.scale;
-                        if p.soft_cap > 0.0 {
-                            s = p.soft_cap * tanh_safe(s / p.soft_cap);
-                        }
-                        scores[h * span + t] = s;
+                        scores[h * span + t] = acc[k * HB + h] * p.scale;
                     }
                 }
             }
         }
         workgroupBarrier();
+        // The scores are uncapped here: the soft-cap c * tanh(s / c) rises with s, so the tile's
+        // largest capped score is the cap of its largest score, and each score is capped as it is
+        // exponentiated, in a loop over (head, row) that is compiled once. Capped in the unrolled
+        // loops above (HB * RPL copies of tanh), the cap took a tenth to a quarter of a cold first
+        // call of DeepSeek-V2-Lite's 16 heads in f32 on OpenGL (docs/benchmarks.md).
         if lid < HB {
-            var m = run_max[lid];
+            var m = NEG;
             for (var t = 0u; t < n; t++) {
                 m = max(m, scores[lid * span + t]);
             }
+            m = max(run_max[lid], capped(m));
             rescale[lid] = exp(run_max[lid] - m);
             run_max[lid] = m;
         }
         workgroupBarrier();
-        for (var t = lid; t < n; t += TILE) {
-            for (var h = 0u; h < HB; h++) {
-                scores[h * span + t] = exp(scores[h * span + t] - run_max[h]);
+        for (var i = lid; i < HB * span; i += TILE) {
+            let t = i % span;
+            if t < n {
+                scores[i] = exp(capped(scores[i]) - run_max[i / span]);
             }
         }
         workgroupBarrier();
