@@ -321,11 +321,11 @@ fn dot_a(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    // Packed words: two per step (four elements) from the first element whose word it starts.
+    // Packed words: two per step (four elements) from the first element that starts a word.
     let odd = select(0u, 1u, (e0 & 1u) == 1u && d > 0u);
     let steps = (d - odd) / 4u;
-    for (var step = 0u; step < steps; step++) {
-        let e = odd + 4u * step;
+    for (var s = 0u; s < steps; s++) {
+        let e = odd + 4u * s;
         let w = (e0 + e) >> 1u;
         var x: array<vec4<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
@@ -439,11 +439,11 @@ fn dot_b(rows: array<u32, 8>, e0: u32, q0: u32, acc: ptr<function, array<f32, 32
         }
         return;
     }
-    // Packed words: two per step (four elements) from the first element whose word it starts.
+    // Packed words: two per step (four elements) from the first element that starts a word.
     let odd = select(0u, 1u, (e0 & 1u) == 1u && d > 0u);
     let steps = (d - odd) / 4u;
-    for (var step = 0u; step < steps; step++) {
-        let e = odd + 4u * step;
+    for (var s = 0u; s < steps; s++) {
+        let e = odd + 4u * s;
         let w = (e0 + e) >> 1u;
         var x: array<vec4<f32>, 8>;
         for (var k = 0u; k < RPL; k++) {
@@ -602,7 +602,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         // The scores are uncapped here: the soft-cap c * tanh(s / c) rises with s, so the tile's
         // largest capped score is the cap of its largest score, and each score is capped as it is
         // exponentiated, in a loop over (head, row) that is compiled once. Capped in the unrolled
-        // loops above (HB * RPL copies of tanh), the cap took a tenth to a quarter of a cold first
+        // loops above (HB * RPL copies of tanh), the cap took a tenth to a fifth of a cold first
         // call of DeepSeek-V2-Lite's 16 heads in f32 on OpenGL (docs/benchmarks.md).
         if lid < HB {
             var m = NEG;

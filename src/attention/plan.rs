@@ -394,15 +394,13 @@ fn pass1_iterations_u64(
         let steps = match dtype {
             // Four elements per step, then one per step.
             DType::F32 => d / 4 + d % 4,
-            // An element alone where the slice starts inside a word, whole words two per step,
-            // then one, and an element alone where it ends inside a word. A slice starts at
-            // `kv * d`, inside a word only where d is odd: then the more of the two starts.
-            // (Quantized rows take four elements per step: fewer.)
+            // Whole words two per step (four elements) from the first element that starts a
+            // word, then one element per step: an element alone where the slice starts inside a
+            // word, and the one to three the steps leave. A slice starts at `kv * d`, inside a
+            // word only where d is odd: then the more of the two starts. (Quantized rows take
+            // four elements per step: fewer.)
             _ => {
-                let steps = |lead: u64| {
-                    let words = (d - lead) / 2;
-                    lead + words / 2 + words % 2 + (d - lead) % 2
-                };
+                let steps = |lead: u64| lead + (d - lead) / 4 + (d - lead) % 4;
                 if d.is_multiple_of(2) {
                     steps(0)
                 } else {
@@ -424,7 +422,9 @@ fn pass1_iterations_u64(
     // element fallback of a partial quad), then the stores.
     let value = d_v.div_ceil(4 * TILE as u64) * (1 + span * (1 + hb + 4) + hb * (1 + 4));
     let dots = dot(d_a, dtypes[0]) + dot(d_b, dtypes[1]);
-    1 + rpl + dots + rpl * (1 + hb) + span + rpl * (1 + hb) + span + value
+    // The tile loop, the rows, the dot products, the scores' stores, the running max, the
+    // exponentials (one loop over the tile's heads and rows), the sum, the values.
+    1 + rpl + dots + rpl * (1 + hb) + span + hb * rpl + span + value
 }
 
 /// Loop iterations of one reduce invocation (`attention_reduce.wgsl`, workgroups of `lanes`) over
@@ -1027,29 +1027,29 @@ mod tests {
     /// `attention_partial.wgsl` for its worst invocation (the first, over a full tile of
     /// `TILE · rpl` rows): the tile loop 1; the row loads `rpl`; each dot product a loop over the rows
     /// (`rpl`), then steps of 4 elements (f32), 2 words (16-bit) or a quad of a block (q8_0), each
-    /// `1 + rpl` loads `+ hb` heads `+ hb · rpl` rows, and for a 16-bit head that starts or ends
-    /// inside a word a lone element or word piece of `rpl + hb + hb · rpl`; the scores
-    /// `rpl · (1 + hb)`; the running max and the sum, a tile of rows each; the exponentials
-    /// `rpl · (1 + hb)`; the values `⌈d_v / 256⌉` steps of `1 + rows · (1 + hb +` v_quad's element
-    /// loop: 4 where 16-bit values start inside a word, else 0`) + hb · (1 + 4)` stores. The count
-    /// charges that element loop to every row and the pieces a step's 1: the odd 16-bit case is
-    /// exact, the others are over by those.
+    /// `1 + rpl` loads `+ hb` heads `+ hb · rpl` rows, and for a 16-bit head the elements the
+    /// steps leave (one alone where the head starts inside a word, and the last `(d - lead) % 4`)
+    /// a step each; the scores `rpl · (1 + hb)`; the running max and the sum, a tile of rows
+    /// each; the exponentials `hb · rpl`; the values `⌈d_v / 256⌉` steps of
+    /// `1 + rows · (1 + hb + e) + hb · (1 + 4)`, where `e` is v_quad's element loop (4 where 16-bit
+    /// values start inside a word, else 0) and the last term the stores. The count charges that
+    /// element loop to every row: the odd 16-bit case is exact, the others are over by it.
     #[test]
     fn the_tiled_loop_count_covers_a_count_by_hand_of_the_kernel() {
         let [f32_, f16_, q8_] = [DType::F32, DType::F16, DType::Q8_0].map(|t| [t; 3]);
         #[rustfmt::skip]
         let cases = [
             // f32, heads of 128, 4 heads and 2 rows per invocation: 32 steps of 15.
-            (f32_, [128, 0, 128], 4, 2, 1 + 2 + (2 + 32 * 15) + 10 + 128 + 10 + 128 + (1 + 128 * 5 + 4 * 5), 1934),
+            (f32_, [128, 0, 128], 4, 2, 1 + 2 + (2 + 32 * 15) + 10 + 128 + 8 + 128 + (1 + 128 * 5 + 4 * 5), 1932),
             // f16, heads of 128 (64 words, 32 steps of 4), one head and one row.
-            (f16_, [128, 0, 128], 1, 1, 1 + 1 + (1 + 32 * 4) + 2 + 64 + 2 + 64 + (1 + 64 * 2 + 5), 653),
-            // f16, keys of 7 and values of 5 on an odd head (a lone element, a step of 9 and a
-            // word), values one element into a word (v_quad's loop of 4).
-            (f16_, [7, 0, 5], 2, 2, 1 + 2 + (2 + 8 + 9 + 8) + 6 + 128 + 6 + 128 + (1 + 128 * 7 + 2 * 5), 1207),
+            (f16_, [128, 0, 128], 1, 1, 1 + 1 + (1 + 32 * 4) + 2 + 64 + 1 + 64 + (1 + 64 * 2 + 5), 652),
+            // f16, keys of 7 and values of 5 on an odd head (a lone element, a step of four and
+            // two lone elements, steps of 9), values one element into a word (v_quad's loop of 4).
+            (f16_, [7, 0, 5], 2, 2, 1 + 2 + (2 + 9 + 9 + 9 + 9) + 6 + 128 + 4 + 128 + (1 + 128 * 7 + 2 * 5), 1214),
             // DeepSeek-V2-Lite's shapes, 8 heads: 128 and 16 steps of 18, two value steps.
-            (f32_, [512, 64, 512], 8, 1, 1 + 1 + (1 + 128 * 18) + (1 + 16 * 18) + 9 + 64 + 9 + 64 + 2 * (1 + 64 * 9 + 8 * 5), 4488),
+            (f32_, [512, 64, 512], 8, 1, 1 + 1 + (1 + 128 * 18) + (1 + 16 * 18) + 9 + 64 + 8 + 64 + 2 * (1 + 64 * 9 + 8 * 5), 4487),
             // q8_0, heads of 128: 32 quads of 6.
-            (q8_, [128, 0, 128], 2, 1, 1 + 1 + (1 + 32 * 6) + 3 + 64 + 3 + 64 + (1 + 64 * 3 + 2 * 5), 788),
+            (q8_, [128, 0, 128], 2, 1, 1 + 1 + (1 + 32 * 6) + 3 + 64 + 2 + 64 + (1 + 64 * 3 + 2 * 5), 787),
         ];
         for (dtypes, [d_a, d_b, d_v], hb, rpl, by_hand, counted) in cases {
             let got = pass1_iterations_per_tile(dtypes, d_a, d_b, d_v, hb, rpl);
